@@ -1,0 +1,360 @@
+//! The block file format: one encoder, one validating decoder.
+//!
+//! A block file is a 4096-byte header followed by the payload, padded with
+//! zeros to a multiple of 4096 so the whole file can be read with O_DIRECT or
+//! by GPUDirect Storage. docs/FORMAT.md draws the header byte by byte.
+//!
+//! The decoder never panics: every length and offset is checked before use.
+
+use crate::error::{Error, FormatFault, Result};
+use crate::key::{BlockKey, KEY_BYTES_MAX};
+use crate::namespace::{Dtype, KvLayout, LayoutKind, Namespace, NamespaceId};
+
+/// Block file magic.
+pub const MAGIC: [u8; 8] = *b"KVTIERB\x01";
+/// The format version this build writes and reads.
+pub const VERSION: u16 = 1;
+/// Header size, and the payload's alignment.
+pub const HEADER_BYTES: usize = 4096;
+/// Alignment of the payload and of the file length.
+pub const ALIGN_BYTES: usize = 4096;
+/// Largest payload accepted (1 GiB).
+pub const PAYLOAD_BYTES_MAX: u64 = 1 << 30;
+
+const OFF_VERSION: usize = 8;
+const OFF_HEADER_LEN: usize = 10;
+const OFF_FLAGS: usize = 12;
+const OFF_NS: usize = 16;
+const OFF_KEY_LEN: usize = 48;
+const OFF_KEY: usize = 56;
+const OFF_LAYOUT: usize = 120;
+const OFF_PAYLOAD_LEN: usize = 144;
+const OFF_PAYLOAD_SUM: usize = 152;
+const OFF_CREATED: usize = 184;
+const OFF_RESERVED: usize = 192;
+const OFF_HEADER_SUM: usize = HEADER_BYTES - 32;
+
+/// The decoded header of a block file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BlockHeader {
+    /// Full namespace digest.
+    pub namespace_digest: [u8; 32],
+    /// Block key.
+    pub key: BlockKey,
+    /// Layout of the payload.
+    pub layout: KvLayout,
+    /// Payload length in bytes (without padding).
+    pub payload_len: u64,
+    /// blake3 of the payload.
+    pub payload_blake3: [u8; 32],
+    /// When the block was first stored, ms since the Unix epoch.
+    pub created_unix_ms: u64,
+}
+
+impl BlockHeader {
+    /// A header for `payload` in namespace `ns` (computes the checksum).
+    pub fn for_payload(
+        ns: &Namespace,
+        key: BlockKey,
+        payload: &[u8],
+        created_unix_ms: u64,
+    ) -> Self {
+        BlockHeader {
+            namespace_digest: ns.digest(),
+            key,
+            layout: ns.layout,
+            payload_len: payload.len() as u64,
+            payload_blake3: *blake3::hash(payload).as_bytes(),
+            created_unix_ms,
+        }
+    }
+
+    /// The short namespace id this header belongs to.
+    pub fn namespace_id(&self) -> NamespaceId {
+        NamespaceId::from_digest(&self.namespace_digest)
+    }
+
+    /// Total file length: header plus payload padded to [`ALIGN_BYTES`].
+    pub fn file_len(&self) -> u64 {
+        HEADER_BYTES as u64 + padded_len(self.payload_len)
+    }
+
+    /// Writes the 4096-byte header into `out`.
+    pub fn encode_into(&self, out: &mut [u8; HEADER_BYTES]) {
+        out.fill(0);
+        out[..8].copy_from_slice(&MAGIC);
+        out[OFF_VERSION..OFF_VERSION + 2].copy_from_slice(&VERSION.to_le_bytes());
+        out[OFF_HEADER_LEN..OFF_HEADER_LEN + 2]
+            .copy_from_slice(&(HEADER_BYTES as u16).to_le_bytes());
+        out[OFF_NS..OFF_NS + 32].copy_from_slice(&self.namespace_digest);
+        let k = self.key.as_bytes();
+        out[OFF_KEY_LEN] = k.len() as u8;
+        out[OFF_KEY..OFF_KEY + k.len()].copy_from_slice(k);
+        let l = &self.layout;
+        let mut o = OFF_LAYOUT;
+        for v in [l.layers, l.kv_heads, l.head_dim, l.tokens_per_block] {
+            out[o..o + 4].copy_from_slice(&v.to_le_bytes());
+            o += 4;
+        }
+        out[o] = l.dtype as u8;
+        out[o + 1] = l.kind as u8;
+        out[OFF_PAYLOAD_LEN..OFF_PAYLOAD_LEN + 8].copy_from_slice(&self.payload_len.to_le_bytes());
+        out[OFF_PAYLOAD_SUM..OFF_PAYLOAD_SUM + 32].copy_from_slice(&self.payload_blake3);
+        out[OFF_CREATED..OFF_CREATED + 8].copy_from_slice(&self.created_unix_ms.to_le_bytes());
+        let sum = blake3::hash(&out[..OFF_HEADER_SUM]);
+        out[OFF_HEADER_SUM..].copy_from_slice(sum.as_bytes());
+    }
+
+    /// The header as a fresh 4096-byte array.
+    pub fn encode(&self) -> Box<[u8; HEADER_BYTES]> {
+        let mut b = Box::new([0u8; HEADER_BYTES]);
+        self.encode_into(&mut b);
+        b
+    }
+
+    /// Decodes and validates a header (magic, version, header checksum,
+    /// field ranges, reserved bytes). Does not look at the payload.
+    pub fn decode(buf: &[u8]) -> Result<Self> {
+        if buf.len() < HEADER_BYTES {
+            return Err(Error::format(
+                FormatFault::Truncated,
+                format!("{} bytes, a header is {HEADER_BYTES}", buf.len()),
+            ));
+        }
+        let h = &buf[..HEADER_BYTES];
+        if h[..8] != MAGIC {
+            return Err(Error::format(
+                FormatFault::BadMagic,
+                "not a kvtier block file",
+            ));
+        }
+        let version = u16_at(h, OFF_VERSION);
+        if version != VERSION {
+            return Err(Error::format(
+                FormatFault::UnknownVersion,
+                format!("format version {version}, this build reads {VERSION}"),
+            ));
+        }
+        let sum = blake3::hash(&h[..OFF_HEADER_SUM]);
+        if sum.as_bytes()[..] != h[OFF_HEADER_SUM..] {
+            return Err(Error::format(
+                FormatFault::HeaderChecksum,
+                "header checksum mismatch",
+            ));
+        }
+        let malformed = |what: String| Error::format(FormatFault::Malformed, what);
+        let header_len = u16_at(h, OFF_HEADER_LEN) as usize;
+        if header_len != HEADER_BYTES {
+            return Err(malformed(format!("header length {header_len}")));
+        }
+        if u32_at(h, OFF_FLAGS) != 0 {
+            return Err(malformed("unknown flags set".into()));
+        }
+        let key_len = h[OFF_KEY_LEN] as usize;
+        if key_len == 0 || key_len > KEY_BYTES_MAX {
+            return Err(malformed(format!("key length {key_len}")));
+        }
+        let nonzero = |r: std::ops::Range<usize>| h[r].iter().any(|&b| b != 0);
+        if nonzero(OFF_KEY_LEN + 1..OFF_KEY)
+            || nonzero(OFF_KEY + key_len..OFF_KEY + KEY_BYTES_MAX)
+            || nonzero(OFF_LAYOUT + 18..OFF_PAYLOAD_LEN)
+            || nonzero(OFF_RESERVED..OFF_HEADER_SUM)
+        {
+            return Err(malformed("reserved bytes are not zero".into()));
+        }
+        let key = BlockKey::from_bytes(&h[OFF_KEY..OFF_KEY + key_len])?;
+        let dtype = Dtype::from_code(h[OFF_LAYOUT + 16])
+            .ok_or_else(|| malformed(format!("dtype code {}", h[OFF_LAYOUT + 16])))?;
+        let kind = LayoutKind::from_code(h[OFF_LAYOUT + 17])
+            .ok_or_else(|| malformed(format!("layout kind {}", h[OFF_LAYOUT + 17])))?;
+        let layout = KvLayout {
+            layers: u32_at(h, OFF_LAYOUT),
+            kv_heads: u32_at(h, OFF_LAYOUT + 4),
+            head_dim: u32_at(h, OFF_LAYOUT + 8),
+            tokens_per_block: u32_at(h, OFF_LAYOUT + 12),
+            dtype,
+            kind,
+        };
+        let payload_len = u64_at(h, OFF_PAYLOAD_LEN);
+        if payload_len > PAYLOAD_BYTES_MAX {
+            return Err(Error::format(
+                FormatFault::Oversized,
+                format!("payload of {payload_len} bytes, limit {PAYLOAD_BYTES_MAX}"),
+            ));
+        }
+        if layout.validate().is_err() || layout.block_bytes() != payload_len {
+            return Err(Error::format(
+                FormatFault::LayoutMismatch,
+                format!(
+                    "payload of {payload_len} bytes but the layout describes {}",
+                    layout.block_bytes()
+                ),
+            ));
+        }
+        let mut namespace_digest = [0u8; 32];
+        namespace_digest.copy_from_slice(&h[OFF_NS..OFF_NS + 32]);
+        let mut payload_blake3 = [0u8; 32];
+        payload_blake3.copy_from_slice(&h[OFF_PAYLOAD_SUM..OFF_PAYLOAD_SUM + 32]);
+        Ok(BlockHeader {
+            namespace_digest,
+            key,
+            layout,
+            payload_len,
+            payload_blake3,
+            created_unix_ms: u64_at(h, OFF_CREATED),
+        })
+    }
+
+    /// Checks `payload` (exactly `payload_len` bytes) against the checksum.
+    pub fn verify_payload(&self, payload: &[u8]) -> Result<()> {
+        if payload.len() as u64 != self.payload_len {
+            return Err(Error::format(
+                FormatFault::Truncated,
+                format!(
+                    "payload of {} bytes, header says {}",
+                    payload.len(),
+                    self.payload_len
+                ),
+            ));
+        }
+        if blake3::hash(payload).as_bytes() != &self.payload_blake3 {
+            return Err(Error::format(
+                FormatFault::PayloadChecksum,
+                format!("payload checksum mismatch for block {}", self.key),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// `len` rounded up to [`ALIGN_BYTES`].
+pub fn padded_len(len: u64) -> u64 {
+    len.div_ceil(ALIGN_BYTES as u64) * ALIGN_BYTES as u64
+}
+
+/// Encodes a whole block file (header, payload, zero padding).
+pub fn encode_block(header: &BlockHeader, payload: &[u8]) -> Vec<u8> {
+    let mut out = vec![0u8; header.file_len() as usize];
+    let mut h = [0u8; HEADER_BYTES];
+    header.encode_into(&mut h);
+    out[..HEADER_BYTES].copy_from_slice(&h);
+    out[HEADER_BYTES..HEADER_BYTES + payload.len()].copy_from_slice(payload);
+    out
+}
+
+/// Decodes and fully validates a whole block file: header, exact length,
+/// zero padding and payload checksum. Returns the header and the payload.
+pub fn decode_block(file: &[u8]) -> Result<(BlockHeader, &[u8])> {
+    let header = BlockHeader::decode(file)?;
+    let want = header.file_len();
+    let got = file.len() as u64;
+    if got < want {
+        return Err(Error::format(
+            FormatFault::Truncated,
+            format!("file of {got} bytes, header needs {want}"),
+        ));
+    }
+    if got > want {
+        return Err(Error::format(
+            FormatFault::Oversized,
+            format!("file of {got} bytes, header declares {want}"),
+        ));
+    }
+    let end = HEADER_BYTES + header.payload_len as usize;
+    if file[end..].iter().any(|&b| b != 0) {
+        return Err(Error::format(
+            FormatFault::Malformed,
+            "padding bytes are not zero",
+        ));
+    }
+    let payload = &file[HEADER_BYTES..end];
+    header.verify_payload(payload)?;
+    Ok((header, payload))
+}
+
+fn u16_at(b: &[u8], o: usize) -> u16 {
+    u16::from_le_bytes([b[o], b[o + 1]])
+}
+fn u32_at(b: &[u8], o: usize) -> u32 {
+    u32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]])
+}
+fn u64_at(b: &[u8], o: usize) -> u64 {
+    let mut a = [0u8; 8];
+    a.copy_from_slice(&b[o..o + 8]);
+    u64::from_le_bytes(a)
+}
+
+/// Re-seals the header checksum of a buffer that starts with a header. For
+/// fuzzing and corruption tests: it lets mutated headers reach the checks
+/// behind the checksum.
+#[doc(hidden)]
+pub fn reseal_header(buf: &mut [u8]) {
+    if buf.len() >= HEADER_BYTES {
+        let sum = blake3::hash(&buf[..OFF_HEADER_SUM]);
+        buf[OFF_HEADER_SUM..HEADER_BYTES].copy_from_slice(sum.as_bytes());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    pub(crate) fn sample(len: u64) -> (BlockHeader, Vec<u8>) {
+        let layout = KvLayout::with_block_bytes(len).unwrap();
+        let ns = Namespace::new("m", layout, "", b"s".to_vec()).unwrap();
+        let payload: Vec<u8> = (0..len).map(|i| (i * 7 + 3) as u8).collect();
+        let key = BlockKey::from_digest([9; 32]);
+        (BlockHeader::for_payload(&ns, key, &payload, 42), payload)
+    }
+
+    #[test]
+    fn round_trip() {
+        let (h, p) = sample(4096 + 64);
+        let f = encode_block(&h, &p);
+        assert_eq!(f.len() % ALIGN_BYTES, 0);
+        let (h2, p2) = decode_block(&f).unwrap();
+        assert_eq!(h, h2);
+        assert_eq!(p, p2);
+    }
+
+    fn fault(f: &[u8]) -> FormatFault {
+        decode_block(f).unwrap_err().format_fault().unwrap()
+    }
+
+    #[test]
+    fn every_corruption_class_is_typed() {
+        let (h, p) = sample(8192);
+        let good = encode_block(&h, &p);
+        assert_eq!(fault(&good[..100]), FormatFault::Truncated);
+        assert_eq!(fault(&good[..good.len() - 1]), FormatFault::Truncated);
+        let mut big = good.clone();
+        big.extend_from_slice(&[0; 4096]);
+        assert_eq!(fault(&big), FormatFault::Oversized);
+        let mut m = good.clone();
+        m[0] ^= 1;
+        assert_eq!(fault(&m), FormatFault::BadMagic);
+        let mut m = good.clone();
+        m[OFF_VERSION] = 9;
+        reseal_header(&mut m);
+        assert_eq!(fault(&m), FormatFault::UnknownVersion);
+        let mut m = good.clone();
+        m[OFF_PAYLOAD_SUM] ^= 1;
+        assert_eq!(fault(&m), FormatFault::HeaderChecksum);
+        let mut m = good.clone();
+        m[HEADER_BYTES + 5] ^= 1;
+        assert_eq!(fault(&m), FormatFault::PayloadChecksum);
+        let mut m = good.clone();
+        m[OFF_RESERVED + 3] = 1;
+        reseal_header(&mut m);
+        assert_eq!(fault(&m), FormatFault::Malformed);
+        let mut m = good.clone();
+        m[OFF_PAYLOAD_LEN..OFF_PAYLOAD_LEN + 8]
+            .copy_from_slice(&(PAYLOAD_BYTES_MAX + 1).to_le_bytes());
+        reseal_header(&mut m);
+        assert_eq!(fault(&m), FormatFault::Oversized);
+        let mut m = good.clone();
+        m[OFF_PAYLOAD_LEN..OFF_PAYLOAD_LEN + 8].copy_from_slice(&4096u64.to_le_bytes());
+        reseal_header(&mut m);
+        assert_eq!(fault(&m), FormatFault::LayoutMismatch);
+    }
+}

@@ -1,0 +1,249 @@
+//! Block identity: keys and the two sequence-hash schemes.
+//!
+//! A key names a block and, through chaining, the whole prefix up to and
+//! including it. Three kinds exist: the default 256-bit blake3 chain, the
+//! 64-bit Dynamo-compatible chain, and opaque engine-supplied keys (1 to 64
+//! bytes). All three are stored and compared as their raw bytes; the hex form
+//! is the name on disk, in the object store and in the mount.
+
+use crate::error::{Error, Result};
+use crate::namespace::Namespace;
+use std::fmt;
+
+/// Longest key accepted, in bytes (128 hex digits).
+pub const KEY_BYTES_MAX: usize = 64;
+
+/// Domain separator of the default sequence hash (see docs/FORMAT.md).
+const SEQ_DOMAIN: &[u8; 16] = b"kvtier.seq.v1\0\0\0";
+
+/// A block key: 1 to 64 raw bytes.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BlockKey {
+    len: u8,
+    bytes: [u8; KEY_BYTES_MAX],
+}
+
+impl BlockKey {
+    /// A key from raw bytes (1..=64 of them).
+    pub fn from_bytes(b: &[u8]) -> Result<Self> {
+        if b.is_empty() || b.len() > KEY_BYTES_MAX {
+            return Err(Error::InvalidKey {
+                input: hex_prefix(b),
+                reason: "a key is 1 to 64 bytes",
+            });
+        }
+        let mut bytes = [0u8; KEY_BYTES_MAX];
+        bytes[..b.len()].copy_from_slice(b);
+        Ok(BlockKey {
+            len: b.len() as u8,
+            bytes,
+        })
+    }
+
+    /// A key from a 256-bit digest.
+    pub fn from_digest(d: [u8; 32]) -> Self {
+        let mut bytes = [0u8; KEY_BYTES_MAX];
+        bytes[..32].copy_from_slice(&d);
+        BlockKey { len: 32, bytes }
+    }
+
+    /// A Dynamo sequence hash, stored big-endian so that its hex form is the
+    /// usual 16-digit rendering of the u64.
+    pub fn from_u64(v: u64) -> Self {
+        let mut bytes = [0u8; KEY_BYTES_MAX];
+        bytes[..8].copy_from_slice(&v.to_be_bytes());
+        BlockKey { len: 8, bytes }
+    }
+
+    /// Parses a lowercase or uppercase hex string of 2 to 128 digits.
+    /// Anything else (odd length, non-hex, path characters) is refused, which
+    /// makes the hex form safe to use as a file name.
+    pub fn from_hex(s: &str) -> Result<Self> {
+        let raw = s.as_bytes();
+        let bad = |reason| Error::InvalidKey {
+            input: s.chars().take(140).collect(),
+            reason,
+        };
+        if raw.is_empty() || raw.len() > KEY_BYTES_MAX * 2 {
+            return Err(bad("a key is 2 to 128 hex digits"));
+        }
+        if !raw.len().is_multiple_of(2) {
+            return Err(bad("odd number of hex digits"));
+        }
+        let mut bytes = [0u8; KEY_BYTES_MAX];
+        for (i, pair) in raw.chunks_exact(2).enumerate() {
+            let hi = hex_val(pair[0]).ok_or_else(|| bad("not a hex digit"))?;
+            let lo = hex_val(pair[1]).ok_or_else(|| bad("not a hex digit"))?;
+            bytes[i] = hi << 4 | lo;
+        }
+        Ok(BlockKey {
+            len: (raw.len() / 2) as u8,
+            bytes,
+        })
+    }
+
+    /// The raw key bytes.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.bytes[..self.len as usize]
+    }
+
+    /// Length in bytes.
+    #[allow(clippy::len_without_is_empty)]
+    pub fn len(&self) -> usize {
+        self.len as usize
+    }
+
+    /// Lowercase hex: the block's file and object name.
+    pub fn to_hex(&self) -> String {
+        let mut s = String::with_capacity(self.len() * 2);
+        for b in self.as_bytes() {
+            s.push(HEX[(b >> 4) as usize] as char);
+            s.push(HEX[(b & 15) as usize] as char);
+        }
+        s
+    }
+
+    /// The fan-out directory: the first key byte as two hex digits.
+    pub fn shard(&self) -> String {
+        let b = self.bytes[0];
+        let mut s = String::with_capacity(2);
+        s.push(HEX[(b >> 4) as usize] as char);
+        s.push(HEX[(b & 15) as usize] as char);
+        s
+    }
+
+    /// For a Dynamo (8-byte) key, the u64 it encodes.
+    pub fn as_u64(&self) -> Option<u64> {
+        (self.len == 8).then(|| {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(&self.bytes[..8]);
+            u64::from_be_bytes(b)
+        })
+    }
+}
+
+impl fmt::Debug for BlockKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "BlockKey({})", self.to_hex())
+    }
+}
+
+impl fmt::Display for BlockKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.to_hex())
+    }
+}
+
+impl std::str::FromStr for BlockKey {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        BlockKey::from_hex(s)
+    }
+}
+
+const HEX: &[u8; 16] = b"0123456789abcdef";
+
+fn hex_val(c: u8) -> Option<u8> {
+    match c {
+        b'0'..=b'9' => Some(c - b'0'),
+        b'a'..=b'f' => Some(c - b'a' + 10),
+        b'A'..=b'F' => Some(c - b'A' + 10),
+        _ => None,
+    }
+}
+
+fn hex_prefix(b: &[u8]) -> String {
+    b.iter().take(70).map(|x| format!("{x:02x}")).collect()
+}
+
+/// Which sequence-hash scheme a chain uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HashMode {
+    /// 256-bit blake3 chain bound to the namespace digest (the default).
+    Blake3,
+    /// Bit-exact with NVIDIA Dynamo's `dynamo-tokens` (64-bit xxh3).
+    Dynamo,
+}
+
+/// Default chain: key[i] = blake3(domain || namespace digest || key[i-1] ||
+/// tokens of block i as u32 LE), with key[-1] = 32 zero bytes. A trailing
+/// partial block is ignored.
+pub fn blake3_chain(ns: &Namespace, tokens: &[u32]) -> Vec<BlockKey> {
+    let per = ns.layout.tokens_per_block as usize;
+    if per == 0 {
+        return Vec::new();
+    }
+    let digest = ns.digest();
+    let mut parent = [0u8; 32];
+    let mut out = Vec::with_capacity(tokens.len() / per);
+    for block in tokens.chunks_exact(per) {
+        let mut h = blake3::Hasher::new();
+        h.update(SEQ_DOMAIN);
+        h.update(&digest);
+        h.update(&parent);
+        for t in block {
+            h.update(&t.to_le_bytes());
+        }
+        parent = *h.finalize().as_bytes();
+        out.push(BlockKey::from_digest(parent));
+    }
+    out
+}
+
+/// Dynamo's salt hash: xxh3_64(salt bytes, seed 0).
+pub fn dynamo_salt_hash(salt: &[u8]) -> u64 {
+    xxhash_rust::xxh3::xxh3_64_with_seed(salt, 0)
+}
+
+/// Dynamo chain, as `dynamo-tokens` computes it: block_hash[i] =
+/// xxh3_64_with_seed(tokens as u32 LE, salt_hash); seq[0] = block_hash[0];
+/// seq[i] = xxh3_64_with_seed(seq[i-1] LE || block_hash[i] LE, salt_hash).
+pub fn dynamo_chain(salt: &[u8], block_tokens: usize, tokens: &[u32]) -> Vec<u64> {
+    if block_tokens == 0 {
+        return Vec::new();
+    }
+    let seed = dynamo_salt_hash(salt);
+    let mut out: Vec<u64> = Vec::with_capacity(tokens.len() / block_tokens);
+    let mut buf = Vec::with_capacity(block_tokens * 4);
+    for block in tokens.chunks_exact(block_tokens) {
+        buf.clear();
+        for t in block {
+            buf.extend_from_slice(&t.to_le_bytes());
+        }
+        let bh = xxhash_rust::xxh3::xxh3_64_with_seed(&buf, seed);
+        let seq = match out.last() {
+            None => bh,
+            Some(prev) => {
+                let mut pair = [0u8; 16];
+                pair[..8].copy_from_slice(&prev.to_le_bytes());
+                pair[8..].copy_from_slice(&bh.to_le_bytes());
+                xxhash_rust::xxh3::xxh3_64_with_seed(&pair, seed)
+            }
+        };
+        out.push(seq);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hex_round_trip_and_refusals() {
+        let k = BlockKey::from_hex("00ABcd").unwrap();
+        assert_eq!(k.to_hex(), "00abcd");
+        assert_eq!(k.shard(), "00");
+        for bad in ["", "a", "zz", "../x", "ab/cd", "ab\0c", &"a".repeat(130)] {
+            assert!(BlockKey::from_hex(bad).is_err(), "{bad:?} accepted");
+        }
+        assert!(BlockKey::from_hex(&"ab".repeat(64)).is_ok());
+    }
+
+    #[test]
+    fn u64_keys_render_big_endian() {
+        let k = BlockKey::from_u64(0x0123_4567_89ab_cdef);
+        assert_eq!(k.to_hex(), "0123456789abcdef");
+        assert_eq!(k.as_u64(), Some(0x0123_4567_89ab_cdef));
+    }
+}

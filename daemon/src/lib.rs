@@ -1,0 +1,12 @@
+//! kvtier-daemon: the per-node KV block store behind `kvtierd`.
+//!
+//! The tiers (G3 local NVMe, G4 object store) implement [`tier::BlockTier`];
+//! [`policy`] decides what a full tier keeps. The `kvtierd` binary wires the
+//! tiers, the local server, the mount and peers together.
+#![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used))]
+
+pub mod error;
+pub mod policy;
+pub mod tier;
+
+pub use error::{Error, Result};

@@ -1,0 +1,2 @@
+//! kvtierd
+fn main() {}

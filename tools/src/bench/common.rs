@@ -1,0 +1,239 @@
+//! What every benchmark shares: page-cache dropping, medians and
+//! percentiles, the `--json` report shape, and the raw O_DIRECT baseline.
+//!
+//! BENCH.md: every figure beside a baseline from the same invocation,
+//! interleaved A B A B; the quotient under a key ending in `_vs_baseline`.
+#![allow(dead_code)] // each helper serves some benchmarks, not all
+
+use anyhow::{Context, Result};
+use serde_json::{json, Map, Value};
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::Path;
+use std::time::Instant;
+
+/// Drops the page cache (needs root). Returns whether it worked, which the
+/// report states so that a warm read is never passed off as cold.
+pub fn drop_page_cache() -> bool {
+    // SAFETY: sync(2) has no preconditions.
+    unsafe { libc::sync() };
+    std::fs::write("/proc/sys/vm/drop_caches", b"3\n").is_ok()
+}
+
+/// Median of a sample (0 for an empty one).
+pub fn median(v: &[f64]) -> f64 {
+    percentile(v, 50.0)
+}
+
+/// The p-th percentile (nearest rank) of a sample (0 for an empty one).
+pub fn percentile(v: &[f64], p: f64) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    let mut s = v.to_vec();
+    s.sort_by(|a, b| a.total_cmp(b));
+    let rank = ((p / 100.0) * s.len() as f64).ceil() as usize;
+    s[rank.clamp(1, s.len()) - 1]
+}
+
+/// A measured figure beside its baseline: `{name}`, `{name}_baseline`,
+/// `{name}_vs_baseline` (measured / baseline, higher is better).
+pub fn compare(out: &mut Map<String, Value>, name: &str, measured: f64, baseline: f64) {
+    out.insert(name.to_string(), json!(measured));
+    out.insert(format!("{name}_baseline"), json!(baseline));
+    let q = if baseline > 0.0 {
+        measured / baseline
+    } else {
+        0.0
+    };
+    out.insert(format!("{name}_vs_baseline"), json!(q));
+}
+
+/// Prints a report: one JSON document, or indented text for people.
+pub fn emit(report: &Value, as_json: bool) -> Result<()> {
+    if as_json {
+        println!("{}", serde_json::to_string(report)?);
+    } else {
+        println!("{}", serde_json::to_string_pretty(report)?);
+    }
+    Ok(())
+}
+
+/// A 4096-aligned heap buffer for O_DIRECT.
+pub struct AlignedBuf {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the buffer is uniquely owned heap memory.
+unsafe impl Send for AlignedBuf {}
+
+impl AlignedBuf {
+    /// Zeroed, 4096-aligned, `len` rounded up to 4096.
+    pub fn new(len: usize) -> Result<Self> {
+        let len = len.div_ceil(4096).max(1) * 4096;
+        let layout = std::alloc::Layout::from_size_align(len, 4096)?;
+        // SAFETY: layout has non-zero size.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        anyhow::ensure!(!ptr.is_null(), "allocating {len} bytes failed");
+        Ok(AlignedBuf { ptr, len })
+    }
+    /// The bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: ptr is valid for len bytes for the life of self.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+    /// The bytes, mutably.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as above, and &mut self makes it unique.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl Drop for AlignedBuf {
+    fn drop(&mut self) {
+        if let Ok(layout) = std::alloc::Layout::from_size_align(self.len, 4096) {
+            // SAFETY: allocated with this layout in `new`.
+            unsafe { std::alloc::dealloc(self.ptr, layout) };
+        }
+    }
+}
+
+/// Raw baseline: one file of `blocks * block_bytes` under `dir`, written and
+/// read with O_DIRECT pwrite/pread by `depth` threads (each owning its own
+/// aligned buffer), so `depth` requests are in flight as in the tier.
+pub struct RawFile {
+    file: File,
+    block_bytes: usize,
+    blocks: usize,
+}
+
+impl RawFile {
+    /// Creates (truncates) the baseline file.
+    pub fn create(dir: &Path, block_bytes: usize, blocks: usize) -> Result<Self> {
+        let path = dir.join("raw-baseline.bin");
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(&path)
+            .with_context(|| format!("opening {} with O_DIRECT", path.display()))?;
+        Ok(RawFile {
+            file,
+            block_bytes: block_bytes.div_ceil(4096) * 4096,
+            blocks,
+        })
+    }
+
+    /// Writes every block (in order, `depth` in flight) and fdatasyncs.
+    /// Returns GB/s.
+    pub fn write_all(&self, depth: usize) -> Result<f64> {
+        let t = Instant::now();
+        self.parallel(depth, &(0..self.blocks).collect::<Vec<_>>(), true)?;
+        self.file.sync_data()?;
+        Ok(gbps(
+            self.block_bytes * self.blocks,
+            t.elapsed().as_secs_f64(),
+        ))
+    }
+
+    /// Reads the blocks in the given order with `depth` in flight. Returns
+    /// GB/s and per-read latencies in microseconds.
+    pub fn read_order(&self, depth: usize, order: &[usize]) -> Result<(f64, Vec<f64>)> {
+        let t = Instant::now();
+        let lat = self.parallel(depth, order, false)?;
+        Ok((
+            gbps(self.block_bytes * order.len(), t.elapsed().as_secs_f64()),
+            lat,
+        ))
+    }
+
+    fn parallel(&self, depth: usize, order: &[usize], write: bool) -> Result<Vec<f64>> {
+        let depth = depth.clamp(1, 256);
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let lat = std::sync::Mutex::new(Vec::with_capacity(order.len()));
+        std::thread::scope(|s| -> Result<()> {
+            let mut hs = Vec::new();
+            for _ in 0..depth {
+                hs.push(s.spawn(|| -> Result<()> {
+                    let mut buf = AlignedBuf::new(self.block_bytes)?;
+                    buf.as_mut_slice().fill(0x5a);
+                    let mut mine = Vec::new();
+                    loop {
+                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        let Some(&b) = order.get(i) else { break };
+                        let off = (b * self.block_bytes) as u64;
+                        let t = Instant::now();
+                        if write {
+                            self.file.write_all_at(buf.as_slice(), off)?;
+                        } else {
+                            self.file.read_exact_at(buf.as_mut_slice(), off)?;
+                        }
+                        mine.push(t.elapsed().as_secs_f64() * 1e6);
+                    }
+                    if let Ok(mut l) = lat.lock() {
+                        l.extend(mine);
+                    }
+                    Ok(())
+                }));
+            }
+            for h in hs {
+                h.join()
+                    .map_err(|_| anyhow::anyhow!("baseline thread panicked"))??;
+            }
+            Ok(())
+        })?;
+        Ok(lat.into_inner().unwrap_or_default())
+    }
+}
+
+/// Bytes over seconds, in GB/s (10^9).
+pub fn gbps(bytes: usize, secs: f64) -> f64 {
+    if secs <= 0.0 {
+        0.0
+    } else {
+        bytes as f64 / secs / 1e9
+    }
+}
+
+/// Parses sizes like `64KiB`, `2MiB`, `16M`, `4096`.
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: u64 = num.parse().map_err(|_| format!("not a size: {s:?}"))?;
+    let mult = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        _ => return Err(format!("unknown unit in {s:?} (use KiB, MiB, GiB)")),
+    };
+    n.checked_mul(mult)
+        .ok_or_else(|| format!("size {s:?} overflows"))
+}
+
+/// A seeded Fisher-Yates permutation of 0..n, for random read order.
+pub fn shuffled(n: usize, seed: u64) -> Vec<usize> {
+    use rand::{seq::SliceRandom, SeedableRng};
+    let mut v: Vec<usize> = (0..n).collect();
+    v.shuffle(&mut rand::rngs::StdRng::seed_from_u64(seed));
+    v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_and_percentiles() {
+        assert_eq!(parse_size("2MiB").unwrap(), 2 << 20);
+        assert_eq!(parse_size("64KiB").unwrap(), 64 << 10);
+        assert!(parse_size("2XB").is_err());
+        let v = [5.0, 1.0, 3.0, 2.0, 4.0];
+        assert_eq!(median(&v), 3.0);
+        assert_eq!(percentile(&v, 99.0), 5.0);
+    }
+}

@@ -1,0 +1,109 @@
+//! `kvtier hash` and `kvtier inspect`.
+
+use anyhow::{bail, Context, Result};
+use kvtier_client::{block, HashMode, KvLayout, Namespace};
+use std::path::PathBuf;
+
+/// Arguments of `kvtier hash`.
+#[derive(Debug, clap::Args)]
+pub struct HashArgs {
+    /// `blake3` (default, 256-bit, bound to the namespace) or `dynamo`
+    /// (bit-exact with NVIDIA Dynamo's 64-bit sequence hashes).
+    #[arg(long, default_value = "blake3", value_parser = ["blake3", "dynamo"])]
+    mode: String,
+    /// Tenant salt (Dynamo's salt in dynamo mode).
+    #[arg(long, default_value = "")]
+    salt: String,
+    /// Tokens per block.
+    #[arg(long, default_value_t = 16)]
+    block_tokens: u32,
+    /// Comma-separated token ids.
+    #[arg(long, value_delimiter = ',', required = true)]
+    tokens: Vec<u32>,
+    /// Model id (blake3 mode: part of the namespace).
+    #[arg(long, default_value = "default")]
+    model: String,
+    /// Print JSON instead of one key per line.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Prints one lowercase hex key per full block.
+pub fn hash(a: HashArgs) -> Result<()> {
+    if a.block_tokens == 0 {
+        bail!("--block-tokens must be at least 1");
+    }
+    let ns = Namespace::new(
+        a.model,
+        KvLayout::llama3_8b(a.block_tokens),
+        "",
+        a.salt.into_bytes(),
+    )?;
+    let mode = if a.mode == "dynamo" {
+        HashMode::Dynamo
+    } else {
+        HashMode::Blake3
+    };
+    let keys: Vec<String> = ns
+        .hash_chain(mode, &a.tokens)
+        .iter()
+        .map(|k| k.to_hex())
+        .collect();
+    if a.json {
+        println!("{}", serde_json::json!({ "mode": a.mode, "keys": keys }));
+    } else {
+        for k in keys {
+            println!("{k}");
+        }
+    }
+    Ok(())
+}
+
+/// Arguments of `kvtier inspect`.
+#[derive(Debug, clap::Args)]
+pub struct InspectArgs {
+    /// A block file (on G3, in the mount, or anywhere).
+    file: PathBuf,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Prints the header and verifies the payload.
+pub fn inspect(a: InspectArgs) -> Result<()> {
+    let bytes = std::fs::read(&a.file).with_context(|| format!("reading {}", a.file.display()))?;
+    let h = match block::decode_block(&bytes) {
+        Ok((h, _)) => h,
+        Err(e) => {
+            eprintln!("{}: INVALID: {e}", a.file.display());
+            std::process::exit(1);
+        }
+    };
+    let v = serde_json::json!({
+        "file": a.file.display().to_string(),
+        "valid": true,
+        "namespace": h.namespace_id().to_hex(),
+        "namespace_digest": hex::encode(h.namespace_digest),
+        "key": h.key.to_hex(),
+        "layout": {
+            "layers": h.layout.layers, "kv_heads": h.layout.kv_heads,
+            "head_dim": h.layout.head_dim, "tokens_per_block": h.layout.tokens_per_block,
+            "dtype": format!("{:?}", h.layout.dtype), "kind": format!("{:?}", h.layout.kind),
+        },
+        "payload_len": h.payload_len,
+        "payload_blake3": hex::encode(h.payload_blake3),
+        "created_unix_ms": h.created_unix_ms,
+    });
+    if a.json {
+        println!("{v}");
+    } else {
+        println!("{}: valid kvtier block", a.file.display());
+        println!("  namespace      {}", h.namespace_id());
+        println!("  key            {}", h.key);
+        println!("  layout         {:?}", h.layout);
+        println!("  payload_len    {}", h.payload_len);
+        println!("  payload_blake3 {}", hex::encode(h.payload_blake3));
+        println!("  created_ms     {}", h.created_unix_ms);
+    }
+    Ok(())
+}

@@ -1,0 +1,35 @@
+//! `kvtier`: the command-line tool (hash, inspect, daemon operations, bench).
+
+mod bench;
+mod identity;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+/// kvtier: inspect and operate an LLM KV-cache storage tier.
+#[derive(Debug, Parser)]
+#[command(name = "kvtier", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// Print the block keys of a token sequence, one per full block.
+    Hash(identity::HashArgs),
+    /// Print a block file's header and verify its payload (exit 1 if invalid).
+    Inspect(identity::InspectArgs),
+    /// Benchmarks, each measured beside a baseline in the same run.
+    #[command(subcommand)]
+    Bench(bench::BenchCmd),
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    match cli.cmd {
+        Cmd::Hash(a) => identity::hash(a),
+        Cmd::Inspect(a) => identity::inspect(a),
+        Cmd::Bench(b) => bench::run(b),
+    }
+}
