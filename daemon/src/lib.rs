@@ -5,6 +5,8 @@
 //! tiers, the local server, the mount and peers together.
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used))]
 
+#[doc(hidden)]
+pub mod conformance;
 pub mod error;
 pub mod policy;
 pub mod tier;
