@@ -136,7 +136,12 @@ pub fn delete_removes(tier: &dyn BlockTier, caps: &Caps<'_>) -> Result<(), Strin
     if !tier.delete(&ns.id(), &key).map_err(err("delete"))? {
         return Err("delete of a stored block returned false".into());
     }
-    if tier.get(&ns.id(), &key).map_err(err("get"))?.hit().is_some() {
+    if tier
+        .get(&ns.id(), &key)
+        .map_err(err("get"))?
+        .hit()
+        .is_some()
+    {
         return Err("deleted block still served".into());
     }
     if tier.delete(&ns.id(), &key).map_err(err("delete again"))? {
