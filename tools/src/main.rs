@@ -26,6 +26,11 @@ enum Cmd {
 }
 
 fn main() -> Result<()> {
+    // A CLI whose output is piped into `head` should end quietly on EPIPE,
+    // as other Unix tools do, rather than panic in println!.
+    // SAFETY: restoring a default signal disposition at start-up, before any
+    // thread exists.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     let cli = Cli::parse();
     match cli.cmd {
         Cmd::Hash(a) => identity::hash(a),
