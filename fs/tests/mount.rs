@@ -1099,9 +1099,45 @@ fn fio_read_verify_on_the_mount() {
             let fields: Vec<&str> = out.lines().last().unwrap_or("").split(';').collect();
             assert_eq!(fields.get(4), Some(&"0"), "fio {engine}: {out}");
             eprintln!(
-                "fio {engine} {passthrough:?}: ok, read {} KiB",
-                fields.get(5).unwrap_or(&"?")
+                "fio {engine} {passthrough:?}: err=0 io_kib={} bw_kib_s={} iops={}",
+                fields.get(5).unwrap_or(&"?"),
+                fields.get(6).unwrap_or(&"?"),
+                fields.get(7).unwrap_or(&"?")
             );
+        }
+        if fx.guard().passthrough_active() {
+            // Negative control: flip one payload byte in the backing file
+            // (behind the store's back); fio's verify must notice, which
+            // shows the runs above checked real bytes.
+            let backing = fx.spill.join(kvtier_client::block_path(&id, &k));
+            let f = OpenOptions::new().write(true).open(&backing).unwrap();
+            f.write_at(b"X", 4096 + 300_000).unwrap();
+            drop(f);
+            let o = sh(
+                "fio",
+                &[
+                    "--name=kvtier-ro",
+                    &format!("--filename={}", path.display()),
+                    "--readonly",
+                    "--rw=read",
+                    "--bs=128k",
+                    "--ioengine=psync",
+                    "--offset=4096",
+                    "--size=4m",
+                    "--verify=pattern",
+                    "--verify_pattern=0x6b767472",
+                ],
+            );
+            let all = format!(
+                "{}{}",
+                String::from_utf8_lossy(&o.stdout),
+                String::from_utf8_lossy(&o.stderr)
+            );
+            assert!(
+                all.contains("verify failed") || all.contains("bad pattern"),
+                "{all}"
+            );
+            eprintln!("fio negative control: one flipped byte was detected");
         }
     }
 }
