@@ -1496,3 +1496,76 @@ impl KvFs {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errno_mapping_is_the_documented_one() {
+        let ns = NamespaceId([0; 16]);
+        let key = BlockKey::from_u64(1);
+        let io = |k| Error::io("x", "/p", std::io::Error::from_raw_os_error(k));
+        for (e, want) in [
+            (Error::block_not_found(&ns, &key), Errno::ENOENT),
+            (Error::Exists { ns, key }, Errno::EEXIST),
+            (Error::DirExists { path: "p".into() }, Errno::EEXIST),
+            (
+                Error::InvalidName {
+                    name: "n".into(),
+                    reason: "r",
+                },
+                Errno::EINVAL,
+            ),
+            (
+                Error::NameMismatch {
+                    expected: "a".into(),
+                    found: "b".into(),
+                },
+                Errno::EINVAL,
+            ),
+            (Error::BadWrite { reason: "r".into() }, Errno::EINVAL),
+            (Error::Poisoned, Errno::EIO),
+            (
+                Error::NotPermitted {
+                    op: "o",
+                    reason: "r",
+                },
+                Errno::EPERM,
+            ),
+            (Error::ReadOnly, Errno::EROFS),
+            (Error::NoAttribute { name: "n".into() }, Errno::NO_XATTR),
+            (
+                Error::UnsupportedAttribute { name: "n".into() },
+                Errno::ENOTSUP,
+            ),
+            (
+                Error::LimitReached {
+                    what: "w",
+                    limit: 1,
+                },
+                Errno::EFBIG,
+            ),
+            (Error::Busy { what: "w".into() }, Errno::EBUSY),
+            (Error::Unavailable { reason: "r".into() }, Errno::EIO),
+            (io(libc::ENOSPC), Errno::ENOSPC),
+        ] {
+            assert_eq!(errno_of(&e), want, "{e}");
+        }
+    }
+
+    #[test]
+    fn inode_numbers_are_stable_and_clear_of_fixed_ones() {
+        let ns = NamespaceId([5; 16]);
+        let k = BlockKey::from_u64(9);
+        let a = ino_of(&Node::Block(ns, k));
+        assert_eq!(a, ino_of(&Node::Block(ns, k)));
+        assert!(a > INO_EVENTS);
+        assert_ne!(a, ino_of(&Node::Import(ns, k, 1)));
+        assert_ne!(
+            ino_of(&Node::Import(ns, k, 1)),
+            ino_of(&Node::Import(ns, k, 2))
+        );
+        assert_ne!(ino_of(&Node::Ns(ns)), ino_of(&Node::Shard(ns, 0)));
+    }
+}

@@ -409,6 +409,79 @@ pub fn now_unix_ms() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvtier_client::{encode_block, KvLayout, Namespace};
+    use std::io::Write;
+
+    fn staged(bytes: &[u8]) -> File {
+        let mut f = tempfile::tempfile().unwrap();
+        f.write_all(bytes).unwrap();
+        f
+    }
+
+    #[test]
+    fn staged_block_verification_refuses_every_bad_file() {
+        let ns = Namespace::new(
+            "m",
+            KvLayout::with_block_bytes(8192).unwrap(),
+            "",
+            b"s".to_vec(),
+        )
+        .unwrap();
+        let key = BlockKey::from_digest([7; 32]);
+        let payload: Vec<u8> = (0..8192u32).map(|i| (i * 31) as u8).collect();
+        let good = encode_block(&BlockHeader::for_payload(&ns, key, &payload, 5), &payload);
+        let id = ns.id();
+        let ok = StagedBlock::verify(staged(&good), &id, &key).unwrap();
+        assert_eq!(ok.read_all().unwrap(), good);
+        assert_eq!(ok.len_bytes(), good.len() as u64);
+
+        let other = BlockKey::from_digest([8; 32]);
+        assert!(matches!(
+            StagedBlock::verify(staged(&good), &id, &other),
+            Err(Error::NameMismatch { .. })
+        ));
+        let other_ns = NamespaceId([1; 16]);
+        assert!(matches!(
+            StagedBlock::verify(staged(&good), &other_ns, &key),
+            Err(Error::NameMismatch { .. })
+        ));
+        assert!(matches!(
+            StagedBlock::verify(staged(&good[..good.len() - 4096]), &id, &key),
+            Err(Error::BadWrite { .. })
+        ));
+        assert!(matches!(
+            StagedBlock::verify(staged(&good[..100]), &id, &key),
+            Err(Error::InvalidBlock { .. })
+        ));
+        let mut bad = good.clone();
+        bad[HEADER_BYTES + 10] ^= 1;
+        assert!(matches!(
+            StagedBlock::verify(staged(&bad), &id, &key),
+            Err(Error::InvalidBlock { .. })
+        ));
+        let mut longer = good.clone();
+        longer.extend_from_slice(&[0; 4096]);
+        assert!(matches!(
+            StagedBlock::verify(staged(&longer), &id, &key),
+            Err(Error::BadWrite { .. })
+        ));
+        // Non-zero padding (payload not a multiple of 4096).
+        let ns2 = Namespace::new(
+            "m",
+            KvLayout::with_block_bytes(96).unwrap(),
+            "",
+            b"s".to_vec(),
+        )
+        .unwrap();
+        let p2 = vec![3u8; 96];
+        let mut padded = encode_block(&BlockHeader::for_payload(&ns2, key, &p2, 5), &p2);
+        let last = padded.len() - 1;
+        padded[last] = 1;
+        assert!(matches!(
+            StagedBlock::verify(staged(&padded), &ns2.id(), &key),
+            Err(Error::InvalidBlock { .. })
+        ));
+    }
 
     #[test]
     fn event_log_offsets_are_stable_and_bounded() {
