@@ -1141,3 +1141,69 @@ fn fio_read_verify_on_the_mount() {
         }
     }
 }
+
+/// Owner, modes and `allow_other`, checked with `stat` and by reading as
+/// another user (`setpriv`).
+#[test]
+fn owner_mode_and_allow_other() {
+    if skip("owner_mode_and_allow_other") {
+        return;
+    }
+    if Command::new("setpriv").arg("--version").output().is_err() {
+        eprintln!("SKIP: owner_mode_and_allow_other: setpriv is not installed");
+        return;
+    }
+    let _s = serial();
+    for allow_other in [true, false] {
+        let fx = Fixture::new(
+            true,
+            MountOptions {
+                allow_other,
+                uid: 4321,
+                gid: 4322,
+                file_mode: 0o440,
+                dir_mode: 0o750,
+                ..MountOptions::default()
+            },
+        );
+        let ns = namespace(4096, b"u");
+        let id = ns.id();
+        let k = key(0x05, 1);
+        setup_blocks(&fx, &ns, &[k]);
+        let p = fx.path(&id, &k);
+        let st = sh_ok("stat", &["-c", "%u %g %a", p.to_str().unwrap()]);
+        assert_eq!(st.trim(), "4321 4322 440");
+        let st = sh_ok("stat", &["-c", "%u %g %a", fx.mnt.to_str().unwrap()]);
+        assert_eq!(st.trim(), "4321 4322 750");
+        // Let other users walk down to the mount point.
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(fx.tmp.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let cat_as = |uid: &str, gid: &str| {
+            Command::new("setpriv")
+                .args([
+                    &format!("--reuid={uid}"),
+                    &format!("--regid={gid}"),
+                    "--clear-groups",
+                ])
+                .arg("cat")
+                .arg(&p)
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .output()
+                .unwrap()
+        };
+        let owner = cat_as("4321", "4322");
+        let stranger = cat_as("65534", "65534");
+        let denied = |o: &std::process::Output| {
+            !o.status.success() && String::from_utf8_lossy(&o.stderr).contains("Permission denied")
+        };
+        if allow_other {
+            assert!(owner.status.success(), "{owner:?}");
+            assert!(denied(&stranger), "modes apply: {stranger:?}");
+        } else {
+            // Without allow_other FUSE admits only the mounting user (root).
+            assert!(denied(&owner), "{owner:?}");
+            assert!(denied(&stranger), "{stranger:?}");
+        }
+    }
+}
