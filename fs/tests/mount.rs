@@ -993,30 +993,41 @@ fn stale_mount_from_a_killed_process_is_cleaned() {
     let tmp = tempfile::tempdir().unwrap();
     let mnt = tmp.path().join("mnt");
     std::fs::create_dir(&mnt).unwrap();
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "stale_mount_child_helper",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env("KVTIER_FS_STALE_CHILD", &mnt)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
-    let mut line = String::new();
-    while !line.contains("MOUNTED") {
-        line.clear();
-        if out.read_line(&mut line).unwrap() == 0 {
-            let _ = child.kill();
-            panic!("child exited before mounting");
+    struct CleanOnDrop(PathBuf);
+    impl Drop for CleanOnDrop {
+        fn drop(&mut self) {
+            let _ = kvtier_fs::clean_stale_mount(&self.0);
         }
     }
-    child.kill().unwrap(); // SIGKILL: no unmount runs.
-    child.wait().unwrap();
-    assert_eq!(errno_of(std::fs::metadata(&mnt)), libc::ENOTCONN);
+    let _clean = CleanOnDrop(mnt.clone());
+    // Mounts in a child process and SIGKILLs it: no unmount runs.
+    let crash_a_mount = || {
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "stale_mount_child_helper",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env("KVTIER_FS_STALE_CHILD", &mnt)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        while !line.contains("MOUNTED") {
+            line.clear();
+            if out.read_line(&mut line).unwrap() == 0 {
+                let _ = child.kill();
+                panic!("child exited before mounting");
+            }
+        }
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert_eq!(errno_of(std::fs::metadata(&mnt)), libc::ENOTCONN);
+    };
+    crash_a_mount();
     assert!(kvtier_fs::clean_stale_mount(&mnt).unwrap());
     let m = std::fs::metadata(&mnt).unwrap();
     assert_eq!(
@@ -1025,9 +1036,14 @@ fn stale_mount_from_a_killed_process_is_cleaned() {
         "still a mount point"
     );
     assert!(!kvtier_fs::clean_stale_mount(&mnt).unwrap());
-    // And mounting there again works (mount() cleans first, too).
+    // The next start cleans by itself: mount() over a fresh stale mount.
+    crash_a_mount();
+    let mem = Arc::new(MemNamespace::new(None));
+    let ns = namespace(4096, b"s");
+    let k = key(0x01, 1);
+    mem.insert_file(block_file(&ns, k)).unwrap();
     let g = mount(
-        Arc::new(MemNamespace::new(None)),
+        mem,
         &mnt,
         &MountOptions {
             staging_dir: tmp.path().to_path_buf(),
@@ -1035,8 +1051,13 @@ fn stale_mount_from_a_killed_process_is_cleaned() {
         },
     )
     .unwrap();
-    assert!(std::fs::metadata(mnt.join(".kvtier/stats")).is_ok());
+    let p = mnt.join(kvtier_client::block_path(&ns.id(), &k));
+    assert_eq!(std::fs::read(p).unwrap(), block_file(&ns, k));
     drop(g);
+    assert!(
+        std::fs::metadata(mnt.join(".kvtier")).is_err(),
+        "unmounted on drop"
+    );
 }
 
 /// fio read-only verify jobs on a real mount, one per ioengine. The
