@@ -1228,3 +1228,32 @@ fn owner_mode_and_allow_other() {
         }
     }
 }
+
+#[test]
+fn import_size_limit_and_concurrent_import_of_one_key() {
+    if skip("import_size_limit_and_concurrent_import_of_one_key") {
+        return;
+    }
+    let _s = serial();
+    let fx = Fixture::new(
+        true,
+        MountOptions {
+            import_bytes_max: 8192,
+            ..MountOptions::default()
+        },
+    );
+    let ns = namespace(64 << 10, b"l");
+    let id = ns.id();
+    let k = key(0x61, 1);
+    let p = fx.path(&id, &k);
+    std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+    let bytes = block_file(&ns, k);
+    // While one writer imports the key, a second one is told it is busy.
+    let first = File::create(&p).unwrap();
+    assert_eq!(errno_of(File::create(&p)), libc::EBUSY);
+    // Past the import limit: EFBIG at the write.
+    assert_eq!(errno_of(first.write_at(&bytes[..12288], 0)), libc::EFBIG);
+    assert_eq!(close_errno(first), libc::EIO);
+    assert!(!fx.mem.contains(&id, &k));
+    assert_eq!(errno_of(std::fs::metadata(&p)), libc::ENOENT);
+}
