@@ -6,8 +6,16 @@
 
 use kvtier_client::Hints;
 
+pub mod admission;
+pub mod belady;
+pub mod default;
 pub mod lru;
+pub mod replay;
+pub mod trace;
 
+pub use admission::G4Admission;
+pub use belady::Belady;
+pub use default::DefaultPolicy;
 pub use lru::Lru;
 
 /// What a policy knows about a block when it is inserted.
