@@ -37,7 +37,7 @@ pub const PIN_BUDGET_FRACTION: f64 = 0.5;
 /// Shifts the miniature simulations try, in lifetimes. 0 is plain
 /// (leaf-ordered) LRU, so the policy falls back to LRU wherever frequency
 /// does not pay; the grid is coarse on purpose (no fitting to one trace).
-const SHIFT_GRID_LIFETIMES: [f64; 3] = [0.0, 0.25, 0.5];
+const SHIFT_GRID_LIFETIMES: [f64; 4] = [0.0, 0.25, 0.5, 1.0];
 /// One id in this many feeds the miniature simulations (spatial sampling,
 /// as in SHARDS / miniature simulations, Waldspurger et al., ATC '17).
 const SAMPLE_ONE_IN: u64 = 8;
@@ -161,7 +161,7 @@ pub struct DefaultPolicy {
 
 /// The ghost remembers this many lifetimes of departures (TinyLFU's
 /// frequency window is of the same order: ten times the cache).
-const GHOST_LIFETIMES: usize = 4;
+const GHOST_LIFETIMES: usize = 8;
 
 impl Default for DefaultPolicy {
     fn default() -> Self {

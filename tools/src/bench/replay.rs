@@ -62,8 +62,14 @@ fn stats_json(stats: &ReplayStats) -> Value {
     })
 }
 
-/// Runs the replay.
+/// Runs the replay and prints its report.
 pub fn run(a: ReplayArgs) -> Result<()> {
+    let report = report(&a)?;
+    emit(&report, a.json)
+}
+
+/// Runs the replay; the report as one JSON value.
+pub fn report(a: &ReplayArgs) -> Result<Value> {
     if a.block_size.is_some() && !a.dry_run {
         bail!(
             "--block-size asks for a replay against a real daemon with real block bytes, \
@@ -174,7 +180,7 @@ pub fn run(a: ReplayArgs) -> Result<()> {
             }),
         );
     }
-    emit(&Value::Object(out), a.json)
+    Ok(Value::Object(out))
 }
 
 fn speedup(no_cache: f64, with: f64) -> f64 {
@@ -182,5 +188,73 @@ fn speedup(no_cache: f64, with: f64) -> f64 {
         no_cache / with
     } else {
         0.0
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Debug, Parser)]
+    struct Cli {
+        #[command(flatten)]
+        a: ReplayArgs,
+    }
+
+    fn args(extra: &[&str], trace: &std::path::Path) -> ReplayArgs {
+        let mut v = vec!["x", "--trace", trace.to_str().unwrap()];
+        v.extend_from_slice(extra);
+        Cli::try_parse_from(v).unwrap().a
+    }
+
+    #[test]
+    fn tiny_replay_report_has_the_contract() {
+        let dir = tempfile::tempdir().unwrap();
+        let trace = dir.path().join("t.jsonl");
+        let mut text = String::new();
+        for i in 0..50u64 {
+            text.push_str(&format!(
+                "{{\"timestamp\": {i}, \"input_length\": 2048, \"output_length\": 10, \"hash_ids\": [0, 1, {}, {}]}}\n",
+                100 + i % 7,
+                1000 + i
+            ));
+        }
+        std::fs::write(&trace, text).unwrap();
+        let r = report(&args(
+            &["--capacity-fraction", "0.5", "--policy", "default"],
+            &trace,
+        ))
+        .unwrap();
+        for k in [
+            "hit_ratio",
+            "ceiling_hit_ratio",
+            "capacity_blocks",
+            "capacity_used_blocks",
+            "hit_ratio_baseline",
+            "hit_ratio_vs_baseline",
+            "ttft_mean_ms",
+            "ttft_p90_ms",
+            "ttft_mean_ms_no_cache",
+            "ttft_mean_speedup_vs_baseline",
+            "g4_admission",
+        ] {
+            assert!(r.get(k).is_some(), "missing {k} in {r}");
+        }
+        assert!(r["hit_ratio"].as_f64().unwrap() <= r["ceiling_hit_ratio"].as_f64().unwrap());
+        // Only quotients end in _vs_baseline.
+        let lru = report(&args(
+            &["--capacity-blocks", "10", "--policy", "lru"],
+            &trace,
+        ))
+        .unwrap();
+        assert!(lru.get("hit_ratio_vs_baseline").is_none());
+        let err = report(&args(
+            &["--capacity-blocks", "10", "--block-size", "4096"],
+            &trace,
+        ))
+        .unwrap_err();
+        assert!(err.to_string().contains("no such target exists"), "{err}");
     }
 }
