@@ -84,21 +84,26 @@ fn chat_trace(seed: u64, requests: usize) -> Trace {
 /// adds one-shot suffix blocks.
 fn agent_trace(seed: u64, requests: usize) -> Trace {
     let mut rng = Rng(seed);
-    let prefixes: Vec<Vec<u64>> = (0..4u64)
-        .map(|p| (0..(8 + 4 * p)).map(|i| 1_000_000 * (p + 1) + i).collect())
+    let prefixes: Vec<Vec<u64>> = (0..24u64)
+        .map(|p| {
+            (0..(8 + p % 5 * 6))
+                .map(|i| 1_000_000 * (p + 1) + i)
+                .collect()
+        })
         .collect();
     let mut next_id = 1u64;
     let mut out = Vec::new();
     for _ in 0..requests {
-        // Zipf-ish: prefix 0 most popular.
-        let p = match rng.below(10) {
-            0..=4 => 0,
-            5..=7 => 1,
-            8 => 2,
-            _ => 3,
-        };
+        // Zipf-ish popularity: prefix p has weight 1 / (p + 1).
+        let total: f64 = (1..=prefixes.len()).map(|k| 1.0 / k as f64).sum();
+        let mut x = (rng.below(1 << 20) as f64 / f64::from(1 << 20)) * total;
+        let mut p = 0;
+        while p + 1 < prefixes.len() && x > 1.0 / (p + 1) as f64 {
+            x -= 1.0 / (p + 1) as f64;
+            p += 1;
+        }
         let mut ids = prefixes[p].clone();
-        for _ in 0..(2 + rng.below(12)) {
+        for _ in 0..(4 + rng.below(40)) {
             ids.push(next_id);
             next_id += 1;
         }
@@ -181,11 +186,19 @@ fn default_beats_lru_on_mooncake_trace() {
             def - lru
         );
         assert!(def >= lru - 0.003, "at {f}: default {def} < lru {lru}");
-        if f == 0.05 || f == 0.1 {
-            assert!(
-                def >= lru + 0.01,
-                "at {f}: default {def} not +0.01 over lru {lru}"
-            );
-        }
+        // Issue targets: +0.02 at 5% and at 10%. Measured +0.0225 at 5%
+        // but +0.012 at 10% (docs/BENCHMARKS.md), so 10% guards the
+        // measured gain, not the unmet target.
+        let min_gain = if f == 0.05 {
+            0.02
+        } else if f == 0.1 {
+            0.01
+        } else {
+            0.0
+        };
+        assert!(
+            def >= lru + min_gain,
+            "at {f}: default {def} not +{min_gain} over lru {lru}"
+        );
     }
 }

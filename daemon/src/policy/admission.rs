@@ -87,5 +87,8 @@ mod tests {
         assert!(r.should_write(AdmissionEvent::Hit, h, false));
         assert!(!r.should_write(AdmissionEvent::Hit, eph, false));
         assert_eq!("all".parse::<G4Admission>(), Ok(a));
+        assert_eq!(super::super::by_name("default").unwrap().name(), "default");
+        assert_eq!(super::super::by_name("lru").unwrap().name(), "lru");
+        assert!(super::super::by_name("belady").is_none());
     }
 }

@@ -3,23 +3,29 @@
 //! Why this shape (measured on the Mooncake conversation trace, see
 //! docs/BENCHMARKS.md): recency is the strongest signal in KV traffic, so the
 //! score stays an LRU timestamp, and everything else *shifts* it in units of
-//! the cache's own lifetime (the number of blocks tracked, i.e. how many
+//! the cache's own lifetime (the most blocks ever tracked, i.e. how many
 //! insertions it takes for a block to age out under plain LRU):
 //!
 //! - **Prefix-aware**: only leaves (blocks with no cached child) are eviction
 //!   candidates, so a parent can never go before its children; since every
 //!   request touches its chain root-first, a parent's score is never below
 //!   the children's that need it.
-//! - **Scan resistant**: a block that has never been hit enters half a
-//!   lifetime "older" than now; most blocks of agent/chat traffic are used
+//! - **Scan resistant**: a block that has never been hit enters `shift`
+//!   lifetimes "older" than now; most blocks of agent/chat traffic are used
 //!   once (76% on Mooncake), so they leave before proven blocks do, yet a
-//!   block reused within half a lifetime is still kept (SLRU/S3-FIFO, which
-//!   admit into a small fixed queue, lose to LRU on this trace exactly
-//!   because first reuses come late).
-//! - **Frequency-aware**: a proven block gets `log2(1 + hits) / 2` lifetimes
-//!   of credit: the probability of another reuse grows with the hits seen
-//!   (0.24 fresh, 0.42 after one hit, 0.9 after six on Mooncake), but only
-//!   logarithmically, so an old hot block still ages out (no LFU pollution).
+//!   block reused soon is still kept (SLRU/S3-FIFO, which admit into a small
+//!   fixed queue, lose to LRU on this trace exactly because first reuses
+//!   come late).
+//! - **Frequency-aware**: a proven block gets `shift * log2(1 + hits)`
+//!   lifetimes of credit: the probability of another reuse grows with the
+//!   hits seen (0.24 fresh, 0.42 after one hit, 0.9 after six on Mooncake),
+//!   but only logarithmically, so an old hot block still ages out. Hit
+//!   counts outlive eviction in a ghost (TinyLFU's non-resident frequency),
+//!   so a hot prefix flushed by a scan returns with its credit.
+//! - **Self-tuning**: `shift` is chosen by miniature simulations of this
+//!   very policy on a 1-in-8 sample of ids, one per candidate shift
+//!   (0 = leaf-ordered LRU); the policy follows whichever has the most recent
+//!   hits, so it falls back to LRU where frequency does not pay.
 //! - **Hints**: ephemeral blocks form a band evicted before any other; each
 //!   priority step adds a lifetime of credit; pinned blocks are never
 //!   candidates while pinned, up to a pin budget (pins beyond it are treated

@@ -54,3 +54,13 @@ pub trait EvictionPolicy: Send {
         self.len() == 0
     }
 }
+
+/// The daemon's policy for a configured name (`lru`, `default`); `None` for
+/// an unknown name or one that exists only in replays (`belady`).
+pub fn by_name(name: &str) -> Option<Box<dyn EvictionPolicy>> {
+    match name {
+        "lru" => Some(Box::new(Lru::new())),
+        "default" => Some(Box::new(DefaultPolicy::new())),
+        _ => None,
+    }
+}
