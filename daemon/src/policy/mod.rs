@@ -6,8 +6,16 @@
 
 use kvtier_client::Hints;
 
+pub mod admission;
+pub mod belady;
+pub mod default;
 pub mod lru;
+pub mod replay;
+pub mod trace;
 
+pub use admission::G4Admission;
+pub use belady::Belady;
+pub use default::DefaultPolicy;
 pub use lru::Lru;
 
 /// What a policy knows about a block when it is inserted.
@@ -44,5 +52,15 @@ pub trait EvictionPolicy: Send {
     /// Whether nothing is tracked.
     fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+}
+
+/// The daemon's policy for a configured name (`lru`, `default`); `None` for
+/// an unknown name or one that exists only in replays (`belady`).
+pub fn by_name(name: &str) -> Option<Box<dyn EvictionPolicy>> {
+    match name {
+        "lru" => Some(Box::new(Lru::new())),
+        "default" => Some(Box::new(DefaultPolicy::new())),
+        _ => None,
     }
 }

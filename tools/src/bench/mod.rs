@@ -1,14 +1,20 @@
 //! `kvtier bench ...`: every benchmark, each beside its baseline.
 
 pub mod common;
+pub mod replay;
 
 use clap::Subcommand;
 
 /// The benchmarks.
 #[derive(Debug, Subcommand)]
-pub enum BenchCmd {}
+pub enum BenchCmd {
+    /// Replay a Mooncake-format trace through an eviction policy (dry run).
+    Replay(replay::ReplayArgs),
+}
 
 /// Runs one benchmark.
 pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
-    match cmd {}
+    match cmd {
+        BenchCmd::Replay(a) => replay::run(a),
+    }
 }

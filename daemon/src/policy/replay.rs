@@ -1,0 +1,443 @@
+//! Trace replay: the same policy code the daemon runs, driven by a trace.
+//!
+//! Semantics (prefix hits): a request hits the leading run of its blocks
+//! that is cached, reads those (a policy access each, root first), and
+//! stops at the first miss; every block from there on that is not cached is
+//! then stored with `parent` = the id before it.
+//!
+//! API boundary: the replay loop talks to a [`ReplayTarget`]. The dry-run
+//! target here ([`PolicyTarget`]) keeps only ids; a target backed by a real
+//! daemon (blocks with bytes derived from each id) plugs into the same loop.
+
+use super::admission::{AdmissionEvent, G4Admission};
+use super::belady::{Belady, ReplayClock};
+use super::trace::{ratio, Trace};
+use super::{BlockMeta, DefaultPolicy, EvictionPolicy, Lru};
+use crate::error::{Error, Result};
+use kvtier_client::Hints;
+use std::collections::HashSet;
+use std::str::FromStr;
+
+/// A cache the replay drives.
+pub trait ReplayTarget {
+    /// What is being replayed against (for reports).
+    fn describe(&self) -> String;
+    /// Length of the leading run of `ids` that is cached; those blocks are
+    /// read (hits), root first.
+    fn lookup(&mut self, ids: &[u64]) -> Result<usize>;
+    /// Stores the blocks `ids[from..]` not yet cached; the parent of
+    /// `ids[i]` is `ids[i - 1]`.
+    fn store(&mut self, ids: &[u64], from: usize) -> Result<()>;
+    /// Blocks held now.
+    fn len_blocks(&self) -> u64;
+    /// Called before request `index` is replayed (offline policies need it).
+    fn begin_request(&mut self, index: u64) {
+        let _ = index;
+    }
+}
+
+/// The policies a replay can use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PolicyKind {
+    /// Exact LRU (the baseline).
+    Lru,
+    /// [`DefaultPolicy`].
+    Default,
+    /// Offline optimum (replay only).
+    Belady,
+}
+
+impl PolicyKind {
+    /// Name as on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            PolicyKind::Lru => "lru",
+            PolicyKind::Default => "default",
+            PolicyKind::Belady => "belady",
+        }
+    }
+}
+
+impl FromStr for PolicyKind {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "lru" => Ok(Self::Lru),
+            "default" => Ok(Self::Default),
+            "belady" => Ok(Self::Belady),
+            _ => Err(format!("unknown policy `{s}` (lru | default | belady)")),
+        }
+    }
+}
+
+/// The dry-run target: a capacity in blocks and a policy, no bytes.
+pub struct PolicyTarget {
+    policy: Box<dyn EvictionPolicy>,
+    clock: ReplayClock,
+    capacity_blocks: u64,
+    cached: HashSet<u64>,
+    evictions: u64,
+    g4: Option<G4Model>,
+}
+
+/// A modeled G4 behind a dry-run G3: written per an admission rule, read
+/// through on a G3 miss.
+#[derive(Debug, Clone, Default)]
+pub struct G4Model {
+    /// The admission rule.
+    pub admission: G4Admission,
+    /// Blocks in G4 (unbounded).
+    pub blocks: HashSet<u64>,
+    /// Blocks written to G4 by this node.
+    pub written_blocks: u64,
+    /// Blocks this node read from G4 (G3 misses that G4 served).
+    pub hit_blocks: u64,
+}
+
+impl std::fmt::Debug for PolicyTarget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PolicyTarget")
+            .field("policy", &self.policy.name())
+            .field("capacity_blocks", &self.capacity_blocks)
+            .field("cached", &self.cached.len())
+            .finish()
+    }
+}
+
+impl PolicyTarget {
+    /// A dry-run target with `policy` (Belady needs `trace`).
+    pub fn new(kind: PolicyKind, trace: &Trace, capacity_blocks: u64) -> Self {
+        let clock = ReplayClock::default();
+        let policy: Box<dyn EvictionPolicy> = match kind {
+            PolicyKind::Lru => Box::new(Lru::new()),
+            PolicyKind::Default => Box::new(DefaultPolicy::new()),
+            PolicyKind::Belady => Box::new(Belady::new(trace, clock.clone())),
+        };
+        Self::with_policy(policy, clock, capacity_blocks)
+    }
+
+    /// A dry-run target over any policy.
+    pub fn with_policy(
+        policy: Box<dyn EvictionPolicy>,
+        clock: ReplayClock,
+        capacity_blocks: u64,
+    ) -> Self {
+        Self {
+            policy,
+            clock,
+            capacity_blocks,
+            cached: HashSet::new(),
+            evictions: 0,
+            g4: None,
+        }
+    }
+
+    /// Puts a modeled G4 behind this target.
+    pub fn with_g4(mut self, g4: G4Model) -> Self {
+        self.g4 = Some(g4);
+        self
+    }
+
+    /// The modeled G4, if any.
+    pub fn g4(&self) -> Option<&G4Model> {
+        self.g4.as_ref()
+    }
+
+    /// Blocks evicted so far.
+    pub fn evictions(&self) -> u64 {
+        self.evictions
+    }
+
+    fn admit(&mut self, id: u64, event: AdmissionEvent) {
+        if let Some(g4) = self.g4.as_mut() {
+            let in_g4 = g4.blocks.contains(&id);
+            if g4.admission.should_write(event, Hints::default(), in_g4) {
+                g4.blocks.insert(id);
+                g4.written_blocks += 1;
+            }
+        }
+    }
+
+    fn insert(&mut self, id: u64, parent: Option<u64>) {
+        if self.cached.contains(&id) || self.capacity_blocks == 0 {
+            return;
+        }
+        while self.cached.len() as u64 >= self.capacity_blocks {
+            let Some(v) = self.policy.victim(&mut |_| true) else {
+                return;
+            };
+            self.policy.on_remove(v);
+            self.cached.remove(&v);
+            self.evictions += 1;
+        }
+        self.cached.insert(id);
+        self.policy.on_insert(
+            id,
+            BlockMeta {
+                parent,
+                ..BlockMeta::default()
+            },
+        );
+    }
+}
+
+impl ReplayTarget for PolicyTarget {
+    fn describe(&self) -> String {
+        format!(
+            "dry-run, policy {}, {} blocks",
+            self.policy.name(),
+            self.capacity_blocks
+        )
+    }
+    fn lookup(&mut self, ids: &[u64]) -> Result<usize> {
+        let mut n = 0;
+        for (i, &id) in ids.iter().enumerate() {
+            if self.cached.contains(&id) {
+                self.policy.on_access(id);
+                self.admit(id, AdmissionEvent::Hit);
+            } else if self.g4.as_ref().is_some_and(|g| g.blocks.contains(&id)) {
+                // Read through from G4 and promote to G3.
+                if let Some(g4) = self.g4.as_mut() {
+                    g4.hit_blocks += 1;
+                }
+                self.insert(id, i.checked_sub(1).map(|p| ids[p]));
+            } else {
+                break;
+            }
+            n += 1;
+        }
+        Ok(n)
+    }
+    fn store(&mut self, ids: &[u64], from: usize) -> Result<()> {
+        for i in from..ids.len() {
+            let id = ids[i];
+            if self.cached.contains(&id) {
+                continue;
+            }
+            self.insert(id, i.checked_sub(1).map(|p| ids[p]));
+            if self.cached.contains(&id) {
+                self.admit(id, AdmissionEvent::Stored);
+            }
+        }
+        Ok(())
+    }
+    fn len_blocks(&self) -> u64 {
+        self.cached.len() as u64
+    }
+    fn begin_request(&mut self, index: u64) {
+        self.clock.set(index);
+    }
+}
+
+/// What a replay measured.
+#[derive(Debug, Clone, Default)]
+pub struct ReplayStats {
+    /// Block requests.
+    pub requested_blocks: u64,
+    /// Of those, prefix hits.
+    pub hit_blocks: u64,
+    /// Most blocks held at once (the capacity actually used).
+    pub peak_blocks: u64,
+    /// Hit blocks of each request, in order.
+    pub hits_per_request: Vec<u32>,
+}
+
+impl ReplayStats {
+    /// `hit_blocks / requested_blocks`.
+    pub fn hit_ratio(&self) -> f64 {
+        ratio(self.hit_blocks, self.requested_blocks)
+    }
+}
+
+/// Replays `trace` (requests `range`) against `target`.
+pub fn replay_range(
+    trace: &Trace,
+    range: std::ops::Range<usize>,
+    target: &mut dyn ReplayTarget,
+) -> Result<ReplayStats> {
+    let mut s = ReplayStats::default();
+    let reqs = trace
+        .requests
+        .get(range.clone())
+        .ok_or(Error::InvalidInput {
+            what: "replay range",
+            reason: format!("{range:?} outside {} requests", trace.requests.len()),
+        })?;
+    s.hits_per_request.reserve(reqs.len());
+    for (i, r) in reqs.iter().enumerate() {
+        target.begin_request((range.start + i) as u64);
+        let ids = &r.hash_ids;
+        let hit = target.lookup(ids)?;
+        target.store(ids, hit)?;
+        s.requested_blocks += ids.len() as u64;
+        s.hit_blocks += hit as u64;
+        s.hits_per_request
+            .push(u32::try_from(hit).unwrap_or(u32::MAX));
+        s.peak_blocks = s.peak_blocks.max(target.len_blocks());
+    }
+    Ok(s)
+}
+
+/// Replays the whole trace against `target`.
+pub fn replay(trace: &Trace, target: &mut dyn ReplayTarget) -> Result<ReplayStats> {
+    replay_range(trace, 0..trace.requests.len(), target)
+}
+
+/// Dry-run replay of the whole trace with `kind` at `capacity_blocks`.
+pub fn replay_dry(trace: &Trace, kind: PolicyKind, capacity_blocks: u64) -> Result<ReplayStats> {
+    let mut t = PolicyTarget::new(kind, trace, capacity_blocks);
+    replay(trace, &mut t)
+}
+
+/// Capacity in blocks for a fraction of the trace's distinct blocks.
+pub fn capacity_for_fraction(trace: &Trace, fraction: f64) -> u64 {
+    (trace.distinct_blocks() as f64 * fraction.clamp(0.0, 1.0)).floor() as u64
+}
+
+/// The G4 admission experiment: node A replays the first half of the trace
+/// writing to G4 per `admission`; node B, with its own empty G3 of the same
+/// capacity, replays the second half reading through the same G4.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct AdmissionReport {
+    /// Blocks written to G4 by both nodes.
+    pub g4_written_blocks: u64,
+    /// Node B's hit ratio (G3 and G4 hits).
+    pub node_b_hit_ratio: f64,
+    /// Node B's blocks served by G4.
+    pub node_b_g4_hit_blocks: u64,
+}
+
+/// Runs the two-node admission experiment (see [`AdmissionReport`]).
+pub fn measure_admission(
+    trace: &Trace,
+    kind: PolicyKind,
+    capacity_blocks: u64,
+    admission: G4Admission,
+) -> Result<AdmissionReport> {
+    let half = trace.requests.len() / 2;
+    let mut a = PolicyTarget::new(kind, trace, capacity_blocks).with_g4(G4Model {
+        admission,
+        ..G4Model::default()
+    });
+    replay_range(trace, 0..half, &mut a)?;
+    let g4 = a.g4.take().unwrap_or_default();
+    let written_a = g4.written_blocks;
+    let mut b = PolicyTarget::new(kind, trace, capacity_blocks).with_g4(G4Model {
+        written_blocks: 0,
+        hit_blocks: 0,
+        ..g4
+    });
+    let s = replay_range(trace, half..trace.requests.len(), &mut b)?;
+    let g4b = b.g4.unwrap_or_default();
+    Ok(AdmissionReport {
+        g4_written_blocks: written_a + g4b.written_blocks,
+        node_b_hit_ratio: s.hit_ratio(),
+        node_b_g4_hit_blocks: g4b.hit_blocks,
+    })
+}
+
+/// Modeled time to first token: prefill of the missed tokens vs loading
+/// the hit blocks.
+#[derive(Debug, Clone, Copy)]
+pub struct TtftModel {
+    /// Prefill throughput, tokens per second.
+    pub prefill_tokens_per_s: f64,
+    /// Load bandwidth for hit blocks, bytes per second.
+    pub load_bytes_per_s: f64,
+    /// Tokens per block (Mooncake traces: 512).
+    pub block_tokens: u64,
+    /// Bytes per block.
+    pub block_bytes: u64,
+}
+
+/// Mean and p90 TTFT with and without the cache.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct TtftSummary {
+    /// Mean TTFT with kvtier, ms.
+    pub mean_ms: f64,
+    /// p90 TTFT with kvtier, ms.
+    pub p90_ms: f64,
+    /// Mean TTFT recomputing everything, ms.
+    pub mean_ms_no_cache: f64,
+    /// p90 TTFT recomputing everything, ms.
+    pub p90_ms_no_cache: f64,
+}
+
+impl TtftModel {
+    /// TTFT of one request (ms) with `hit_blocks` loaded. A load slower than
+    /// recompute falls back to recompute, as the client does.
+    pub fn ttft_ms(&self, input_tokens: u64, hit_blocks: u64) -> f64 {
+        let prefill = |tokens: u64| tokens as f64 / self.prefill_tokens_per_s.max(1e-9);
+        let hit_tokens = (hit_blocks * self.block_tokens).min(input_tokens);
+        let load = (hit_blocks * self.block_bytes) as f64 / self.load_bytes_per_s.max(1e-9);
+        let with = prefill(input_tokens - hit_tokens) + load;
+        1e3 * with.min(prefill(input_tokens))
+    }
+
+    /// Summarises a replay of `trace`.
+    pub fn summarise(&self, trace: &Trace, stats: &ReplayStats) -> TtftSummary {
+        let mut with = Vec::with_capacity(stats.hits_per_request.len());
+        let mut without = Vec::with_capacity(stats.hits_per_request.len());
+        for (r, &h) in trace.requests.iter().zip(&stats.hits_per_request) {
+            with.push(self.ttft_ms(r.input_length, u64::from(h)));
+            without.push(self.ttft_ms(r.input_length, 0));
+        }
+        TtftSummary {
+            mean_ms: mean(&with),
+            p90_ms: p90(&mut with),
+            mean_ms_no_cache: mean(&without),
+            p90_ms_no_cache: p90(&mut without),
+        }
+    }
+}
+
+fn mean(v: &[f64]) -> f64 {
+    if v.is_empty() {
+        0.0
+    } else {
+        v.iter().sum::<f64>() / v.len() as f64
+    }
+}
+
+fn p90(v: &mut [f64]) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    let rank = (0.9 * v.len() as f64).ceil() as usize;
+    v[rank.clamp(1, v.len()) - 1]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prefix_hits_stop_at_first_miss() {
+        let t = Trace::parse(
+            "{\"hash_ids\": [1, 2, 3]}\n{\"hash_ids\": [1, 9, 3]}\n{\"hash_ids\": [1, 2, 3]}",
+        )
+        .unwrap();
+        let s = replay_dry(&t, PolicyKind::Lru, 100).unwrap();
+        assert_eq!(s.hits_per_request, vec![0, 1, 3]);
+        assert_eq!(s.requested_blocks, 9);
+        assert_eq!(s.peak_blocks, 4);
+    }
+
+    #[test]
+    fn ttft_model_falls_back_to_recompute() {
+        let m = TtftModel {
+            prefill_tokens_per_s: 1000.0,
+            load_bytes_per_s: 1000.0,
+            block_tokens: 10,
+            block_bytes: 1,
+        };
+        assert!((m.ttft_ms(100, 0) - 100.0).abs() < 1e-9);
+        assert!((m.ttft_ms(100, 5) - 55.0).abs() < 1e-9);
+        let slow = TtftModel {
+            load_bytes_per_s: 0.001,
+            ..m
+        };
+        assert!((slow.ttft_ms(100, 5) - 100.0).abs() < 1e-9);
+    }
+}

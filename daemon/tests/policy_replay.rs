@@ -1,0 +1,204 @@
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+//! Replay-level checks: LRU is exact, the default policy beats it on the
+//! real trace and on a synthetic agent-shaped one.
+
+use kvtier_daemon::policy::replay::{capacity_for_fraction, replay_dry, PolicyKind};
+use kvtier_daemon::policy::trace::{Request, Trace};
+use std::collections::VecDeque;
+use std::path::PathBuf;
+
+/// The simplest possible LRU: a list, most recent at the back.
+fn naive_lru(trace: &Trace, capacity: usize) -> Vec<u32> {
+    let mut list: VecDeque<u64> = VecDeque::new();
+    let mut out = Vec::new();
+    for r in &trace.requests {
+        let mut hit = 0;
+        for id in &r.hash_ids {
+            if let Some(pos) = list.iter().position(|x| x == id) {
+                list.remove(pos);
+                list.push_back(*id);
+                hit += 1;
+            } else {
+                break;
+            }
+        }
+        for id in &r.hash_ids[hit..] {
+            if list.contains(id) || capacity == 0 {
+                continue;
+            }
+            if list.len() >= capacity {
+                list.pop_front();
+            }
+            list.push_back(*id);
+        }
+        out.push(hit as u32);
+    }
+    out
+}
+
+/// A deterministic generator (xorshift) so tests need no seeds from outside.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+fn req(ids: Vec<u64>) -> Request {
+    Request {
+        timestamp: 0,
+        input_length: ids.len() as u64 * 512,
+        output_length: 0,
+        hash_ids: ids,
+    }
+}
+
+/// Conversations that grow turn by turn, sharing one system prompt block.
+fn chat_trace(seed: u64, requests: usize) -> Trace {
+    let mut rng = Rng(seed);
+    let mut next_id = 1u64;
+    let mut convs: Vec<Vec<u64>> = Vec::new();
+    let mut out = Vec::new();
+    for _ in 0..requests {
+        if convs.is_empty() || rng.below(3) == 0 {
+            convs.push(vec![0]);
+        }
+        let c = rng.below(convs.len() as u64) as usize;
+        let grow = 1 + rng.below(4);
+        for _ in 0..grow {
+            convs[c].push(next_id);
+            next_id += 1;
+        }
+        out.push(req(convs[c].clone()));
+    }
+    Trace { requests: out }
+}
+
+/// Agent-shaped: a few hot long system-prompt/tool prefixes, each request
+/// adds one-shot suffix blocks.
+fn agent_trace(seed: u64, requests: usize) -> Trace {
+    let mut rng = Rng(seed);
+    let prefixes: Vec<Vec<u64>> = (0..24u64)
+        .map(|p| {
+            (0..(8 + p % 5 * 6))
+                .map(|i| 1_000_000 * (p + 1) + i)
+                .collect()
+        })
+        .collect();
+    let mut next_id = 1u64;
+    let mut out = Vec::new();
+    for _ in 0..requests {
+        // Zipf-ish popularity: prefix p has weight 1 / (p + 1).
+        let total: f64 = (1..=prefixes.len()).map(|k| 1.0 / k as f64).sum();
+        let mut x = (rng.below(1 << 20) as f64 / f64::from(1 << 20)) * total;
+        let mut p = 0;
+        while p + 1 < prefixes.len() && x > 1.0 / (p + 1) as f64 {
+            x -= 1.0 / (p + 1) as f64;
+            p += 1;
+        }
+        let mut ids = prefixes[p].clone();
+        for _ in 0..(4 + rng.below(40)) {
+            ids.push(next_id);
+            next_id += 1;
+        }
+        out.push(req(ids));
+    }
+    Trace { requests: out }
+}
+
+#[test]
+fn lru_replay_matches_naive_lru_exactly() {
+    for (seed, cap) in [(1, 0), (2, 5), (3, 40), (4, 200), (5, 10_000)] {
+        let t = chat_trace(seed, 400);
+        let naive = naive_lru(&t, cap);
+        let s = replay_dry(&t, PolicyKind::Lru, cap as u64).unwrap();
+        assert_eq!(s.hits_per_request, naive, "seed {seed} capacity {cap}");
+        assert_eq!(
+            s.hit_blocks,
+            naive.iter().map(|&h| u64::from(h)).sum::<u64>()
+        );
+    }
+}
+
+fn check_not_worse(t: &Trace, what: &str) {
+    let ceiling = t.ceiling_hit_ratio();
+    for f in [0.02, 0.05, 0.1, 0.25, 0.5, 1.0] {
+        let cap = capacity_for_fraction(t, f);
+        let lru = replay_dry(t, PolicyKind::Lru, cap).unwrap().hit_ratio();
+        let def = replay_dry(t, PolicyKind::Default, cap).unwrap().hit_ratio();
+        let bel = replay_dry(t, PolicyKind::Belady, cap).unwrap().hit_ratio();
+        eprintln!("{what} {f}: lru {lru:.4} default {def:.4} belady {bel:.4} ceiling {ceiling:.4}");
+        assert!(
+            def >= lru - 0.003,
+            "{what} at {f}: default {def} < lru {lru}"
+        );
+        assert!(
+            bel + 1e-9 >= def && bel <= ceiling + 1e-9,
+            "{what} at {f}: belady {bel}"
+        );
+    }
+}
+
+#[test]
+fn default_not_worse_than_lru_on_synthetic_traces() {
+    check_not_worse(&chat_trace(7, 3000), "chat");
+    check_not_worse(&agent_trace(11, 3000), "agent");
+}
+
+fn real_trace() -> Option<Trace> {
+    // CI keeps shared/ beside the repository; a worktree may sit one deeper.
+    let repo = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let rel = "shared/workloads/mooncake/conversation_trace.jsonl";
+    let candidates = [repo.join("..").join(rel), repo.join("../..").join(rel)];
+    let Some(p) = candidates.iter().find(|p| p.exists()) else {
+        eprintln!(
+            "SKIP: Mooncake trace not found at {}",
+            candidates[0].display()
+        );
+        return None;
+    };
+    Some(Trace::load(p).unwrap())
+}
+
+#[test]
+fn default_beats_lru_on_mooncake_trace() {
+    let Some(t) = real_trace() else { return };
+    let fractions: Vec<f64> = match std::env::var("KVTIER_REPLAY_ALL") {
+        Ok(_) => vec![0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0],
+        Err(_) => vec![0.01, 0.05, 0.1, 0.25],
+    };
+    let ceiling = t.ceiling_hit_ratio();
+    assert!((ceiling - 0.366).abs() < 0.001, "ceiling {ceiling}");
+    for f in fractions {
+        let cap = capacity_for_fraction(&t, f);
+        let lru = replay_dry(&t, PolicyKind::Lru, cap).unwrap().hit_ratio();
+        let def = replay_dry(&t, PolicyKind::Default, cap)
+            .unwrap()
+            .hit_ratio();
+        eprintln!(
+            "mooncake {f}: lru {lru:.4} default {def:.4} (+{:.4})",
+            def - lru
+        );
+        assert!(def >= lru - 0.003, "at {f}: default {def} < lru {lru}");
+        // Issue targets: +0.02 at 5% and at 10%. Measured +0.0225 at 5%
+        // but +0.012 at 10% (docs/BENCHMARKS.md), so 10% guards the
+        // measured gain, not the unmet target.
+        let min_gain = if f == 0.05 {
+            0.02
+        } else if f == 0.1 {
+            0.01
+        } else {
+            0.0
+        };
+        assert!(
+            def >= lru + min_gain,
+            "at {f}: default {def} not +{min_gain} over lru {lru}"
+        );
+    }
+}

@@ -1,0 +1,260 @@
+//! `kvtier bench replay`: a Mooncake-format trace through the policy code
+//! the daemon runs, beside LRU from the same invocation, with a modeled
+//! time-to-first-token report.
+
+use super::common::emit;
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use kvtier_daemon::policy::admission::G4Admission;
+use kvtier_daemon::policy::replay::{
+    capacity_for_fraction, measure_admission, replay_dry, PolicyKind, ReplayStats, TtftModel,
+};
+use kvtier_daemon::policy::trace::Trace;
+use serde_json::{json, Map, Value};
+use std::path::PathBuf;
+use std::time::Instant;
+
+/// Arguments of `kvtier bench replay`.
+#[derive(Debug, Args)]
+pub struct ReplayArgs {
+    /// Trace in Mooncake JSONL format (timestamp, input_length,
+    /// output_length, hash_ids).
+    #[arg(long)]
+    trace: PathBuf,
+    /// Capacity in blocks.
+    #[arg(long, conflicts_with = "capacity_fraction")]
+    capacity_blocks: Option<u64>,
+    /// Capacity as a fraction of the trace's distinct blocks (0..=1).
+    #[arg(long)]
+    capacity_fraction: Option<f64>,
+    /// Policy: lru | default | belady (offline optimum).
+    #[arg(long, default_value = "default")]
+    policy: PolicyKind,
+    /// Replay without I/O (the default while no real target is given).
+    #[arg(long)]
+    dry_run: bool,
+    /// Block bytes for a replay against a real daemon (real I/O).
+    #[arg(long)]
+    block_size: Option<u64>,
+    /// Tokens per trace block (Mooncake: 512).
+    #[arg(long, default_value_t = 512)]
+    block_tokens: u64,
+    /// Modeled prefill rate, tokens per second.
+    #[arg(long, default_value_t = 8000.0)]
+    prefill_tokens_per_s: f64,
+    /// Modeled load bandwidth for hit blocks, GB/s.
+    #[arg(long, default_value_t = 5.0)]
+    load_gbps: f64,
+    /// Modeled bytes per block (default: Llama-3-8B bf16, 512 tokens).
+    #[arg(long, default_value_t = 64 << 20)]
+    model_block_bytes: u64,
+    /// One JSON document on stdout.
+    #[arg(long)]
+    json: bool,
+}
+
+fn stats_json(stats: &ReplayStats) -> Value {
+    json!({
+        "requested_blocks": stats.requested_blocks,
+        "hit_blocks": stats.hit_blocks,
+        "hit_ratio": stats.hit_ratio(),
+        "capacity_used_blocks": stats.peak_blocks,
+    })
+}
+
+/// Runs the replay and prints its report.
+pub fn run(a: ReplayArgs) -> Result<()> {
+    let report = report(&a)?;
+    emit(&report, a.json)
+}
+
+/// Runs the replay; the report as one JSON value.
+pub fn report(a: &ReplayArgs) -> Result<Value> {
+    if a.block_size.is_some() && !a.dry_run {
+        bail!(
+            "--block-size asks for a replay against a real daemon with real block bytes, \
+             and no such target exists in this build yet; run with --dry-run (or without \
+             --block-size) for the policy-only replay"
+        );
+    }
+    let trace =
+        Trace::load(&a.trace).with_context(|| format!("loading trace {}", a.trace.display()))?;
+    let distinct = trace.distinct_blocks();
+    let capacity = match (a.capacity_blocks, a.capacity_fraction) {
+        (Some(n), _) => n,
+        (None, Some(f)) if (0.0..=1.0).contains(&f) => capacity_for_fraction(&trace, f),
+        (None, Some(f)) => bail!("--capacity-fraction {f} must lie in 0..=1"),
+        (None, None) => bail!("give --capacity-blocks N or --capacity-fraction F"),
+    };
+    let model = TtftModel {
+        prefill_tokens_per_s: a.prefill_tokens_per_s,
+        load_bytes_per_s: a.load_gbps * 1e9,
+        block_tokens: a.block_tokens,
+        block_bytes: a.model_block_bytes,
+    };
+
+    let t0 = Instant::now();
+    let stats = replay_dry(&trace, a.policy, capacity)?;
+    let replay_s = t0.elapsed().as_secs_f64();
+    let ttft = model.summarise(&trace, &stats);
+
+    let mut out = Map::new();
+    out.insert("trace".into(), json!(a.trace.display().to_string()));
+    out.insert("target".into(), json!("dry-run"));
+    out.insert("policy".into(), json!(a.policy.name()));
+    out.insert("requests".into(), json!(trace.requests.len()));
+    out.insert("distinct_blocks".into(), json!(distinct));
+    out.insert("capacity_blocks".into(), json!(capacity));
+    out.insert(
+        "capacity_fraction".into(),
+        json!(capacity as f64 / distinct.max(1) as f64),
+    );
+    if let Value::Object(m) = stats_json(&stats) {
+        out.extend(m);
+    }
+    out.insert("ceiling_hit_ratio".into(), json!(trace.ceiling_hit_ratio()));
+    out.insert("replay_s".into(), json!(replay_s));
+    out.insert(
+        "ttft_model".into(),
+        json!({
+            "prefill_tokens_per_s": a.prefill_tokens_per_s,
+            "load_gbps": a.load_gbps,
+            "block_tokens": a.block_tokens,
+            "model_block_bytes": a.model_block_bytes,
+        }),
+    );
+    out.insert("ttft_mean_ms".into(), json!(ttft.mean_ms));
+    out.insert("ttft_p90_ms".into(), json!(ttft.p90_ms));
+    out.insert("ttft_mean_ms_no_cache".into(), json!(ttft.mean_ms_no_cache));
+    out.insert("ttft_p90_ms_no_cache".into(), json!(ttft.p90_ms_no_cache));
+    // Quotients are "higher is better": recompute time over kvtier time.
+    out.insert(
+        "ttft_mean_speedup_vs_baseline".into(),
+        json!(speedup(ttft.mean_ms_no_cache, ttft.mean_ms)),
+    );
+    out.insert(
+        "ttft_p90_speedup_vs_baseline".into(),
+        json!(speedup(ttft.p90_ms_no_cache, ttft.p90_ms)),
+    );
+
+    if a.policy != PolicyKind::Lru {
+        let base = replay_dry(&trace, PolicyKind::Lru, capacity)?;
+        out.insert("baseline_policy".into(), json!("lru"));
+        out.insert("hit_ratio_baseline".into(), json!(base.hit_ratio()));
+        out.insert(
+            "hit_ratio_vs_baseline".into(),
+            json!(if base.hit_ratio() > 0.0 {
+                stats.hit_ratio() / base.hit_ratio()
+            } else {
+                0.0
+            }),
+        );
+        let bt = model.summarise(&trace, &base);
+        out.insert("ttft_mean_ms_baseline".into(), json!(bt.mean_ms));
+        out.insert("ttft_p90_ms_baseline".into(), json!(bt.p90_ms));
+    }
+
+    if a.policy != PolicyKind::Belady {
+        // G4 admission: bytes written vs what a second node gains, each
+        // rule beside "write everything" as the baseline.
+        let all = measure_admission(&trace, a.policy, capacity, G4Admission::All)?;
+        let reuse = measure_admission(&trace, a.policy, capacity, G4Admission::AfterFirstReuse)?;
+        out.insert(
+            "g4_admission".into(),
+            json!({
+                "rule": G4Admission::AfterFirstReuse.name(),
+                "baseline_rule": G4Admission::All.name(),
+                "g4_written_blocks": reuse.g4_written_blocks,
+                "g4_written_blocks_baseline": all.g4_written_blocks,
+                "node_b_hit_ratio": reuse.node_b_hit_ratio,
+                "node_b_hit_ratio_baseline": all.node_b_hit_ratio,
+                "node_b_g4_hit_blocks": reuse.node_b_g4_hit_blocks,
+                "node_b_g4_hit_blocks_baseline": all.node_b_g4_hit_blocks,
+                "node_b_hit_ratio_vs_baseline": if all.node_b_hit_ratio > 0.0 {
+                    reuse.node_b_hit_ratio / all.node_b_hit_ratio
+                } else { 0.0 },
+                // Fewer writes is better: baseline writes over ours.
+                "g4_write_savings_vs_baseline": if reuse.g4_written_blocks > 0 {
+                    all.g4_written_blocks as f64 / reuse.g4_written_blocks as f64
+                } else { 0.0 },
+            }),
+        );
+    }
+    Ok(Value::Object(out))
+}
+
+fn speedup(no_cache: f64, with: f64) -> f64 {
+    if with > 0.0 {
+        no_cache / with
+    } else {
+        0.0
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Debug, Parser)]
+    struct Cli {
+        #[command(flatten)]
+        a: ReplayArgs,
+    }
+
+    fn args(extra: &[&str], trace: &std::path::Path) -> ReplayArgs {
+        let mut v = vec!["x", "--trace", trace.to_str().unwrap()];
+        v.extend_from_slice(extra);
+        Cli::try_parse_from(v).unwrap().a
+    }
+
+    #[test]
+    fn tiny_replay_report_has_the_contract() {
+        let dir = tempfile::tempdir().unwrap();
+        let trace = dir.path().join("t.jsonl");
+        let mut text = String::new();
+        for i in 0..50u64 {
+            text.push_str(&format!(
+                "{{\"timestamp\": {i}, \"input_length\": 2048, \"output_length\": 10, \"hash_ids\": [0, 1, {}, {}]}}\n",
+                100 + i % 7,
+                1000 + i
+            ));
+        }
+        std::fs::write(&trace, text).unwrap();
+        let r = report(&args(
+            &["--capacity-fraction", "0.5", "--policy", "default"],
+            &trace,
+        ))
+        .unwrap();
+        for k in [
+            "hit_ratio",
+            "ceiling_hit_ratio",
+            "capacity_blocks",
+            "capacity_used_blocks",
+            "hit_ratio_baseline",
+            "hit_ratio_vs_baseline",
+            "ttft_mean_ms",
+            "ttft_p90_ms",
+            "ttft_mean_ms_no_cache",
+            "ttft_mean_speedup_vs_baseline",
+            "g4_admission",
+        ] {
+            assert!(r.get(k).is_some(), "missing {k} in {r}");
+        }
+        assert!(r["hit_ratio"].as_f64().unwrap() <= r["ceiling_hit_ratio"].as_f64().unwrap());
+        // Only quotients end in _vs_baseline.
+        let lru = report(&args(
+            &["--capacity-blocks", "10", "--policy", "lru"],
+            &trace,
+        ))
+        .unwrap();
+        assert!(lru.get("hit_ratio_vs_baseline").is_none());
+        let err = report(&args(
+            &["--capacity-blocks", "10", "--block-size", "4096"],
+            &trace,
+        ))
+        .unwrap_err();
+        assert!(err.to_string().contains("no such target exists"), "{err}");
+    }
+}
