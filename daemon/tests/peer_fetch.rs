@@ -6,8 +6,8 @@ use kvtier_client::{encode_block, BlockHeader, BlockKey, KvLayout, Namespace, Na
 use kvtier_daemon::peer::auth::PeerKey;
 use kvtier_daemon::peer::wire::block_url_path;
 use kvtier_daemon::peer::{
-    placement, unix_ms_now, DirSource, PeerClient, PeerClientConfig, PeerFetch, PeerInfo, PeerLookup,
-    PeerMiss, PeerServer, PeerServerConfig, PeerSet, PeerSetConfig, PeerSource,
+    placement, unix_ms_now, DirSource, PeerClient, PeerClientConfig, PeerFetch, PeerInfo,
+    PeerLookup, PeerMiss, PeerServer, PeerServerConfig, PeerSet, PeerSetConfig, PeerSource,
 };
 use std::fs::File;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -40,9 +40,17 @@ async fn node(id: &str, tweak: impl FnOnce(&mut PeerServerConfig)) -> Node {
 }
 
 fn make_block(bytes: u64, seed: u64) -> (Namespace, BlockKey, Vec<u8>, Vec<u8>) {
-    let ns = Namespace::new("model", KvLayout::with_block_bytes(bytes).unwrap(), "", b"tenant".to_vec()).unwrap();
+    let ns = Namespace::new(
+        "model",
+        KvLayout::with_block_bytes(bytes).unwrap(),
+        "",
+        b"tenant".to_vec(),
+    )
+    .unwrap();
     let key = BlockKey::from_u64(seed);
-    let payload: Vec<u8> = (0..bytes).map(|i| (i.wrapping_mul(seed | 1) >> 3) as u8).collect();
+    let payload: Vec<u8> = (0..bytes)
+        .map(|i| (i.wrapping_mul(seed | 1) >> 3) as u8)
+        .collect();
     let h = BlockHeader::for_payload(&ns, key, &payload, 42);
     let file = encode_block(&h, &payload);
     (ns, key, payload, file)
@@ -85,7 +93,9 @@ async fn raw(addr: &str, path: &str, headers: &[(&str, String)]) -> (u16, Vec<u8
 fn auth(secret: &[u8], path: &str, range: &str, unix_ms: u64) -> (&'static str, String) {
     (
         "Authorization",
-        PeerKey::from_secret(secret).unwrap().sign("GET", path, range, unix_ms),
+        PeerKey::from_secret(secret)
+            .unwrap()
+            .sign("GET", path, range, unix_ms),
     )
 }
 
@@ -96,14 +106,27 @@ async fn block_on_a_is_fetched_by_c_byte_identical() {
     let (ns, key, payload, file) = make_block(3 << 20, 7);
     let on_disk = a.src.write_block(&ns.id(), &key, &file).unwrap();
     let c = set("c", &[&a.info, &b.info], |_| {});
-    match c.fetch(&ns.id(), &key, Instant::now() + Duration::from_secs(10)).await {
-        PeerLookup::Hit { peer, block, attempts } => {
+    match c
+        .fetch(&ns.id(), &key, Instant::now() + Duration::from_secs(10))
+        .await
+    {
+        PeerLookup::Hit {
+            peer,
+            block,
+            attempts,
+        } => {
             assert_eq!(peer.id, "a");
             assert_eq!(block.payload, payload);
-            assert_eq!(encode_block(&block.header, &block.payload), std::fs::read(on_disk).unwrap());
+            assert_eq!(
+                encode_block(&block.header, &block.payload),
+                std::fs::read(on_disk).unwrap()
+            );
             // b, if asked first, said it does not hold the block.
             for at in attempts {
-                assert_eq!((at.peer_id.as_str(), at.miss), ("b", Some(PeerMiss::Absent)));
+                assert_eq!(
+                    (at.peer_id.as_str(), at.miss),
+                    ("b", Some(PeerMiss::Absent))
+                );
             }
         }
         other => panic!("expected a hit, got {other:?}"),
@@ -113,7 +136,13 @@ async fn block_on_a_is_fetched_by_c_byte_identical() {
     assert_eq!(m.bytes, file.len() as u64);
     assert_eq!(m.corrupt, 0);
     // A block nobody holds is a miss, not an error.
-    let absent = c.fetch(&ns.id(), &BlockKey::from_u64(99), Instant::now() + Duration::from_secs(5)).await;
+    let absent = c
+        .fetch(
+            &ns.id(),
+            &BlockKey::from_u64(99),
+            Instant::now() + Duration::from_secs(5),
+        )
+        .await;
     assert!(matches!(absent, PeerLookup::Miss { .. }));
     assert_eq!(absent.tier(), None);
 }
@@ -126,14 +155,22 @@ async fn down_and_slow_peers_miss_within_the_deadline() {
     let (ns, key, _, file) = make_block(64 << 10, 3);
     let c = set("c", &[&a_info], |_| {});
     let t = Instant::now();
-    let got = c.fetch(&ns.id(), &key, Instant::now() + Duration::from_millis(1500)).await;
-    assert!(t.elapsed() < Duration::from_millis(1500), "took {:?}", t.elapsed());
+    let got = c
+        .fetch(&ns.id(), &key, Instant::now() + Duration::from_millis(1500))
+        .await;
+    assert!(
+        t.elapsed() < Duration::from_millis(1500),
+        "took {:?}",
+        t.elapsed()
+    );
     match got {
         PeerLookup::Miss { attempts } => assert_eq!(attempts[0].miss, Some(PeerMiss::Unavailable)),
         other => panic!("{other:?}"),
     }
     // Marked down: the next lookup skips it without connecting.
-    let again = c.fetch(&ns.id(), &key, Instant::now() + Duration::from_secs(1)).await;
+    let again = c
+        .fetch(&ns.id(), &key, Instant::now() + Duration::from_secs(1))
+        .await;
     match again {
         PeerLookup::Miss { attempts } => assert_eq!(attempts[0].miss, None),
         other => panic!("{other:?}"),
@@ -156,10 +193,19 @@ async fn down_and_slow_peers_miss_within_the_deadline() {
     let (ns2, key2, payload2, file2) = make_block(64 << 10, k);
     assert_eq!(ns2.id(), ns.id());
     good.src.write_block(&ns2.id(), &key2, &file2).unwrap();
-    let c = set("c", &[&slow_info, &good.info], |cfg| cfg.per_peer_timeout_ms = 300);
+    let c = set("c", &[&slow_info, &good.info], |cfg| {
+        cfg.per_peer_timeout_ms = 300
+    });
     let t = Instant::now();
-    match c.fetch(&ns2.id(), &key2, Instant::now() + Duration::from_secs(3)).await {
-        PeerLookup::Hit { peer, block, attempts } => {
+    match c
+        .fetch(&ns2.id(), &key2, Instant::now() + Duration::from_secs(3))
+        .await
+    {
+        PeerLookup::Hit {
+            peer,
+            block,
+            attempts,
+        } => {
             assert_eq!(peer.id, "good");
             assert_eq!(block.payload, payload2);
             assert_eq!(attempts[0].peer_id, "slow");
@@ -167,7 +213,11 @@ async fn down_and_slow_peers_miss_within_the_deadline() {
         }
         other => panic!("{other:?}"),
     }
-    assert!(t.elapsed() < Duration::from_secs(2), "took {:?}", t.elapsed());
+    assert!(
+        t.elapsed() < Duration::from_secs(2),
+        "took {:?}",
+        t.elapsed()
+    );
     assert_eq!(c.metrics().timeout, 1);
     let _ = file;
 }
@@ -184,8 +234,15 @@ async fn lying_peer_is_rejected_counted_and_skipped() {
     honest.src.write_block(&ns.id(), &key, &file).unwrap();
 
     let c = set("c", &[&liar.info, &honest.info], |_| {});
-    match c.fetch(&ns.id(), &key, Instant::now() + Duration::from_secs(5)).await {
-        PeerLookup::Hit { peer, block, attempts } => {
+    match c
+        .fetch(&ns.id(), &key, Instant::now() + Duration::from_secs(5))
+        .await
+    {
+        PeerLookup::Hit {
+            peer,
+            block,
+            attempts,
+        } => {
             assert_eq!(peer.id, "honest");
             assert_eq!(block.payload, payload);
             assert_eq!(attempts.len(), 1);
@@ -196,7 +253,10 @@ async fn lying_peer_is_rejected_counted_and_skipped() {
     }
     assert_eq!(c.metrics().corrupt, 1);
     // Quarantined: skipped on the next lookup.
-    match c.fetch(&ns.id(), &key, Instant::now() + Duration::from_secs(5)).await {
+    match c
+        .fetch(&ns.id(), &key, Instant::now() + Duration::from_secs(5))
+        .await
+    {
         PeerLookup::Hit { peer, attempts, .. } => {
             assert_eq!(peer.id, "honest");
             assert_eq!(attempts[0].miss, None);
@@ -207,7 +267,10 @@ async fn lying_peer_is_rejected_counted_and_skipped() {
 
     // Only the liar holds it: a miss, never its bytes.
     let only = set("c", &[&liar.info], |_| {});
-    match only.fetch(&ns.id(), &key, Instant::now() + Duration::from_secs(5)).await {
+    match only
+        .fetch(&ns.id(), &key, Instant::now() + Duration::from_secs(5))
+        .await
+    {
         PeerLookup::Miss { attempts } => assert_eq!(attempts[0].miss, Some(PeerMiss::Corrupt)),
         other => panic!("{other:?}"),
     }
@@ -215,7 +278,14 @@ async fn lying_peer_is_rejected_counted_and_skipped() {
     let client = PeerClient::new(PeerClientConfig::new(SECRET)).unwrap();
     let addr = liar.info.address.clone();
     assert!(matches!(
-        client.fetch(&addr, &ns.id(), &key, Instant::now() + Duration::from_secs(5)).await,
+        client
+            .fetch(
+                &addr,
+                &ns.id(),
+                &key,
+                Instant::now() + Duration::from_secs(5)
+            )
+            .await,
         PeerFetch::Miss(PeerMiss::Corrupt)
     ));
     assert_eq!(client.metrics().snapshot().corrupt, 1);
@@ -238,18 +308,32 @@ async fn unauthenticated_wrong_secret_and_stale_requests_get_401() {
     let future = auth(SECRET, &path, "", now + 120_000);
     assert_eq!(raw(&addr, &path, &[future]).await.0, 401);
     // Signed for another block: refused for this one.
-    let other = auth(SECRET, &block_url_path(&ns.id(), &BlockKey::from_u64(6)), "", now);
+    let other = auth(
+        SECRET,
+        &block_url_path(&ns.id(), &BlockKey::from_u64(6)),
+        "",
+        now,
+    );
     assert_eq!(raw(&addr, &path, &[other]).await.0, 401);
     // Signed without a range, replayed with one: refused.
     let no_range = auth(SECRET, &path, "", now);
     assert_eq!(
-        raw(&addr, &path, &[no_range, ("Range", "bytes=0-9".into())]).await.0,
+        raw(&addr, &path, &[no_range, ("Range", "bytes=0-9".into())])
+            .await
+            .0,
         401
     );
     // A client with the wrong secret sees a miss.
-    let bad = PeerClient::new(PeerClientConfig::new(b"another-secret-0123456789".to_vec())).unwrap();
+    let bad =
+        PeerClient::new(PeerClientConfig::new(b"another-secret-0123456789".to_vec())).unwrap();
     assert!(matches!(
-        bad.fetch(&addr, &ns.id(), &key, Instant::now() + Duration::from_secs(5)).await,
+        bad.fetch(
+            &addr,
+            &ns.id(),
+            &key,
+            Instant::now() + Duration::from_secs(5)
+        )
+        .await,
         PeerFetch::Miss(PeerMiss::Unavailable)
     ));
     assert_eq!(a.server.metrics().unauthorized.load(Ordering::Relaxed), 7);
@@ -268,7 +352,12 @@ async fn unauthenticated_wrong_secret_and_stale_requests_get_401() {
     assert_eq!(st, 206);
     assert_eq!(body, &file[4090..4106]);
     let past = format!("bytes={}-", file.len());
-    let (st, _) = raw(&addr, &path, &[auth(SECRET, &path, &past, now), ("Range", past.clone())]).await;
+    let (st, _) = raw(
+        &addr,
+        &path,
+        &[auth(SECRET, &path, &past, now), ("Range", past.clone())],
+    )
+    .await;
     assert_eq!(st, 416);
 }
 
@@ -278,7 +367,11 @@ struct Counting {
     opens: AtomicU64,
 }
 impl PeerSource for Counting {
-    fn open_block(&self, ns: &NamespaceId, key: &BlockKey) -> kvtier_daemon::Result<Option<(File, u64)>> {
+    fn open_block(
+        &self,
+        ns: &NamespaceId,
+        key: &BlockKey,
+    ) -> kvtier_daemon::Result<Option<(File, u64)>> {
         self.opens.fetch_add(1, Ordering::Relaxed);
         self.inner.open_block(ns, key)
     }
@@ -295,7 +388,9 @@ async fn hostile_paths_are_refused_without_touching_the_store() {
         inner: DirSource::new(&root),
         opens: AtomicU64::new(0),
     });
-    let server = PeerServer::start(PeerServerConfig::new(SECRET), src.clone()).await.unwrap();
+    let server = PeerServer::start(PeerServerConfig::new(SECRET), src.clone())
+        .await
+        .unwrap();
     let addr = server.local_addr().to_string();
     let nsx = NamespaceId([0x11; 16]).to_hex();
     let now = unix_ms_now();
@@ -330,7 +425,11 @@ async fn hostile_paths_are_refused_without_touching_the_store() {
         .unwrap();
     let mut out = Vec::new();
     s.read_to_end(&mut out).await.unwrap();
-    assert!(out.starts_with(b"HTTP/1.1 405"), "{}", String::from_utf8_lossy(&out));
+    assert!(
+        out.starts_with(b"HTTP/1.1 405"),
+        "{}",
+        String::from_utf8_lossy(&out)
+    );
     // A well-formed signed request for an absent block does reach the store.
     let p = format!("/v1/blocks/{nsx}/abcd");
     assert_eq!(raw(&addr, &p, &[auth(SECRET, &p, "", now)]).await.0, 404);
@@ -364,7 +463,14 @@ async fn transfer_limit_answers_503_at_once() {
     assert!(t.elapsed() < Duration::from_secs(1));
     let client = PeerClient::new(PeerClientConfig::new(SECRET)).unwrap();
     assert!(matches!(
-        client.fetch(&addr, &ns.id(), &key, Instant::now() + Duration::from_secs(5)).await,
+        client
+            .fetch(
+                &addr,
+                &ns.id(),
+                &key,
+                Instant::now() + Duration::from_secs(5)
+            )
+            .await,
         PeerFetch::Miss(PeerMiss::Unavailable)
     ));
     assert_eq!(a.server.metrics().busy.load(Ordering::Relaxed), 2);
@@ -372,7 +478,15 @@ async fn transfer_limit_answers_503_at_once() {
     drop(hog);
     let t = Instant::now();
     loop {
-        match client.fetch(&addr, &ns.id(), &key, Instant::now() + Duration::from_secs(10)).await {
+        match client
+            .fetch(
+                &addr,
+                &ns.id(),
+                &key,
+                Instant::now() + Duration::from_secs(10),
+            )
+            .await
+        {
             PeerFetch::Hit(b) => {
                 assert_eq!(b.payload.len(), payload.len());
                 assert!(b.payload == payload);
@@ -380,7 +494,10 @@ async fn transfer_limit_answers_503_at_once() {
             }
             PeerFetch::Miss(m) => {
                 assert_eq!(m, PeerMiss::Unavailable);
-                assert!(t.elapsed() < Duration::from_secs(10), "permit never released");
+                assert!(
+                    t.elapsed() < Duration::from_secs(10),
+                    "permit never released"
+                );
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
         }
@@ -391,7 +508,9 @@ async fn transfer_limit_answers_503_at_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bench_helpers_measure_both_paths() {
     let dir = tempfile::tempdir().unwrap();
-    let r = kvtier_daemon::peer::bench::loopback_compare(dir.path(), 4, 256 << 10, 2).await.unwrap();
+    let r = kvtier_daemon::peer::bench::loopback_compare(dir.path(), 4, 256 << 10, 2)
+        .await
+        .unwrap();
     assert_eq!(r.rounds, 2);
     assert_eq!(r.bytes_per_round, 4 * (256 << 10) + 4 * HEADER_BYTES as u64);
     assert!(r.peer_gbps > 0.0 && r.raw_gbps > 0.0, "{r:?}");
@@ -404,8 +523,16 @@ async fn server_binds_loopback_by_default_and_checks_config() {
     assert!(!cfg.corrupt_responses_for_tests);
     assert!(!format!("{cfg:?}").contains("test-secret"));
     let short = PeerServerConfig::new(b"short".to_vec());
-    assert!(PeerServer::start(short, Arc::new(DirSource::new("/nonexistent"))).await.is_err());
+    assert!(
+        PeerServer::start(short, Arc::new(DirSource::new("/nonexistent")))
+            .await
+            .is_err()
+    );
     let mut zero = PeerServerConfig::new(SECRET);
     zero.transfers_max = 0;
-    assert!(PeerServer::start(zero, Arc::new(DirSource::new("/nonexistent"))).await.is_err());
+    assert!(
+        PeerServer::start(zero, Arc::new(DirSource::new("/nonexistent")))
+            .await
+            .is_err()
+    );
 }

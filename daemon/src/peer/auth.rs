@@ -114,7 +114,10 @@ mod tests {
         let k = PeerKey::from_secret(b"0123456789abcdef-secret").unwrap();
         let other = PeerKey::from_secret(b"another-secret-0123456").unwrap();
         let h = k.sign("GET", "/v1/blocks/x/y", "", 1000);
-        assert_eq!(k.verify(Some(&h), "GET", "/v1/blocks/x/y", "", 1500, 1000), Ok(()));
+        assert_eq!(
+            k.verify(Some(&h), "GET", "/v1/blocks/x/y", "", 1500, 1000),
+            Ok(())
+        );
         assert_eq!(
             other.verify(Some(&h), "GET", "/v1/blocks/x/y", "", 1500, 1000),
             Err(AuthFault::BadSignature)
@@ -131,9 +134,21 @@ mod tests {
             k.verify(Some(&h), "GET", "/v1/blocks/x/y", "", 2001, 1000),
             Err(AuthFault::Stale)
         );
-        assert_eq!(k.verify(None, "GET", "/", "", 0, 1), Err(AuthFault::Missing));
-        for bad in ["Bearer x", "kvtier-hmac", "kvtier-hmac 1:zz", "kvtier-hmac :00", "kvtier-hmac 1"] {
-            assert_eq!(k.verify(Some(bad), "GET", "/", "", 1, 10), Err(AuthFault::Malformed));
+        assert_eq!(
+            k.verify(None, "GET", "/", "", 0, 1),
+            Err(AuthFault::Missing)
+        );
+        for bad in [
+            "Bearer x",
+            "kvtier-hmac",
+            "kvtier-hmac 1:zz",
+            "kvtier-hmac :00",
+            "kvtier-hmac 1",
+        ] {
+            assert_eq!(
+                k.verify(Some(bad), "GET", "/", "", 1, 10),
+                Err(AuthFault::Malformed)
+            );
         }
         assert!(PeerKey::from_secret(b"short").is_err());
         assert_eq!(format!("{k:?}"), "PeerKey(..)");

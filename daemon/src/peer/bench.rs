@@ -14,6 +14,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// Blocks of a bench, by namespace and key.
+pub type BlockIds = Vec<(NamespaceId, BlockKey)>;
+
 /// One timed transfer.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Transfer {
@@ -43,26 +46,37 @@ impl Transfer {
 pub fn raw_tcp_transfer(files: &[PathBuf], chunk_bytes: usize) -> Result<Transfer> {
     let io = |op: &'static str, p: &str, e| Error::io(op, p.to_string(), e);
     let listener = TcpListener::bind("127.0.0.1:0").map_err(|e| io("binding", "127.0.0.1:0", e))?;
-    let addr = listener.local_addr().map_err(|e| io("reading", "listener", e))?;
+    let addr = listener
+        .local_addr()
+        .map_err(|e| io("reading", "listener", e))?;
     let mut lens = Vec::with_capacity(files.len());
     for f in files {
-        lens.push(std::fs::metadata(f).map_err(|e| Error::io("stat", f, e))?.len());
+        lens.push(
+            std::fs::metadata(f)
+                .map_err(|e| Error::io("stat", f, e))?
+                .len(),
+        );
     }
     let sender_files = files.to_vec();
     let chunk = chunk_bytes.max(4096);
     let start = Instant::now();
     let sender = std::thread::spawn(move || -> Result<()> {
-        let (mut sock, _) = listener.accept().map_err(|e| Error::io("accepting", "baseline", e))?;
+        let (mut sock, _) = listener
+            .accept()
+            .map_err(|e| Error::io("accepting", "baseline", e))?;
         let _ = sock.set_nodelay(true);
         let mut buf = vec![0u8; chunk];
         for f in &sender_files {
             let mut file = std::fs::File::open(f).map_err(|e| Error::io("opening", f, e))?;
             loop {
-                let n = file.read(&mut buf).map_err(|e| Error::io("reading", f, e))?;
+                let n = file
+                    .read(&mut buf)
+                    .map_err(|e| Error::io("reading", f, e))?;
                 if n == 0 {
                     break;
                 }
-                sock.write_all(&buf[..n]).map_err(|e| Error::io("sending", "baseline", e))?;
+                sock.write_all(&buf[..n])
+                    .map_err(|e| Error::io("sending", "baseline", e))?;
             }
         }
         Ok(())
@@ -71,17 +85,16 @@ pub fn raw_tcp_transfer(files: &[PathBuf], chunk_bytes: usize) -> Result<Transfe
     let mut total = 0u64;
     for len in &lens {
         let mut dst = vec![0u8; *len as usize];
-        sock.read_exact(&mut dst).map_err(|e| io("receiving", "baseline", e))?;
+        sock.read_exact(&mut dst)
+            .map_err(|e| io("receiving", "baseline", e))?;
         total += len;
         std::hint::black_box(&dst);
     }
     let elapsed = start.elapsed();
-    sender
-        .join()
-        .map_err(|_| Error::Peer {
-            peer: addr.to_string(),
-            detail: "baseline sender thread panicked".into(),
-        })??;
+    sender.join().map_err(|_| Error::Peer {
+        peer: addr.to_string(),
+        detail: "baseline sender thread panicked".into(),
+    })??;
     Ok(Transfer::new(total, elapsed))
 }
 
@@ -96,7 +109,10 @@ pub async fn peer_fetch(
     let start = Instant::now();
     let mut total = 0u64;
     for (ns, key) in blocks {
-        match client.fetch(address, ns, key, Instant::now() + timeout_per_block).await {
+        match client
+            .fetch(address, ns, key, Instant::now() + timeout_per_block)
+            .await
+        {
             PeerFetch::Hit(b) => total += b.header.file_len(),
             PeerFetch::Miss(m) => {
                 return Err(Error::Peer {
@@ -111,18 +127,21 @@ pub async fn peer_fetch(
 
 /// Writes `n` blocks of `block_bytes` payload into a [`DirSource`] layout
 /// under `dir`; returns their ids and file paths.
-pub fn write_blocks(
-    dir: &Path,
-    n: usize,
-    block_bytes: u64,
-) -> Result<(Vec<(NamespaceId, BlockKey)>, Vec<PathBuf>)> {
-    let ns = Namespace::new("bench", KvLayout::with_block_bytes(block_bytes)?, "", b"bench".to_vec())?;
+pub fn write_blocks(dir: &Path, n: usize, block_bytes: u64) -> Result<(BlockIds, Vec<PathBuf>)> {
+    let ns = Namespace::new(
+        "bench",
+        KvLayout::with_block_bytes(block_bytes)?,
+        "",
+        b"bench".to_vec(),
+    )?;
     let src = DirSource::new(dir);
     let mut ids = Vec::with_capacity(n);
     let mut paths = Vec::with_capacity(n);
     for i in 0..n {
         let key = BlockKey::from_u64(0xb0_0000 + i as u64);
-        let payload: Vec<u8> = (0..block_bytes).map(|j| (j as u8) ^ (i as u8).wrapping_mul(37)).collect();
+        let payload: Vec<u8> = (0..block_bytes)
+            .map(|j| (j as u8) ^ (i as u8).wrapping_mul(37))
+            .collect();
         let h = BlockHeader::for_payload(&ns, key, &payload, 1);
         paths.push(src.write_block(&ns.id(), &key, &encode_block(&h, &payload))?);
         ids.push((ns.id(), key));
@@ -146,10 +165,19 @@ pub struct LoopbackComparison {
 /// In-process comparison: writes `n` blocks under `dir`, serves them with a
 /// [`PeerServer`] on loopback and alternates raw-TCP and peer-fetch rounds
 /// (A B A B ...), returning medians. Page-cache warm on both sides.
-pub async fn loopback_compare(dir: &Path, n: usize, block_bytes: u64, rounds: usize) -> Result<LoopbackComparison> {
+pub async fn loopback_compare(
+    dir: &Path,
+    n: usize,
+    block_bytes: u64,
+    rounds: usize,
+) -> Result<LoopbackComparison> {
     let (ids, paths) = write_blocks(dir, n, block_bytes)?;
     let secret = b"bench-secret-not-for-production".to_vec();
-    let server = PeerServer::start(PeerServerConfig::new(secret.clone()), Arc::new(DirSource::new(dir))).await?;
+    let server = PeerServer::start(
+        PeerServerConfig::new(secret.clone()),
+        Arc::new(DirSource::new(dir)),
+    )
+    .await?;
     let client = PeerClient::new(super::client::PeerClientConfig::new(secret))?;
     let addr = server.local_addr().to_string();
     let (mut peer, mut raw) = (Vec::new(), Vec::new());

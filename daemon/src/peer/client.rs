@@ -8,8 +8,8 @@
 //! returned; every other path is a [`PeerMiss`] value.
 
 use super::auth::PeerKey;
-use super::wire::block_url_path;
 use super::unix_ms_now;
+use super::wire::block_url_path;
 use crate::error::Result;
 use crate::tier::Block;
 use bytes::Buf;
@@ -224,26 +224,26 @@ impl PeerClient {
         let connect_budget = deadline
             .saturating_duration_since(Instant::now())
             .min(Duration::from_millis(self.cfg.connect_timeout_ms));
-        let stream = match tokio::time::timeout(
-            connect_budget,
-            tokio::net::TcpStream::connect(address),
-        )
-        .await
-        {
-            Ok(Ok(s)) => s,
-            Ok(Err(_)) => return Miss(PeerMiss::Unavailable),
-            Err(_) => {
-                return Miss(if Instant::now() >= deadline {
-                    PeerMiss::Timeout
-                } else {
-                    PeerMiss::Unavailable
-                })
-            }
-        };
+        let stream =
+            match tokio::time::timeout(connect_budget, tokio::net::TcpStream::connect(address))
+                .await
+            {
+                Ok(Ok(s)) => s,
+                Ok(Err(_)) => return Miss(PeerMiss::Unavailable),
+                Err(_) => {
+                    return Miss(if Instant::now() >= deadline {
+                        PeerMiss::Timeout
+                    } else {
+                        PeerMiss::Unavailable
+                    })
+                }
+            };
         let _ = stream.set_nodelay(true);
         let (mut sender, conn) =
-            match hyper::client::conn::http1::handshake::<_, Empty<bytes::Bytes>>(TokioIo::new(stream))
-                .await
+            match hyper::client::conn::http1::handshake::<_, Empty<bytes::Bytes>>(TokioIo::new(
+                stream,
+            ))
+            .await
             {
                 Ok(v) => v,
                 Err(_) => return Miss(PeerMiss::Unavailable),
@@ -271,7 +271,9 @@ impl PeerClient {
             StatusCode::NOT_FOUND => return Miss(PeerMiss::Absent),
             s => {
                 if s == StatusCode::UNAUTHORIZED {
-                    tracing::warn!("peer {address} refused our signature: check peer.secret and clock sync");
+                    tracing::warn!(
+                        "peer {address} refused our signature: check peer.secret and clock sync"
+                    );
                 }
                 return Miss(PeerMiss::Unavailable);
             }
@@ -322,7 +324,12 @@ struct Receiver<'a> {
 }
 
 impl<'a> Receiver<'a> {
-    fn new(ns: &'a NamespaceId, key: &'a BlockKey, block_bytes_max: u64, declared_len: Option<u64>) -> Self {
+    fn new(
+        ns: &'a NamespaceId,
+        key: &'a BlockKey,
+        block_bytes_max: u64,
+        declared_len: Option<u64>,
+    ) -> Self {
         Receiver {
             ns,
             key,
@@ -394,14 +401,25 @@ mod tests {
     use kvtier_client::{encode_block, KvLayout, Namespace};
 
     fn block(bytes: u64) -> (NamespaceId, BlockKey, Vec<u8>, Vec<u8>) {
-        let ns = Namespace::new("m", KvLayout::with_block_bytes(bytes).unwrap(), "", b"t".to_vec()).unwrap();
+        let ns = Namespace::new(
+            "m",
+            KvLayout::with_block_bytes(bytes).unwrap(),
+            "",
+            b"t".to_vec(),
+        )
+        .unwrap();
         let key = BlockKey::from_u64(7);
         let payload: Vec<u8> = (0..bytes).map(|i| (i * 31 % 251) as u8).collect();
         let h = BlockHeader::for_payload(&ns, key, &payload, 1);
         (ns.id(), key, encode_block(&h, &payload), payload)
     }
 
-    fn run(ns: &NamespaceId, key: &BlockKey, file: &[u8], split: usize) -> std::result::Result<Block, ()> {
+    fn run(
+        ns: &NamespaceId,
+        key: &BlockKey,
+        file: &[u8],
+        split: usize,
+    ) -> std::result::Result<Block, ()> {
         let mut r = Receiver::new(ns, key, 1 << 30, Some(file.len() as u64));
         for c in file.chunks(split) {
             r.feed(c)?;
@@ -411,7 +429,7 @@ mod tests {
 
     #[test]
     fn receiver_accepts_exact_file_in_any_split() {
-        let (ns, key, file, payload) = block(10_000);
+        let (ns, key, file, payload) = block(10_016);
         for split in [1, 7, 4096, 5000, 1 << 20] {
             let b = run(&ns, &key, &file, split).unwrap();
             assert_eq!(b.payload, payload);
@@ -420,7 +438,7 @@ mod tests {
 
     #[test]
     fn receiver_rejects_every_lie() {
-        let (ns, key, file, _) = block(10_000);
+        let (ns, key, file, _) = block(10_016);
         // Flipped byte anywhere: header, payload, padding.
         for at in [0, 100, HEADER_BYTES, HEADER_BYTES + 9_999, file.len() - 1] {
             let mut f = file.clone();

@@ -7,7 +7,7 @@
 //! and falls out after its TTL. Clocks must agree to within a fraction of
 //! the TTL (run NTP). Pass a `PrefixStore` to share a bucket with other data.
 
-use super::{validate_address, validate_node_id, unix_ms_now, PeerInfo};
+use super::{unix_ms_now, validate_address, validate_node_id, PeerInfo};
 use crate::error::{Error, Result};
 use futures::TryStreamExt;
 use object_store::path::Path;
@@ -49,7 +49,12 @@ fn os_err(op: &'static str, location: &Path, e: object_store::Error) -> Error {
 }
 
 /// Writes (or refreshes) this node's heartbeat, valid for `ttl_ms`.
-pub async fn publish(store: &dyn ObjectStore, node_id: &str, address: &str, ttl_ms: u64) -> Result<Heartbeat> {
+pub async fn publish(
+    store: &dyn ObjectStore,
+    node_id: &str,
+    address: &str,
+    ttl_ms: u64,
+) -> Result<Heartbeat> {
     validate_node_id(node_id)?;
     validate_address(address)?;
     let now = unix_ms_now();
@@ -83,13 +88,23 @@ pub async fn withdraw(store: &dyn ObjectStore, node_id: &str) -> Result<()> {
 
 /// Live peers other than `self_id`, as of `now_unix_ms`, sorted by id.
 /// Malformed, oversized or expired heartbeats are skipped, not errors.
-pub async fn discover(store: &dyn ObjectStore, self_id: &str, now_unix_ms: u64) -> Result<Vec<PeerInfo>> {
+pub async fn discover(
+    store: &dyn ObjectStore,
+    self_id: &str,
+    now_unix_ms: u64,
+) -> Result<Vec<PeerInfo>> {
     let prefix = Path::from(NODES_PREFIX);
     let mut metas = Vec::new();
     let mut listing = store.list(Some(&prefix));
-    while let Some(m) = listing.try_next().await.map_err(|e| os_err("list", &prefix, e))? {
+    while let Some(m) = listing
+        .try_next()
+        .await
+        .map_err(|e| os_err("list", &prefix, e))?
+    {
         if metas.len() >= NODES_MAX {
-            tracing::warn!("more than {NODES_MAX} heartbeats under {NODES_PREFIX}/; ignoring the rest");
+            tracing::warn!(
+                "more than {NODES_MAX} heartbeats under {NODES_PREFIX}/; ignoring the rest"
+            );
             break;
         }
         metas.push(m);
@@ -159,7 +174,9 @@ impl HeartbeatTask {
         if period_ms == 0 || ttl_ms <= period_ms {
             return Err(Error::Config {
                 key: "peer.heartbeat_ttl_ms".into(),
-                problem: format!("ttl {ttl_ms} ms must exceed the period {period_ms} ms (3x is advised)"),
+                problem: format!(
+                    "ttl {ttl_ms} ms must exceed the period {period_ms} ms (3x is advised)"
+                ),
             });
         }
         publish(store.as_ref(), &node_id, &address, ttl_ms).await?;

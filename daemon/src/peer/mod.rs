@@ -29,7 +29,9 @@ pub mod set;
 pub mod source;
 pub mod wire;
 
-pub use client::{PeerClient, PeerClientConfig, PeerFetch, PeerMetrics, PeerMetricsSnapshot, PeerMiss};
+pub use client::{
+    PeerClient, PeerClientConfig, PeerFetch, PeerMetrics, PeerMetricsSnapshot, PeerMiss,
+};
 pub use discovery::{Heartbeat, HeartbeatTask};
 pub use server::{PeerServer, PeerServerConfig};
 pub use set::{PeerAttempt, PeerLookup, PeerSet, PeerSetConfig};
@@ -134,7 +136,16 @@ mod tests {
         for ok in ["127.0.0.1:7401", "node-a.internal:80", "[::1]:7401"] {
             validate_address(ok).unwrap();
         }
-        for bad in ["", "host", "host:0", "host:99999", ":80", "a b:1", "x/y:1", "u@h:1"] {
+        for bad in [
+            "",
+            "host",
+            "host:0",
+            "host:99999",
+            ":80",
+            "a b:1",
+            "x/y:1",
+            "u@h:1",
+        ] {
             assert!(validate_address(bad).is_err(), "{bad:?}");
         }
     }

@@ -23,7 +23,8 @@ pub fn weight(peer_id: &str, ns: &NamespaceId, key: &BlockKey) -> u64 {
 
 /// `peers` sorted most-likely first for `(ns, key)`.
 pub fn rank(peers: &[PeerInfo], ns: &NamespaceId, key: &BlockKey) -> Vec<PeerInfo> {
-    let mut scored: Vec<(u64, &PeerInfo)> = peers.iter().map(|p| (weight(&p.id, ns, key), p)).collect();
+    let mut scored: Vec<(u64, &PeerInfo)> =
+        peers.iter().map(|p| (weight(&p.id, ns, key), p)).collect();
     scored.sort_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.id.cmp(&b.1.id)));
     scored.into_iter().map(|(_, p)| p.clone()).collect()
 }

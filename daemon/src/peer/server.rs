@@ -9,8 +9,8 @@
 
 use super::auth::{AuthFault, PeerKey};
 use super::source::PeerSource;
-use super::wire::{parse_block_path, parse_range, ByteRange, PathFault, RangeRequest};
 use super::unix_ms_now;
+use super::wire::{parse_block_path, parse_range, ByteRange, PathFault, RangeRequest};
 use crate::error::{Error, Result};
 use bytes::Bytes;
 use http_body_util::{combinators::BoxBody, BodyExt, Full};
@@ -68,7 +68,10 @@ impl std::fmt::Debug for PeerServerConfig {
             .field("transfers_max", &self.transfers_max)
             .field("connections_max", &self.connections_max)
             .field("chunk_bytes", &self.chunk_bytes)
-            .field("corrupt_responses_for_tests", &self.corrupt_responses_for_tests)
+            .field(
+                "corrupt_responses_for_tests",
+                &self.corrupt_responses_for_tests,
+            )
             .finish()
     }
 }
@@ -100,7 +103,10 @@ impl PeerServerConfig {
             return bad("transfers_max", "must be 1 to 4096");
         }
         if self.connections_max < self.transfers_max || self.connections_max > 65_536 {
-            return bad("connections_max", "must be at least transfers_max and at most 65536");
+            return bad(
+                "connections_max",
+                "must be at least transfers_max and at most 65536",
+            );
         }
         if self.chunk_bytes < 4096 || self.chunk_bytes > (16 << 20) {
             return bad("chunk_bytes", "must be 4 KiB to 16 MiB");
@@ -218,7 +224,10 @@ async fn accept_loop(listener: TcpListener, state: Arc<State>, shutdown: watch::
             }
         };
         let Ok(permit) = conns.clone().try_acquire_owned() else {
-            state.metrics.connections_refused.fetch_add(1, Ordering::Relaxed);
+            state
+                .metrics
+                .connections_refused
+                .fetch_add(1, Ordering::Relaxed);
             drop(stream);
             continue;
         };
@@ -291,8 +300,10 @@ fn handle(st: &State, req: Request<Incoming>) -> Response<RespBody> {
             AuthFault::BadSignature => "bad signature: check the shared secret\n",
         };
         let mut r = plain(StatusCode::UNAUTHORIZED, msg);
-        r.headers_mut()
-            .insert(header::WWW_AUTHENTICATE, header::HeaderValue::from_static("kvtier-hmac"));
+        r.headers_mut().insert(
+            header::WWW_AUTHENTICATE,
+            header::HeaderValue::from_static("kvtier-hmac"),
+        );
         return r;
     }
     if req.uri().query().is_some() {
@@ -301,7 +312,9 @@ fn handle(st: &State, req: Request<Incoming>) -> Response<RespBody> {
     let (ns, key) = match parse_block_path(path) {
         Ok(v) => v,
         Err(PathFault::NotFound) => return reject(StatusCode::NOT_FOUND, "not found\n"),
-        Err(PathFault::Malformed) => return reject(StatusCode::BAD_REQUEST, "malformed block path\n"),
+        Err(PathFault::Malformed) => {
+            return reject(StatusCode::BAD_REQUEST, "malformed block path\n")
+        }
     };
     let Ok(permit) = st.transfers.clone().try_acquire_owned() else {
         st.metrics.busy.fetch_add(1, Ordering::Relaxed);
@@ -325,31 +338,40 @@ fn handle(st: &State, req: Request<Incoming>) -> Response<RespBody> {
         RangeRequest::Whole => (ByteRange { start: 0, end: len }, StatusCode::OK),
         RangeRequest::Partial(r) => (r, StatusCode::PARTIAL_CONTENT),
         RangeRequest::Unsatisfiable => {
-            let mut r = reject(StatusCode::RANGE_NOT_SATISFIABLE, "range outside the block\n");
+            let mut r = reject(
+                StatusCode::RANGE_NOT_SATISFIABLE,
+                "range outside the block\n",
+            );
             if let Ok(v) = header::HeaderValue::from_str(&format!("bytes */{len}")) {
                 r.headers_mut().insert(header::CONTENT_RANGE, v);
             }
             return r;
         }
-        RangeRequest::Malformed => return reject(StatusCode::BAD_REQUEST, "one bytes= range only\n"),
+        RangeRequest::Malformed => {
+            return reject(StatusCode::BAD_REQUEST, "one bytes= range only\n")
+        }
     };
     st.metrics.transfers.fetch_add(1, Ordering::Relaxed);
     let body = stream_file(st, file, range, permit);
     let mut r = Response::new(body);
     *r.status_mut() = status;
     let h = r.headers_mut();
-    h.insert(header::CONTENT_LENGTH, header::HeaderValue::from(range.end - range.start));
-    h.insert(header::ACCEPT_RANGES, header::HeaderValue::from_static("bytes"));
+    h.insert(
+        header::CONTENT_LENGTH,
+        header::HeaderValue::from(range.end - range.start),
+    );
+    h.insert(
+        header::ACCEPT_RANGES,
+        header::HeaderValue::from_static("bytes"),
+    );
     h.insert(
         header::CONTENT_TYPE,
         header::HeaderValue::from_static("application/octet-stream"),
     );
     if status == StatusCode::PARTIAL_CONTENT {
-        if let Ok(v) = header::HeaderValue::from_str(&format!(
-            "bytes {}-{}/{len}",
-            range.start,
-            range.end - 1
-        )) {
+        if let Ok(v) =
+            header::HeaderValue::from_str(&format!("bytes {}-{}/{len}", range.start, range.end - 1))
+        {
             h.insert(header::CONTENT_RANGE, v);
         }
     }

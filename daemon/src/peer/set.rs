@@ -65,8 +65,8 @@ pub enum PeerLookup {
     Hit {
         /// Who delivered it.
         peer: PeerInfo,
-        /// The verified block.
-        block: Block,
+        /// The verified block (boxed: it is much larger than a miss).
+        block: Box<Block>,
         /// Peers that missed before it.
         attempts: Vec<PeerAttempt>,
     },
@@ -197,12 +197,17 @@ impl PeerSet {
                 });
                 continue;
             }
-            let peer_deadline = deadline.min(now + Duration::from_millis(self.cfg.per_peer_timeout_ms));
-            match self.client.fetch(&peer.address, ns, key, peer_deadline).await {
+            let peer_deadline =
+                deadline.min(now + Duration::from_millis(self.cfg.per_peer_timeout_ms));
+            match self
+                .client
+                .fetch(&peer.address, ns, key, peer_deadline)
+                .await
+            {
                 PeerFetch::Hit(block) => {
                     return PeerLookup::Hit {
                         peer,
-                        block,
+                        block: Box::new(block),
                         attempts,
                     }
                 }

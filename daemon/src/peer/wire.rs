@@ -24,12 +24,15 @@ pub fn block_url_path(ns: &NamespaceId, key: &BlockKey) -> String {
 }
 
 fn is_lower_hex(s: &str) -> bool {
-    s.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    s.bytes()
+        .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
 }
 
 /// Parses a request path into `(namespace, key)`. Pure: touches nothing.
 pub fn parse_block_path(path: &str) -> Result<(NamespaceId, BlockKey), PathFault> {
-    let rest = path.strip_prefix(BLOCKS_PREFIX).ok_or(PathFault::NotFound)?;
+    let rest = path
+        .strip_prefix(BLOCKS_PREFIX)
+        .ok_or(PathFault::NotFound)?;
     let (ns, key) = rest.split_once('/').ok_or(PathFault::Malformed)?;
     if ns.len() != 32 || !is_lower_hex(ns) {
         return Err(PathFault::Malformed);
@@ -144,9 +147,18 @@ mod tests {
             (&format!("/v1/blocks/{nsx}/abc"), PathFault::Malformed),
             (&format!("/v1/blocks/{nsx}/%2e%2e"), PathFault::Malformed),
             (&format!("/v1/blocks/{nsx}/"), PathFault::Malformed),
-            (&format!("/v1/blocks/{nsx}/{}", "a".repeat(130)), PathFault::Malformed),
-            (&format!("/v1/blocks/{}/abcd", &nsx[..30]), PathFault::Malformed),
-            ("/v1/blocks/zzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzz/abcd", PathFault::Malformed),
+            (
+                &format!("/v1/blocks/{nsx}/{}", "a".repeat(130)),
+                PathFault::Malformed,
+            ),
+            (
+                &format!("/v1/blocks/{}/abcd", &nsx[..30]),
+                PathFault::Malformed,
+            ),
+            (
+                "/v1/blocks/zzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzz/abcd",
+                PathFault::Malformed,
+            ),
         ] {
             assert_eq!(parse_block_path(bad), Err(fault), "{bad}");
         }
@@ -163,7 +175,15 @@ mod tests {
         assert_eq!(parse_range(Some("bytes=5-100"), 10), r(5, 10));
         assert_eq!(parse_range(Some("bytes=10-"), 10), Unsatisfiable);
         assert_eq!(parse_range(Some("bytes=-0"), 10), Unsatisfiable);
-        for bad in ["bytes=", "bytes=-", "bytes=3-1", "items=0-1", "bytes=0-1,3-4", "bytes=a-b", "bytes=+1-2"] {
+        for bad in [
+            "bytes=",
+            "bytes=-",
+            "bytes=3-1",
+            "items=0-1",
+            "bytes=0-1,3-4",
+            "bytes=a-b",
+            "bytes=+1-2",
+        ] {
             assert_eq!(parse_range(Some(bad), 10), Malformed, "{bad}");
         }
     }
