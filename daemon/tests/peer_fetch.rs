@@ -536,3 +536,24 @@ async fn server_binds_loopback_by_default_and_checks_config() {
             .is_err()
     );
 }
+
+/// Not a test: prints an in-process loopback measurement for
+/// docs/BENCHMARKS.md. `cargo test -p kvtier-daemon --test peer_fetch --
+/// --ignored --nocapture loopback_figures`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore]
+async fn loopback_figures() {
+    let dir = tempfile::tempdir().unwrap();
+    let n: usize = std::env::var("PEER_BENCH_BLOCKS").map_or(64, |v| v.parse().unwrap());
+    let r = kvtier_daemon::peer::bench::loopback_compare(dir.path(), n, 2 << 20, 7)
+        .await
+        .unwrap();
+    println!(
+        "{{\"peer_gbps\":{:.3},\"raw_tcp_gbps\":{:.3},\"peer_gbps_vs_baseline\":{:.3},\"bytes_per_round\":{},\"rounds\":{}}}",
+        r.peer_gbps,
+        r.raw_gbps,
+        r.peer_gbps / r.raw_gbps,
+        r.bytes_per_round,
+        r.rounds
+    );
+}

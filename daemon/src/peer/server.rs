@@ -17,8 +17,8 @@ use http_body_util::{combinators::BoxBody, BodyExt, Full};
 use hyper::body::{Body, Frame, Incoming};
 use hyper::{header, Method, Request, Response, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
+use std::io::{Read, Seek, SeekFrom};
 use std::net::SocketAddr;
-use std::os::unix::fs::FileExt;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -244,8 +244,7 @@ async fn accept_loop(listener: TcpListener, state: Arc<State>, shutdown: watch::
             let mut builder = hyper::server::conn::http1::Builder::new();
             builder
                 .timer(TokioTimer::new())
-                .header_read_timeout(Duration::from_millis(state.cfg.header_read_timeout_ms))
-                .max_buf_size(64 * 1024);
+                .header_read_timeout(Duration::from_millis(state.cfg.header_read_timeout_ms));
             let conn = builder.serve_connection(TokioIo::new(stream), svc);
             tokio::select! {
                 _ = conn => {}
@@ -429,12 +428,9 @@ fn stream_file(
         while off < range.end {
             let n = chunk.min(range.end - off) as usize;
             let f = file.clone();
-            let read = tokio::task::spawn_blocking(move || {
-                let mut buf = vec![0u8; n];
-                f.read_exact_at(&mut buf, off).map(|()| buf)
-            })
-            .await
-            .unwrap_or_else(|e| Err(std::io::Error::other(e)));
+            let read = tokio::task::spawn_blocking(move || read_chunk(&f, off, n))
+                .await
+                .unwrap_or_else(|e| Err(std::io::Error::other(e)));
             let item = match read {
                 Ok(mut buf) => {
                     if let Some(at) = corrupt_at {
@@ -460,4 +456,25 @@ fn stream_file(
         remaining: range.end - range.start,
     }
     .boxed()
+}
+
+/// Reads exactly `n` bytes at `off` into a fresh buffer. `read_to_end`
+/// fills spare capacity without zeroing it first, which matters at
+/// loopback speeds.
+fn read_chunk(file: &std::fs::File, off: u64, n: usize) -> std::io::Result<Vec<u8>> {
+    let mut f = file;
+    f.seek(SeekFrom::Start(off))?;
+    let mut buf = Vec::with_capacity(n);
+    f.take(n as u64).read_to_end(&mut buf)?;
+    if buf.len() != n {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::UnexpectedEof,
+            format!(
+                "block file ended at {} of {} bytes",
+                off + buf.len() as u64,
+                off + n as u64
+            ),
+        ));
+    }
+    Ok(buf)
 }
