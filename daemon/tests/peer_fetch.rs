@@ -133,7 +133,25 @@ async fn block_on_a_is_fetched_by_c_byte_identical() {
     }
     let m = c.metrics();
     assert_eq!(m.hits, 1);
+    // The connection to A is kept and reused for the next block.
+    let conns = a.server.metrics().connections.load(Ordering::Relaxed);
+    assert!(matches!(
+        c.client()
+            .fetch(
+                &a.info.address,
+                &ns.id(),
+                &key,
+                Instant::now() + Duration::from_secs(10)
+            )
+            .await,
+        PeerFetch::Hit(_)
+    ));
+    assert_eq!(
+        a.server.metrics().connections.load(Ordering::Relaxed),
+        conns
+    );
     assert_eq!(m.bytes, file.len() as u64);
+    let _ = b;
     assert_eq!(m.corrupt, 0);
     // A block nobody holds is a miss, not an error.
     let absent = c

@@ -18,8 +18,9 @@ use hyper::{header, Request, StatusCode};
 use hyper_util::rt::TokioIo;
 use kvtier_client::block::HEADER_BYTES;
 use kvtier_client::{BlockHeader, BlockKey, NamespaceId};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// Client settings.
@@ -158,12 +159,26 @@ impl PeerMetrics {
 }
 
 /// Fetches blocks from peers. Cheap to clone; clones share counters.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct PeerClient {
     key: PeerKey,
     cfg: Arc<PeerClientConfig>,
     metrics: Arc<PeerMetrics>,
+    idle: Arc<Mutex<HashMap<String, Vec<Conn>>>>,
 }
+
+impl std::fmt::Debug for PeerClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PeerClient")
+            .field("cfg", &self.cfg)
+            .finish()
+    }
+}
+
+/// Idle connections kept per peer address.
+const IDLE_PER_PEER_MAX: usize = 4;
+/// Peer addresses with idle connections kept.
+const IDLE_PEERS_MAX: usize = 256;
 
 struct AbortOnDrop(tokio::task::JoinHandle<()>);
 impl Drop for AbortOnDrop {
@@ -179,6 +194,7 @@ impl PeerClient {
             key: PeerKey::from_secret(&cfg.secret)?,
             cfg: Arc::new(cfg),
             metrics: Arc::new(PeerMetrics::default()),
+            idle: Arc::new(Mutex::new(HashMap::new())),
         })
     }
 
@@ -213,14 +229,8 @@ impl PeerClient {
         outcome
     }
 
-    async fn fetch_inner(
-        &self,
-        address: &str,
-        ns: &NamespaceId,
-        key: &BlockKey,
-        deadline: Instant,
-    ) -> PeerFetch {
-        use PeerFetch::Miss;
+    /// Opens a fresh HTTP/1.1 connection within the connect budget.
+    async fn connect(&self, address: &str, deadline: Instant) -> Result<Conn, PeerMiss> {
         let connect_budget = deadline
             .saturating_duration_since(Instant::now())
             .min(Duration::from_millis(self.cfg.connect_timeout_ms));
@@ -229,46 +239,104 @@ impl PeerClient {
                 .await
             {
                 Ok(Ok(s)) => s,
-                Ok(Err(_)) => return Miss(PeerMiss::Unavailable),
-                Err(_) => {
-                    return Miss(if Instant::now() >= deadline {
-                        PeerMiss::Timeout
-                    } else {
-                        PeerMiss::Unavailable
-                    })
-                }
+                Ok(Err(_)) => return Err(PeerMiss::Unavailable),
+                Err(_) if Instant::now() >= deadline => return Err(PeerMiss::Timeout),
+                Err(_) => return Err(PeerMiss::Unavailable),
             };
         let _ = stream.set_nodelay(true);
-        let (mut sender, conn) =
-            match hyper::client::conn::http1::handshake::<_, Empty<bytes::Bytes>>(TokioIo::new(
-                stream,
-            ))
-            .await
-            {
-                Ok(v) => v,
-                Err(_) => return Miss(PeerMiss::Unavailable),
-            };
-        let _conn = AbortOnDrop(tokio::spawn(async move {
+        let (sender, conn) =
+            hyper::client::conn::http1::handshake::<_, Empty<bytes::Bytes>>(TokioIo::new(stream))
+                .await
+                .map_err(|_| PeerMiss::Unavailable)?;
+        let driver = AbortOnDrop(tokio::spawn(async move {
             let _ = conn.await;
         }));
+        Ok(Conn {
+            sender,
+            _driver: driver,
+        })
+    }
+
+    fn take_idle(&self, address: &str) -> Option<Conn> {
+        let mut pool = self.idle.lock().ok()?;
+        let list = pool.get_mut(address)?;
+        while let Some(c) = list.pop() {
+            if !c.sender.is_closed() {
+                return Some(c);
+            }
+        }
+        None
+    }
+
+    fn put_idle(&self, address: &str, conn: Conn) {
+        if let Ok(mut pool) = self.idle.lock() {
+            if !pool.contains_key(address) && pool.len() >= IDLE_PEERS_MAX {
+                return;
+            }
+            let list = pool.entry(address.to_string()).or_default();
+            if list.len() < IDLE_PER_PEER_MAX {
+                list.push(conn);
+            }
+        }
+    }
+
+    async fn fetch_inner(
+        &self,
+        address: &str,
+        ns: &NamespaceId,
+        key: &BlockKey,
+        deadline: Instant,
+    ) -> PeerFetch {
+        use PeerFetch::Miss;
         let path = block_url_path(ns, key);
-        let req = Request::get(path.as_str())
-            .header(header::HOST, address)
-            .header(
-                header::AUTHORIZATION,
-                self.key.sign("GET", &path, "", unix_ms_now()),
-            )
-            .body(Empty::new());
-        let Ok(req) = req else {
-            return Miss(PeerMiss::Unavailable);
-        };
-        let resp = match sender.send_request(req).await {
-            Ok(r) => r,
-            Err(_) => return Miss(PeerMiss::Unavailable),
+        let mut idle = self.take_idle(address);
+        let (mut conn, resp) = loop {
+            // A pooled connection the peer has closed meanwhile fails on
+            // first use; that is not the peer being down, so retry fresh.
+            let reused = idle.is_some();
+            let mut conn = match idle.take() {
+                Some(c) => c,
+                None => match self.connect(address, deadline).await {
+                    Ok(c) => c,
+                    Err(m) => return Miss(m),
+                },
+            };
+            if conn.sender.ready().await.is_err() {
+                if reused {
+                    continue;
+                }
+                return Miss(PeerMiss::Unavailable);
+            }
+            let req = Request::get(path.as_str())
+                .header(header::HOST, address)
+                .header(
+                    header::AUTHORIZATION,
+                    self.key.sign("GET", &path, "", unix_ms_now()),
+                )
+                .body(Empty::new());
+            let Ok(req) = req else {
+                return Miss(PeerMiss::Unavailable);
+            };
+            match conn.sender.send_request(req).await {
+                Ok(r) => break (conn, r),
+                Err(_) if reused => continue,
+                Err(_) => return Miss(PeerMiss::Unavailable),
+            }
         };
         match resp.status() {
             StatusCode::OK => {}
-            StatusCode::NOT_FOUND => return Miss(PeerMiss::Absent),
+            StatusCode::NOT_FOUND => {
+                // Drain the short body so the connection can be reused.
+                if let Ok(Ok(body)) =
+                    tokio::time::timeout(Duration::from_millis(100), resp.into_body().collect())
+                        .await
+                {
+                    if body.to_bytes().len() <= 4096 {
+                        self.put_idle(address, conn);
+                    }
+                }
+                return Miss(PeerMiss::Absent);
+            }
             s => {
                 if s == StatusCode::UNAUTHORIZED {
                     tracing::warn!(
@@ -304,10 +372,25 @@ impl PeerClient {
             }
         }
         match rx.finish() {
-            Ok(block) => PeerFetch::Hit(block),
+            Ok(block) => {
+                drop(body);
+                // Connections are recycled only after a complete, verified
+                // response, so a reused connection never carries leftovers.
+                conn.sender.ready().await.ok();
+                if !conn.sender.is_closed() {
+                    self.put_idle(address, conn);
+                }
+                PeerFetch::Hit(block)
+            }
             Err(()) => Miss(PeerMiss::Corrupt),
         }
     }
+}
+
+/// One HTTP/1.1 connection to a peer and the task driving it.
+struct Conn {
+    sender: hyper::client::conn::http1::SendRequest<Empty<bytes::Bytes>>,
+    _driver: AbortOnDrop,
 }
 
 /// Incremental verifier of one block file stream.

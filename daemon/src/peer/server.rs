@@ -134,6 +134,8 @@ pub struct PeerServerMetrics {
     pub busy: AtomicU64,
     /// Connections closed on accept (connection limit reached).
     pub connections_refused: AtomicU64,
+    /// Connections accepted and served.
+    pub connections: AtomicU64,
 }
 
 struct State {
@@ -231,6 +233,7 @@ async fn accept_loop(listener: TcpListener, state: Arc<State>, shutdown: watch::
             drop(stream);
             continue;
         };
+        state.metrics.connections.fetch_add(1, Ordering::Relaxed);
         let _ = stream.set_nodelay(true);
         let state = state.clone();
         let mut shutdown = shutdown.clone();
