@@ -7,6 +7,7 @@
 //! - [`wire`]: the one URL scheme (`GET /v1/blocks/<ns-hex32>/<key-hex>`) and
 //!   its strict parser, plus `Range` parsing.
 //! - [`auth`]: the shared-secret request signature (`kvtier-hmac`).
+//! - [`config`]: the `[peer]` TOML section and its conversions.
 //! - [`server`]: the HTTP/1.1 peer server (bounded, streamed, authenticated).
 //! - [`client`]: one verified fetch from one peer, with typed outcomes.
 //! - [`discovery`]: heartbeat objects under `nodes/` in the shared object
@@ -22,6 +23,7 @@
 pub mod auth;
 pub mod bench;
 pub mod client;
+pub mod config;
 pub mod discovery;
 pub mod placement;
 pub mod server;
@@ -32,6 +34,7 @@ pub mod wire;
 pub use client::{
     PeerClient, PeerClientConfig, PeerFetch, PeerMetrics, PeerMetricsSnapshot, PeerMiss,
 };
+pub use config::PeerConfig;
 pub use discovery::{Heartbeat, HeartbeatTask};
 pub use server::{PeerServer, PeerServerConfig};
 pub use set::{PeerAttempt, PeerLookup, PeerSet, PeerSetConfig};

@@ -242,7 +242,7 @@ async fn accept_loop(listener: TcpListener, state: Arc<State>, shutdown: watch::
             let svc_state = state.clone();
             let svc = hyper::service::service_fn(move |req| {
                 let st = svc_state.clone();
-                async move { Ok::<_, std::convert::Infallible>(handle(&st, req)) }
+                async move { Ok::<_, std::convert::Infallible>(handle(&st, req).await) }
             });
             let mut builder = hyper::server::conn::http1::Builder::new();
             builder
@@ -267,7 +267,7 @@ fn plain(status: StatusCode, msg: &'static str) -> Response<RespBody> {
     r
 }
 
-fn handle(st: &State, req: Request<Incoming>) -> Response<RespBody> {
+async fn handle(st: &State, req: Request<Incoming>) -> Response<RespBody> {
     st.metrics.requests.fetch_add(1, Ordering::Relaxed);
     let reject = |status, msg| {
         st.metrics.rejected.fetch_add(1, Ordering::Relaxed);
@@ -325,7 +325,18 @@ fn handle(st: &State, req: Request<Incoming>) -> Response<RespBody> {
             .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
         return r;
     };
-    let (file, len) = match st.source.open_block(&ns, &key) {
+    // The store may block (index lookups, a cold directory): keep it off
+    // the async workers.
+    let source = st.source.clone();
+    let opened = tokio::task::spawn_blocking(move || source.open_block(&ns, &key))
+        .await
+        .unwrap_or_else(|e| {
+            Err(Error::Peer {
+                peer: "self".into(),
+                detail: format!("open task failed: {e}"),
+            })
+        });
+    let (file, len) = match opened {
         Ok(Some(f)) => f,
         Ok(None) => {
             st.metrics.absent.fetch_add(1, Ordering::Relaxed);
