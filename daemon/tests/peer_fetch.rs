@@ -575,3 +575,29 @@ async fn loopback_figures() {
         r.rounds
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_connections_closed_by_the_server_are_replaced() {
+    let a = node("a", |c| c.header_read_timeout_ms = 200).await;
+    let (ns, key, payload, file) = make_block(64 << 10, 21);
+    a.src.write_block(&ns.id(), &key, &file).unwrap();
+    let client = PeerClient::new(PeerClientConfig::new(SECRET)).unwrap();
+    for round in 0..3 {
+        match client
+            .fetch(
+                &a.info.address,
+                &ns.id(),
+                &key,
+                Instant::now() + Duration::from_secs(5),
+            )
+            .await
+        {
+            PeerFetch::Hit(b) => assert_eq!(b.payload, payload, "round {round}"),
+            other => panic!("round {round}: {other:?}"),
+        }
+        // Longer than the server's idle limit: the pooled connection dies.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    assert_eq!(client.metrics().snapshot().unavailable, 0);
+    assert_eq!(a.server.metrics().connections.load(Ordering::Relaxed), 3);
+}
