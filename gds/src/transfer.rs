@@ -1,0 +1,665 @@
+//! The executor: carries out a [`Plan`] for one block, verifying the
+//! payload's blake3 on the way.
+//!
+//! Bounce path (TwoHop, HostRead): `buffers` aligned bounce buffers of
+//! `chunk_bytes` each; io_uring keeps one O_DIRECT read in flight per free
+//! buffer; chunks are hashed in file order as they complete, then scattered
+//! into the destination regions (host copies, or asynchronous host-to-device
+//! copies on one CUDA stream per buffer). A buffer is reused only after its
+//! stream finished, so disk reads, hashing and PCIe copies overlap.
+//!
+//! Direct path (GDS): cuFile reads each region straight into HBM, then the
+//! bytes that landed are copied back through a bounce buffer and hashed.
+//! That costs a device-to-host pass, but it checks what the engine will
+//! actually use; `verify_direct = false` skips it and leaves only the
+//! filesystem and the header's own checksum between disk and HBM, so it is
+//! off by default. Any Direct failure (cuFile error, short read, checksum)
+//! falls back to the bounce path, which verifies again; the reason is
+//! logged and returned in [`Outcome::fallback`].
+//!
+//! On any error the destination bytes are untrusted: the caller turns it
+//! into a miss and must not hand the memory to the engine as this block.
+
+use crate::caps::Capabilities;
+use crate::error::{Error, Result};
+use crate::memory::{check_layout, Destination, HostBuf, Piece, Region, Scatter, PAGE_BYTES};
+use crate::plan::{plan, Plan, Route, Source};
+use kvtier_client::block::PAYLOAD_BYTES_MAX;
+use kvtier_client::KvLayout;
+use std::fs::File;
+use std::os::fd::AsRawFd;
+
+/// Largest bounce buffer accepted.
+pub const CHUNK_BYTES_MAX: usize = 64 << 20;
+/// Most bounce buffers (and reads in flight) accepted.
+pub const BUFFERS_MAX: usize = 64;
+
+/// Tuning of the pipeline.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TransferConfig {
+    /// Bytes per bounce buffer (a multiple of 4096).
+    pub chunk_bytes: usize,
+    /// Bounce buffers, which is also reads (and streams) in flight.
+    pub buffers: usize,
+    /// Use GPUDirect Storage when the capabilities allow.
+    pub prefer_direct: bool,
+    /// Hash a host copy of the bytes a Direct read put in HBM.
+    pub verify_direct: bool,
+}
+
+impl Default for TransferConfig {
+    fn default() -> Self {
+        TransferConfig {
+            chunk_bytes: 1 << 20,
+            buffers: 4,
+            prefer_direct: true,
+            verify_direct: true,
+        }
+    }
+}
+
+impl TransferConfig {
+    fn validate(&self) -> Result<()> {
+        if self.chunk_bytes == 0
+            || !self.chunk_bytes.is_multiple_of(PAGE_BYTES)
+            || self.chunk_bytes > CHUNK_BYTES_MAX
+        {
+            return Err(Error::Config {
+                field: "chunk_bytes",
+                reason: format!(
+                    "{} is not a multiple of {PAGE_BYTES} in 1..={CHUNK_BYTES_MAX}",
+                    self.chunk_bytes
+                ),
+            });
+        }
+        if self.buffers == 0 || self.buffers > BUFFERS_MAX {
+            return Err(Error::Config {
+                field: "buffers",
+                reason: format!("{} is not in 1..={BUFFERS_MAX}", self.buffers),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// What a successful transfer did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Outcome {
+    /// The route the planner chose.
+    pub planned: Route,
+    /// The route that delivered the bytes.
+    pub route: Route,
+    /// Payload bytes delivered (and verified).
+    pub bytes: u64,
+    /// Why the planned route was abandoned, if it was.
+    pub fallback: Option<String>,
+}
+
+/// Moves verified block bytes into host, pinned or device memory. Owns its
+/// bounce buffers, io_uring and streams; one transfer at a time per value
+/// (make one per worker thread).
+pub struct Transfer {
+    caps: Capabilities,
+    cfg: TransferConfig,
+    ring: io_uring::IoUring,
+    host_bufs: Vec<HostBuf>,
+    #[cfg(feature = "cuda")]
+    gpu: Option<std::sync::Arc<crate::cuda::Gpu>>,
+    #[cfg(feature = "cuda")]
+    pinned_bufs: Vec<crate::cuda::PinnedBuf>,
+    #[cfg(feature = "cuda")]
+    streams: Vec<crate::cuda::Stream>,
+}
+
+impl std::fmt::Debug for Transfer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Transfer")
+            .field("caps", &self.caps)
+            .field("cfg", &self.cfg)
+            .finish_non_exhaustive()
+    }
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+struct Slot {
+    chunk: Option<usize>,
+    want: usize,
+    filled: usize,
+    ready: bool,
+    copying: bool,
+}
+
+impl Transfer {
+    /// A transfer for these capabilities. With CUDA present it opens GPU 0;
+    /// if that fails it logs why and runs host-only.
+    pub fn new(caps: Capabilities, cfg: TransferConfig) -> Result<Self> {
+        cfg.validate()?;
+        let ring = io_uring::IoUring::new(cfg.buffers.next_power_of_two() as u32)
+            .map_err(|e| Error::io("io_uring setup", e))?;
+        let host_bufs = (0..cfg.buffers)
+            .map(|_| HostBuf::new(cfg.chunk_bytes))
+            .collect::<Result<Vec<_>>>()?;
+        #[allow(unused_mut)]
+        let mut t = Transfer {
+            caps,
+            cfg,
+            ring,
+            host_bufs,
+            #[cfg(feature = "cuda")]
+            gpu: None,
+            #[cfg(feature = "cuda")]
+            pinned_bufs: Vec::new(),
+            #[cfg(feature = "cuda")]
+            streams: Vec::new(),
+        };
+        #[cfg(feature = "cuda")]
+        if t.caps.has_cuda() {
+            match crate::cuda::Gpu::open(0) {
+                Ok(g) => t.gpu = Some(g),
+                Err(e) => {
+                    tracing::warn!(error = %e, "CUDA probed present but GPU 0 did not open; running host-only");
+                    t.caps = Capabilities::host_only(format!("GPU 0 did not open: {e}"));
+                }
+            }
+        }
+        Ok(t)
+    }
+
+    /// A transfer without any GPU: host memory stands in for HBM.
+    pub fn host_only(cfg: TransferConfig) -> Result<Self> {
+        Self::new(Capabilities::host_only("host-only mode"), cfg)
+    }
+
+    /// A transfer that takes `caps` as given, without opening any GPU.
+    /// For fallback tests: with CUDA or GDS claimed but no GPU open, a
+    /// planned Direct read fails at run time exactly as a broken cuFile
+    /// would, and the transfer must fall back to the bounce path.
+    #[doc(hidden)]
+    pub fn with_assumed_caps(caps: Capabilities, cfg: TransferConfig) -> Result<Self> {
+        let mut t = Self::host_only(cfg)?;
+        t.caps = caps;
+        Ok(t)
+    }
+
+    /// The capabilities in force.
+    pub fn capabilities(&self) -> &Capabilities {
+        &self.caps
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &TransferConfig {
+        &self.cfg
+    }
+
+    /// The GPU, when one is open.
+    #[cfg(feature = "cuda")]
+    pub fn gpu(&self) -> Option<&std::sync::Arc<crate::cuda::Gpu>> {
+        self.gpu.as_ref()
+    }
+
+    /// The plan this transfer would follow for `source` into `dst`.
+    pub fn plan_for(&self, source: Source, dst: &Destination<'_>) -> Plan {
+        plan(source, dst.kind(), &self.caps, self.cfg.prefer_direct)
+    }
+
+    fn has_gpu(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        {
+            self.gpu.is_some()
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            false
+        }
+    }
+
+    fn check(&self, payload_len: u64, dst: &Destination<'_>, layout: &KvLayout) -> Result<()> {
+        if payload_len > PAYLOAD_BYTES_MAX {
+            return Err(Error::Layout {
+                what: "payload length",
+                detail: format!("{payload_len} bytes exceeds {PAYLOAD_BYTES_MAX}"),
+            });
+        }
+        check_layout(layout, payload_len, &dst.region_lens())?;
+        if dst.has_device_regions() && !self.has_gpu() {
+            return Err(Error::NoCuda {
+                reason: format!("destination is device memory but {}", self.caps.describe()),
+            });
+        }
+        Ok(())
+    }
+
+    /// Onboards one block from a G3 block file into `dst`.
+    ///
+    /// `file` is the open block file (O_DIRECT for cold reads; the daemon
+    /// passes it as an fd), `payload_offset` is where the payload starts
+    /// ([`kvtier_client::block::HEADER_BYTES`], 4096-aligned), `payload_len`
+    /// and `expected_blake3` come from the block header, and `layout` says
+    /// how the payload is cut across `dst`'s regions.
+    ///
+    /// On `Err`, and in particular on an integrity error
+    /// ([`Error::is_integrity`]), the destination bytes must not be used.
+    pub fn onboard(
+        &mut self,
+        file: &File,
+        payload_offset: u64,
+        payload_len: u64,
+        expected_blake3: &[u8; 32],
+        dst: &mut Destination<'_>,
+        layout: &KvLayout,
+    ) -> Result<Outcome> {
+        if !payload_offset.is_multiple_of(PAGE_BYTES as u64) {
+            return Err(Error::Unaligned {
+                what: "payload_offset",
+                value: payload_offset,
+                align: PAGE_BYTES as u64,
+            });
+        }
+        self.check(payload_len, dst, layout)?;
+        let planned = self.plan_for(Source::G3File, dst);
+        tracing::debug!(
+            route = planned.route.name(),
+            reason = planned.reason,
+            "onboard plan"
+        );
+        let mut fallback = None;
+        if planned.route == Route::Direct {
+            match self.direct(file, payload_offset, payload_len, expected_blake3, dst) {
+                Ok(()) => {
+                    return Ok(Outcome {
+                        planned: Route::Direct,
+                        route: Route::Direct,
+                        bytes: payload_len,
+                        fallback: None,
+                    })
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "GPUDirect read failed; falling back to the bounce path");
+                    fallback = Some(e.to_string());
+                }
+            }
+        }
+        self.bounce(file, payload_offset, payload_len, expected_blake3, dst)?;
+        let route = if dst.kind() == crate::MemoryKind::Device {
+            Route::TwoHop
+        } else {
+            Route::HostRead
+        };
+        Ok(Outcome {
+            planned: planned.route,
+            route,
+            bytes: payload_len,
+            fallback,
+        })
+    }
+
+    /// Copies a block already in host memory into `dst`, after checking
+    /// `src` against `expected_blake3` (nothing is written on a mismatch).
+    pub fn copy_from_host(
+        &mut self,
+        src: &[u8],
+        expected_blake3: &[u8; 32],
+        dst: &mut Destination<'_>,
+        layout: &KvLayout,
+    ) -> Result<Outcome> {
+        self.check(src.len() as u64, dst, layout)?;
+        verify(blake3::hash(src), expected_blake3)?;
+        let planned = self.plan_for(Source::HostBuffer, dst);
+        let mut scatter = Scatter::new(dst.region_lens());
+        let mut pieces = Vec::new();
+        scatter.next_pieces(src.len(), &mut pieces);
+        for p in &pieces {
+            let data = &src[p.src_off..p.src_off + p.len];
+            match &mut dst.regions_mut()[p.region] {
+                Region::Host(b) => b[p.dst_off..p.dst_off + p.len].copy_from_slice(data),
+                Region::Device(_s) => {
+                    #[cfg(feature = "cuda")]
+                    {
+                        let s = *_s;
+                        if let Some(g) = &self.gpu {
+                            g.bind()?;
+                        }
+                        crate::cuda::copy_htod(s.ptr + p.dst_off as u64, data)?;
+                    }
+                }
+            }
+        }
+        Ok(Outcome {
+            planned: planned.route,
+            route: planned.route,
+            bytes: src.len() as u64,
+            fallback: None,
+        })
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn direct(
+        &mut self,
+        _file: &File,
+        _off: u64,
+        _len: u64,
+        _expected: &[u8; 32],
+        _dst: &mut Destination<'_>,
+    ) -> Result<()> {
+        Err(Error::NoCuda {
+            reason: "built without the `cuda` feature".into(),
+        })
+    }
+
+    #[cfg(feature = "cuda")]
+    fn direct(
+        &mut self,
+        file: &File,
+        off: u64,
+        len: u64,
+        expected: &[u8; 32],
+        dst: &mut Destination<'_>,
+    ) -> Result<()> {
+        let gpu = self.gpu.clone().ok_or_else(|| Error::NoCuda {
+            reason: self.caps.describe(),
+        })?;
+        let spans = dst
+            .regions()
+            .iter()
+            .map(|r| match r {
+                Region::Device(s) => Ok(*s),
+                Region::Host(_) => Err(Error::Gds {
+                    op: "plan",
+                    detail: "GPUDirect Storage needs device memory; the destination is host memory"
+                        .into(),
+                }),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        gpu.bind()?;
+        let gf = crate::cuda::GdsFile::register(file)?;
+        let mut file_off = off;
+        for s in &spans {
+            // SAFETY: spans come from DeviceBufs borrowed by `dst` or from
+            // `Destination::device_raw`, whose caller vouched for them.
+            let n = unsafe { gf.read(s.ptr, s.len, file_off)? };
+            if n < s.len {
+                return Err(Error::Truncated {
+                    offset: file_off,
+                    wanted_bytes: s.len as u64,
+                    got_bytes: n as u64,
+                });
+            }
+            file_off += s.len as u64;
+        }
+        drop(gf);
+        if !self.cfg.verify_direct {
+            return Ok(());
+        }
+        let mut h = blake3::Hasher::new();
+        let buf = self.host_bufs[0].as_mut_slice();
+        for s in &spans {
+            let mut done = 0;
+            while done < s.len {
+                let n = (s.len - done).min(buf.len());
+                crate::cuda::copy_dtoh(s.ptr + done as u64, &mut buf[..n])?;
+                h.update(&buf[..n]);
+                done += n;
+            }
+        }
+        debug_assert_eq!(file_off - off, len);
+        verify(h.finalize(), expected)
+    }
+
+    /// The bounce pipeline (TwoHop and HostRead).
+    fn bounce(
+        &mut self,
+        file: &File,
+        off: u64,
+        len: u64,
+        expected: &[u8; 32],
+        dst: &mut Destination<'_>,
+    ) -> Result<()> {
+        let padded = len.div_ceil(PAGE_BYTES as u64) * PAGE_BYTES as u64;
+        let file_len = file
+            .metadata()
+            .map_err(|e| Error::io("fstat block file", e))?
+            .len();
+        if file_len < off + padded {
+            return Err(Error::Truncated {
+                offset: off,
+                wanted_bytes: padded,
+                got_bytes: file_len.saturating_sub(off),
+            });
+        }
+        let device = dst.has_device_regions();
+        let bufs = self.bounce_ptrs(device)?;
+        let mut inflight = 0usize;
+        let mut p = Pump {
+            fd: file.as_raw_fd(),
+            off,
+            len,
+            padded,
+            chunk: self.cfg.chunk_bytes,
+            bufs: &bufs,
+            slots: vec![Slot::default(); bufs.len()],
+            hasher: blake3::Hasher::new(),
+            scatter: Scatter::new(dst.region_lens()),
+            pieces: Vec::new(),
+            #[cfg(feature = "cuda")]
+            streams: &self.streams,
+        };
+        let r = p.run(&mut self.ring, &mut inflight, dst);
+        // Never return while the kernel or the GPU may still touch a bounce
+        // buffer: drain reads, then wait for every copy.
+        let drained = drain(&mut self.ring, &mut inflight);
+        #[cfg(feature = "cuda")]
+        let synced = if device {
+            self.streams.iter().try_for_each(|s| s.sync())
+        } else {
+            Ok(())
+        };
+        #[cfg(not(feature = "cuda"))]
+        let synced: Result<()> = Ok(());
+        let hash = p.hasher.finalize();
+        r?;
+        drained?;
+        synced?;
+        verify(hash, expected)
+    }
+
+    #[allow(unused_variables)]
+    fn bounce_ptrs(&mut self, device: bool) -> Result<Vec<(*mut u8, usize)>> {
+        #[cfg(feature = "cuda")]
+        if device {
+            let gpu = self.gpu.clone().ok_or_else(|| Error::NoCuda {
+                reason: self.caps.describe(),
+            })?;
+            gpu.bind()?;
+            while self.pinned_bufs.len() < self.cfg.buffers {
+                self.pinned_bufs
+                    .push(crate::cuda::PinnedBuf::new(&gpu, self.cfg.chunk_bytes)?);
+            }
+            while self.streams.len() < self.cfg.buffers {
+                self.streams.push(crate::cuda::Stream::new()?);
+            }
+            return Ok(self
+                .pinned_bufs
+                .iter_mut()
+                .map(|b| (b.as_mut_slice().as_mut_ptr(), b.len()))
+                .collect());
+        }
+        Ok(self
+            .host_bufs
+            .iter_mut()
+            .map(|b| (b.as_mut_slice().as_mut_ptr(), b.len()))
+            .collect())
+    }
+}
+
+fn verify(got: blake3::Hash, expected: &[u8; 32]) -> Result<()> {
+    if got.as_bytes() != expected {
+        return Err(Error::Checksum {
+            expected: blake3::Hash::from_bytes(*expected).to_hex().to_string(),
+            actual: got.to_hex().to_string(),
+        });
+    }
+    Ok(())
+}
+
+fn drain(ring: &mut io_uring::IoUring, inflight: &mut usize) -> Result<()> {
+    while *inflight > 0 {
+        ring.submit_and_wait(1)
+            .map_err(|e| Error::io("io_uring wait (drain)", e))?;
+        let n = ring.completion().count();
+        *inflight = inflight.saturating_sub(n);
+    }
+    Ok(())
+}
+
+/// State of one bounce pipeline run.
+struct Pump<'b> {
+    fd: i32,
+    off: u64,
+    len: u64,
+    padded: u64,
+    chunk: usize,
+    bufs: &'b [(*mut u8, usize)],
+    slots: Vec<Slot>,
+    hasher: blake3::Hasher,
+    scatter: Scatter,
+    pieces: Vec<Piece>,
+    #[cfg(feature = "cuda")]
+    streams: &'b [crate::cuda::Stream],
+}
+
+impl Pump<'_> {
+    fn run(
+        &mut self,
+        ring: &mut io_uring::IoUring,
+        inflight: &mut usize,
+        dst: &mut Destination<'_>,
+    ) -> Result<()> {
+        let nchunks = self.padded.div_ceil(self.chunk as u64) as usize;
+        let mut next_submit = 0usize;
+        let mut next_process = 0usize;
+        let mut cqes: Vec<(u64, i32)> = Vec::with_capacity(self.slots.len());
+        while next_process < nchunks {
+            // Consume completed chunks strictly in file order (the hash is
+            // sequential).
+            if let Some(s) = self
+                .slots
+                .iter()
+                .position(|sl| sl.chunk == Some(next_process) && sl.ready)
+            {
+                self.process(s, next_process, dst)?;
+                self.slots[s].chunk = None;
+                next_process += 1;
+                continue;
+            }
+            for s in 0..self.slots.len() {
+                if next_submit >= nchunks {
+                    break;
+                }
+                if self.slots[s].chunk.is_some() {
+                    continue;
+                }
+                if self.slots[s].copying {
+                    #[cfg(feature = "cuda")]
+                    self.streams[s].sync()?;
+                    self.slots[s].copying = false;
+                }
+                let start = next_submit as u64 * self.chunk as u64;
+                let want = (self.padded - start).min(self.chunk as u64) as usize;
+                self.slots[s] = Slot {
+                    chunk: Some(next_submit),
+                    want,
+                    filled: 0,
+                    ready: false,
+                    copying: false,
+                };
+                self.push_read(ring, s)?;
+                *inflight += 1;
+                next_submit += 1;
+            }
+            ring.submit_and_wait(1)
+                .map_err(|e| Error::io("io_uring submit", e))?;
+            cqes.clear();
+            cqes.extend(ring.completion().map(|c| (c.user_data(), c.result())));
+            for &(ud, res) in &cqes {
+                *inflight = inflight.saturating_sub(1);
+                let s = ud as usize;
+                let Some(chunk) = self.slots.get(s).and_then(|sl| sl.chunk) else {
+                    continue;
+                };
+                let at = self.off + chunk as u64 * self.chunk as u64 + self.slots[s].filled as u64;
+                if res < 0 {
+                    return Err(Error::io(
+                        "O_DIRECT read of block file",
+                        std::io::Error::from_raw_os_error(-res),
+                    ));
+                }
+                let left = self.slots[s].want - self.slots[s].filled;
+                if res == 0 || (res as usize) < left && !(res as usize).is_multiple_of(512) {
+                    return Err(Error::Truncated {
+                        offset: at,
+                        wanted_bytes: left as u64,
+                        got_bytes: res as u64,
+                    });
+                }
+                self.slots[s].filled += res as usize;
+                if self.slots[s].filled >= self.slots[s].want {
+                    self.slots[s].ready = true;
+                } else {
+                    self.push_read(ring, s)?;
+                    *inflight += 1;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn push_read(&self, ring: &mut io_uring::IoUring, s: usize) -> Result<()> {
+        use io_uring::{opcode, types};
+        let sl = self.slots[s];
+        let chunk = sl.chunk.unwrap_or_default();
+        let (ptr, cap) = self.bufs[s];
+        let n = sl.want - sl.filled;
+        debug_assert!(sl.want <= cap);
+        let at = self.off + chunk as u64 * self.chunk as u64 + sl.filled as u64;
+        // SAFETY: `filled < want <= cap`, so the range lies in buffer `s`,
+        // which outlives the read (bounce() drains the ring before return).
+        let e = opcode::Read::new(types::Fd(self.fd), unsafe { ptr.add(sl.filled) }, n as u32)
+            .offset(at)
+            .build()
+            .user_data(s as u64);
+        // SAFETY: the entry's buffer stays valid until its completion.
+        unsafe { ring.submission().push(&e) }.map_err(|_| {
+            Error::io(
+                "io_uring push",
+                std::io::Error::other("submission queue full"),
+            )
+        })
+    }
+
+    fn process(&mut self, s: usize, chunk: usize, dst: &mut Destination<'_>) -> Result<()> {
+        let start = chunk as u64 * self.chunk as u64;
+        let valid = (self.len.saturating_sub(start)).min(self.chunk as u64) as usize;
+        let (ptr, _) = self.bufs[s];
+        // SAFETY: the read into buffer `s` completed; `valid <= want`.
+        let data = unsafe { std::slice::from_raw_parts(ptr as *const u8, valid) };
+        self.hasher.update(data);
+        self.scatter.next_pieces(valid, &mut self.pieces);
+        for p in &self.pieces {
+            let src = &data[p.src_off..p.src_off + p.len];
+            match &mut dst.regions_mut()[p.region] {
+                Region::Host(b) => b[p.dst_off..p.dst_off + p.len].copy_from_slice(src),
+                Region::Device(_span) => {
+                    #[cfg(feature = "cuda")]
+                    {
+                        // SAFETY: `src` is pinned bounce memory that is not
+                        // reused until this stream is synchronised; the
+                        // span was checked against the layout.
+                        unsafe { self.streams[s].htod_async(_span.ptr + p.dst_off as u64, src)? };
+                        self.slots[s].copying = true;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
