@@ -12,6 +12,7 @@
 //! Without a GPU the same pipeline runs with host memory standing in for
 //! HBM ([`Destination::emulated`]).
 
+pub mod buffer;
 pub mod caps;
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -20,6 +21,7 @@ pub mod memory;
 pub mod plan;
 pub mod transfer;
 
+pub use buffer::BlockBuf;
 pub use caps::{Capabilities, CudaSupport, GdsSupport};
 pub use error::{Error, Result};
 pub use memory::{Destination, DeviceSpan, HostBuf, MemoryKind, Region};

@@ -342,7 +342,11 @@ fn probing_without_a_gpu_reports_a_capability_not_a_panic() {
 #[test]
 fn gpu_claimed_but_unopenable_downgrades_to_host_only() {
     if Capabilities::probe().has_cuda() {
-        eprintln!("SKIP: a CUDA driver is present; this test covers its absence");
+        use std::io::Write;
+        let _ = writeln!(
+            std::io::stderr(),
+            "SKIP: a CUDA driver is present; this test covers its absence"
+        );
         return;
     }
     let claimed = Capabilities {
