@@ -40,6 +40,17 @@ fn caps_or_skip(test: &str) -> Option<Capabilities> {
     None
 }
 
+/// A temp dir on a real filesystem (O_DIRECT and GDS need one):
+/// `KVTIER_TEST_TMPDIR` when set (device-check.sh runs prebuilt binaries
+/// on another machine), else cargo's target tmp dir.
+fn tmp() -> tempfile::TempDir {
+    let base = std::env::var_os("KVTIER_TEST_TMPDIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| env!("CARGO_TARGET_TMPDIR").into());
+    std::fs::create_dir_all(&base).unwrap();
+    tempfile::tempdir_in(base).unwrap()
+}
+
 fn payload(len: usize, seed: u8) -> Vec<u8> {
     (0..len)
         .map(|i| (i as u32).wrapping_mul(2654435761).to_le_bytes()[3] ^ seed)
@@ -166,7 +177,7 @@ fn both_plans(test: &str) -> Vec<(Transfer, Route)> {
 
 #[test]
 fn device_round_trip_contiguous_and_layer_separate() {
-    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let dir = tmp();
     for (mut t, planned) in both_plans("device_round_trip") {
         for (i, layout) in [
             KvLayout::llama3_8b(16),
@@ -201,7 +212,7 @@ fn device_round_trip_contiguous_and_layer_separate() {
 
 #[test]
 fn device_corruption_is_an_error_on_both_plans() {
-    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let dir = tmp();
     for (mut t, planned) in both_plans("device_corruption") {
         let layout = sep_layout(4, 64);
         let (path, h, _) = write_block(dir.path(), layout, 9);
@@ -228,7 +239,7 @@ fn pinned_destination_round_trip() {
     let Some(caps) = caps_or_skip("pinned_round_trip") else {
         return;
     };
-    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let dir = tmp();
     let mut t = Transfer::new(caps, TransferConfig::default()).unwrap();
     let layout = KvLayout::llama3_8b(16);
     let (path, h, p) = write_block(dir.path(), layout, 3);

@@ -42,8 +42,15 @@ fn open_direct(path: &Path) -> File {
         .unwrap()
 }
 
+/// A temp dir on a real filesystem (O_DIRECT needs one):
+/// `KVTIER_TEST_TMPDIR` when set (device-check.sh runs prebuilt binaries
+/// on another machine), else cargo's target tmp dir.
 fn tmp() -> tempfile::TempDir {
-    tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap()
+    let base = std::env::var_os("KVTIER_TEST_TMPDIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| env!("CARGO_TARGET_TMPDIR").into());
+    std::fs::create_dir_all(&base).unwrap();
+    tempfile::tempdir_in(base).unwrap()
 }
 
 /// One arena: guard | region 0 | guard | region 1 | ... | guard, guards
