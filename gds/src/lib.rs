@@ -26,4 +26,4 @@ pub use caps::{Capabilities, CudaSupport, GdsSupport};
 pub use error::{Error, Result};
 pub use memory::{Destination, DeviceSpan, HostBuf, MemoryKind, Region};
 pub use plan::{plan, Plan, Route, Source};
-pub use transfer::{Outcome, Transfer, TransferConfig};
+pub use transfer::{OnboardJob, Outcome, Transfer, TransferConfig};

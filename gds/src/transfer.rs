@@ -34,6 +34,27 @@ pub const CHUNK_BYTES_MAX: usize = 64 << 20;
 /// Most bounce buffers (and reads in flight) accepted.
 pub const BUFFERS_MAX: usize = 64;
 
+/// Most blocks in one [`Transfer::onboard_batch`] call.
+pub const BATCH_BLOCKS_MAX: usize = 4096;
+
+/// One block of a batch: the block file, where its payload is, its
+/// expected checksum, and where it goes (see [`Transfer::onboard`]).
+#[derive(Debug)]
+pub struct OnboardJob<'a, 'd> {
+    /// The open block file.
+    pub file: &'a File,
+    /// Payload offset in the file (4096-aligned).
+    pub payload_offset: u64,
+    /// Payload length from the header.
+    pub payload_len: u64,
+    /// Payload blake3 from the header.
+    pub expected_blake3: [u8; 32],
+    /// Destination regions.
+    pub dst: &'a mut Destination<'d>,
+    /// How the payload is cut across the regions.
+    pub layout: &'a KvLayout,
+}
+
 /// Tuning of the pipeline.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TransferConfig {
@@ -248,49 +269,111 @@ impl Transfer {
         dst: &mut Destination<'_>,
         layout: &KvLayout,
     ) -> Result<Outcome> {
-        if !payload_offset.is_multiple_of(PAGE_BYTES as u64) {
-            return Err(Error::Unaligned {
-                what: "payload_offset",
-                value: payload_offset,
-                align: PAGE_BYTES as u64,
+        let mut jobs = [OnboardJob {
+            file,
+            payload_offset,
+            payload_len,
+            expected_blake3: *expected_blake3,
+            dst,
+            layout,
+        }];
+        self.onboard_batch(&mut jobs)?.pop().unwrap_or_else(|| {
+            Err(Error::Config {
+                field: "jobs",
+                reason: "empty result".into(),
+            })
+        })
+    }
+
+    /// Onboards several blocks (a prefix, say) in one pipeline, so the
+    /// reads of the next block overlap the hashing and copying of the
+    /// previous one. Each block gets its own result: a corrupt block is a
+    /// miss for that block only, and its destination is untrusted. The
+    /// outer `Err` is for failures of the machinery itself (io_uring, CUDA),
+    /// after which no destination of the batch is trusted.
+    pub fn onboard_batch(
+        &mut self,
+        jobs: &mut [OnboardJob<'_, '_>],
+    ) -> Result<Vec<Result<Outcome>>> {
+        if jobs.len() > BATCH_BLOCKS_MAX {
+            return Err(Error::Config {
+                field: "jobs",
+                reason: format!(
+                    "{} blocks in one batch, at most {BATCH_BLOCKS_MAX}",
+                    jobs.len()
+                ),
             });
         }
-        self.check(payload_len, dst, layout)?;
-        let planned = self.plan_for(Source::G3File, dst);
-        tracing::debug!(
-            route = planned.route.name(),
-            reason = planned.reason,
-            "onboard plan"
-        );
-        let mut fallback = None;
-        if planned.route == Route::Direct {
-            match self.direct(file, payload_offset, payload_len, expected_blake3, dst) {
-                Ok(()) => {
-                    return Ok(Outcome {
-                        planned: Route::Direct,
-                        route: Route::Direct,
-                        bytes: payload_len,
-                        fallback: None,
-                    })
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "GPUDirect read failed; falling back to the bounce path");
-                    fallback = Some(e.to_string());
+        let mut results: Vec<Option<Result<Outcome>>> = (0..jobs.len()).map(|_| None).collect();
+        let mut planned = vec![Route::HostRead; jobs.len()];
+        let mut fallback: Vec<Option<String>> = vec![None; jobs.len()];
+        let mut bounce_idx = Vec::with_capacity(jobs.len());
+        for (i, j) in jobs.iter_mut().enumerate() {
+            if !j.payload_offset.is_multiple_of(PAGE_BYTES as u64) {
+                results[i] = Some(Err(Error::Unaligned {
+                    what: "payload_offset",
+                    value: j.payload_offset,
+                    align: PAGE_BYTES as u64,
+                }));
+                continue;
+            }
+            if let Err(e) = self.check(j.payload_len, j.dst, j.layout) {
+                results[i] = Some(Err(e));
+                continue;
+            }
+            let p = self.plan_for(Source::G3File, j.dst);
+            tracing::debug!(route = p.route.name(), reason = p.reason, "onboard plan");
+            planned[i] = p.route;
+            if p.route == Route::Direct {
+                match self.direct(
+                    j.file,
+                    j.payload_offset,
+                    j.payload_len,
+                    &j.expected_blake3,
+                    j.dst,
+                ) {
+                    Ok(()) => {
+                        results[i] = Some(Ok(Outcome {
+                            planned: Route::Direct,
+                            route: Route::Direct,
+                            bytes: j.payload_len,
+                            fallback: None,
+                        }));
+                        continue;
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "GPUDirect read failed; falling back to the bounce path");
+                        fallback[i] = Some(e.to_string());
+                    }
                 }
             }
+            bounce_idx.push(i);
         }
-        self.bounce(file, payload_offset, payload_len, expected_blake3, dst)?;
-        let route = if dst.kind() == crate::MemoryKind::Device {
-            Route::TwoHop
-        } else {
-            Route::HostRead
-        };
-        Ok(Outcome {
-            planned: planned.route,
-            route,
-            bytes: payload_len,
-            fallback,
-        })
+        let bounced = self.bounce(jobs, &bounce_idx)?;
+        for (&i, r) in bounce_idx.iter().zip(bounced) {
+            let route = if jobs[i].dst.kind() == crate::MemoryKind::Device {
+                Route::TwoHop
+            } else {
+                Route::HostRead
+            };
+            results[i] = Some(r.map(|()| Outcome {
+                planned: planned[i],
+                route,
+                bytes: jobs[i].payload_len,
+                fallback: fallback[i].take(),
+            }));
+        }
+        Ok(results
+            .into_iter()
+            .map(|r| {
+                r.unwrap_or_else(|| {
+                    Err(Error::Config {
+                        field: "jobs",
+                        reason: "block was not processed".into(),
+                    })
+                })
+            })
+            .collect())
     }
 
     /// Copies a block already in host memory into `dst`, after checking
@@ -405,45 +488,61 @@ impl Transfer {
         verify(h.finalize(), expected)
     }
 
-    /// The bounce pipeline (TwoHop and HostRead).
+    /// The bounce pipeline (TwoHop and HostRead) over the jobs `idx`, in
+    /// order. One result per job.
     fn bounce(
         &mut self,
-        file: &File,
-        off: u64,
-        len: u64,
-        expected: &[u8; 32],
-        dst: &mut Destination<'_>,
-    ) -> Result<()> {
-        let padded = len.div_ceil(PAGE_BYTES as u64) * PAGE_BYTES as u64;
-        let file_len = file
-            .metadata()
-            .map_err(|e| Error::io("fstat block file", e))?
-            .len();
-        if file_len < off + padded {
-            return Err(Error::Truncated {
-                offset: off,
-                wanted_bytes: padded,
-                got_bytes: file_len.saturating_sub(off),
-            });
+        jobs: &mut [OnboardJob<'_, '_>],
+        idx: &[usize],
+    ) -> Result<Vec<Result<()>>> {
+        if idx.is_empty() {
+            return Ok(Vec::new());
         }
-        let device = dst.has_device_regions();
+        let mut states = Vec::with_capacity(idx.len());
+        let mut chunks = Vec::new();
+        let mut device = false;
+        for (si, &i) in idx.iter().enumerate() {
+            let j = &jobs[i];
+            device |= j.dst.has_device_regions();
+            let padded = j.payload_len.div_ceil(PAGE_BYTES as u64) * PAGE_BYTES as u64;
+            let mut st = JobState {
+                job: i,
+                fd: j.file.as_raw_fd(),
+                off: j.payload_offset,
+                len: j.payload_len,
+                hasher: blake3::Hasher::new(),
+                scatter: Scatter::new(j.dst.region_lens()),
+                err: None,
+            };
+            match j.file.metadata() {
+                Err(e) => st.err = Some(Error::io("fstat block file", e)),
+                Ok(m) if m.len() < j.payload_offset + padded => {
+                    st.err = Some(Error::Truncated {
+                        offset: j.payload_offset,
+                        wanted_bytes: padded,
+                        got_bytes: m.len().saturating_sub(j.payload_offset),
+                    })
+                }
+                Ok(_) => {
+                    let n = padded.div_ceil(self.cfg.chunk_bytes as u64) as usize;
+                    chunks.extend((0..n).map(|k| (si, k)));
+                }
+            }
+            states.push(st);
+        }
         let bufs = self.bounce_ptrs(device)?;
         let mut inflight = 0usize;
         let mut p = Pump {
-            fd: file.as_raw_fd(),
-            off,
-            len,
-            padded,
             chunk: self.cfg.chunk_bytes,
             bufs: &bufs,
             slots: vec![Slot::default(); bufs.len()],
-            hasher: blake3::Hasher::new(),
-            scatter: Scatter::new(dst.region_lens()),
+            chunks: &chunks,
+            states,
             pieces: Vec::new(),
             #[cfg(feature = "cuda")]
             streams: &self.streams,
         };
-        let r = p.run(&mut self.ring, &mut inflight, dst);
+        let r = p.run(&mut self.ring, &mut inflight, jobs);
         // Never return while the kernel or the GPU may still touch a bounce
         // buffer: drain reads, then wait for every copy.
         let drained = drain(&mut self.ring, &mut inflight);
@@ -455,11 +554,16 @@ impl Transfer {
         };
         #[cfg(not(feature = "cuda"))]
         let synced: Result<()> = Ok(());
-        let hash = p.hasher.finalize();
         r?;
         drained?;
         synced?;
-        verify(hash, expected)
+        Ok(p.states
+            .into_iter()
+            .map(|st| match st.err {
+                Some(e) => Err(e),
+                None => verify(st.hasher.finalize(), &jobs[st.job].expected_blake3),
+            })
+            .collect())
     }
 
     #[allow(unused_variables)]
@@ -511,17 +615,26 @@ fn drain(ring: &mut io_uring::IoUring, inflight: &mut usize) -> Result<()> {
     Ok(())
 }
 
-/// State of one bounce pipeline run.
-struct Pump<'b> {
+/// One block in flight through the bounce pipeline.
+struct JobState {
+    job: usize,
     fd: i32,
     off: u64,
     len: u64,
-    padded: u64,
+    hasher: blake3::Hasher,
+    scatter: Scatter,
+    /// Set on the first failure; later chunks of this job are skipped.
+    err: Option<Error>,
+}
+
+/// State of one bounce pipeline run over a batch.
+struct Pump<'b> {
     chunk: usize,
     bufs: &'b [(*mut u8, usize)],
     slots: Vec<Slot>,
-    hasher: blake3::Hasher,
-    scatter: Scatter,
+    /// Global chunk order: (job state, chunk within that job).
+    chunks: &'b [(usize, usize)],
+    states: Vec<JobState>,
     pieces: Vec<Piece>,
     #[cfg(feature = "cuda")]
     streams: &'b [crate::cuda::Stream],
@@ -532,21 +645,21 @@ impl Pump<'_> {
         &mut self,
         ring: &mut io_uring::IoUring,
         inflight: &mut usize,
-        dst: &mut Destination<'_>,
+        jobs: &mut [OnboardJob<'_, '_>],
     ) -> Result<()> {
-        let nchunks = self.padded.div_ceil(self.chunk as u64) as usize;
+        let nchunks = self.chunks.len();
         let mut next_submit = 0usize;
         let mut next_process = 0usize;
         let mut cqes: Vec<(u64, i32)> = Vec::with_capacity(self.slots.len());
         while next_process < nchunks {
-            // Consume completed chunks strictly in file order (the hash is
+            // Consume completed chunks strictly in order (each job's hash is
             // sequential).
             if let Some(s) = self
                 .slots
                 .iter()
                 .position(|sl| sl.chunk == Some(next_process) && sl.ready)
             {
-                self.process(s, next_process, dst)?;
+                self.process(s, next_process, jobs)?;
                 self.slots[s].chunk = None;
                 next_process += 1;
                 continue;
@@ -563,8 +676,11 @@ impl Pump<'_> {
                     self.streams[s].sync()?;
                     self.slots[s].copying = false;
                 }
-                let start = next_submit as u64 * self.chunk as u64;
-                let want = (self.padded - start).min(self.chunk as u64) as usize;
+                let (si, k) = self.chunks[next_submit];
+                let st = &self.states[si];
+                let padded = st.len.div_ceil(PAGE_BYTES as u64) * PAGE_BYTES as u64;
+                let start = k as u64 * self.chunk as u64;
+                let want = (padded - start).min(self.chunk as u64) as usize;
                 self.slots[s] = Slot {
                     chunk: Some(next_submit),
                     want,
@@ -572,9 +688,17 @@ impl Pump<'_> {
                     ready: false,
                     copying: false,
                 };
-                self.push_read(ring, s)?;
-                *inflight += 1;
+                if st.err.is_some() {
+                    // The job already failed: skip its remaining reads.
+                    self.slots[s].ready = true;
+                } else {
+                    self.push_read(ring, s)?;
+                    *inflight += 1;
+                }
                 next_submit += 1;
+            }
+            if *inflight == 0 {
+                continue;
             }
             ring.submit_and_wait(1)
                 .map_err(|e| Error::io("io_uring submit", e))?;
@@ -583,23 +707,31 @@ impl Pump<'_> {
             for &(ud, res) in &cqes {
                 *inflight = inflight.saturating_sub(1);
                 let s = ud as usize;
-                let Some(chunk) = self.slots.get(s).and_then(|sl| sl.chunk) else {
+                let Some(g) = self.slots.get(s).and_then(|sl| sl.chunk) else {
                     continue;
                 };
-                let at = self.off + chunk as u64 * self.chunk as u64 + self.slots[s].filled as u64;
-                if res < 0 {
-                    return Err(Error::io(
+                let (si, _) = self.chunks[g];
+                let at = self.file_off(s);
+                let left = self.slots[s].want - self.slots[s].filled;
+                let failed = if res < 0 {
+                    Some(Error::io(
                         "O_DIRECT read of block file",
                         std::io::Error::from_raw_os_error(-res),
-                    ));
-                }
-                let left = self.slots[s].want - self.slots[s].filled;
-                if res == 0 || (res as usize) < left && !(res as usize).is_multiple_of(512) {
-                    return Err(Error::Truncated {
+                    ))
+                } else if res == 0 || (res as usize) < left && !(res as usize).is_multiple_of(512) {
+                    Some(Error::Truncated {
                         offset: at,
                         wanted_bytes: left as u64,
                         got_bytes: res as u64,
-                    });
+                    })
+                } else {
+                    None
+                };
+                if let Some(e) = failed {
+                    let st = &mut self.states[si];
+                    st.err.get_or_insert(e);
+                    self.slots[s].ready = true;
+                    continue;
                 }
                 self.slots[s].filled += res as usize;
                 if self.slots[s].filled >= self.slots[s].want {
@@ -613,20 +745,30 @@ impl Pump<'_> {
         Ok(())
     }
 
+    /// File offset of the next byte slot `s` reads.
+    fn file_off(&self, s: usize) -> u64 {
+        let sl = self.slots[s];
+        let (si, k) = self.chunks[sl.chunk.unwrap_or_default()];
+        self.states[si].off + k as u64 * self.chunk as u64 + sl.filled as u64
+    }
+
     fn push_read(&self, ring: &mut io_uring::IoUring, s: usize) -> Result<()> {
         use io_uring::{opcode, types};
         let sl = self.slots[s];
-        let chunk = sl.chunk.unwrap_or_default();
+        let (si, _) = self.chunks[sl.chunk.unwrap_or_default()];
         let (ptr, cap) = self.bufs[s];
         let n = sl.want - sl.filled;
         debug_assert!(sl.want <= cap);
-        let at = self.off + chunk as u64 * self.chunk as u64 + sl.filled as u64;
         // SAFETY: `filled < want <= cap`, so the range lies in buffer `s`,
         // which outlives the read (bounce() drains the ring before return).
-        let e = opcode::Read::new(types::Fd(self.fd), unsafe { ptr.add(sl.filled) }, n as u32)
-            .offset(at)
-            .build()
-            .user_data(s as u64);
+        let e = opcode::Read::new(
+            types::Fd(self.states[si].fd),
+            unsafe { ptr.add(sl.filled) },
+            n as u32,
+        )
+        .offset(self.file_off(s))
+        .build()
+        .user_data(s as u64);
         // SAFETY: the entry's buffer stays valid until its completion.
         unsafe { ring.submission().push(&e) }.map_err(|_| {
             Error::io(
@@ -636,14 +778,20 @@ impl Pump<'_> {
         })
     }
 
-    fn process(&mut self, s: usize, chunk: usize, dst: &mut Destination<'_>) -> Result<()> {
-        let start = chunk as u64 * self.chunk as u64;
-        let valid = (self.len.saturating_sub(start)).min(self.chunk as u64) as usize;
+    fn process(&mut self, s: usize, g: usize, jobs: &mut [OnboardJob<'_, '_>]) -> Result<()> {
+        let (si, k) = self.chunks[g];
+        let st = &mut self.states[si];
+        if st.err.is_some() {
+            return Ok(());
+        }
+        let start = k as u64 * self.chunk as u64;
+        let valid = (st.len.saturating_sub(start)).min(self.chunk as u64) as usize;
         let (ptr, _) = self.bufs[s];
         // SAFETY: the read into buffer `s` completed; `valid <= want`.
         let data = unsafe { std::slice::from_raw_parts(ptr as *const u8, valid) };
-        self.hasher.update(data);
-        self.scatter.next_pieces(valid, &mut self.pieces);
+        st.hasher.update(data);
+        st.scatter.next_pieces(valid, &mut self.pieces);
+        let dst = &mut *jobs[st.job].dst;
         for p in &self.pieces {
             let src = &data[p.src_off..p.src_off + p.len];
             match &mut dst.regions_mut()[p.region] {

@@ -6,8 +6,8 @@
 use kvtier_client::block::HEADER_BYTES;
 use kvtier_client::{encode_block, BlockHeader, BlockKey, Dtype, KvLayout, LayoutKind, Namespace};
 use kvtier_gds::{
-    Capabilities, CudaSupport, Destination, Error, GdsSupport, MemoryKind, Route, Source, Transfer,
-    TransferConfig,
+    Capabilities, CudaSupport, Destination, Error, GdsSupport, MemoryKind, OnboardJob, Route,
+    Source, Transfer, TransferConfig,
 };
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
@@ -484,5 +484,64 @@ fn config_limits_are_enforced() {
             Transfer::host_only(c).unwrap_err(),
             Error::Config { .. }
         ));
+    }
+}
+
+#[test]
+fn batch_gives_each_block_its_own_verdict() {
+    let dir = tmp();
+    let layout = sep_layout(3, 100);
+    let lb = layout.layer_bytes() as usize;
+    let mut blocks: Vec<_> = (0..6)
+        .map(|i| write_block(dir.path(), layout, 20 + i))
+        .collect();
+    // Block 2: corrupt payload. Block 4: truncated file.
+    let w = OpenOptions::new().write(true).open(&blocks[2].0).unwrap();
+    w.write_all_at(&[0, 1, 2, 3], (HEADER_BYTES + 4000) as u64)
+        .unwrap();
+    OpenOptions::new()
+        .write(true)
+        .open(&blocks[4].0)
+        .unwrap()
+        .set_len((HEADER_BYTES + 4096) as u64)
+        .unwrap();
+    // Block 5: wrong expected checksum.
+    blocks[5].1.payload_blake3[7] ^= 1;
+    for c in [cfg(4096, 1), cfg(4096, 3), cfg(8192, 8)] {
+        let mut t = Transfer::host_only(c).unwrap();
+        let files: Vec<File> = blocks.iter().map(|b| open_direct(&b.0)).collect();
+        let mut arenas: Vec<Arena> = (0..6).map(|_| Arena::new(&[lb; 3])).collect();
+        let mut dests: Vec<Destination<'_>> = arenas
+            .iter_mut()
+            .map(|a| Destination::emulated(MemoryKind::Device, a.regions()))
+            .collect();
+        let mut jobs: Vec<OnboardJob<'_, '_>> = dests
+            .iter_mut()
+            .zip(&files)
+            .zip(&blocks)
+            .map(|((d, f), b)| OnboardJob {
+                file: f,
+                payload_offset: HEADER_BYTES as u64,
+                payload_len: b.1.payload_len,
+                expected_blake3: b.1.payload_blake3,
+                dst: d,
+                layout: &layout,
+            })
+            .collect();
+        let results = t.onboard_batch(&mut jobs).unwrap();
+        drop(jobs);
+        drop(dests);
+        assert_eq!(results.len(), 6);
+        for (i, r) in results.iter().enumerate() {
+            assert!(arenas[i].guards_intact(), "block {i} {c:?}");
+            match i {
+                2 | 5 => assert!(matches!(r, Err(Error::Checksum { .. })), "{i}: {r:?}"),
+                4 => assert!(matches!(r, Err(Error::Truncated { .. })), "{i}: {r:?}"),
+                _ => {
+                    assert_eq!(r.as_ref().unwrap().route, Route::TwoHop);
+                    assert!(arenas[i].contents() == blocks[i].2, "block {i} {c:?}");
+                }
+            }
+        }
     }
 }
