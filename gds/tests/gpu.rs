@@ -9,7 +9,7 @@
 use kvtier_client::block::HEADER_BYTES;
 use kvtier_client::{encode_block, BlockHeader, BlockKey, Dtype, KvLayout, LayoutKind, Namespace};
 use kvtier_gds::cuda::{DeviceBuf, PinnedBuf};
-use kvtier_gds::{Capabilities, Destination, Route, Transfer, TransferConfig};
+use kvtier_gds::{Capabilities, Destination, OnboardJob, Route, Transfer, TransferConfig};
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
@@ -291,4 +291,56 @@ fn h2d_bandwidth_is_measurable() {
     let g = kvtier_gds::cuda::h2d_pinned_gbps(t.gpu().unwrap(), 8 << 20, 4).unwrap();
     eprintln!("h2d pinned: {g:.2} GB/s");
     assert!(g > 0.0);
+}
+
+#[test]
+fn device_batch_with_one_corrupt_block() {
+    let dir = tmp();
+    for (mut t, planned) in both_plans("device_batch") {
+        let layout = sep_layout(4, 64);
+        let lb = layout.layer_bytes() as usize;
+        let blocks: Vec<_> = (0..3)
+            .map(|i| write_block(dir.path(), layout, 40 + i))
+            .collect();
+        let w = OpenOptions::new().write(true).open(&blocks[1].0).unwrap();
+        w.write_all_at(&[1, 2, 3, 4, 5], (HEADER_BYTES + 99) as u64)
+            .unwrap();
+        drop(w);
+        let arenas: Vec<_> = (0..3).map(|_| device_arena(&t, &[lb; 4])).collect();
+        let files: Vec<File> = blocks.iter().map(|b| open_direct(&b.0)).collect();
+        let mut dests: Vec<Destination<'_>> = arenas
+            .iter()
+            .map(|(buf, spans)| {
+                let s = spans
+                    .iter()
+                    .map(|&(o, l)| buf.sub_span(o, l).unwrap())
+                    .collect();
+                // SAFETY: sub-spans of `buf`, alive for the batch.
+                unsafe { Destination::device_raw(s) }
+            })
+            .collect();
+        let mut jobs: Vec<OnboardJob<'_, '_>> = dests
+            .iter_mut()
+            .zip(&files)
+            .zip(&blocks)
+            .map(|((d, f), b)| OnboardJob {
+                file: f,
+                payload_offset: HEADER_BYTES as u64,
+                payload_len: b.1.payload_len,
+                expected_blake3: b.1.payload_blake3,
+                dst: d,
+                layout: &layout,
+            })
+            .collect();
+        let results = t.onboard_batch(&mut jobs).unwrap();
+        for (i, r) in results.iter().enumerate() {
+            let got = check_arena(&arenas[i].0, &arenas[i].1);
+            if i == 1 {
+                assert!(r.as_ref().unwrap_err().is_integrity(), "{planned:?}");
+            } else {
+                assert_eq!(r.as_ref().unwrap().planned, planned);
+                assert!(got == blocks[i].2, "{planned:?} block {i}");
+            }
+        }
+    }
 }

@@ -11,7 +11,7 @@ use anyhow::{Context, Result};
 use clap::Args;
 use kvtier_client::block::{padded_len, HEADER_BYTES};
 use kvtier_client::{encode_block, BlockHeader, BlockKey, KvLayout, Namespace};
-use kvtier_gds::{BlockBuf, Capabilities, MemoryKind, Transfer, TransferConfig};
+use kvtier_gds::{BlockBuf, Capabilities, MemoryKind, OnboardJob, Transfer, TransferConfig};
 use serde_json::{json, Map, Value};
 use std::fs::{File, OpenOptions};
 use std::io::Write;
@@ -43,6 +43,9 @@ pub struct GdsArgs {
     /// Bounce buffers (reads in flight).
     #[arg(long, default_value_t = 4)]
     pub buffers: usize,
+    /// Blocks per `onboard_batch` call (an engine onboarding a prefix).
+    #[arg(long, default_value_t = 32)]
+    pub batch: usize,
     /// Do not use GPUDirect Storage even when present (forces TwoHop).
     #[arg(long)]
     pub no_gds: bool,
@@ -111,30 +114,41 @@ fn open_direct(path: &Path) -> Result<File> {
         .with_context(|| format!("opening {} with O_DIRECT", path.display()))
 }
 
-/// Onboards every block; GB/s of payload, and how many fell back.
+/// Onboards every block, `dsts.len()` blocks per batch; GB/s of payload,
+/// fallbacks, and the route.
 fn onboard_all(
     t: &mut Transfer,
     b: &Blocks,
-    dst: &mut BlockBuf,
+    dsts: &mut [BlockBuf],
 ) -> Result<(f64, usize, &'static str)> {
     let mut fallbacks = 0;
     let mut route = "";
     let start = Instant::now();
-    for (p, h) in b.paths.iter().zip(&b.headers) {
-        let f = open_direct(p)?;
-        let mut d = dst.destination();
-        let out = t
-            .onboard(
-                &f,
-                HEADER_BYTES as u64,
-                h.payload_len,
-                &h.payload_blake3,
-                &mut d,
-                &b.layout,
-            )
-            .with_context(|| format!("onboarding {}", p.display()))?;
-        fallbacks += usize::from(out.fallback.is_some());
-        route = out.route.name();
+    let idx: Vec<usize> = (0..b.paths.len()).collect();
+    for group in idx.chunks(dsts.len()) {
+        let files = group
+            .iter()
+            .map(|&i| open_direct(&b.paths[i]))
+            .collect::<Result<Vec<_>>>()?;
+        let mut ds: Vec<_> = dsts.iter_mut().map(|d| d.destination()).collect();
+        let mut jobs: Vec<OnboardJob<'_, '_>> = group
+            .iter()
+            .zip(&files)
+            .zip(ds.iter_mut())
+            .map(|((&i, f), d)| OnboardJob {
+                file: f,
+                payload_offset: HEADER_BYTES as u64,
+                payload_len: b.headers[i].payload_len,
+                expected_blake3: b.headers[i].payload_blake3,
+                dst: d,
+                layout: &b.layout,
+            })
+            .collect();
+        for (r, &i) in t.onboard_batch(&mut jobs)?.into_iter().zip(group) {
+            let out = r.with_context(|| format!("onboarding {}", b.paths[i].display()))?;
+            fallbacks += usize::from(out.fallback.is_some());
+            route = out.route.name();
+        }
     }
     let bytes = b.headers.iter().map(|h| h.payload_len as usize).sum();
     Ok((
@@ -144,16 +158,48 @@ fn onboard_all(
     ))
 }
 
-/// Raw baseline: one O_DIRECT pread of each file's padded payload into an
-/// aligned host buffer, no hashing, no copy.
-fn raw_all(b: &Blocks, buf: &mut AlignedBuf) -> Result<f64> {
+/// Raw baseline with the same I/O shape: `depth` threads, each with its own
+/// aligned buffer, O_DIRECT-pread the same files' padded payloads in pieces
+/// of `chunk` bytes (no hashing, no copy).
+fn raw_all(b: &Blocks, chunk: usize, depth: usize) -> Result<f64> {
+    use std::sync::atomic::{AtomicUsize, Ordering};
     let start = Instant::now();
-    for (p, h) in b.paths.iter().zip(&b.headers) {
-        let f = open_direct(p)?;
-        let n = padded_len(h.payload_len) as usize;
-        f.read_exact_at(&mut buf.as_mut_slice()[..n], HEADER_BYTES as u64)
-            .with_context(|| format!("raw read of {}", p.display()))?;
+    let files = b
+        .paths
+        .iter()
+        .map(|p| open_direct(p))
+        .collect::<Result<Vec<_>>>()?;
+    let mut work = Vec::new();
+    for (i, h) in b.headers.iter().enumerate() {
+        let padded = padded_len(h.payload_len) as usize;
+        let mut o = 0;
+        while o < padded {
+            work.push((i, o, (padded - o).min(chunk)));
+            o += chunk;
+        }
     }
+    let next = AtomicUsize::new(0);
+    std::thread::scope(|s| -> Result<()> {
+        let hs: Vec<_> = (0..depth.max(1))
+            .map(|_| {
+                s.spawn(|| -> Result<()> {
+                    let mut buf = AlignedBuf::new(chunk)?;
+                    while let Some(&(i, o, n)) = work.get(next.fetch_add(1, Ordering::Relaxed)) {
+                        files[i].read_exact_at(
+                            &mut buf.as_mut_slice()[..n],
+                            (HEADER_BYTES + o) as u64,
+                        )?;
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        for h in hs {
+            h.join()
+                .map_err(|_| anyhow::anyhow!("baseline thread panicked"))??;
+        }
+        Ok(())
+    })?;
     let bytes = b.headers.iter().map(|h| h.payload_len as usize).sum();
     Ok(common::gbps(bytes, start.elapsed().as_secs_f64()))
 }
@@ -162,6 +208,10 @@ fn raw_all(b: &Blocks, buf: &mut AlignedBuf) -> Result<f64> {
 pub fn measure(args: &GdsArgs) -> Result<Value> {
     anyhow::ensure!(args.blocks > 0, "--blocks must be at least 1");
     anyhow::ensure!(args.rounds > 0, "--rounds must be at least 1");
+    anyhow::ensure!(
+        (1..=64).contains(&args.buffers),
+        "--buffers must be in 1..=64"
+    );
     let total = args.block_size.saturating_mul(args.blocks as u64);
     anyhow::ensure!(
         total <= TOTAL_BYTES_MAX,
@@ -186,9 +236,11 @@ pub fn measure(args: &GdsArgs) -> Result<Value> {
         .tempdir_in(&parent)
         .with_context(|| format!("making a temp dir in {}", parent.display()))?;
     let blocks = write_blocks(tmp.path(), args.block_size, args.blocks)?;
-    let mut dst = BlockBuf::new(args.dest, args.block_size as usize, &t)?;
-    let emulated = dst.is_emulated();
-    let mut raw_buf = AlignedBuf::new(padded_len(args.block_size) as usize)?;
+    let batch = args.batch.clamp(1, 256).min(args.blocks);
+    let mut dsts = (0..batch)
+        .map(|_| BlockBuf::new(args.dest, args.block_size as usize, &t))
+        .collect::<Result<Vec<_>, _>>()?;
+    let emulated = dsts[0].is_emulated();
 
     let bar = indicatif::ProgressBar::new(args.rounds as u64 * 2);
     let mut onboard = Vec::new();
@@ -201,12 +253,12 @@ pub fn measure(args: &GdsArgs) -> Result<Value> {
         for phase in 0..2 {
             dropped &= common::drop_page_cache();
             if (r + phase) % 2 == 0 {
-                let (g, fb, rt) = onboard_all(&mut t, &blocks, &mut dst)?;
+                let (g, fb, rt) = onboard_all(&mut t, &blocks, &mut dsts)?;
                 onboard.push(g);
                 fallbacks += fb;
                 route = rt;
             } else {
-                raw.push(raw_all(&blocks, &mut raw_buf)?);
+                raw.push(raw_all(&blocks, args.chunk as usize, args.buffers)?);
             }
             bar.inc(1);
         }
@@ -228,11 +280,12 @@ pub fn measure(args: &GdsArgs) -> Result<Value> {
     out.insert("rounds".into(), json!(args.rounds));
     out.insert("chunk_bytes".into(), json!(args.chunk));
     out.insert("buffers".into(), json!(args.buffers));
+    out.insert("batch_blocks".into(), json!(batch));
     out.insert("dir".into(), json!(parent.display().to_string()));
     out.insert("page_cache_dropped".into(), json!(dropped));
     out.insert(
         "baseline".into(),
-        json!("raw O_DIRECT pread of the same block files into host memory, interleaved"),
+        json!("raw O_DIRECT pread of the same block files into host memory, same chunk size and depth, interleaved"),
     );
     let (mo, mr) = (common::median(&onboard), common::median(&raw));
     common::compare(&mut out, "onboard_gbps", mo, mr);
@@ -271,6 +324,7 @@ mod tests {
                 rounds: 2,
                 chunk: 16 << 10,
                 buffers: 2,
+                batch: 2,
                 no_gds: false,
                 json: true,
             };
