@@ -34,6 +34,10 @@ pub const CHUNK_BYTES_MAX: usize = 64 << 20;
 /// Most bounce buffers (and reads in flight) accepted.
 pub const BUFFERS_MAX: usize = 64;
 
+/// Bounce buffers beyond the reads in flight: the chunks being hashed and
+/// copied sit in these, so the disk queue stays `buffers` deep meanwhile.
+pub const SPARE_BUFFERS: usize = 2;
+
 /// Most blocks in one [`Transfer::onboard_batch`] call.
 pub const BATCH_BLOCKS_MAX: usize = 4096;
 
@@ -60,7 +64,8 @@ pub struct OnboardJob<'a, 'd> {
 pub struct TransferConfig {
     /// Bytes per bounce buffer (a multiple of 4096).
     pub chunk_bytes: usize,
-    /// Bounce buffers, which is also reads (and streams) in flight.
+    /// O_DIRECT reads in flight; [`SPARE_BUFFERS`] more bounce buffers
+    /// (and streams) are allocated.
     pub buffers: usize,
     /// Use GPUDirect Storage when the capabilities allow.
     pub prefer_direct: bool,
@@ -155,9 +160,9 @@ impl Transfer {
     /// if that fails it logs why and runs host-only.
     pub fn new(caps: Capabilities, cfg: TransferConfig) -> Result<Self> {
         cfg.validate()?;
-        let ring = io_uring::IoUring::new(cfg.buffers.next_power_of_two() as u32)
+        let ring = io_uring::IoUring::new((cfg.buffers + SPARE_BUFFERS).next_power_of_two() as u32)
             .map_err(|e| Error::io("io_uring setup", e))?;
-        let host_bufs = (0..cfg.buffers)
+        let host_bufs = (0..cfg.buffers + SPARE_BUFFERS)
             .map(|_| HostBuf::new(cfg.chunk_bytes))
             .collect::<Result<Vec<_>>>()?;
         #[allow(unused_mut)]
@@ -536,6 +541,7 @@ impl Transfer {
             chunk: self.cfg.chunk_bytes,
             bufs: &bufs,
             slots: vec![Slot::default(); bufs.len()],
+            depth: self.cfg.buffers,
             chunks: &chunks,
             states,
             pieces: Vec::new(),
@@ -574,11 +580,11 @@ impl Transfer {
                 reason: self.caps.describe(),
             })?;
             gpu.bind()?;
-            while self.pinned_bufs.len() < self.cfg.buffers {
+            while self.pinned_bufs.len() < self.cfg.buffers + SPARE_BUFFERS {
                 self.pinned_bufs
                     .push(crate::cuda::PinnedBuf::new(&gpu, self.cfg.chunk_bytes)?);
             }
-            while self.streams.len() < self.cfg.buffers {
+            while self.streams.len() < self.cfg.buffers + SPARE_BUFFERS {
                 self.streams.push(crate::cuda::Stream::new()?);
             }
             return Ok(self
@@ -630,6 +636,8 @@ struct JobState {
 /// State of one bounce pipeline run over a batch.
 struct Pump<'b> {
     chunk: usize,
+    /// Most reads in flight.
+    depth: usize,
     bufs: &'b [(*mut u8, usize)],
     slots: Vec<Slot>,
     /// Global chunk order: (job state, chunk within that job).
@@ -652,20 +660,11 @@ impl Pump<'_> {
         let mut next_process = 0usize;
         let mut cqes: Vec<(u64, i32)> = Vec::with_capacity(self.slots.len());
         while next_process < nchunks {
-            // Consume completed chunks strictly in order (each job's hash is
-            // sequential).
-            if let Some(s) = self
-                .slots
-                .iter()
-                .position(|sl| sl.chunk == Some(next_process) && sl.ready)
-            {
-                self.process(s, next_process, jobs)?;
-                self.slots[s].chunk = None;
-                next_process += 1;
-                continue;
-            }
+            // Refill first, so the disk queue is `depth` deep while the
+            // CPU hashes and copies.
+            let mut pushed = false;
             for s in 0..self.slots.len() {
-                if next_submit >= nchunks {
+                if next_submit >= nchunks || *inflight >= self.depth {
                     break;
                 }
                 if self.slots[s].chunk.is_some() {
@@ -694,53 +693,88 @@ impl Pump<'_> {
                 } else {
                     self.push_read(ring, s)?;
                     *inflight += 1;
+                    pushed = true;
                 }
                 next_submit += 1;
+            }
+            if pushed {
+                ring.submit().map_err(|e| Error::io("io_uring submit", e))?;
+            }
+            // Consume completed chunks strictly in order (each job's hash is
+            // sequential).
+            if let Some(s) = self
+                .slots
+                .iter()
+                .position(|sl| sl.chunk == Some(next_process) && sl.ready)
+            {
+                self.process(s, next_process, jobs)?;
+                self.slots[s].chunk = None;
+                next_process += 1;
+                self.reap(ring, inflight, false, &mut cqes)?;
+                continue;
             }
             if *inflight == 0 {
                 continue;
             }
+            self.reap(ring, inflight, true, &mut cqes)?;
+        }
+        Ok(())
+    }
+
+    /// Handles completions; with `wait`, blocks for at least one.
+    fn reap(
+        &mut self,
+        ring: &mut io_uring::IoUring,
+        inflight: &mut usize,
+        wait: bool,
+        cqes: &mut Vec<(u64, i32)>,
+    ) -> Result<()> {
+        if wait {
             ring.submit_and_wait(1)
                 .map_err(|e| Error::io("io_uring submit", e))?;
-            cqes.clear();
-            cqes.extend(ring.completion().map(|c| (c.user_data(), c.result())));
-            for &(ud, res) in &cqes {
-                *inflight = inflight.saturating_sub(1);
-                let s = ud as usize;
-                let Some(g) = self.slots.get(s).and_then(|sl| sl.chunk) else {
-                    continue;
-                };
-                let (si, _) = self.chunks[g];
-                let at = self.file_off(s);
-                let left = self.slots[s].want - self.slots[s].filled;
-                let failed = if res < 0 {
-                    Some(Error::io(
-                        "O_DIRECT read of block file",
-                        std::io::Error::from_raw_os_error(-res),
-                    ))
-                } else if res == 0 || (res as usize) < left && !(res as usize).is_multiple_of(512) {
-                    Some(Error::Truncated {
-                        offset: at,
-                        wanted_bytes: left as u64,
-                        got_bytes: res as u64,
-                    })
-                } else {
-                    None
-                };
-                if let Some(e) = failed {
-                    let st = &mut self.states[si];
-                    st.err.get_or_insert(e);
-                    self.slots[s].ready = true;
-                    continue;
-                }
-                self.slots[s].filled += res as usize;
-                if self.slots[s].filled >= self.slots[s].want {
-                    self.slots[s].ready = true;
-                } else {
-                    self.push_read(ring, s)?;
-                    *inflight += 1;
-                }
+        }
+        cqes.clear();
+        cqes.extend(ring.completion().map(|c| (c.user_data(), c.result())));
+        let mut resubmitted = false;
+        for &(ud, res) in cqes.iter() {
+            *inflight = inflight.saturating_sub(1);
+            let s = ud as usize;
+            let Some(g) = self.slots.get(s).and_then(|sl| sl.chunk) else {
+                continue;
+            };
+            let (si, _) = self.chunks[g];
+            let at = self.file_off(s);
+            let left = self.slots[s].want - self.slots[s].filled;
+            let failed = if res < 0 {
+                Some(Error::io(
+                    "O_DIRECT read of block file",
+                    std::io::Error::from_raw_os_error(-res),
+                ))
+            } else if res == 0 || (res as usize) < left && !(res as usize).is_multiple_of(512) {
+                Some(Error::Truncated {
+                    offset: at,
+                    wanted_bytes: left as u64,
+                    got_bytes: res as u64,
+                })
+            } else {
+                None
+            };
+            if let Some(e) = failed {
+                self.states[si].err.get_or_insert(e);
+                self.slots[s].ready = true;
+                continue;
             }
+            self.slots[s].filled += res as usize;
+            if self.slots[s].filled >= self.slots[s].want {
+                self.slots[s].ready = true;
+            } else {
+                self.push_read(ring, s)?;
+                *inflight += 1;
+                resubmitted = true;
+            }
+        }
+        if resubmitted {
+            ring.submit().map_err(|e| Error::io("io_uring submit", e))?;
         }
         Ok(())
     }
