@@ -38,6 +38,9 @@ pub const BUFFERS_MAX: usize = 64;
 /// copied sit in these, so the disk queue stays `buffers` deep meanwhile.
 pub const SPARE_BUFFERS: usize = 2;
 
+/// Most lanes (pipeline threads) accepted.
+pub const LANES_MAX: usize = 16;
+
 /// Most blocks in one [`Transfer::onboard_batch`] call.
 pub const BATCH_BLOCKS_MAX: usize = 4096;
 
@@ -71,6 +74,9 @@ pub struct TransferConfig {
     pub prefer_direct: bool,
     /// Hash a host copy of the bytes a Direct read put in HBM.
     pub verify_direct: bool,
+    /// Parallel bounce pipelines (threads) a batch is split across; each
+    /// hashes on its own core.
+    pub lanes: usize,
 }
 
 impl Default for TransferConfig {
@@ -80,6 +86,7 @@ impl Default for TransferConfig {
             buffers: 4,
             prefer_direct: true,
             verify_direct: true,
+            lanes: 1,
         }
     }
 }
@@ -104,6 +111,12 @@ impl TransferConfig {
                 reason: format!("{} is not in 1..={BUFFERS_MAX}", self.buffers),
             });
         }
+        if self.lanes == 0 || self.lanes > LANES_MAX {
+            return Err(Error::Config {
+                field: "lanes",
+                reason: format!("{} is not in 1..={LANES_MAX}", self.lanes),
+            });
+        }
         Ok(())
     }
 }
@@ -122,19 +135,44 @@ pub struct Outcome {
 }
 
 /// Moves verified block bytes into host, pinned or device memory. Owns its
-/// bounce buffers, io_uring and streams; one transfer at a time per value
-/// (make one per worker thread).
+/// lanes (bounce buffers, io_uring, streams); one call at a time per value
+/// (`&mut self`); a batch spreads over `lanes` threads.
 pub struct Transfer {
     caps: Capabilities,
     cfg: TransferConfig,
-    ring: io_uring::IoUring,
-    host_bufs: Vec<HostBuf>,
+    lanes: Vec<Lane>,
     #[cfg(feature = "cuda")]
     gpu: Option<std::sync::Arc<crate::cuda::Gpu>>,
+}
+
+/// One bounce pipeline: its ring, buffers and streams. A batch is split
+/// across lanes, each on its own thread, so hashing (one core per lane)
+/// scales with the lanes.
+struct Lane {
+    ring: io_uring::IoUring,
+    host_bufs: Vec<HostBuf>,
     #[cfg(feature = "cuda")]
     pinned_bufs: Vec<crate::cuda::PinnedBuf>,
     #[cfg(feature = "cuda")]
     streams: Vec<crate::cuda::Stream>,
+}
+
+impl Lane {
+    fn new(cfg: &TransferConfig) -> Result<Self> {
+        let ring = io_uring::IoUring::new((cfg.buffers + SPARE_BUFFERS).next_power_of_two() as u32)
+            .map_err(|e| Error::io("io_uring setup", e))?;
+        let host_bufs = (0..cfg.buffers + SPARE_BUFFERS)
+            .map(|_| HostBuf::new(cfg.chunk_bytes))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Lane {
+            ring,
+            host_bufs,
+            #[cfg(feature = "cuda")]
+            pinned_bufs: Vec::new(),
+            #[cfg(feature = "cuda")]
+            streams: Vec::new(),
+        })
+    }
 }
 
 impl std::fmt::Debug for Transfer {
@@ -160,23 +198,16 @@ impl Transfer {
     /// if that fails it logs why and runs host-only.
     pub fn new(caps: Capabilities, cfg: TransferConfig) -> Result<Self> {
         cfg.validate()?;
-        let ring = io_uring::IoUring::new((cfg.buffers + SPARE_BUFFERS).next_power_of_two() as u32)
-            .map_err(|e| Error::io("io_uring setup", e))?;
-        let host_bufs = (0..cfg.buffers + SPARE_BUFFERS)
-            .map(|_| HostBuf::new(cfg.chunk_bytes))
+        let lanes = (0..cfg.lanes)
+            .map(|_| Lane::new(&cfg))
             .collect::<Result<Vec<_>>>()?;
         #[allow(unused_mut)]
         let mut t = Transfer {
             caps,
             cfg,
-            ring,
-            host_bufs,
+            lanes,
             #[cfg(feature = "cuda")]
             gpu: None,
-            #[cfg(feature = "cuda")]
-            pinned_bufs: Vec::new(),
-            #[cfg(feature = "cuda")]
-            streams: Vec::new(),
         };
         #[cfg(feature = "cuda")]
         if t.caps.has_cuda() {
@@ -354,7 +385,18 @@ impl Transfer {
             }
             bounce_idx.push(i);
         }
-        let bounced = self.bounce(jobs, &bounce_idx)?;
+        let mut is_bounce = vec![false; jobs.len()];
+        for &i in &bounce_idx {
+            is_bounce[i] = true;
+        }
+        let mut refs: Vec<&mut OnboardJob<'_, '_>> = jobs
+            .iter_mut()
+            .enumerate()
+            .filter(|(i, _)| is_bounce[*i])
+            .map(|(_, j)| j)
+            .collect();
+        let bounced = self.bounce(&mut refs)?;
+        drop(refs);
         for (&i, r) in bounce_idx.iter().zip(bounced) {
             let route = if jobs[i].dst.kind() == crate::MemoryKind::Device {
                 Route::TwoHop
@@ -479,7 +521,7 @@ impl Transfer {
             return Ok(());
         }
         let mut h = blake3::Hasher::new();
-        let buf = self.host_bufs[0].as_mut_slice();
+        let buf = self.lanes[0].host_bufs[0].as_mut_slice();
         for s in &spans {
             let mut done = 0;
             while done < s.len {
@@ -493,112 +535,166 @@ impl Transfer {
         verify(h.finalize(), expected)
     }
 
-    /// The bounce pipeline (TwoHop and HostRead) over the jobs `idx`, in
-    /// order. One result per job.
-    fn bounce(
-        &mut self,
-        jobs: &mut [OnboardJob<'_, '_>],
-        idx: &[usize],
-    ) -> Result<Vec<Result<()>>> {
-        if idx.is_empty() {
+    /// The bounce pipeline (TwoHop and HostRead) over `jobs`, split across
+    /// the lanes in contiguous runs. One result per job, in order.
+    fn bounce(&mut self, jobs: &mut [&mut OnboardJob<'_, '_>]) -> Result<Vec<Result<()>>> {
+        if jobs.is_empty() {
             return Ok(Vec::new());
         }
-        let mut states = Vec::with_capacity(idx.len());
-        let mut chunks = Vec::new();
-        let mut device = false;
-        for (si, &i) in idx.iter().enumerate() {
-            let j = &jobs[i];
-            device |= j.dst.has_device_regions();
-            let padded = j.payload_len.div_ceil(PAGE_BYTES as u64) * PAGE_BYTES as u64;
-            let mut st = JobState {
-                job: i,
-                fd: j.file.as_raw_fd(),
-                off: j.payload_offset,
-                len: j.payload_len,
-                hasher: blake3::Hasher::new(),
-                scatter: Scatter::new(j.dst.region_lens()),
-                err: None,
-            };
-            match j.file.metadata() {
-                Err(e) => st.err = Some(Error::io("fstat block file", e)),
-                Ok(m) if m.len() < j.payload_offset + padded => {
-                    st.err = Some(Error::Truncated {
-                        offset: j.payload_offset,
-                        wanted_bytes: padded,
-                        got_bytes: m.len().saturating_sub(j.payload_offset),
-                    })
-                }
-                Ok(_) => {
-                    let n = padded.div_ceil(self.cfg.chunk_bytes as u64) as usize;
-                    chunks.extend((0..n).map(|k| (si, k)));
-                }
-            }
-            states.push(st);
-        }
-        let bufs = self.bounce_ptrs(device)?;
-        let mut inflight = 0usize;
-        let mut p = Pump {
-            chunk: self.cfg.chunk_bytes,
-            bufs: &bufs,
-            slots: vec![Slot::default(); bufs.len()],
-            depth: self.cfg.buffers,
-            chunks: &chunks,
-            states,
-            pieces: Vec::new(),
+        let cfg = self.cfg;
+        let ctx = LaneCtx {
+            cfg: &cfg,
+            caps: &self.caps,
             #[cfg(feature = "cuda")]
-            streams: &self.streams,
+            gpu: self.gpu.as_ref(),
         };
-        let r = p.run(&mut self.ring, &mut inflight, jobs);
-        // Never return while the kernel or the GPU may still touch a bounce
-        // buffer: drain reads, then wait for every copy.
-        let drained = drain(&mut self.ring, &mut inflight);
-        #[cfg(feature = "cuda")]
-        let synced = if device {
-            self.streams.iter().try_for_each(|s| s.sync())
-        } else {
-            Ok(())
-        };
-        #[cfg(not(feature = "cuda"))]
-        let synced: Result<()> = Ok(());
-        r?;
-        drained?;
-        synced?;
-        Ok(p.states
-            .into_iter()
-            .map(|st| match st.err {
-                Some(e) => Err(e),
-                None => verify(st.hasher.finalize(), &jobs[st.job].expected_blake3),
-            })
-            .collect())
-    }
-
-    #[allow(unused_variables)]
-    fn bounce_ptrs(&mut self, device: bool) -> Result<Vec<(*mut u8, usize)>> {
-        #[cfg(feature = "cuda")]
-        if device {
-            let gpu = self.gpu.clone().ok_or_else(|| Error::NoCuda {
-                reason: self.caps.describe(),
-            })?;
-            gpu.bind()?;
-            while self.pinned_bufs.len() < self.cfg.buffers + SPARE_BUFFERS {
-                self.pinned_bufs
-                    .push(crate::cuda::PinnedBuf::new(&gpu, self.cfg.chunk_bytes)?);
-            }
-            while self.streams.len() < self.cfg.buffers + SPARE_BUFFERS {
-                self.streams.push(crate::cuda::Stream::new()?);
-            }
-            return Ok(self
-                .pinned_bufs
-                .iter_mut()
-                .map(|b| (b.as_mut_slice().as_mut_ptr(), b.len()))
-                .collect());
+        let per = jobs.len().div_ceil(self.lanes.len());
+        if per >= jobs.len() {
+            return bounce_lane(&mut self.lanes[0], &ctx, jobs);
         }
-        Ok(self
-            .host_bufs
+        let outs = std::thread::scope(|sc| {
+            let handles: Vec<_> = self
+                .lanes
+                .iter_mut()
+                .zip(jobs.chunks_mut(per))
+                .map(|(lane, part)| {
+                    let ctx = &ctx;
+                    sc.spawn(move || bounce_lane(lane, ctx, part))
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join().unwrap_or_else(|_| {
+                        Err(Error::Config {
+                            field: "lanes",
+                            reason: "a transfer lane panicked".into(),
+                        })
+                    })
+                })
+                .collect::<Vec<_>>()
+        });
+        let mut all = Vec::with_capacity(jobs.len());
+        for o in outs {
+            all.extend(o?);
+        }
+        Ok(all)
+    }
+}
+
+/// What a lane needs from its transfer.
+struct LaneCtx<'t> {
+    cfg: &'t TransferConfig,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    caps: &'t Capabilities,
+    #[cfg(feature = "cuda")]
+    gpu: Option<&'t std::sync::Arc<crate::cuda::Gpu>>,
+}
+
+/// Runs the bounce pipeline for `jobs` on one lane.
+fn bounce_lane(
+    lane: &mut Lane,
+    ctx: &LaneCtx<'_>,
+    jobs: &mut [&mut OnboardJob<'_, '_>],
+) -> Result<Vec<Result<()>>> {
+    let mut states = Vec::with_capacity(jobs.len());
+    let mut chunks = Vec::new();
+    let mut device = false;
+    for (si, j) in jobs.iter().enumerate() {
+        device |= j.dst.has_device_regions();
+        let padded = j.payload_len.div_ceil(PAGE_BYTES as u64) * PAGE_BYTES as u64;
+        let mut st = JobState {
+            job: si,
+            fd: j.file.as_raw_fd(),
+            off: j.payload_offset,
+            len: j.payload_len,
+            hasher: blake3::Hasher::new(),
+            scatter: Scatter::new(j.dst.region_lens()),
+            err: None,
+        };
+        match j.file.metadata() {
+            Err(e) => st.err = Some(Error::io("fstat block file", e)),
+            Ok(m) if m.len() < j.payload_offset + padded => {
+                st.err = Some(Error::Truncated {
+                    offset: j.payload_offset,
+                    wanted_bytes: padded,
+                    got_bytes: m.len().saturating_sub(j.payload_offset),
+                })
+            }
+            Ok(_) => {
+                let n = padded.div_ceil(ctx.cfg.chunk_bytes as u64) as usize;
+                chunks.extend((0..n).map(|k| (si, k)));
+            }
+        }
+        states.push(st);
+    }
+    let bufs = lane_ptrs(lane, ctx, device)?;
+    let mut inflight = 0usize;
+    let mut p = Pump {
+        chunk: ctx.cfg.chunk_bytes,
+        bufs: &bufs,
+        slots: vec![Slot::default(); bufs.len()],
+        depth: ctx.cfg.buffers,
+        chunks: &chunks,
+        states,
+        pieces: Vec::new(),
+        #[cfg(feature = "cuda")]
+        streams: &lane.streams,
+    };
+    let r = p.run(&mut lane.ring, &mut inflight, jobs);
+    // Never return while the kernel or the GPU may still touch a bounce
+    // buffer: drain reads, then wait for every copy.
+    let drained = drain(&mut lane.ring, &mut inflight);
+    #[cfg(feature = "cuda")]
+    let synced = if device {
+        lane.streams.iter().try_for_each(|s| s.sync())
+    } else {
+        Ok(())
+    };
+    #[cfg(not(feature = "cuda"))]
+    let synced: Result<()> = Ok(());
+    r?;
+    drained?;
+    synced?;
+    Ok(p.states
+        .into_iter()
+        .map(|st| match st.err {
+            Some(e) => Err(e),
+            None => verify(st.hasher.finalize(), &jobs[st.job].expected_blake3),
+        })
+        .collect())
+}
+
+/// The lane's bounce buffers: pinned (allocated on first use, with one
+/// stream each) when any destination is device memory, else host.
+#[allow(unused_variables)]
+fn lane_ptrs(lane: &mut Lane, ctx: &LaneCtx<'_>, device: bool) -> Result<Vec<(*mut u8, usize)>> {
+    #[cfg(feature = "cuda")]
+    if device {
+        let gpu = ctx.gpu.ok_or_else(|| Error::NoCuda {
+            reason: ctx.caps.describe(),
+        })?;
+        // Each lane runs on its own thread: bind the context here.
+        gpu.bind()?;
+        let n = ctx.cfg.buffers + SPARE_BUFFERS;
+        while lane.pinned_bufs.len() < n {
+            lane.pinned_bufs
+                .push(crate::cuda::PinnedBuf::new(gpu, ctx.cfg.chunk_bytes)?);
+        }
+        while lane.streams.len() < n {
+            lane.streams.push(crate::cuda::Stream::new()?);
+        }
+        return Ok(lane
+            .pinned_bufs
             .iter_mut()
             .map(|b| (b.as_mut_slice().as_mut_ptr(), b.len()))
-            .collect())
+            .collect());
     }
+    Ok(lane
+        .host_bufs
+        .iter_mut()
+        .map(|b| (b.as_mut_slice().as_mut_ptr(), b.len()))
+        .collect())
 }
 
 fn verify(got: blake3::Hash, expected: &[u8; 32]) -> Result<()> {
@@ -653,7 +749,7 @@ impl Pump<'_> {
         &mut self,
         ring: &mut io_uring::IoUring,
         inflight: &mut usize,
-        jobs: &mut [OnboardJob<'_, '_>],
+        jobs: &mut [&mut OnboardJob<'_, '_>],
     ) -> Result<()> {
         let nchunks = self.chunks.len();
         let mut next_submit = 0usize;
@@ -812,7 +908,7 @@ impl Pump<'_> {
         })
     }
 
-    fn process(&mut self, s: usize, g: usize, jobs: &mut [OnboardJob<'_, '_>]) -> Result<()> {
+    fn process(&mut self, s: usize, g: usize, jobs: &mut [&mut OnboardJob<'_, '_>]) -> Result<()> {
         let (si, k) = self.chunks[g];
         let st = &mut self.states[si];
         if st.err.is_some() {

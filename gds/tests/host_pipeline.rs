@@ -507,7 +507,18 @@ fn batch_gives_each_block_its_own_verdict() {
         .unwrap();
     // Block 5: wrong expected checksum.
     blocks[5].1.payload_blake3[7] ^= 1;
-    for c in [cfg(4096, 1), cfg(4096, 3), cfg(8192, 8)] {
+    let lanes = |mut c: TransferConfig, n| {
+        c.lanes = n;
+        c
+    };
+    for c in [
+        cfg(4096, 1),
+        cfg(4096, 3),
+        cfg(8192, 8),
+        lanes(cfg(4096, 2), 2),
+        lanes(cfg(4096, 1), 4),
+        lanes(cfg(8192, 2), 16),
+    ] {
         let mut t = Transfer::host_only(c).unwrap();
         let files: Vec<File> = blocks.iter().map(|b| open_direct(&b.0)).collect();
         let mut arenas: Vec<Arena> = (0..6).map(|_| Arena::new(&[lb; 3])).collect();
