@@ -81,7 +81,7 @@ prebuilt() {
     grep -E "SKIP|NOTE|h2d pinned|Direct fell back|probe:" "$out/test-$name.log" | sort -u | tee -a "$sum"
   done
   local common=(bench gds --blocks "$BLOCKS" --block-size "$BLOCK_SIZE" --rounds "$ROUNDS" --dir "$DC/tmp" --json)
-  for variant in "device" "device --no-gds" "device --skip-direct-verify" "pinned" "host"; do
+  for variant in "device" "device --no-gds" "device --no-gds --lanes 4" "device --skip-direct-verify" "pinned --lanes 4" "host --lanes 4"; do
     local tag=${variant// /}
     echo "== kvtier bench gds --dest $variant"
     # shellcheck disable=SC2086

@@ -43,6 +43,10 @@ pub struct GdsArgs {
     /// Bounce buffers (reads in flight).
     #[arg(long, default_value_t = 4)]
     pub buffers: usize,
+    /// Parallel pipelines (threads) a batch is split across; the baseline
+    /// gets the same total depth (buffers x lanes).
+    #[arg(long, default_value_t = 1)]
+    pub lanes: usize,
     /// Blocks per `onboard_batch` call (an engine onboarding a prefix).
     #[arg(long, default_value_t = 32)]
     pub batch: usize,
@@ -229,6 +233,7 @@ pub fn measure(args: &GdsArgs) -> Result<Value> {
         chunk_bytes: args.chunk as usize,
         buffers: args.buffers,
         verify_direct: !args.skip_direct_verify,
+        lanes: args.lanes,
         ..TransferConfig::default()
     };
     let mut t = Transfer::new(caps, cfg)?;
@@ -271,7 +276,11 @@ pub fn measure(args: &GdsArgs) -> Result<Value> {
                 fallbacks += fb;
                 route = rt;
             } else {
-                raw.push(raw_all(&blocks, args.chunk as usize, args.buffers)?);
+                raw.push(raw_all(
+                    &blocks,
+                    args.chunk as usize,
+                    args.buffers * args.lanes,
+                )?);
             }
             bar.inc(1);
         }
@@ -294,13 +303,14 @@ pub fn measure(args: &GdsArgs) -> Result<Value> {
     out.insert("chunk_bytes".into(), json!(args.chunk));
     out.insert("buffers".into(), json!(args.buffers));
     out.insert("batch_blocks".into(), json!(batch));
+    out.insert("lanes".into(), json!(args.lanes));
     out.insert("direct_verified".into(), json!(!args.skip_direct_verify));
     out.insert("dir".into(), json!(parent.display().to_string()));
     out.insert("page_cache_dropped".into(), json!(dropped));
     out.insert("blake3_one_core_gbps".into(), json!(hash_gbps));
     out.insert(
         "baseline".into(),
-        json!("raw O_DIRECT pread of the same block files into host memory, same chunk size and depth, interleaved"),
+        json!("raw O_DIRECT pread of the same block files into host memory, same chunk size and total depth (buffers x lanes threads), interleaved"),
     );
     let (mo, mr) = (common::median(&onboard), common::median(&raw));
     common::compare(&mut out, "onboard_gbps", mo, mr);
@@ -340,6 +350,7 @@ mod tests {
                 chunk: 16 << 10,
                 buffers: 2,
                 batch: 2,
+                lanes: 2,
                 no_gds: false,
                 skip_direct_verify: false,
                 json: true,
