@@ -7,7 +7,8 @@
 #   gds/scripts/device-check.sh --prepare   # here (network, cargo cache):
 #                                           # build test binaries + kvtier
 #                                           # into target/device-check/
-#   gds/scripts/device-check.sh --prebuilt  # on the GPU machine (no
+#   gds/scripts/device-check.sh --prebuilt  # on the GPU machine (carry
+#                                           # target/device-check; no
 #                                           # network): run them from there
 #   gds/scripts/device-check.sh             # both, building with --offline
 #

@@ -365,3 +365,23 @@ pub(crate) fn copy_htod(ptr: u64, src: &[u8]) -> Result<()> {
     // `copy_dtoh`).
     unsafe { cu::memcpy_htod_sync(ptr, src) }.map_err(cuda_err("cuMemcpyHtoD"))
 }
+
+/// The device span of a cudarc slice the engine owns, after waiting for
+/// the work already queued on its stream (so our copies cannot race the
+/// engine's). cudarc contexts are primary contexts, the ones [`Gpu`] uses.
+pub(crate) fn cudarc_span(s: &mut cudarc::driver::CudaSlice<u8>) -> Result<DeviceSpan> {
+    use cudarc::driver::DevicePtrMut;
+    let ordinal = s.context().ordinal();
+    if ordinal != 0 {
+        return Err(Error::NoCuda {
+            reason: format!("slice lives on GPU {ordinal}; kvtier-gds transfers into GPU 0"),
+        });
+    }
+    let stream = s.stream().clone();
+    stream
+        .synchronize()
+        .map_err(cuda_err("cuStreamSynchronize"))?;
+    let len = s.len();
+    let (ptr, _record) = s.device_ptr_mut(&stream);
+    Ok(DeviceSpan { ptr, len })
+}

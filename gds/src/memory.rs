@@ -213,6 +213,23 @@ impl<'a> Destination<'a> {
         }
     }
 
+    /// Device memory the engine owns as cudarc slices (one per layer, or
+    /// one for the block), on GPU 0. Waits for work already queued on each
+    /// slice's stream; the transfer's own copies are complete when it
+    /// returns.
+    #[cfg(feature = "cuda")]
+    pub fn from_cudarc(layers: Vec<&'a mut cudarc::driver::CudaSlice<u8>>) -> Result<Self> {
+        let spans = layers
+            .into_iter()
+            .map(crate::cuda::cudarc_span)
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Destination {
+            kind: MemoryKind::Device,
+            regions: spans.into_iter().map(Region::Device).collect(),
+            emulated: false,
+        })
+    }
+
     /// Device memory the engine owns, as raw pointers.
     ///
     /// # Safety

@@ -344,3 +344,34 @@ fn device_batch_with_one_corrupt_block() {
         }
     }
 }
+
+#[test]
+fn cudarc_slice_destination() {
+    let Some(caps) = caps_or_skip("cudarc_slice") else {
+        return;
+    };
+    let dir = tmp();
+    let mut t = Transfer::new(caps, TransferConfig::default()).unwrap();
+    let layout = sep_layout(2, 128);
+    let (path, h, p) = write_block(dir.path(), layout, 11);
+    let ctx = cudarc::driver::CudaContext::new(0).unwrap();
+    let stream = ctx.default_stream();
+    let lb = layout.layer_bytes() as usize;
+    let mut l0 = stream.alloc_zeros::<u8>(lb).unwrap();
+    let mut l1 = stream.alloc_zeros::<u8>(lb).unwrap();
+    let mut d = Destination::from_cudarc(vec![&mut l0, &mut l1]).unwrap();
+    let f = open_direct(&path);
+    t.onboard(
+        &f,
+        HEADER_BYTES as u64,
+        h.payload_len,
+        &h.payload_blake3,
+        &mut d,
+        &layout,
+    )
+    .unwrap();
+    drop(d);
+    let mut got = stream.clone_dtoh(&l0).unwrap();
+    got.extend(stream.clone_dtoh(&l1).unwrap());
+    assert!(got == p);
+}
