@@ -2,6 +2,7 @@
 
 pub mod common;
 pub mod replay;
+pub mod gds;
 
 use clap::Subcommand;
 
@@ -10,11 +11,14 @@ use clap::Subcommand;
 pub enum BenchCmd {
     /// Replay a Mooncake-format trace through an eviction policy (dry run).
     Replay(replay::ReplayArgs),
+    /// Onboard block files into host, pinned or device memory (kvtier-gds).
+    Gds(gds::GdsArgs),
 }
 
 /// Runs one benchmark.
 pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
     match cmd {
         BenchCmd::Replay(a) => replay::run(a),
+        BenchCmd::Gds(a) => gds::run(a),
     }
 }
