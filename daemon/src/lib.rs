@@ -8,7 +8,10 @@
 #[doc(hidden)]
 pub mod conformance;
 pub mod error;
+pub mod g4;
 pub mod policy;
+#[doc(hidden)]
+pub mod testkit;
 pub mod tier;
 
 pub use error::{Error, Result};
