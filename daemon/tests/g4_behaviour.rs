@@ -31,7 +31,7 @@ fn g3_with(
         files
             .lock()
             .unwrap()
-            .insert((ns.id(), k.clone()), encode_block(&h, &p));
+            .insert((ns.id(), k), encode_block(&h, &p));
         keys.push(k);
     }
     (files, keys)
@@ -40,7 +40,7 @@ fn g3_with(
 fn source(files: &Files) -> Arc<dyn kvtier_daemon::g4::BlockSource> {
     let f = files.clone();
     Arc::new(move |ns: &NamespaceId, k: &BlockKey| {
-        f.lock().unwrap().get(&(*ns, k.clone())).cloned()
+        f.lock().unwrap().get(&(*ns, *k)).cloned()
     })
 }
 
@@ -60,7 +60,7 @@ fn write_through_uploads_and_reports_safe() {
     g4.start_uploader(
         source(&files),
         Some(Arc::new(move |_, k, o| {
-            s2.lock().unwrap().push((k.clone(), o))
+            s2.lock().unwrap().push((*k, o))
         })),
     )
     .unwrap();
@@ -86,7 +86,7 @@ fn write_through_uploads_and_reports_safe() {
         let b = g4.fetch(&ns.id(), k, Duration::from_secs(5)).hit().unwrap();
         assert_eq!(
             encode_block(&b.header, &b.payload),
-            files.lock().unwrap()[&(ns.id(), k.clone())]
+            files.lock().unwrap()[&(ns.id(), *k)]
         );
     }
     let st = g4.stats();
@@ -139,7 +139,7 @@ fn concurrent_fetches_share_one_get() {
     let g4 = Arc::new(g4);
     let ts: Vec<_> = (0..16)
         .map(|_| {
-            let (g4, id, k) = (g4.clone(), ns.id(), k.clone());
+            let (g4, id, k) = (g4.clone(), ns.id(), k);
             std::thread::spawn(move || {
                 g4.fetch(&id, &k, Duration::from_secs(10))
                     .hit()
@@ -366,7 +366,7 @@ fn s3_killed_mid_upload_loses_nothing_and_multipart_works() {
         source(&files),
         Some(Arc::new(move |_, k, o| {
             if o.is_safe_in_g4() {
-                s2.lock().unwrap().push(k.clone())
+                s2.lock().unwrap().push(*k)
             }
         })),
     )
@@ -401,7 +401,7 @@ fn s3_killed_mid_upload_loses_nothing_and_multipart_works() {
             .unwrap_or_else(|| panic!("{k} lost"));
         assert_eq!(
             encode_block(&b.header, &b.payload),
-            files.lock().unwrap()[&(ns.id(), k.clone())]
+            files.lock().unwrap()[&(ns.id(), *k)]
         );
     }
     // Multipart above the threshold, on the real server.

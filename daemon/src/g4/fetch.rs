@@ -32,7 +32,7 @@ pub(crate) async fn fetch(
         match map.get(loc.as_ref()) {
             Some(f) => f.clone(),
             None => {
-                let (i2, ns2, key2, loc2) = (inner.clone(), *ns, key.clone(), loc.clone());
+                let (i2, ns2, key2, loc2) = (inner.clone(), *ns, *key, loc.clone());
                 // Spawned while the map is locked: the task's own removal
                 // (which takes the lock) cannot run before the insert.
                 let task = inner.handle.spawn(async move {

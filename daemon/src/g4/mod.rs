@@ -203,7 +203,7 @@ impl G4Store {
 
     /// [`G4Store::fetch_async`] from a sync thread.
     pub fn fetch(&self, ns: &NamespaceId, key: &BlockKey, deadline: Duration) -> Lookup<Block> {
-        let (inner, ns2, key2) = (self.inner.clone(), *ns, key.clone());
+        let (inner, ns2, key2) = (self.inner.clone(), *ns, *key);
         self.block_on("get", async move {
             Ok(fetch::fetch(&inner, &ns2, &key2, deadline).await)
         })
@@ -336,7 +336,7 @@ impl BlockTier for G4Store {
     }
 
     fn contains(&self, ns: &NamespaceId, key: &BlockKey) -> Result<bool> {
-        let (inner, ns, key) = (self.inner.clone(), *ns, key.clone());
+        let (inner, ns, key) = (self.inner.clone(), *ns, *key);
         self.block_on("head", async move { inner.contains(&ns, &key).await })
     }
 

@@ -119,7 +119,7 @@ pub(crate) fn enqueue(
     q.pending.fetch_add(1, Relaxed);
     let job = Job {
         ns: *ns,
-        key: key.clone(),
+        key: *key,
         enqueued: Instant::now(),
     };
     match q.tx.try_send(job) {
@@ -184,7 +184,7 @@ async fn dispatch(
 }
 
 async fn upload_one(inner: &Inner, source: &Arc<dyn BlockSource>, job: &Job) -> UploadOutcome {
-    let (src, ns, key) = (source.clone(), job.ns, job.key.clone());
+    let (src, ns, key) = (source.clone(), job.ns, job.key);
     let file = match tokio::task::spawn_blocking(move || src.read_block(&ns, &key)).await {
         Ok(Some(f)) => f,
         Ok(None) | Err(_) => {
