@@ -39,9 +39,7 @@ fn g3_with(
 
 fn source(files: &Files) -> Arc<dyn kvtier_daemon::g4::BlockSource> {
     let f = files.clone();
-    Arc::new(move |ns: &NamespaceId, k: &BlockKey| {
-        f.lock().unwrap().get(&(*ns, *k)).cloned()
-    })
+    Arc::new(move |ns: &NamespaceId, k: &BlockKey| f.lock().unwrap().get(&(*ns, *k)).cloned())
 }
 
 fn fault_g4(cfg: G4Config) -> (G4Store, Arc<FaultStore>) {
@@ -59,9 +57,7 @@ fn write_through_uploads_and_reports_safe() {
     let s2 = safe.clone();
     g4.start_uploader(
         source(&files),
-        Some(Arc::new(move |_, k, o| {
-            s2.lock().unwrap().push((*k, o))
-        })),
+        Some(Arc::new(move |_, k, o| s2.lock().unwrap().push((*k, o)))),
     )
     .unwrap();
     for k in &keys {

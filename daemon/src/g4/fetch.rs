@@ -51,7 +51,8 @@ pub(crate) async fn fetch(
     match tokio::time::timeout(deadline, shared).await {
         Ok(Ok(b)) => {
             stats::inc(&inner.stats.fetch_hits);
-            Lookup::Hit(Block::clone(&b))
+            // The sole waiter takes the block without copying the payload.
+            Lookup::Hit(Arc::try_unwrap(b).unwrap_or_else(|a| Block::clone(&a)))
         }
         Ok(Err(r)) => {
             let c = match r {
