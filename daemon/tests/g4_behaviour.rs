@@ -387,6 +387,10 @@ fn s3_killed_mid_upload_loses_nothing_and_multipart_works() {
     );
     let st = g4.stats();
     assert_eq!(st.uploads_given_up, 0, "{st:?}");
+    assert!(
+        st.upload_attempt_failures > 0,
+        "the kill hit no upload: {st:?}"
+    );
     assert_eq!(safe.lock().unwrap().len(), keys.len());
     // Another node (a fresh store, separate caches) reads every block back.
     let other = G4Store::open(server.g4_config("cluster")).unwrap();
@@ -432,4 +436,17 @@ fn s3_killed_mid_upload_loses_nothing_and_multipart_works() {
         .hit()
         .unwrap();
     assert_eq!(hdr, bh);
+    // The sweeper's listing and batched delete on the real server.
+    let cfg = G4Config {
+        capacity_bytes: Some(0),
+        sweep_min_age_ms: 0,
+        ..server.g4_config("cluster")
+    };
+    let rep = G4Store::open(cfg).unwrap().sweep_once().unwrap();
+    assert_eq!(rep.listed, keys.len() as u64 + 1, "{rep:?}");
+    assert_eq!(rep.deleted, rep.listed, "{rep:?}");
+    assert!(matches!(
+        other.fetch(&ns.id(), &keys[0], Duration::from_secs(10)),
+        Lookup::Miss(MissReason::Absent)
+    ));
 }
