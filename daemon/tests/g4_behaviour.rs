@@ -450,3 +450,37 @@ fn s3_killed_mid_upload_loses_nothing_and_multipart_works() {
         Lookup::Miss(MissReason::Absent)
     ));
 }
+
+#[test]
+fn distinct_fetches_in_flight_are_bounded() {
+    let ns = namespace(4096, "inflight").unwrap();
+    let cfg = G4Config {
+        fetch_inflight_max: 1,
+        ..G4Config::new("memory://")
+    };
+    let (g4, fs) = fault_g4(cfg);
+    let (k1, h1, p1) = block(&ns, 1);
+    let (k2, h2, p2) = block(&ns, 2);
+    g4.put(&ns.id(), &h1, &p1).unwrap();
+    g4.put(&ns.id(), &h2, &p2).unwrap();
+    fs.get_delay_ms.store(500, SeqCst);
+    let g4 = Arc::new(g4);
+    let (g, id) = (g4.clone(), ns.id());
+    let t = std::thread::spawn(move || g.fetch(&id, &k1, Duration::from_secs(10)).hit().is_some());
+    std::thread::sleep(Duration::from_millis(100));
+    let t0 = Instant::now();
+    assert!(matches!(
+        g4.fetch(&ns.id(), &k2, Duration::from_secs(10)),
+        Lookup::Miss(MissReason::Unavailable)
+    ));
+    assert!(t0.elapsed() < Duration::from_millis(400), "refused at once");
+    assert!(t.join().unwrap());
+    fs.get_delay_ms.store(0, SeqCst);
+    assert_eq!(
+        g4.fetch(&ns.id(), &k2, Duration::from_secs(10))
+            .hit()
+            .unwrap()
+            .payload,
+        p2
+    );
+}

@@ -63,6 +63,8 @@ pub struct G4Config {
     pub request_timeout_ms: u64,
     /// Deadline of `BlockTier::get` (fetch with a deadline takes its own).
     pub fetch_deadline_ms: u64,
+    /// Distinct blocks being fetched at once at most; more are misses.
+    pub fetch_inflight_max: usize,
     /// Entries of the existence cache at most.
     pub exists_cache_entries: usize,
     /// How long a cached "present" is trusted.
@@ -96,6 +98,7 @@ impl Default for G4Config {
             multipart_part_bytes: 8 << 20,
             request_timeout_ms: 30_000,
             fetch_deadline_ms: 10_000,
+            fetch_inflight_max: 256,
             exists_cache_entries: 1 << 20,
             exists_ttl_ms: 60_000,
             exists_negative_ttl_ms: 1_000,
@@ -149,6 +152,9 @@ impl G4Config {
         }
         if self.request_timeout_ms == 0 || self.fetch_deadline_ms == 0 {
             return Err(bad("request_timeout_ms", "timeouts must be above 0"));
+        }
+        if self.fetch_inflight_max == 0 {
+            return Err(bad("fetch_inflight_max", "must be at least 1"));
         }
         if self.exists_cache_entries == 0 {
             return Err(bad("exists_cache_entries", "must be at least 1"));

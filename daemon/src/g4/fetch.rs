@@ -31,6 +31,11 @@ pub(crate) async fn fetch(
         let mut map = lock(&inner.inflight);
         match map.get(loc.as_ref()) {
             Some(f) => f.clone(),
+            None if map.len() >= inner.cfg.fetch_inflight_max => {
+                drop(map);
+                stats::inc(&inner.stats.fetch_unavailable);
+                return Lookup::Miss(MissReason::Unavailable);
+            }
             None => {
                 let (i2, ns2, key2, loc2) = (inner.clone(), *ns, *key, loc.clone());
                 // Spawned while the map is locked: the task's own removal
@@ -95,10 +100,15 @@ async fn get_verified(inner: &Inner, ns: &NamespaceId, key: &BlockKey, loc: &Pat
                 detail: "block stored under another namespace or key".into(),
             });
         }
-        Ok(Block {
-            header: h,
-            payload: p.to_vec(),
-        })
+        Ok((h, p.len()))
+    });
+    // The response buffer becomes the payload in place (no second buffer
+    // to allocate and fault in): Bytes -> Vec is free when unshared.
+    let checked = checked.map(|(header, len)| {
+        let mut payload = Vec::from(bytes);
+        payload.truncate(HEADER_BYTES + len);
+        payload.drain(..HEADER_BYTES);
+        Block { header, payload }
     });
     match checked {
         Ok(b) => {
