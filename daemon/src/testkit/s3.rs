@@ -156,6 +156,18 @@ impl S3Server {
             let _ = c.kill();
             let _ = c.wait();
         }
+        // weed puts Unix sockets named after its ports in /tmp and a killed
+        // weed leaves them behind: remove the ones with our ports.
+        let Ok(entries) = std::fs::read_dir("/tmp") else {
+            return;
+        };
+        let suffixes: Vec<String> = self.ports.iter().map(|p| format!("-{p}.sock")).collect();
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if name.starts_with("seaweedfs-") && suffixes.iter().any(|s| name.ends_with(s)) {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
     }
 
     /// Starts it again on the same directory and ports, and waits.
