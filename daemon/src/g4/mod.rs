@@ -12,9 +12,11 @@
 //! credentials out of messages.
 //!
 //! Threading: a `G4Store` owns a small tokio runtime (or uses a given
-//! handle). The `BlockTier` methods and the other sync methods may be called
-//! from any thread, including async ones (they hand the work to the G4
-//! runtime and wait); async callers should prefer the `*_async` methods.
+//! handle). The `BlockTier` methods and the other sync methods hand the work
+//! to the G4 runtime and wait, so they may be called from any thread except
+//! G4's own runtime threads (an `OnUploaded` callback must not call them:
+//! it would wait on the runtime it occupies). Async callers use the
+//! `*_async` methods instead of blocking their executor.
 
 pub mod config;
 mod exists;
