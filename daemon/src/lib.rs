@@ -8,8 +8,11 @@
 #[doc(hidden)]
 pub mod conformance;
 pub mod error;
+pub mod g4;
 pub mod peer;
 pub mod policy;
+#[doc(hidden)]
+pub mod testkit;
 pub mod tier;
 
 pub use error::{Error, Result};

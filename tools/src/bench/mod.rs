@@ -1,8 +1,9 @@
 //! `kvtier bench ...`: every benchmark, each beside its baseline.
 
 pub mod common;
-pub mod replay;
+pub mod g4;
 pub mod gds;
+pub mod replay;
 
 use clap::Subcommand;
 
@@ -13,6 +14,8 @@ pub enum BenchCmd {
     Replay(replay::ReplayArgs),
     /// Onboard block files into host, pinned or device memory (kvtier-gds).
     Gds(gds::GdsArgs),
+    /// G4 tier put/get vs raw object_store on the same store.
+    G4(g4::G4Args),
 }
 
 /// Runs one benchmark.
@@ -20,5 +23,6 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
     match cmd {
         BenchCmd::Replay(a) => replay::run(a),
         BenchCmd::Gds(a) => gds::run(a),
+        BenchCmd::G4(a) => g4::run(a),
     }
 }

@@ -1,0 +1,85 @@
+//! Counters and gauges of the G4 tier; the daemon exports them to
+//! Prometheus (`kvtier_g4_*`).
+
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+
+macro_rules! stats {
+    ($( $(#[$doc:meta])* $name:ident ),* $(,)?) => {
+        /// Live counters (atomics, updated by the tier).
+        #[derive(Debug, Default)]
+        pub struct G4Stats {
+            $( $(#[$doc])* pub $name: AtomicU64, )*
+        }
+        /// A point-in-time copy of [`G4Stats`].
+        #[derive(Debug, Default, Clone, PartialEq, Eq, serde::Serialize)]
+        pub struct G4StatsSnapshot {
+            $( $(#[$doc])* pub $name: u64, )*
+        }
+        impl G4Stats {
+            /// Reads every counter.
+            pub fn snapshot(&self) -> G4StatsSnapshot {
+                G4StatsSnapshot { $( $name: self.$name.load(Relaxed), )* }
+            }
+        }
+    };
+}
+
+stats! {
+    /// Gauge: upload jobs waiting in the queue.
+    upload_queue_depth,
+    /// Gauge: uploads in flight.
+    uploads_in_flight,
+    /// Blocks newly written to G4 by the uploader.
+    uploads_stored,
+    /// Uploads that found the object already there (another node won).
+    uploads_already_present,
+    /// Failed upload attempts (each retry counts).
+    upload_attempt_failures,
+    /// Uploads given up after all retries.
+    uploads_given_up,
+    /// Jobs dropped because the queue was full.
+    uploads_dropped_queue_full,
+    /// Jobs skipped because the block was hinted ephemeral.
+    uploads_skipped_ephemeral,
+    /// Jobs whose source no longer had the block (evicted before upload).
+    uploads_source_missing,
+    /// Jobs whose source bytes failed verification (never uploaded).
+    uploads_source_corrupt,
+    /// Gauge: enqueue-to-stored time of the last finished upload, ms.
+    upload_lag_ms_last,
+    /// Largest enqueue-to-stored time seen, ms.
+    upload_lag_ms_max,
+    /// Fetch calls (onboard fall-through).
+    fetch_requests,
+    /// GETs actually sent (single-flight makes this <= fetch_requests).
+    fetch_gets,
+    /// Fetches served verified bytes.
+    fetch_hits,
+    /// Fetches of absent objects.
+    fetch_absent,
+    /// Fetches that found a corrupt object (deleted from G4).
+    fetch_corrupt,
+    /// Fetches that failed or passed their deadline.
+    fetch_unavailable,
+    /// Existence answers served from the cache.
+    exists_cache_hits,
+    /// HEAD requests sent for existence.
+    exists_heads,
+    /// Sweeper runs.
+    sweep_runs,
+    /// Objects deleted by the sweeper.
+    sweep_deleted,
+    /// Bytes deleted by the sweeper.
+    sweep_deleted_bytes,
+    /// Gauge: bytes of blocks in G4 at the last sweep.
+    sweep_last_total_bytes,
+}
+
+pub(crate) fn inc(c: &AtomicU64) {
+    c.fetch_add(1, Relaxed);
+}
+
+pub(crate) fn dec(c: &AtomicU64) {
+    // Saturating: a gauge never wraps below zero.
+    let _ = c.fetch_update(Relaxed, Relaxed, |v| Some(v.saturating_sub(1)));
+}

@@ -1,0 +1,252 @@
+//! Asynchronous write-through: after a block is durable on G3 it is queued
+//! here and uploaded in the background.
+//!
+//! Limits: the queue holds at most `upload_queue_max` jobs (a full queue
+//! drops the job and counts it: memory never grows), at most
+//! `upload_concurrency` uploads run, each retried `upload_retries` times
+//! with doubling backoff. A job carries no bytes: the block is read from its
+//! [`BlockSource`] (G3) at upload time and verified before it leaves the
+//! node, so a block evicted meanwhile is skipped, not resurrected.
+//!
+//! Losing a job (queue full, retries exhausted, daemon stopped) loses no
+//! block: G3 keeps it unmarked until `on_uploaded` reports it safe in G4,
+//! and re-queues unmarked blocks (on restart, or before evicting them).
+
+use super::{stats, Inner};
+use crate::error::{Error, Result};
+use kvtier_client::{BlockKey, Hints, NamespaceId};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::{mpsc, Notify, Semaphore};
+
+/// Where the uploader reads a block file (header + payload) at upload time.
+pub trait BlockSource: Send + Sync + 'static {
+    /// The whole block file, or `None` when the block is gone.
+    fn read_block(&self, ns: &NamespaceId, key: &BlockKey) -> Option<Vec<u8>>;
+}
+
+impl<F> BlockSource for F
+where
+    F: Fn(&NamespaceId, &BlockKey) -> Option<Vec<u8>> + Send + Sync + 'static,
+{
+    fn read_block(&self, ns: &NamespaceId, key: &BlockKey) -> Option<Vec<u8>> {
+        self(ns, key)
+    }
+}
+
+/// How an upload job ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum UploadOutcome {
+    /// Written to G4 now.
+    Stored,
+    /// Another writer had stored it already: it is safe in G4.
+    AlreadyPresent,
+    /// The source no longer had the block.
+    SourceMissing,
+    /// The source's bytes failed verification; nothing was uploaded.
+    SourceCorrupt,
+    /// Every attempt failed; the block is not in G4.
+    GaveUp,
+}
+
+impl UploadOutcome {
+    /// Whether the block is now safely in G4 (G3 may evict it cheaply).
+    pub fn is_safe_in_g4(self) -> bool {
+        matches!(self, UploadOutcome::Stored | UploadOutcome::AlreadyPresent)
+    }
+}
+
+/// Called once per finished job, from a G4 runtime thread (keep it short).
+pub type OnUploaded = Arc<dyn Fn(&NamespaceId, &BlockKey, UploadOutcome) + Send + Sync>;
+
+/// What [`super::G4Store::enqueue`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum EnqueueOutcome {
+    /// Queued.
+    Queued,
+    /// Hinted ephemeral: never uploaded.
+    SkippedEphemeral,
+    /// The queue was full: dropped and counted.
+    DroppedQueueFull,
+}
+
+struct Job {
+    ns: NamespaceId,
+    key: BlockKey,
+    enqueued: Instant,
+}
+
+pub(crate) struct Queue {
+    tx: mpsc::Sender<Job>,
+    rx: Mutex<Option<mpsc::Receiver<Job>>>,
+    /// Jobs queued or in flight.
+    pending: AtomicU64,
+    idle: Notify,
+}
+
+impl Queue {
+    pub(crate) fn new(max: usize) -> Self {
+        let (tx, rx) = mpsc::channel(max.max(1));
+        Queue {
+            tx,
+            rx: Mutex::new(Some(rx)),
+            pending: AtomicU64::new(0),
+            idle: Notify::new(),
+        }
+    }
+
+    fn done_one(&self) {
+        if self.pending.fetch_sub(1, Relaxed) == 1 {
+            self.idle.notify_waiters();
+        }
+    }
+}
+
+pub(crate) fn enqueue(
+    inner: &Inner,
+    ns: &NamespaceId,
+    key: &BlockKey,
+    hints: Hints,
+) -> EnqueueOutcome {
+    if hints.ephemeral {
+        stats::inc(&inner.stats.uploads_skipped_ephemeral);
+        return EnqueueOutcome::SkippedEphemeral;
+    }
+    let q = &inner.uploads;
+    q.pending.fetch_add(1, Relaxed);
+    let job = Job {
+        ns: *ns,
+        key: *key,
+        enqueued: Instant::now(),
+    };
+    match q.tx.try_send(job) {
+        Ok(()) => {
+            stats::inc(&inner.stats.upload_queue_depth);
+            EnqueueOutcome::Queued
+        }
+        Err(_) => {
+            q.done_one();
+            stats::inc(&inner.stats.uploads_dropped_queue_full);
+            EnqueueOutcome::DroppedQueueFull
+        }
+    }
+}
+
+pub(crate) fn start(
+    inner: &Arc<Inner>,
+    source: Arc<dyn BlockSource>,
+    on_uploaded: Option<OnUploaded>,
+) -> Result<()> {
+    let rx = inner
+        .uploads
+        .rx
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .take()
+        .ok_or(Error::InvalidInput {
+            what: "G4 uploader",
+            reason: "already started".into(),
+        })?;
+    let inner2 = inner.clone();
+    inner
+        .handle
+        .spawn(dispatch(inner2, rx, source, on_uploaded));
+    Ok(())
+}
+
+async fn dispatch(
+    inner: Arc<Inner>,
+    mut rx: mpsc::Receiver<Job>,
+    source: Arc<dyn BlockSource>,
+    on_uploaded: Option<OnUploaded>,
+) {
+    let permits = Arc::new(Semaphore::new(inner.cfg.upload_concurrency));
+    while let Some(job) = rx.recv().await {
+        let Ok(permit) = permits.clone().acquire_owned().await else {
+            break;
+        };
+        stats::dec(&inner.stats.upload_queue_depth);
+        stats::inc(&inner.stats.uploads_in_flight);
+        let (inner2, source2, cb) = (inner.clone(), source.clone(), on_uploaded.clone());
+        tokio::spawn(async move {
+            let out = upload_one(&inner2, &source2, &job).await;
+            if let Some(cb) = cb {
+                cb(&job.ns, &job.key, out);
+            }
+            drop(permit);
+            stats::dec(&inner2.stats.uploads_in_flight);
+            inner2.uploads.done_one();
+        });
+    }
+}
+
+async fn upload_one(inner: &Inner, source: &Arc<dyn BlockSource>, job: &Job) -> UploadOutcome {
+    let (src, ns, key) = (source.clone(), job.ns, job.key);
+    let file = match tokio::task::spawn_blocking(move || src.read_block(&ns, &key)).await {
+        Ok(Some(f)) => f,
+        Ok(None) | Err(_) => {
+            stats::inc(&inner.stats.uploads_source_missing);
+            return UploadOutcome::SourceMissing;
+        }
+    };
+    // Bytes cross disk -> memory -> network here: verify before they leave.
+    match kvtier_client::decode_block(&file) {
+        Ok((h, _)) if h.namespace_id() == job.ns && h.key == job.key => {}
+        _ => {
+            stats::inc(&inner.stats.uploads_source_corrupt);
+            return UploadOutcome::SourceCorrupt;
+        }
+    }
+    let loc = inner.path(&job.ns, &job.key);
+    let file = bytes::Bytes::from(file);
+    let mut backoff = Duration::from_millis(inner.cfg.retry_backoff_ms.max(1));
+    let backoff_max = Duration::from_millis(inner.cfg.retry_backoff_max_ms.max(1));
+    for attempt in 0..=inner.cfg.upload_retries {
+        match inner.put_file(&loc, file.clone()).await {
+            Ok(out) => {
+                let lag = job.enqueued.elapsed().as_millis() as u64;
+                inner.stats.upload_lag_ms_last.store(lag, Relaxed);
+                inner.stats.upload_lag_ms_max.fetch_max(lag, Relaxed);
+                return match out {
+                    crate::tier::PutOutcome::Stored => {
+                        stats::inc(&inner.stats.uploads_stored);
+                        UploadOutcome::Stored
+                    }
+                    crate::tier::PutOutcome::AlreadyPresent => {
+                        stats::inc(&inner.stats.uploads_already_present);
+                        UploadOutcome::AlreadyPresent
+                    }
+                };
+            }
+            Err(e) => {
+                stats::inc(&inner.stats.upload_attempt_failures);
+                tracing::warn!(location = %loc, attempt, error = %e, "G4 upload failed");
+                if attempt < inner.cfg.upload_retries {
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(backoff_max);
+                }
+            }
+        }
+    }
+    stats::inc(&inner.stats.uploads_given_up);
+    UploadOutcome::GaveUp
+}
+
+pub(crate) async fn flush(inner: &Inner, timeout: Duration) -> bool {
+    let q = &inner.uploads;
+    let wait = async {
+        loop {
+            let idle = q.idle.notified();
+            if q.pending.load(Relaxed) == 0 {
+                return;
+            }
+            // Re-check periodically: a notify between the load and the
+            // await would otherwise be missed.
+            let _ = tokio::time::timeout(Duration::from_millis(50), idle).await;
+        }
+    };
+    tokio::time::timeout(timeout, wait).await.is_ok()
+}

@@ -1,0 +1,227 @@
+//! A real S3-compatible server for tests and benchmarks: SeaweedFS
+//! (`weed mini`, installed into `.venv/bin/weed` by scripts/setup.sh),
+//! bound to 127.0.0.1 on free ports, with access keys so authentication is
+//! exercised. Killed on drop; restartable on the same directory and ports.
+
+use crate::g4::G4Config;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Access key id the test server accepts.
+pub const ACCESS_KEY_ID: &str = "kvtier-test-access-key";
+
+/// A running SeaweedFS; the data directory is removed on drop.
+pub struct S3Server {
+    child: Option<Child>,
+    dir: tempfile::TempDir,
+    weed: PathBuf,
+    ports: [u16; 10],
+    /// Bucket created at start.
+    pub bucket: String,
+    /// Secret key of [`ACCESS_KEY_ID`] (unique per server).
+    pub secret_access_key: String,
+}
+
+/// Where `weed` is: `$KVTIER_WEED`, else `.venv/bin/weed` in the first
+/// ancestor of the current directory (or of this crate) that has one.
+pub fn find_weed() -> Option<PathBuf> {
+    if let Ok(p) = std::env::var("KVTIER_WEED") {
+        let p = PathBuf::from(p);
+        return p.is_file().then_some(p);
+    }
+    let starts = [
+        std::env::current_dir().ok(),
+        Some(PathBuf::from(env!("CARGO_MANIFEST_DIR"))),
+    ];
+    for start in starts.into_iter().flatten() {
+        for dir in start.ancestors() {
+            let p = dir.join(".venv/bin/weed");
+            if p.is_file() {
+                return Some(p);
+            }
+        }
+    }
+    None
+}
+
+impl S3Server {
+    /// Starts a server with bucket `bucket` and waits until an
+    /// authenticated request succeeds. `Ok(None)`: weed is not installed
+    /// (the caller prints a SKIP line).
+    pub fn start(bucket: &str) -> std::io::Result<Option<S3Server>> {
+        let Some(weed) = find_weed() else {
+            return Ok(None);
+        };
+        let dir = tempfile::Builder::new().prefix("kvtier-s3-").tempdir()?;
+        let mut ports = [0u16; 10];
+        let mut held = Vec::new();
+        for p in ports.iter_mut() {
+            // Hold each listener until all are chosen so they differ.
+            let l = TcpListener::bind("127.0.0.1:0")?;
+            *p = l.local_addr()?.port();
+            held.push(l);
+        }
+        drop(held);
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos());
+        let secret = format!("kvtierSecret{}x{nanos}", std::process::id());
+        let config = serde_json::json!({
+            "identities": [{
+                "name": "kvtier",
+                "credentials": [{"accessKey": ACCESS_KEY_ID, "secretKey": secret}],
+                "actions": ["Admin", "Read", "Write", "List", "Tagging"]
+            }]
+        });
+        std::fs::create_dir_all(dir.path().join("data"))?;
+        std::fs::write(dir.path().join("s3.json"), config.to_string())?;
+        let mut s = S3Server {
+            child: None,
+            dir,
+            weed,
+            ports,
+            bucket: bucket.to_string(),
+            secret_access_key: secret,
+        };
+        s.spawn()?;
+        s.wait_ready(Duration::from_secs(60))?;
+        Ok(Some(s))
+    }
+
+    fn spawn(&mut self) -> std::io::Result<()> {
+        let p = self.ports;
+        let d = self.dir.path();
+        let arg = |k: &str, v: u16| format!("-{k}={v}");
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(d.join("weed.log"))?;
+        let child = Command::new(&self.weed)
+            .arg("mini")
+            .arg(format!("-dir={}", d.join("data").display()))
+            .args(["-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-admin.ui=false"])
+            .args(["-webdav=false", "-master.telemetry=false"])
+            .args(["-s3.port.iceberg=0", "-s3.port.lance=0"])
+            .arg(format!("-bucket={}", self.bucket))
+            .arg(format!("-s3.config={}", d.join("s3.json").display()))
+            .arg(arg("master.port", p[0]))
+            .arg(arg("master.port.grpc", p[1]))
+            .arg(arg("volume.port", p[2]))
+            .arg(arg("volume.port.grpc", p[3]))
+            .arg(arg("filer.port", p[4]))
+            .arg(arg("filer.port.grpc", p[5]))
+            .arg(arg("s3.port", p[6]))
+            .arg(arg("s3.port.grpc", p[7]))
+            .arg(arg("admin.port", p[8]))
+            .arg(arg("admin.port.grpc", p[9]))
+            .current_dir(d)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()?;
+        self.child = Some(child);
+        Ok(())
+    }
+
+    /// `http://127.0.0.1:<port>`.
+    pub fn endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}", self.ports[6])
+    }
+
+    /// The data directory (kept across [`S3Server::restart`]).
+    pub fn data_dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// A G4 config for `s3://<bucket>/<prefix>` on this server, with its
+    /// credentials and short timeouts suited to tests.
+    pub fn g4_config(&self, prefix: &str) -> G4Config {
+        G4Config {
+            endpoint: Some(self.endpoint()),
+            region: Some("us-east-1".into()),
+            allow_http: true,
+            path_style: true,
+            access_key_id: Some(ACCESS_KEY_ID.into()),
+            secret_access_key: Some(self.secret_access_key.clone()),
+            request_timeout_ms: 10_000,
+            ..G4Config::new(format!("s3://{}/{}", self.bucket, prefix))
+        }
+    }
+
+    /// Kills the server (SIGKILL: a crash, not a clean stop).
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        // weed puts Unix sockets named after its ports in /tmp and a killed
+        // weed leaves them behind: remove the ones with our ports.
+        let Ok(entries) = std::fs::read_dir("/tmp") else {
+            return;
+        };
+        let suffixes: Vec<String> = self.ports.iter().map(|p| format!("-{p}.sock")).collect();
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if name.starts_with("seaweedfs-") && suffixes.iter().any(|s| name.ends_with(s)) {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+    }
+
+    /// Starts it again on the same directory and ports, and waits.
+    pub fn restart(&mut self) -> std::io::Result<()> {
+        self.kill();
+        self.spawn()?;
+        self.wait_ready(Duration::from_secs(60))
+    }
+
+    /// Waits until an authenticated PUT and GET on the bucket succeed.
+    pub fn wait_ready(&mut self, timeout: Duration) -> std::io::Result<()> {
+        let cfg = self.g4_config("");
+        let (store, _) = cfg
+            .build_store()
+            .map_err(|e| std::io::Error::other(e.to_string()))?;
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        let t0 = Instant::now();
+        loop {
+            if let Some(c) = self.child.as_mut() {
+                if let Ok(Some(st)) = c.try_wait() {
+                    return Err(std::io::Error::other(format!(
+                        "weed exited with {st}; see {}",
+                        self.dir.path().join("weed.log").display()
+                    )));
+                }
+            }
+            let ok = rt.block_on(async {
+                use object_store::ObjectStoreExt;
+                let p = object_store::path::Path::from("ready-probe");
+                let r = tokio::time::timeout(Duration::from_secs(2), async {
+                    store.put(&p, "ok".into()).await?;
+                    store.get(&p).await?.bytes().await
+                })
+                .await;
+                matches!(r, Ok(Ok(_)))
+            });
+            if ok {
+                return Ok(());
+            }
+            if t0.elapsed() > timeout {
+                return Err(std::io::Error::other(format!(
+                    "S3 server not ready after {timeout:?}; see {}",
+                    self.dir.path().join("weed.log").display()
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+}
+
+impl Drop for S3Server {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
