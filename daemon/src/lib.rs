@@ -8,6 +8,7 @@
 #[doc(hidden)]
 pub mod conformance;
 pub mod error;
+pub mod g3;
 pub mod policy;
 pub mod tier;
 
