@@ -3,7 +3,7 @@
 //! filesystem, fsync failure, torn writes, eviction with watermarks, leases
 //! and pins, recovery, prefix lookup, events, index RAM per block.
 
-#[path = "g3_common.rs"]
+#[path = "g3_support/mod.rs"]
 mod common;
 
 use kvtier_client::block::encode_block;

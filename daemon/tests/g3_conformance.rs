@@ -2,7 +2,7 @@
 //! The tier conformance suite against G3 with each engine, and through the
 //! fault wrapper with faults armed but not striking.
 
-#[path = "g3_common.rs"]
+#[path = "g3_support/mod.rs"]
 mod common;
 
 use kvtier_client::{BlockKey, NamespaceId};

@@ -7,7 +7,7 @@
 //! quarantined (nothing torn became visible), no temp files remain.
 //! A few iterations normally; 200 with KVTIER_LONG_TESTS=1.
 
-#[path = "g3_common.rs"]
+#[path = "g3_support/mod.rs"]
 mod common;
 
 use kvtier_daemon::conformance::{block, namespace};

@@ -1,4 +1,5 @@
 //! Helpers shared by the g3_* suites (included with `#[path]`).
+#![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 #![allow(dead_code)]
 
 use kvtier_client::{BlockKey, NamespaceId};
