@@ -28,7 +28,7 @@ fn crash_child() {
     let root = std::path::PathBuf::from(it.next().unwrap());
     let iteration: u64 = it.next().unwrap().parse().unwrap();
     let s = common::open(&root, EngineKind::Auto);
-    let ns = namespace(65536, "crash").unwrap();
+    let ns = namespace(8192, "crash").unwrap();
     let out = std::io::stdout();
     for i in 0.. {
         let seed = iteration * 1_000_000 + i;
@@ -62,7 +62,8 @@ fn sigkill_at_random_points_loses_nothing_reported() {
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
     let mut begun: HashSet<String> = HashSet::new();
     let mut stored: HashSet<String> = HashSet::new();
-    let ns = namespace(65536, "crash").unwrap();
+    let mut checked: HashSet<String> = HashSet::new();
+    let ns = namespace(8192, "crash").unwrap();
     for it in 0..iterations {
         let child = Command::new(&exe)
             .args(["--exact", "crash_child", "--nocapture", "--test-threads=1"])
@@ -109,12 +110,30 @@ fn sigkill_at_random_points_loses_nothing_reported() {
         for k in &visible {
             assert!(begun.contains(k), "iteration {it}: phantom block {k}");
         }
+        // Full re-read of everything every 10th iteration and at the end;
+        // in between, new blocks are read and the rest must be indexed.
+        let full = it % 10 == 9 || it + 1 == iterations;
         for k in &stored {
             let key = kvtier_client::BlockKey::from_hex(k).unwrap();
+            if !full && checked.contains(k) {
+                assert!(
+                    s.contains(&ns.id(), &key).unwrap(),
+                    "iteration {it}: lost {k}"
+                );
+                continue;
+            }
             match s.get(&ns.id(), &key).unwrap() {
                 Lookup::Hit(b) => assert_eq!(b.header.key, key),
                 Lookup::Miss(r) => panic!("iteration {it}: reported block {k} missing: {r:?}"),
             }
+        }
+        checked.extend(stored.iter().cloned());
+        if it % 25 == 24 {
+            eprintln!(
+                "crash test: {} iterations, {} blocks stored",
+                it + 1,
+                stored.len()
+            );
         }
         assert_eq!(
             s.stats().quarantined,
