@@ -10,6 +10,7 @@ pub mod conformance;
 pub mod error;
 pub mod g4;
 pub mod peer;
+pub mod g3;
 pub mod policy;
 #[doc(hidden)]
 pub mod testkit;

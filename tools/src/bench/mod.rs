@@ -4,6 +4,7 @@ pub mod common;
 pub mod g4;
 pub mod gds;
 pub mod replay;
+pub mod g3;
 
 use clap::Subcommand;
 
@@ -16,6 +17,8 @@ pub enum BenchCmd {
     Gds(gds::GdsArgs),
     /// G4 tier put/get vs raw object_store on the same store.
     G4(g4::G4Args),
+    /// G3 (local NVMe tier) against raw O_DIRECT I/O; prefix lookup; recovery.
+    G3(g3::G3Args),
 }
 
 /// Runs one benchmark.
@@ -24,5 +27,6 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
         BenchCmd::Replay(a) => replay::run(a),
         BenchCmd::Gds(a) => gds::run(a),
         BenchCmd::G4(a) => g4::run(a),
+        BenchCmd::G3(a) => g3::run(a),
     }
 }

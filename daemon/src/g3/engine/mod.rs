@@ -1,0 +1,181 @@
+//! How bytes move: one interface, two engines (io_uring, pread/pwrite).
+//!
+//! An engine moves whole block files: `write_file` streams a file through
+//! pool buffers that the caller fills chunk by chunk, `read_file` reads a
+//! file into one destination and hands each completed, contiguous piece to
+//! the caller while later pieces are still in flight (so the checksum runs
+//! in the I/O pipeline, not after it). The engine knows nothing about
+//! blocks, the index or checksums.
+
+use std::io;
+use std::os::fd::RawFd;
+
+pub mod pread;
+pub mod uring;
+
+pub use pread::PreadEngine;
+pub use uring::UringEngine;
+
+/// Size of one I/O request, and of one pool buffer. Large enough for the
+/// disk to stream, small enough that hashing overlaps the next request.
+pub const CHUNK_BYTES: usize = 1 << 20;
+/// Requests one block operation keeps in flight (the ring size).
+pub const CHUNKS_IN_FLIGHT_MAX: usize = 8;
+
+/// Which engine a store asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum EngineKind {
+    /// io_uring when the kernel allows it, else pread/pwrite.
+    #[default]
+    Auto,
+    /// io_uring or fail at open.
+    Uring,
+    /// Plain pread/pwrite.
+    Pread,
+}
+
+/// A 4096-aligned heap buffer for O_DIRECT, allocated once at start-up.
+pub struct AlignedBuf {
+    ptr: std::ptr::NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: the buffer is uniquely owned heap memory.
+unsafe impl Send for AlignedBuf {}
+// SAFETY: shared access only reads.
+unsafe impl Sync for AlignedBuf {}
+
+impl AlignedBuf {
+    /// Zeroed, 4096-aligned, `len` rounded up to 4096 (at least 4096).
+    pub fn new(len: usize) -> io::Result<Self> {
+        let len = len.div_ceil(4096).max(1) * 4096;
+        let layout = std::alloc::Layout::from_size_align(len, 4096)
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+        // SAFETY: layout has non-zero size.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        let ptr = std::ptr::NonNull::new(ptr)
+            .ok_or_else(|| io::Error::new(io::ErrorKind::OutOfMemory, "aligned allocation"))?;
+        Ok(AlignedBuf { ptr, len })
+    }
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// Never empty; for clippy's sake.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// The bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: ptr is valid for len bytes for the life of self.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+    /// The bytes, mutably.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as above, and &mut self makes it unique.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl Drop for AlignedBuf {
+    fn drop(&mut self) {
+        if let Ok(layout) = std::alloc::Layout::from_size_align(self.len, 4096) {
+            // SAFETY: allocated with this layout in `new`.
+            unsafe { std::alloc::dealloc(self.ptr.as_ptr(), layout) };
+        }
+    }
+}
+
+/// Fills the chunk of the file that starts at the given offset.
+pub type FillFn<'a> = &'a mut dyn FnMut(u64, &mut [u8]);
+/// Receives the next contiguous piece of the file, in file order.
+pub type ReadyFn<'a> = &'a mut dyn FnMut(&[u8]);
+
+/// An I/O engine. Implementations must not return while the kernel still
+/// holds a pointer into a caller's buffer (on error too).
+pub trait IoEngine: Send + Sync {
+    /// `io_uring` or `pread`.
+    fn name(&self) -> &'static str;
+    /// Writes `len` bytes (a multiple of 4096) at offset 0 of `fd`. Chunk
+    /// `i` covers `[i * bufs[0].len(), ..)`; `fill` writes its bytes into a
+    /// pool buffer just before it is submitted. Not durable until
+    /// [`IoEngine::sync_data`].
+    fn write_file(
+        &self,
+        fd: RawFd,
+        len: u64,
+        bufs: &mut [AlignedBuf],
+        fill: FillFn<'_>,
+    ) -> io::Result<()>;
+    /// Reads `dst.len()` bytes from offset 0; `on_ready` sees every
+    /// completed piece in file order. Returns the bytes read: fewer than
+    /// `dst.len()` means the file ended early.
+    fn read_file(&self, fd: RawFd, dst: &mut [u8], on_ready: ReadyFn<'_>) -> io::Result<usize>;
+    /// fdatasync.
+    fn sync_data(&self, fd: RawFd) -> io::Result<()>;
+}
+
+/// Reads until `buf` is full or EOF with plain pread (the short-read path of
+/// both engines).
+pub(crate) fn pread_full(fd: RawFd, buf: &mut [u8], mut off: u64) -> io::Result<usize> {
+    let mut done = 0;
+    while done < buf.len() {
+        let rest = &mut buf[done..];
+        // SAFETY: rest is a valid writable region of rest.len() bytes.
+        let n =
+            unsafe { libc::pread(fd, rest.as_mut_ptr().cast(), rest.len(), off as libc::off_t) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if n == 0 {
+            break;
+        }
+        done += n as usize;
+        off += n as u64;
+    }
+    Ok(done)
+}
+
+/// Writes all of `buf` with plain pwrite.
+pub(crate) fn pwrite_full(fd: RawFd, buf: &[u8], mut off: u64) -> io::Result<()> {
+    let mut done = 0;
+    while done < buf.len() {
+        let rest = &buf[done..];
+        // SAFETY: rest is a valid readable region of rest.len() bytes.
+        let n = unsafe { libc::pwrite(fd, rest.as_ptr().cast(), rest.len(), off as libc::off_t) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if n == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::WriteZero,
+                "pwrite wrote 0 bytes",
+            ));
+        }
+        done += n as usize;
+        off += n as u64;
+    }
+    Ok(())
+}
+
+/// fdatasync, retried on EINTR.
+pub(crate) fn fdatasync(fd: RawFd) -> io::Result<()> {
+    loop {
+        // SAFETY: fdatasync has no memory preconditions.
+        if unsafe { libc::fdatasync(fd) } == 0 {
+            return Ok(());
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}

@@ -1,0 +1,431 @@
+//! The index: redb for what must survive a restart, an in-memory map for
+//! what hot lookups need.
+//!
+//! Architecture invariant: the block files are the truth, the index is a
+//! cache of them. redb commits on the write path are non-durable (the file
+//! and its directory entry are already durable, and recovery adopts any
+//! file the index lost); a durable commit runs every second and at close.
+//!
+//! In memory a block is 8 bytes of map key plus a 32-byte [`Entry`], found
+//! by a 16-byte digest of (namespace, key): the first 8 bytes are the map
+//! key and the policy's id, the other 8 are checked on every lookup. The
+//! full key, checksum and timestamps stay in redb.
+
+use crate::error::{Error, Result};
+use kvtier_client::{BlockKey, NamespaceId};
+use redb::{Database, Durability, ReadableDatabase, ReadableTable, TableDefinition};
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, Ordering};
+
+const BLOCKS: TableDefinition<u64, &[u8]> = TableDefinition::new("blocks");
+const NAMES: TableDefinition<&[u8], u64> = TableDefinition::new("names");
+
+/// The (id, check) digest of a block's name.
+pub fn digest(ns: &NamespaceId, key: &BlockKey) -> (u64, u64) {
+    let mut h = blake3::Hasher::new();
+    h.update(&ns.0);
+    h.update(&[key.len() as u8]);
+    h.update(key.as_bytes());
+    let d = h.finalize();
+    let b = d.as_bytes();
+    let mut id = [0u8; 8];
+    let mut check = [0u8; 8];
+    id.copy_from_slice(&b[..8]);
+    check.copy_from_slice(&b[8..16]);
+    (u64::from_le_bytes(id), u64::from_le_bytes(check))
+}
+
+/// Passes a u64 key through: map keys are already uniform digests.
+#[derive(Default, Clone, Copy)]
+pub struct IdHasher(u64);
+
+impl Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(b);
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = v;
+    }
+}
+
+/// Entry flag: evict first, never write below G3.
+pub const FLAG_EPHEMERAL: u8 = 1;
+/// Entry flag: a copy exists in G4.
+pub const FLAG_IN_G4: u8 = 2;
+/// Entry flag (recovery only): a file backs this entry.
+pub const FLAG_SEEN: u8 = 4;
+
+/// `pin_until_s` for a pin without expiry.
+pub const PIN_FOREVER: u32 = u32::MAX;
+
+/// What memory holds per block.
+#[derive(Debug)]
+pub struct Entry {
+    /// Second half of the name digest.
+    pub check: u64,
+    /// File length / 4096.
+    pub file_pages: u32,
+    /// Reads served.
+    pub hits: AtomicU32,
+    /// Last read or write, Unix seconds.
+    pub last_access_s: AtomicU32,
+    /// Pinned until (Unix seconds); 0 = not pinned, [`PIN_FOREVER`].
+    pub pin_until_s: u32,
+    /// Live leases.
+    pub leases: u16,
+    /// Eviction priority hint.
+    pub priority: u8,
+    /// `FLAG_*` bits.
+    pub flags: u8,
+}
+
+impl Entry {
+    /// File length in bytes.
+    pub fn file_len(&self) -> u64 {
+        u64::from(self.file_pages) * 4096
+    }
+    /// Whether a pin protects the block at `now_s`.
+    pub fn pinned(&self, now_s: u32) -> bool {
+        self.pin_until_s == PIN_FOREVER || self.pin_until_s > now_s
+    }
+}
+
+/// The in-memory side of the index.
+#[derive(Debug, Default)]
+pub struct MemIndex {
+    /// id -> entry.
+    pub map: HashMap<u64, Entry, BuildHasherDefault<IdHasher>>,
+    /// Sum of file lengths.
+    pub used_bytes: u64,
+    /// Blocks per namespace.
+    pub ns_blocks: HashMap<NamespaceId, u64>,
+}
+
+impl MemIndex {
+    /// The entry for a name, if present.
+    pub fn get(&self, ns: &NamespaceId, key: &BlockKey) -> Option<(u64, &Entry)> {
+        let (id, check) = digest(ns, key);
+        self.map
+            .get(&id)
+            .filter(|e| e.check == check)
+            .map(|e| (id, e))
+    }
+
+    /// How many leading keys of `chain` are present. Memory only.
+    pub fn lookup_prefix(&self, ns: &NamespaceId, chain: &[BlockKey]) -> usize {
+        chain
+            .iter()
+            .take_while(|k| self.get(ns, k).is_some())
+            .count()
+    }
+
+    /// Bytes held by blocks pinned at `now_s` (pins are rare: a scan).
+    pub fn pinned_bytes(&self, now_s: u32) -> u64 {
+        self.map
+            .values()
+            .filter(|e| e.pinned(now_s))
+            .map(Entry::file_len)
+            .sum()
+    }
+
+    /// Adds an entry and its bytes.
+    pub fn insert(&mut self, ns: NamespaceId, id: u64, e: Entry) {
+        self.used_bytes += e.file_len();
+        *self.ns_blocks.entry(ns).or_default() += 1;
+        self.map.insert(id, e);
+    }
+
+    /// Removes an entry and its bytes.
+    pub fn remove(&mut self, ns: &NamespaceId, id: u64) -> Option<Entry> {
+        let e = self.map.remove(&id)?;
+        self.used_bytes = self.used_bytes.saturating_sub(e.file_len());
+        if let Some(n) = self.ns_blocks.get_mut(ns) {
+            *n -= 1;
+            if *n == 0 {
+                self.ns_blocks.remove(ns);
+            }
+        }
+        Some(e)
+    }
+}
+
+/// A block's persistent record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Record {
+    /// Namespace.
+    pub ns: NamespaceId,
+    /// Key.
+    pub key: BlockKey,
+    /// Payload length.
+    pub payload_len: u64,
+    /// Payload checksum.
+    pub payload_blake3: [u8; 32],
+    /// When first stored.
+    pub created_unix_ms: u64,
+    /// Reads served (flushed at close).
+    pub hits: u32,
+    /// Last access, Unix seconds (flushed at close).
+    pub last_access_s: u32,
+    /// Pinned until (Unix seconds), see [`Entry::pin_until_s`].
+    pub pin_until_s: u32,
+    /// Priority hint.
+    pub priority: u8,
+    /// `FLAG_EPHEMERAL | FLAG_IN_G4`.
+    pub flags: u8,
+}
+
+const REC_FIXED: usize = 16 + 8 + 32 + 8 + 4 + 4 + 4 + 1 + 1 + 1;
+
+impl Record {
+    fn encode(&self) -> Vec<u8> {
+        let mut v = Vec::with_capacity(REC_FIXED + self.key.len());
+        v.extend_from_slice(&self.ns.0);
+        v.extend_from_slice(&self.payload_len.to_le_bytes());
+        v.extend_from_slice(&self.payload_blake3);
+        v.extend_from_slice(&self.created_unix_ms.to_le_bytes());
+        v.extend_from_slice(&self.hits.to_le_bytes());
+        v.extend_from_slice(&self.last_access_s.to_le_bytes());
+        v.extend_from_slice(&self.pin_until_s.to_le_bytes());
+        v.push(self.priority);
+        v.push(self.flags);
+        v.push(self.key.len() as u8);
+        v.extend_from_slice(self.key.as_bytes());
+        v
+    }
+
+    fn decode(b: &[u8]) -> Option<Self> {
+        if b.len() < REC_FIXED {
+            return None;
+        }
+        let u64_at = |o: usize| {
+            let mut a = [0u8; 8];
+            a.copy_from_slice(&b[o..o + 8]);
+            u64::from_le_bytes(a)
+        };
+        let u32_at = |o: usize| {
+            let mut a = [0u8; 4];
+            a.copy_from_slice(&b[o..o + 4]);
+            u32::from_le_bytes(a)
+        };
+        let mut ns = [0u8; 16];
+        ns.copy_from_slice(&b[..16]);
+        let mut sum = [0u8; 32];
+        sum.copy_from_slice(&b[24..56]);
+        let klen = b[REC_FIXED - 1] as usize;
+        let key = BlockKey::from_bytes(b.get(REC_FIXED..REC_FIXED + klen)?).ok()?;
+        Some(Record {
+            ns: NamespaceId(ns),
+            key,
+            payload_len: u64_at(16),
+            payload_blake3: sum,
+            created_unix_ms: u64_at(56),
+            hits: u32_at(64),
+            last_access_s: u32_at(68),
+            pin_until_s: u32_at(72),
+            priority: b[76],
+            flags: b[77],
+        })
+    }
+
+    /// The file length this record describes.
+    pub fn file_len(&self) -> u64 {
+        kvtier_client::block::HEADER_BYTES as u64
+            + kvtier_client::block::padded_len(self.payload_len)
+    }
+}
+
+fn name_key(ns: &NamespaceId, key: &BlockKey) -> Vec<u8> {
+    let mut v = Vec::with_capacity(16 + key.len());
+    v.extend_from_slice(&ns.0);
+    v.extend_from_slice(key.as_bytes());
+    v
+}
+
+/// The persistent side of the index (one redb file).
+pub struct DiskIndex {
+    db: Database,
+    path: PathBuf,
+    dirty: std::sync::atomic::AtomicBool,
+}
+
+impl DiskIndex {
+    /// Opens or creates the index file (redb repairs after a crash).
+    pub fn open(path: &Path) -> Result<Self> {
+        let fail = |e: &dyn std::fmt::Display| Error::Index {
+            path: path.to_path_buf(),
+            detail: e.to_string(),
+        };
+        let db = Database::create(path).map_err(|e| fail(&e))?;
+        let me = DiskIndex {
+            db,
+            path: path.to_path_buf(),
+            dirty: std::sync::atomic::AtomicBool::new(false),
+        };
+        me.write(Durability::Immediate, |w| {
+            w.open_table(BLOCKS)?;
+            w.open_table(NAMES)?;
+            Ok(())
+        })?;
+        Ok(me)
+    }
+
+    fn err(&self, e: impl std::fmt::Display) -> Error {
+        Error::Index {
+            path: self.path.clone(),
+            detail: e.to_string(),
+        }
+    }
+
+    fn write<T>(
+        &self,
+        durability: Durability,
+        f: impl FnOnce(&redb::WriteTransaction) -> std::result::Result<T, redb::Error>,
+    ) -> Result<T> {
+        let lazy = matches!(durability, Durability::None);
+        let mut w = self.db.begin_write().map_err(|e| self.err(e))?;
+        w.set_durability(durability).map_err(|e| self.err(e))?;
+        let t = f(&w).map_err(|e| self.err(e))?;
+        w.commit().map_err(|e| self.err(e))?;
+        if lazy {
+            self.dirty.store(true, Ordering::Release);
+        }
+        Ok(t)
+    }
+
+    /// Inserts or replaces records (non-durable commit).
+    pub fn put(&self, recs: &[(u64, &Record)]) -> Result<()> {
+        self.write(Durability::None, |w| {
+            let mut b = w.open_table(BLOCKS)?;
+            let mut n = w.open_table(NAMES)?;
+            for (id, r) in recs {
+                b.insert(*id, r.encode().as_slice())?;
+                n.insert(name_key(&r.ns, &r.key).as_slice(), *id)?;
+            }
+            Ok(())
+        })
+    }
+
+    /// Removes records (non-durable commit).
+    pub fn remove(&self, ids: &[u64]) -> Result<()> {
+        self.write(Durability::None, |w| {
+            let mut b = w.open_table(BLOCKS)?;
+            let mut n = w.open_table(NAMES)?;
+            for id in ids {
+                let old = b.remove(*id)?.and_then(|g| Record::decode(g.value()));
+                if let Some(r) = old {
+                    n.remove(name_key(&r.ns, &r.key).as_slice())?;
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// One record.
+    pub fn get(&self, id: u64) -> Result<Option<Record>> {
+        let r = self.db.begin_read().map_err(|e| self.err(e))?;
+        let t = r.open_table(BLOCKS).map_err(|e| self.err(e))?;
+        let v = t.get(id).map_err(|e| self.err(e))?;
+        Ok(v.and_then(|g| Record::decode(g.value())))
+    }
+
+    /// Visits every record (recovery).
+    pub fn for_each(&self, mut f: impl FnMut(u64, Record)) -> Result<()> {
+        let r = self.db.begin_read().map_err(|e| self.err(e))?;
+        let t = r.open_table(BLOCKS).map_err(|e| self.err(e))?;
+        for item in t.iter().map_err(|e| self.err(e))? {
+            let (k, v) = item.map_err(|e| self.err(e))?;
+            if let Some(rec) = Record::decode(v.value()) {
+                f(k.value(), rec);
+            }
+        }
+        Ok(())
+    }
+
+    /// Keys of `ns` after `after`, sorted by raw key bytes.
+    pub fn list(
+        &self,
+        ns: &NamespaceId,
+        after: Option<&BlockKey>,
+        limit: usize,
+    ) -> Result<Vec<BlockKey>> {
+        let r = self.db.begin_read().map_err(|e| self.err(e))?;
+        let t = r.open_table(NAMES).map_err(|e| self.err(e))?;
+        let start: Vec<u8> = match after {
+            Some(k) => {
+                let mut v = name_key(ns, k);
+                v.push(0);
+                v
+            }
+            None => ns.0.to_vec(),
+        };
+        let mut out = Vec::new();
+        for item in t.range(start.as_slice()..).map_err(|e| self.err(e))? {
+            if out.len() >= limit {
+                break;
+            }
+            let (k, _) = item.map_err(|e| self.err(e))?;
+            let k = k.value();
+            if k.len() <= 16 || k[..16] != ns.0 {
+                break;
+            }
+            if let Ok(key) = BlockKey::from_bytes(&k[16..]) {
+                out.push(key);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Makes every earlier non-durable commit durable.
+    pub fn flush(&self) -> Result<()> {
+        self.dirty.store(false, Ordering::Release);
+        self.write(Durability::Immediate, |_| Ok(()))
+    }
+
+    /// [`DiskIndex::flush`] when something changed since the last one.
+    pub fn flush_if_dirty(&self) -> Result<()> {
+        if self.dirty.swap(false, Ordering::AcqRel) {
+            return self.write(Durability::Immediate, |_| Ok(()));
+        }
+        Ok(())
+    }
+}
+
+/// Hits and last access from memory into records (at close).
+pub fn merge_stats(rec: &mut Record, e: &Entry) {
+    rec.hits = e.hits.load(Ordering::Relaxed);
+    rec.last_access_s = e.last_access_s.load(Ordering::Relaxed);
+    rec.pin_until_s = e.pin_until_s;
+    rec.priority = e.priority;
+    rec.flags = e.flags & (FLAG_EPHEMERAL | FLAG_IN_G4);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn record_round_trip_and_entry_size() {
+        let r = Record {
+            ns: NamespaceId([7; 16]),
+            key: BlockKey::from_u64(99),
+            payload_len: 65536,
+            payload_blake3: [3; 32],
+            created_unix_ms: 5,
+            hits: 6,
+            last_access_s: 7,
+            pin_until_s: 8,
+            priority: 9,
+            flags: FLAG_IN_G4,
+        };
+        assert_eq!(Record::decode(&r.encode()), Some(r.clone()));
+        assert_eq!(r.file_len(), 4096 + 65536);
+        assert_eq!(std::mem::size_of::<Entry>(), 32);
+    }
+}

@@ -1,0 +1,140 @@
+//! Eviction: the mechanism. The policy (crate::policy) picks victims; this
+//! module asks it only for blocks that are neither leased nor pinned, and
+//! runs in the background once usage passes the high watermark, down to
+//! the low one. It also expires leases and makes the index durable once a
+//! second.
+
+use super::{now_s, G3Store, RemoveReason};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Condvar, Mutex, Weak};
+use std::time::Duration;
+
+/// Wakes or stops the reclaimer thread.
+#[derive(Debug, Default)]
+pub struct Signal {
+    state: Mutex<(bool, bool)>,
+    cv: Condvar,
+}
+
+impl Signal {
+    /// Asks for an eviction pass now.
+    pub fn wake(&self) {
+        if let Ok(mut s) = self.state.lock() {
+            s.0 = true;
+        }
+        self.cv.notify_all();
+    }
+
+    /// Asks the thread to exit.
+    pub fn stop(&self) {
+        if let Ok(mut s) = self.state.lock() {
+            s.1 = true;
+        }
+        self.cv.notify_all();
+    }
+
+    /// Waits for a wake or the tick; `true` when stopped.
+    fn wait(&self, tick: Duration) -> bool {
+        let Ok(s) = self.state.lock() else {
+            return true;
+        };
+        let Ok((mut s, _)) = self.cv.wait_timeout_while(s, tick, |s| !s.0 && !s.1) else {
+            return true;
+        };
+        s.0 = false;
+        s.1
+    }
+}
+
+/// Starts the background reclaimer; it holds the store weakly and exits
+/// when the store is dropped or closed.
+pub(super) fn spawn(store: &Arc<G3Store>) -> Option<std::thread::JoinHandle<()>> {
+    let weak: Weak<G3Store> = Arc::downgrade(store);
+    let signal = Arc::clone(&store.reclaim);
+    let r = std::thread::Builder::new()
+        .name("g3-reclaimer".into())
+        .spawn(move || loop {
+            if signal.wait(Duration::from_secs(1)) {
+                return;
+            }
+            let Some(s) = weak.upgrade() else { return };
+            s.sweep_leases();
+            let cap = s.cfg.capacity_bytes as f64;
+            let used = s.mem.read().map(|m| m.used_bytes).unwrap_or(0) as f64;
+            if used > s.cfg.high_watermark * cap {
+                let n = s.evict_to((s.cfg.low_watermark * cap) as u64);
+                tracing::debug!(evicted = n, "g3: eviction pass");
+            }
+            if let Err(e) = s.disk.flush_if_dirty() {
+                tracing::warn!(error = %e, "g3: index flush failed");
+            }
+        });
+    match r {
+        Ok(h) => Some(h),
+        Err(e) => {
+            tracing::error!(error = %e, "g3: cannot start the reclaimer; eviction runs only when full");
+            None
+        }
+    }
+}
+
+impl G3Store {
+    /// Evicts policy victims (never leased or pinned blocks) until usage is
+    /// at most `target_bytes` or nothing more may go. Returns blocks evicted.
+    pub(crate) fn evict_to(&self, target_bytes: u64) -> u64 {
+        self.sweep_leases();
+        let mut n = 0;
+        loop {
+            let now = now_s();
+            let victim = {
+                let Ok(mem) = self.mem.read() else { break };
+                if mem.used_bytes <= target_bytes {
+                    break;
+                }
+                let Ok(mut pol) = self.policy.lock() else {
+                    break;
+                };
+                pol.victim(&mut |id| {
+                    mem.map
+                        .get(&id)
+                        .is_some_and(|e| e.leases == 0 && !e.pinned(now))
+                })
+            };
+            let Some(id) = victim else {
+                tracing::warn!(
+                    target_bytes,
+                    "g3: over the watermark but every block is leased or pinned"
+                );
+                break;
+            };
+            let removed = match self.disk.get(id) {
+                Ok(Some(rec)) => self.remove_block(&rec.ns, &rec.key, RemoveReason::Evicted),
+                Ok(None) => Ok(false),
+                Err(e) => Err(e),
+            };
+            match removed {
+                Ok(true) => {
+                    n += 1;
+                    self.counters.evictions.fetch_add(1, Ordering::Relaxed);
+                }
+                Ok(false) => {
+                    // The policy knew a block the index does not: forget it
+                    // there so the loop makes progress.
+                    if let Ok(mut p) = self.policy.lock() {
+                        p.on_remove(id);
+                    }
+                    if let Ok(mut m) = self.mem.write() {
+                        if let Some(e) = m.map.remove(&id) {
+                            m.used_bytes = m.used_bytes.saturating_sub(e.file_len());
+                        }
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "g3: eviction failed");
+                    break;
+                }
+            }
+        }
+        n
+    }
+}

@@ -1,0 +1,221 @@
+//! Recovery at open: the files are the truth, the index is rebuilt to
+//! match them.
+//!
+//! 1. Everything in `tmp/` (interrupted writes) is removed.
+//! 2. The redb index is loaded into memory.
+//! 3. `blocks/` is walked (names only, no stat): a file the index knows is
+//!    marked seen; a file it does not know is read whole and adopted if its
+//!    header and payload checksum verify, else quarantined.
+//! 4. Index entries without a file are dropped.
+//!
+//! Indexed files are not re-read here (that is [`G3Store::verify_all`]);
+//! every read verifies, so a damaged indexed file is still never served.
+
+use super::index::{digest, Entry, MemIndex, Record, FLAG_SEEN};
+use super::{G3Store, ReadOutcome, Verifier};
+use crate::error::{Error, Result};
+use crate::policy::BlockMeta;
+use kvtier_client::{BlockHeader, BlockKey, Hints, NamespaceId};
+use std::os::fd::AsRawFd;
+use std::path::Path;
+use std::sync::atomic::AtomicU32;
+use std::time::Instant;
+
+/// What recovery found.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RecoveryReport {
+    /// Blocks the index knew and whose files exist.
+    pub indexed: u64,
+    /// Files adopted into the index after verifying.
+    pub adopted: u64,
+    /// Index entries dropped because their file is gone.
+    pub dropped: u64,
+    /// Temp files removed.
+    pub temp_removed: u64,
+    /// Unindexed files that failed verification (quarantined).
+    pub quarantined: u64,
+    /// Wall time of recovery.
+    pub elapsed_ms: u64,
+}
+
+fn read_dir(p: &Path) -> Result<std::fs::ReadDir> {
+    std::fs::read_dir(p).map_err(|e| Error::io("listing", p, e))
+}
+
+impl G3Store {
+    pub(super) fn recover(&self) -> Result<RecoveryReport> {
+        let t = Instant::now();
+        let mut rep = RecoveryReport::default();
+        for e in read_dir(&self.tmp_dir)? {
+            let e = e.map_err(|e| Error::io("listing", &self.tmp_dir, e))?;
+            std::fs::remove_file(e.path())
+                .map_err(|err| Error::io("removing temp file", e.path(), err))?;
+            rep.temp_removed += 1;
+        }
+        let mut mem = MemIndex::default();
+        let mut order: Vec<(u32, u64, Hints)> = Vec::new();
+        self.disk.for_each(|id, r| {
+            let (_, check) = digest(&r.ns, &r.key);
+            order.push((r.last_access_s, id, hints_of(&r)));
+            mem.insert(r.ns, id, entry_of(&r, check));
+        })?;
+        let mut known = std::collections::HashSet::new();
+        for nsd in read_dir(&self.blocks_dir)? {
+            let nsd = nsd.map_err(|e| Error::io("listing", &self.blocks_dir, e))?;
+            let Some(ns) = nsd
+                .file_name()
+                .to_str()
+                .and_then(|s| NamespaceId::from_hex(s).ok())
+            else {
+                tracing::warn!(path = %nsd.path().display(), "g3: stray entry in blocks/, ignored");
+                continue;
+            };
+            for shard in read_dir(&nsd.path())? {
+                let shard = shard.map_err(|e| Error::io("listing", nsd.path(), e))?;
+                known.insert(shard.path());
+                for f in read_dir(&shard.path())? {
+                    let f = f.map_err(|e| Error::io("listing", shard.path(), e))?;
+                    let Some(key) = f
+                        .file_name()
+                        .to_str()
+                        .and_then(|s| BlockKey::from_hex(s).ok())
+                    else {
+                        tracing::warn!(path = %f.path().display(), "g3: stray file in blocks/, ignored");
+                        continue;
+                    };
+                    let (id, check) = digest(&ns, &key);
+                    if let Some(e) = mem.map.get_mut(&id).filter(|e| e.check == check) {
+                        e.flags |= FLAG_SEEN;
+                        continue;
+                    }
+                    let path = f.path();
+                    match self.verify_file(&path, &ns, &key) {
+                        Ok(h) => {
+                            let r = Record {
+                                ns,
+                                key,
+                                payload_len: h.payload_len,
+                                payload_blake3: h.payload_blake3,
+                                created_unix_ms: h.created_unix_ms,
+                                hits: 0,
+                                last_access_s: super::now_s(),
+                                pin_until_s: 0,
+                                priority: 0,
+                                flags: 0,
+                            };
+                            self.disk.put(&[(id, &r)])?;
+                            let mut e = entry_of(&r, check);
+                            e.flags |= FLAG_SEEN;
+                            order.push((r.last_access_s, id, Hints::default()));
+                            mem.insert(ns, id, e);
+                            rep.adopted += 1;
+                        }
+                        Err(why) => {
+                            tracing::warn!(path = %path.display(), reason = %why, "g3: unindexed file failed verification; quarantined");
+                            self.quarantine_file(
+                                &path,
+                                &format!("{}.{}", ns.to_hex(), key.to_hex()),
+                            );
+                            rep.quarantined += 1;
+                        }
+                    }
+                }
+            }
+        }
+        let unseen: Vec<u64> = mem
+            .map
+            .iter()
+            .filter(|(_, e)| e.flags & FLAG_SEEN == 0)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in &unseen {
+            if let Some(r) = self.disk.get(*id)? {
+                mem.remove(&r.ns, *id);
+            }
+        }
+        self.disk.remove(&unseen)?;
+        rep.dropped = unseen.len() as u64;
+        for e in mem.map.values_mut() {
+            e.flags &= !FLAG_SEEN;
+        }
+        order.retain(|(_, id, _)| mem.map.contains_key(id));
+        order.sort_unstable_by_key(|(t, id, _)| (*t, *id));
+        {
+            let mut pol = self
+                .policy
+                .lock()
+                .map_err(|_| super::lock_err("g3 policy"))?;
+            for (_, id, hints) in order {
+                let size_bytes = mem.map.get(&id).map(Entry::file_len).unwrap_or(0);
+                pol.on_insert(
+                    id,
+                    BlockMeta {
+                        parent: None,
+                        size_bytes,
+                        hints,
+                    },
+                );
+            }
+        }
+        rep.indexed = mem.map.len() as u64 - rep.adopted;
+        *self.mem.write().map_err(|_| super::lock_err("g3 index"))? = mem;
+        if let Ok(mut k) = self.known_dirs.lock() {
+            k.extend(known);
+        }
+        self.disk.flush()?;
+        rep.elapsed_ms = t.elapsed().as_millis() as u64;
+        Ok(rep)
+    }
+
+    /// Reads and fully verifies a file that the index does not know.
+    fn verify_file(
+        &self,
+        path: &Path,
+        ns: &NamespaceId,
+        key: &BlockKey,
+    ) -> std::result::Result<BlockHeader, String> {
+        let file = std::fs::File::open(path).map_err(|e| e.to_string())?;
+        let size = file.metadata().map_err(|e| e.to_string())?.len();
+        let max = 8192 + kvtier_client::block::PAYLOAD_BYTES_MAX;
+        if size < 8192 || size > max || size % 4096 != 0 {
+            return Err(format!("file of {size} bytes cannot be a block"));
+        }
+        let mut buf = super::engine::AlignedBuf::new(size as usize).map_err(|e| e.to_string())?;
+        let mut v = Verifier::new(ns, key, size);
+        let got = self
+            .engine
+            .read_file(
+                file.as_raw_fd(),
+                &mut buf.as_mut_slice()[..size as usize],
+                &mut |p| v.feed(p),
+            )
+            .map_err(|e| e.to_string())?;
+        match v.finish(got as u64) {
+            ReadOutcome::Ok(h) => Ok(h),
+            ReadOutcome::Corrupt(why) => Err(why),
+            ReadOutcome::Vanished => Err("vanished".into()),
+        }
+    }
+}
+
+fn hints_of(r: &Record) -> Hints {
+    Hints {
+        priority: r.priority,
+        pinned: r.pin_until_s != 0,
+        ephemeral: r.flags & super::index::FLAG_EPHEMERAL != 0,
+        expected_reuse: 0,
+    }
+}
+
+fn entry_of(r: &Record, check: u64) -> Entry {
+    Entry {
+        check,
+        file_pages: (r.file_len() / 4096) as u32,
+        hits: AtomicU32::new(r.hits),
+        last_access_s: AtomicU32::new(r.last_access_s),
+        pin_until_s: r.pin_until_s,
+        leases: 0,
+        priority: r.priority,
+        flags: r.flags,
+    }
+}

@@ -1,0 +1,380 @@
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+//! G3 beyond the conformance suite: on-disk damage and quarantine, full
+//! filesystem, fsync failure, torn writes, eviction with watermarks, leases
+//! and pins, recovery, prefix lookup, events, index RAM per block.
+
+#[path = "g3_support/mod.rs"]
+mod common;
+
+use kvtier_client::block::encode_block;
+use kvtier_daemon::conformance::{block, namespace, Damage};
+use kvtier_daemon::g3::engine::{EngineKind, PreadEngine, UringEngine};
+use kvtier_daemon::g3::fault::{FaultEngine, FaultPlan};
+use kvtier_daemon::g3::{G3Event, G3Store, PutMeta, RemoveReason};
+use kvtier_daemon::policy::Lru;
+use kvtier_daemon::tier::{BlockTier, Lookup, MissReason, PutOutcome};
+use kvtier_daemon::Error;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+#[test]
+fn byte_flips_in_header_and_payload_are_misses_and_quarantined() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = common::open(dir.path(), EngineKind::Auto);
+    let events = Arc::new(Mutex::new(Vec::new()));
+    let ev = events.clone();
+    s.set_event_sink(Arc::new(move |e| ev.lock().unwrap().push(e)));
+    let ns = namespace(65536, "flip").unwrap();
+    for (seed, d) in [(1, Damage::Header), (2, Damage::Payload)] {
+        let (key, h, p) = block(&ns, seed);
+        s.put(&ns.id(), &h, &p).unwrap();
+        common::damage(&s, &ns.id(), &key, d);
+        let mut dst = vec![0u8; h.file_len() as usize];
+        match s.read_into(&ns.id(), &key, &mut dst).unwrap() {
+            Lookup::Miss(MissReason::Corrupt) => {}
+            other => panic!("{d:?}: {other:?}"),
+        }
+        assert!(!s.block_file_path(&ns.id(), &key).exists());
+        assert!(s.stat(&ns.id(), &key).is_none());
+        assert!(matches!(
+            s.get(&ns.id(), &key).unwrap(),
+            Lookup::Miss(MissReason::Absent)
+        ));
+        assert!(events.lock().unwrap().contains(&G3Event::Removed {
+            ns: ns.id(),
+            key,
+            reason: RemoveReason::Corrupt
+        }));
+    }
+    assert_eq!(s.stats().quarantined, 2);
+    assert_eq!(
+        std::fs::read_dir(dir.path().join("quarantine"))
+            .unwrap()
+            .count(),
+        2
+    );
+}
+
+struct Mount(std::path::PathBuf);
+impl Drop for Mount {
+    fn drop(&mut self) {
+        let _ = nix::mount::umount2(&self.0, nix::mount::MntFlags::MNT_DETACH);
+    }
+}
+
+#[test]
+fn full_filesystem_is_typed_no_space_and_reads_continue() {
+    if !nix::unistd::geteuid().is_root() {
+        eprintln!("SKIP: mounting a small tmpfs needs root");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    nix::mount::mount(
+        Some("tmpfs"),
+        dir.path(),
+        Some("tmpfs"),
+        nix::mount::MsFlags::empty(),
+        Some("size=6m"),
+    )
+    .unwrap();
+    let _m = Mount(dir.path().to_path_buf());
+    let s = common::open(dir.path(), EngineKind::Auto);
+    let ns = namespace(256 << 10, "full").unwrap();
+    let mut stored = Vec::new();
+    let mut err = None;
+    for seed in 0..64 {
+        let (key, h, p) = block(&ns, seed);
+        match s.put(&ns.id(), &h, &p) {
+            Ok(PutOutcome::Stored) => stored.push((key, p)),
+            Ok(o) => panic!("{o:?}"),
+            Err(e) => {
+                err = Some(e);
+                break;
+            }
+        }
+    }
+    let err = err.expect("a 6 MiB filesystem filled up");
+    assert!(matches!(err, Error::NoSpace { .. }), "got {err:?}");
+    assert!(stored.len() >= 2, "stored {}", stored.len());
+    assert_eq!(common::temp_files(dir.path()), 0);
+    for (key, p) in &stored {
+        let b = s
+            .get(&ns.id(), key)
+            .unwrap()
+            .hit()
+            .expect("read after ENOSPC");
+        assert_eq!(&b.payload, p);
+    }
+    // Not poisoned: after space is freed, writes work again.
+    assert!(s.stats().read_only.is_none());
+    s.delete(&ns.id(), &stored[0].0).unwrap();
+    s.delete(&ns.id(), &stored[1].0).unwrap();
+    let (_, h, p) = block(&ns, 1000);
+    assert_eq!(s.put(&ns.id(), &h, &p).unwrap(), PutOutcome::Stored);
+    drop(s);
+}
+
+#[test]
+fn fsync_failure_refuses_writes_until_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let plan = FaultPlan {
+        fail_after_ops: Some(2),
+        syncs: true,
+        ..FaultPlan::default()
+    };
+    let fe = Arc::new(FaultEngine::new(Arc::new(PreadEngine), plan));
+    let s = G3Store::open_with_engine(
+        common::cfg(dir.path(), EngineKind::Auto),
+        Box::new(Lru::new()),
+        fe,
+    )
+    .unwrap();
+    let ns = namespace(8192, "fsync").unwrap();
+    let mut blocks = (0..5).map(|i| block(&ns, i));
+    for _ in 0..2 {
+        let (_, h, p) = blocks.next().unwrap();
+        assert_eq!(s.put(&ns.id(), &h, &p).unwrap(), PutOutcome::Stored);
+    }
+    let (k3, h, p) = blocks.next().unwrap();
+    assert!(matches!(s.put(&ns.id(), &h, &p), Err(Error::Io { .. })));
+    for (_, h, p) in blocks {
+        assert!(matches!(
+            s.put(&ns.id(), &h, &p),
+            Err(Error::PreviousIo { .. })
+        ));
+    }
+    assert!(s.stats().read_only.is_some());
+    assert!(!s.contains(&ns.id(), &k3).unwrap());
+    let (k0, _, _) = block(&ns, 0);
+    assert!(
+        s.get(&ns.id(), &k0).unwrap().hit().is_some(),
+        "reads continue"
+    );
+    assert_eq!(common::temp_files(dir.path()), 0);
+    drop(s);
+    // Restart clears it.
+    let s = common::open(dir.path(), EngineKind::Auto);
+    let (_, h, p) = block(&ns, 3);
+    assert_eq!(s.put(&ns.id(), &h, &p).unwrap(), PutOutcome::Stored);
+}
+
+#[test]
+fn torn_and_random_write_faults_never_become_visible() {
+    let dir = tempfile::tempdir().unwrap();
+    let ns = namespace(3 << 20, "torn").unwrap();
+    let plan = FaultPlan {
+        fail_probability: 0.5,
+        seed: 42,
+        torn_writes: true,
+        writes: true,
+        ..FaultPlan::default()
+    };
+    let fe = Arc::new(FaultEngine::new(
+        Arc::new(UringEngine::new(2).unwrap()),
+        plan,
+    ));
+    let s = G3Store::open_with_engine(
+        common::cfg(dir.path(), EngineKind::Auto),
+        Box::new(Lru::new()),
+        fe.clone(),
+    )
+    .unwrap();
+    let mut ok = Vec::new();
+    for seed in 0..12 {
+        let (key, h, p) = block(&ns, seed);
+        match s.put(&ns.id(), &h, &p) {
+            Ok(_) => ok.push(key),
+            Err(e) => assert!(matches!(e, Error::Io { .. }), "{e:?}"),
+        }
+    }
+    assert!(fe.injected() > 0 && !ok.is_empty());
+    assert_eq!(common::temp_files(dir.path()), 0);
+    drop(s);
+    let s = common::open(dir.path(), EngineKind::Auto);
+    let mut visible = s.list(&ns.id(), None, 100);
+    visible.sort();
+    ok.sort();
+    assert_eq!(visible, ok);
+    assert_eq!(s.verify_all().unwrap().ok, ok.len() as u64);
+}
+
+fn wait_until(mut f: impl FnMut() -> bool) -> bool {
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_secs(10) {
+        if f() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    false
+}
+
+#[test]
+fn eviction_respects_watermarks_leases_and_pins() {
+    let dir = tempfile::tempdir().unwrap();
+    let ns = namespace(61440, "evict").unwrap(); // 64 KiB files
+    let file = 65536u64;
+    let mut c = common::cfg(dir.path(), EngineKind::Auto);
+    c.capacity_bytes = 20 * file;
+    c.pinned_budget_bytes = 2 * file;
+    let s = G3Store::open(c, Box::new(Lru::new())).unwrap();
+    let keys: Vec<_> = (0..19)
+        .map(|i| {
+            let (k, h, p) = block(&ns, i);
+            s.put(&ns.id(), &h, &p).unwrap();
+            k
+        })
+        .collect();
+    // 19/20 = 0.95: at the high mark, not above it.
+    std::thread::sleep(Duration::from_millis(1200));
+    assert_eq!(s.stats().evictions, 0);
+    assert!(s.pin(&ns.id(), &keys[0], None));
+    let lease = s.lease(&ns.id(), &keys[1], 60_000).unwrap().unwrap();
+    let short = s.lease(&ns.id(), &keys[2], 1).unwrap().unwrap();
+    assert!(s.pin(&ns.id(), &keys[3], None));
+    assert!(!s.pin(&ns.id(), &keys[4], None), "pin budget is 2 files");
+    let (k, h, p) = block(&ns, 100);
+    s.put(&ns.id(), &h, &p).unwrap();
+    assert!(
+        wait_until(|| s.stats().used_bytes <= 17 * file),
+        "evicted to the low mark"
+    );
+    let st = s.stats();
+    assert!(
+        st.used_bytes > 16 * file,
+        "not below the low mark: {}",
+        st.used_bytes
+    );
+    for kk in [&keys[0], &keys[1], &keys[3], &k] {
+        assert!(s.contains(&ns.id(), kk).unwrap());
+    }
+    assert!(
+        !s.contains(&ns.id(), &keys[2]).unwrap(),
+        "expired lease stopped protecting"
+    );
+    assert!(!s.release(short));
+    assert!(s.release(lease));
+    assert!(s.stat(&ns.id(), &keys[0]).unwrap().pinned);
+    // A block larger than the unpinned room is refused, typed.
+    let big = namespace(18 * file, "big").unwrap();
+    let (_, h, p) = block(&big, 1);
+    assert!(matches!(
+        s.put(&big.id(), &h, &p),
+        Err(Error::LimitReached { .. })
+    ));
+}
+
+#[test]
+fn recovery_adopts_drops_and_cleans() {
+    let dir = tempfile::tempdir().unwrap();
+    let ns = namespace(8192, "recover").unwrap();
+    let s = common::open(dir.path(), EngineKind::Auto);
+    let (k0, h0, p0) = block(&ns, 0);
+    let (k1, h1, p1) = block(&ns, 1);
+    s.put(&ns.id(), &h0, &p0).unwrap();
+    s.put(&ns.id(), &h1, &p1).unwrap();
+    assert!(s.pin(&ns.id(), &k0, None));
+    s.get(&ns.id(), &k0).unwrap();
+    s.close().unwrap();
+    drop(s);
+    // Gone behind the index's back.
+    std::fs::remove_file(
+        dir.path()
+            .join("blocks")
+            .join(kvtier_client::block_path(&ns.id(), &k1)),
+    )
+    .unwrap();
+    // A file the index never saw, a damaged one, and a temp file.
+    let (k2, h2, p2) = block(&ns, 2);
+    let p = dir
+        .path()
+        .join("blocks")
+        .join(kvtier_client::block_path(&ns.id(), &k2));
+    std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+    std::fs::write(&p, encode_block(&h2, &p2)).unwrap();
+    let (k3, h3, p3) = block(&ns, 3);
+    let mut bad = encode_block(&h3, &p3);
+    bad[5000] ^= 1;
+    let p = dir
+        .path()
+        .join("blocks")
+        .join(kvtier_client::block_path(&ns.id(), &k3));
+    std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+    std::fs::write(&p, bad).unwrap();
+    std::fs::write(dir.path().join("tmp").join("123.4.5"), b"torn").unwrap();
+
+    let s = common::open(dir.path(), EngineKind::Auto);
+    let rep = s.recovery.lock().unwrap().clone();
+    assert_eq!(
+        (
+            rep.indexed,
+            rep.adopted,
+            rep.dropped,
+            rep.temp_removed,
+            rep.quarantined
+        ),
+        (1, 1, 1, 1, 1),
+        "{rep:?}"
+    );
+    assert_eq!(common::temp_files(dir.path()), 0);
+    assert_eq!(s.get(&ns.id(), &k2).unwrap().hit().unwrap().payload, p2);
+    assert!(!s.contains(&ns.id(), &k1).unwrap());
+    assert!(!s.contains(&ns.id(), &k3).unwrap());
+    let info = s.stat(&ns.id(), &k0).unwrap();
+    assert!(info.pinned && info.hits == 1, "{info:?}");
+    assert_eq!(s.lookup_prefix(&ns.id(), &[k0, k2, k1, k3]), 2);
+    assert_eq!(s.namespaces(), vec![ns.id()]);
+    let mut all = s.list(&ns.id(), None, 10);
+    all.sort();
+    let mut want = vec![k0, k2];
+    want.sort();
+    assert_eq!(all, want);
+    assert_eq!(s.list(&ns.id(), Some(&all[0]), 10), vec![all[1]]);
+}
+
+#[test]
+fn events_dedup_and_open_for_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = common::open(dir.path(), EngineKind::Auto);
+    let events = Arc::new(Mutex::new(Vec::new()));
+    let ev = events.clone();
+    s.set_event_sink(Arc::new(move |e| ev.lock().unwrap().push(e)));
+    let ns = namespace(8192, "events").unwrap();
+    let (k0, h0, p0) = block(&ns, 0);
+    let (k1, h1, p1) = block(&ns, 1);
+    s.put_block(&ns.id(), &h0, &p0, PutMeta::default()).unwrap();
+    let meta = PutMeta {
+        parent: Some(k0),
+        ..PutMeta::default()
+    };
+    s.put_block(&ns.id(), &h1, &p1, meta).unwrap();
+    assert_eq!(
+        s.put_block(&ns.id(), &h1, &p1, meta).unwrap(),
+        PutOutcome::AlreadyPresent
+    );
+    let Lookup::Hit((f, info)) = s.open_for_read(&ns.id(), &k1).unwrap() else {
+        panic!()
+    };
+    s.delete(&ns.id(), &k1).unwrap();
+    let mut buf = vec![0u8; info.file_len as usize];
+    std::os::unix::fs::FileExt::read_exact_at(&f, &mut buf, 0).unwrap();
+    assert_eq!(kvtier_client::decode_block(&buf).unwrap().1, &p1[..]);
+    let ev = events.lock().unwrap();
+    assert_eq!(ev.len(), 3);
+    assert!(matches!(&ev[1], G3Event::Stored { parent: Some(p), .. } if *p == k0));
+    assert!(matches!(
+        &ev[2],
+        G3Event::Removed {
+            reason: RemoveReason::Deleted,
+            ..
+        }
+    ));
+    // A payload that does not match its header is refused, nothing stored.
+    let (k2, h2, mut p2) = block(&ns, 2);
+    p2[0] ^= 1;
+    assert!(matches!(
+        s.put(&ns.id(), &h2, &p2),
+        Err(Error::InvalidInput { .. })
+    ));
+    assert!(!s.contains(&ns.id(), &k2).unwrap());
+}

@@ -1,0 +1,58 @@
+//! Helpers shared by the g3_* suites (included with `#[path]`).
+#![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
+#![allow(dead_code)]
+
+use kvtier_client::{BlockKey, NamespaceId};
+use kvtier_daemon::conformance::Damage;
+use kvtier_daemon::g3::engine::EngineKind;
+use kvtier_daemon::g3::{G3Config, G3Store};
+use kvtier_daemon::policy::Lru;
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::sync::Arc;
+
+pub fn cfg(root: &std::path::Path, engine: EngineKind) -> G3Config {
+    let mut c = G3Config::new(root, 1 << 30);
+    c.engine = engine;
+    c.io_depth = 4;
+    c.buffer_pool_bytes = 8 << 20;
+    c
+}
+
+pub fn open(root: &std::path::Path, engine: EngineKind) -> Arc<G3Store> {
+    G3Store::open(cfg(root, engine), Box::new(Lru::new())).expect("open g3")
+}
+
+/// Damages the block file behind the store's back.
+pub fn damage(store: &G3Store, ns: &NamespaceId, key: &BlockKey, d: Damage) {
+    let p = store.block_file_path(ns, key);
+    let mut f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&p)
+        .expect("open block file");
+    match d {
+        Damage::Header => flip(&mut f, 100),
+        Damage::Payload => flip(&mut f, 4096 + 17),
+        Damage::Truncate => {
+            let len = f.metadata().unwrap().len();
+            f.set_len(len - 4096).unwrap();
+        }
+    }
+}
+
+fn flip(f: &mut std::fs::File, at: u64) {
+    let mut b = [0u8; 1];
+    f.seek(SeekFrom::Start(at)).unwrap();
+    f.read_exact(&mut b).unwrap();
+    b[0] ^= 0x40;
+    f.seek(SeekFrom::Start(at)).unwrap();
+    f.write_all(&b).unwrap();
+    f.sync_all().unwrap();
+}
+
+/// Files left in `root/tmp`.
+pub fn temp_files(root: &std::path::Path) -> usize {
+    std::fs::read_dir(root.join("tmp"))
+        .map(|d| d.count())
+        .unwrap_or(0)
+}

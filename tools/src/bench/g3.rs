@@ -1,0 +1,407 @@
+//! `kvtier bench g3`: the G3 tier against raw O_DIRECT I/O of the same
+//! sizes and depth on the same filesystem, interleaved A B A B; plus the
+//! in-memory longest-prefix lookup at 1M blocks, index RAM per block, and
+//! recovery time.
+
+use super::common::{
+    compare, drop_page_cache, emit, gbps, median, parse_size, percentile, shuffled, RawFile,
+};
+use anyhow::{Context, Result};
+use clap::Args;
+use kvtier_client::{BlockHeader, BlockKey, KvLayout, Namespace};
+use kvtier_daemon::g3::engine::{AlignedBuf, EngineKind};
+use kvtier_daemon::g3::index::{digest, Entry, MemIndex};
+use kvtier_daemon::g3::{G3Config, G3Store, PutMeta};
+use kvtier_daemon::policy::{BlockMeta, EvictionPolicy, Lru};
+use kvtier_daemon::tier::Lookup;
+use serde_json::{json, Map, Value};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Arguments of `kvtier bench g3`.
+#[derive(Debug, Args)]
+pub struct G3Args {
+    /// Directory on the filesystem to measure (a temp dir under it is used).
+    #[arg(long, default_value = ".")]
+    dir: PathBuf,
+    /// One block size (default: 64KiB, 2MiB and 16MiB).
+    #[arg(long, value_parser = parse_size)]
+    block_size: Option<u64>,
+    /// Blocks per size (default: 512 MiB worth, at least 16).
+    #[arg(long)]
+    blocks: Option<usize>,
+    /// Block operations in flight (threads; the store's io_depth).
+    #[arg(long, default_value_t = 16)]
+    depth: usize,
+    /// Interleaved rounds (A B A B ...).
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+    /// io_uring, pread or auto.
+    #[arg(long, default_value = "auto")]
+    engine: String,
+    /// Blocks in the in-memory index for the lookup figure.
+    #[arg(long, default_value_t = 1_000_000)]
+    lookup_blocks: usize,
+    /// Blocks written for the recovery figure (8 KiB files).
+    #[arg(long, default_value_t = 20_000)]
+    recovery_blocks: usize,
+    /// One JSON document on stdout.
+    #[arg(long)]
+    json: bool,
+}
+
+fn engine_kind(s: &str) -> Result<EngineKind> {
+    Ok(match s {
+        "auto" => EngineKind::Auto,
+        "io_uring" | "uring" => EngineKind::Uring,
+        "pread" => EngineKind::Pread,
+        _ => anyhow::bail!("--engine is auto, io_uring or pread, not {s:?}"),
+    })
+}
+
+fn open_store(root: &Path, depth: usize, engine: EngineKind) -> Result<Arc<G3Store>> {
+    let mut c = G3Config::new(root, 1 << 50);
+    c.io_depth = depth.clamp(1, 256);
+    c.buffer_pool_bytes = (depth as u64 * 4) << 20;
+    c.engine = engine;
+    Ok(G3Store::open(c, Box::new(Lru::new()))?)
+}
+
+fn headers(ns: &Namespace, payload: &[u8], n: usize, salt: u64) -> Vec<BlockHeader> {
+    let proto = BlockHeader::for_payload(ns, BlockKey::from_u64(0), payload, 1);
+    (0..n)
+        .map(|i| {
+            let mut h = proto.clone();
+            h.key = BlockKey::from_u64(salt << 40 | i as u64);
+            h
+        })
+        .collect()
+}
+
+/// One G3 round: write all, drop cache, read all in random order.
+fn g3_round(
+    root: &Path,
+    size: u64,
+    n: usize,
+    depth: usize,
+    engine: EngineKind,
+    round: usize,
+) -> Result<(f64, f64, Vec<f64>, &'static str)> {
+    let _ = std::fs::remove_dir_all(root);
+    let store = open_store(root, depth, engine)?;
+    let ns = Namespace::new(
+        "bench",
+        KvLayout::with_block_bytes(size)?,
+        "",
+        b"g3".to_vec(),
+    )?;
+    let id = ns.id();
+    let payload = payload(size as usize);
+    let hs = headers(&ns, &payload, n, round as u64);
+    let file_len = hs[0].file_len() as usize;
+    let next = AtomicUsize::new(0);
+    let t = Instant::now();
+    std::thread::scope(|s| -> Result<()> {
+        let mut js = Vec::new();
+        for _ in 0..depth {
+            js.push(s.spawn(|| -> Result<()> {
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(h) = hs.get(i) else { return Ok(()) };
+                    store.put_block(&id, h, &payload, PutMeta::default())?;
+                }
+            }));
+        }
+        for j in js {
+            j.join().map_err(|_| anyhow::anyhow!("writer panicked"))??;
+        }
+        Ok(())
+    })?;
+    let write = gbps(file_len * n, t.elapsed().as_secs_f64());
+    drop_page_cache();
+    let order = shuffled(n, 7 + round as u64);
+    let next = AtomicUsize::new(0);
+    let lat = std::sync::Mutex::new(Vec::with_capacity(n));
+    let t = Instant::now();
+    std::thread::scope(|s| -> Result<()> {
+        let mut js = Vec::new();
+        for _ in 0..depth {
+            js.push(s.spawn(|| -> Result<()> {
+                let mut buf = AlignedBuf::new(file_len)?;
+                let mut mine = Vec::new();
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(&b) = order.get(i) else { break };
+                    let t = Instant::now();
+                    match store.read_into(&id, &hs[b].key, buf.as_mut_slice())? {
+                        Lookup::Hit(_) => {}
+                        Lookup::Miss(r) => anyhow::bail!("block {b} missed: {r:?}"),
+                    }
+                    mine.push(t.elapsed().as_secs_f64() * 1e6);
+                }
+                if let Ok(mut l) = lat.lock() {
+                    l.extend(mine);
+                }
+                Ok(())
+            }));
+        }
+        for j in js {
+            j.join().map_err(|_| anyhow::anyhow!("reader panicked"))??;
+        }
+        Ok(())
+    })?;
+    let read = gbps(file_len * n, t.elapsed().as_secs_f64());
+    let engine_name = store.engine_name();
+    store.close()?;
+    drop(store);
+    let _ = std::fs::remove_dir_all(root);
+    Ok((
+        write,
+        read,
+        lat.into_inner().unwrap_or_default(),
+        engine_name,
+    ))
+}
+
+/// Deterministic non-constant payload bytes.
+pub fn payload(len: usize) -> Vec<u8> {
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+fn size_report(a: &G3Args, tmp: &Path, size: u64, engine: EngineKind) -> Result<Value> {
+    let file_len = (4096 + size.div_ceil(4096) * 4096) as usize;
+    let n = a
+        .blocks
+        .unwrap_or(((512u64 << 20) / file_len as u64).max(16) as usize);
+    let (mut w, mut r, mut p50, mut p99) = (vec![], vec![], vec![], vec![]);
+    let (mut bw, mut br, mut bp50, mut bp99) = (vec![], vec![], vec![], vec![]);
+    let mut engine_name = "";
+    let mut cold = true;
+    for round in 0..a.rounds.max(1) {
+        eprintln!("g3 bench: {size} B x {n}, round {}/{}", round + 1, a.rounds);
+        let (gw, gr, lat, e) = g3_round(&tmp.join("store"), size, n, a.depth, engine, round)?;
+        engine_name = e;
+        w.push(gw);
+        r.push(gr);
+        p50.push(percentile(&lat, 50.0));
+        p99.push(percentile(&lat, 99.0));
+        let raw = RawFile::create(tmp, file_len, n)?;
+        bw.push(raw.write_all(a.depth)?);
+        cold &= drop_page_cache();
+        let (g, lat) = raw.read_order(a.depth, &shuffled(n, 7 + round as u64))?;
+        br.push(g);
+        bp50.push(percentile(&lat, 50.0));
+        bp99.push(percentile(&lat, 99.0));
+        drop(raw);
+        let _ = std::fs::remove_file(tmp.join("raw-baseline.bin"));
+    }
+    let mut m = Map::new();
+    m.insert("block_bytes".into(), json!(size));
+    m.insert("file_bytes".into(), json!(file_len));
+    m.insert("blocks".into(), json!(n));
+    m.insert("depth".into(), json!(a.depth));
+    m.insert("rounds".into(), json!(a.rounds));
+    m.insert("engine".into(), json!(engine_name));
+    m.insert("cold_reads".into(), json!(cold));
+    compare(&mut m, "write_gbps", median(&w), median(&bw));
+    compare(&mut m, "read_gbps", median(&r), median(&br));
+    m.insert("read_p50_us".into(), json!(median(&p50)));
+    m.insert("read_p99_us".into(), json!(median(&p99)));
+    m.insert("read_p50_us_baseline".into(), json!(median(&bp50)));
+    m.insert("read_p99_us_baseline".into(), json!(median(&bp99)));
+    m.insert(
+        "read_gbps_range".into(),
+        json!([
+            r.iter().cloned().fold(f64::MAX, f64::min),
+            r.iter().cloned().fold(0.0, f64::max)
+        ]),
+    );
+    m.insert(
+        "read_gbps_baseline_range".into(),
+        json!([
+            br.iter().cloned().fold(f64::MAX, f64::min),
+            br.iter().cloned().fold(0.0, f64::max)
+        ]),
+    );
+    Ok(Value::Object(m))
+}
+
+fn rss_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/statm")
+        .ok()
+        .and_then(|s| {
+            s.split_whitespace()
+                .nth(1)
+                .and_then(|v| v.parse::<u64>().ok())
+        })
+        .unwrap_or(0)
+        * 4096
+}
+
+/// Longest-prefix lookup of a 64-block chain with `n` blocks indexed, and
+/// the RAM the index (map + LRU policy) takes per block. Baseline: a plain
+/// `HashSet<(NamespaceId, BlockKey)>` of the same blocks.
+fn lookup_report(n: usize) -> Value {
+    let ns = kvtier_client::NamespaceId([5; 16]);
+    let rss0 = rss_bytes();
+    let mut mem = MemIndex::default();
+    let mut lru = Lru::new();
+    for i in 0..n {
+        let key = BlockKey::from_digest(*blake3::hash(&(i as u64).to_le_bytes()).as_bytes());
+        let (id, check) = digest(&ns, &key);
+        mem.insert(
+            ns,
+            id,
+            Entry {
+                check,
+                file_pages: 513,
+                hits: AtomicU32::new(0),
+                last_access_s: AtomicU32::new(0),
+                pin_until_s: 0,
+                leases: 0,
+                priority: 0,
+                flags: 0,
+            },
+        );
+        lru.on_insert(id, BlockMeta::default());
+    }
+    let rss1 = rss_bytes();
+    let key_of =
+        |i: usize| BlockKey::from_digest(*blake3::hash(&(i as u64).to_le_bytes()).as_bytes());
+    let base: std::collections::HashSet<(kvtier_client::NamespaceId, BlockKey)> =
+        (0..n).map(|i| (ns, key_of(i))).collect();
+    let lock = std::sync::RwLock::new(mem);
+    let mut lat = Vec::new();
+    let mut blat = Vec::new();
+    let mut rng = 12345u64;
+    for _ in 0..20_000 {
+        rng = rng
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        let start = (rng >> 33) as usize % n.saturating_sub(64).max(1);
+        let chain: Vec<BlockKey> = (start..start + 64).map(key_of).collect();
+        let t = Instant::now();
+        let got = lock
+            .read()
+            .map(|m| m.lookup_prefix(&ns, &chain))
+            .unwrap_or(0);
+        lat.push(t.elapsed().as_secs_f64() * 1e6);
+        let t = Instant::now();
+        let bgot = chain
+            .iter()
+            .take_while(|k| base.contains(&(ns, **k)))
+            .count();
+        blat.push(t.elapsed().as_secs_f64() * 1e6);
+        assert_eq!(got, bgot.min(64));
+    }
+    json!({
+        "blocks_indexed": n,
+        "chain_len": 64,
+        "lookup_p50_us": percentile(&lat, 50.0),
+        "lookup_p99_us": percentile(&lat, 99.0),
+        "lookup_p99_us_hashset": percentile(&blat, 99.0),
+        "index_ram_bytes_per_block": (rss1.saturating_sub(rss0)) as f64 / n.max(1) as f64,
+    })
+}
+
+/// Recovery time of `n` indexed blocks (cold cache), beside a bare walk of
+/// the same directory tree (the floor any file-scanning recovery pays).
+fn recovery_report(tmp: &Path, n: usize, depth: usize, engine: EngineKind) -> Result<Value> {
+    let root = tmp.join("recovery");
+    let _ = std::fs::remove_dir_all(&root);
+    let store = open_store(&root, depth, engine)?;
+    let ns = Namespace::new(
+        "bench",
+        KvLayout::with_block_bytes(4096)?,
+        "",
+        b"rec".to_vec(),
+    )?;
+    let payload = payload(4096);
+    let hs = headers(&ns, &payload, n, 99);
+    let next = AtomicUsize::new(0);
+    std::thread::scope(|s| -> Result<()> {
+        let mut js = Vec::new();
+        for _ in 0..depth {
+            js.push(s.spawn(|| -> Result<()> {
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(h) = hs.get(i) else { return Ok(()) };
+                    store.put_block(&ns.id(), h, &payload, PutMeta::default())?;
+                }
+            }));
+        }
+        for j in js {
+            j.join().map_err(|_| anyhow::anyhow!("writer panicked"))??;
+        }
+        Ok(())
+    })?;
+    store.close()?;
+    drop(store);
+    let cold = drop_page_cache();
+    let t = Instant::now();
+    let store = open_store(&root, depth, engine)?;
+    let ms = t.elapsed().as_secs_f64() * 1e3;
+    let rep = store.recovery.lock().map(|r| r.clone()).unwrap_or_default();
+    drop(store);
+    drop_page_cache();
+    let t = Instant::now();
+    let mut files = 0u64;
+    for d in std::fs::read_dir(root.join("blocks"))? {
+        for s in std::fs::read_dir(d?.path())? {
+            files += std::fs::read_dir(s?.path())?.count() as u64;
+        }
+    }
+    let walk_ms = t.elapsed().as_secs_f64() * 1e3;
+    let _ = std::fs::remove_dir_all(&root);
+    Ok(json!({
+        "blocks": n,
+        "cold": cold,
+        "recovery_ms": ms,
+        "recovery_indexed": rep.indexed,
+        "recovery_adopted": rep.adopted,
+        "walk_ms_floor": walk_ms,
+        "walk_files": files,
+        "recovery_ms_per_1m_blocks_extrapolated": ms * 1e6 / n.max(1) as f64,
+    }))
+}
+
+/// Runs the benchmark.
+pub fn run(a: G3Args) -> Result<()> {
+    let engine = engine_kind(&a.engine)?;
+    std::fs::create_dir_all(&a.dir).with_context(|| format!("creating {}", a.dir.display()))?;
+    let tmp = tempfile::Builder::new()
+        .prefix("kvtier-bench-g3")
+        .tempdir_in(&a.dir)
+        .with_context(|| format!("temp dir in {}", a.dir.display()))?;
+    let sizes = match a.block_size {
+        Some(s) => vec![s],
+        None => vec![64 << 10, 2 << 20, 16 << 20],
+    };
+    let mut per_size = Vec::new();
+    for s in sizes {
+        per_size.push(size_report(&a, tmp.path(), s, engine)?);
+    }
+    eprintln!("g3 bench: lookup with {} blocks indexed", a.lookup_blocks);
+    let lookup = lookup_report(a.lookup_blocks);
+    eprintln!("g3 bench: recovery of {} blocks", a.recovery_blocks);
+    let recovery = recovery_report(tmp.path(), a.recovery_blocks, a.depth, engine)?;
+    let report = json!({
+        "bench": "g3",
+        "dir": a.dir.display().to_string(),
+        "baseline": "raw O_DIRECT pwrite/pread of one file, same sizes and depth, same filesystem, interleaved",
+        "sizes": per_size,
+        "lookup": lookup,
+        "recovery": recovery,
+    });
+    emit(&report, a.json)
+}
