@@ -5,8 +5,12 @@
 //! tiers, the local server, the mount and peers together.
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used))]
 
+pub mod config;
 pub mod error;
+pub mod events;
+pub mod metrics;
 pub mod policy;
+pub mod server;
 pub mod tier;
 
 pub use error::{Error, Result};
