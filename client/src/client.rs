@@ -461,6 +461,93 @@ impl Client {
         Ok(())
     }
 
+    /// Metadata of keys in a namespace known only by id (tools).
+    pub fn stat_ids(&self, ns: NamespaceId, keys: &[BlockKey]) -> Result<Vec<Option<BlockStat>>> {
+        let mut out = Vec::with_capacity(keys.len());
+        for part in keys.chunks(KEYS_MAX) {
+            out.extend(self.call(
+                |_| {
+                    Ok(Request::Stat {
+                        ns,
+                        keys: part.to_vec(),
+                    })
+                },
+                |_, r, _| match r {
+                    Response::Stat { entries } if entries.len() == part.len() => Ok(entries),
+                    other => Err(unexpected(other)),
+                },
+            )?);
+        }
+        Ok(out)
+    }
+
+    /// Re-checksums stored blocks end to end (`kvtier verify`): each block
+    /// file is passed over a direct-read fd and fully decoded here (header,
+    /// length, padding, payload blake3), and must name `ns` and its key.
+    /// Per key: `Ok(payload_len)` or why it failed.
+    pub fn verify_ids(
+        &self,
+        ns: NamespaceId,
+        keys: &[BlockKey],
+    ) -> Result<Vec<std::result::Result<u64, String>>> {
+        let mut out = Vec::with_capacity(keys.len());
+        for part in keys.chunks(FDS_MAX) {
+            let (items, fds) = self.call(
+                |_| {
+                    Ok(Request::Onboard {
+                        ns,
+                        mode: OnboardMode::DirectFd,
+                        lease_ttl_ms: self.cfg.timeout_ms.clamp(1, u32::MAX as u64) as u32,
+                        items: part
+                            .iter()
+                            .map(|k| OnboardItem {
+                                key: *k,
+                                shm_offset: 0,
+                                shm_len: 0,
+                            })
+                            .collect(),
+                    })
+                },
+                |_, r, fds| match r {
+                    Response::Onboard { items } if items.len() == part.len() => Ok((items, fds)),
+                    other => Err(unexpected(other)),
+                },
+            )?;
+            let files: Vec<std::fs::File> = fds.into_iter().map(std::fs::File::from).collect();
+            let mut leases = Vec::new();
+            for (k, it) in part.iter().zip(&items) {
+                if it.lease_id != 0 {
+                    leases.push(it.lease_id);
+                }
+                if it.status != ItemStatus::Ok {
+                    out.push(Err(format!("daemon: {:?}", it.status)));
+                    continue;
+                }
+                let Some(f) = files.get(it.fd_index as usize) else {
+                    out.push(Err("no file descriptor passed".into()));
+                    continue;
+                };
+                if it.payload_len > crate::block::PAYLOAD_BYTES_MAX {
+                    out.push(Err(format!("payload length {}", it.payload_len)));
+                    continue;
+                }
+                let len = HEADER_BYTES as u64 + padded_len(it.payload_len);
+                let mut buf = vec![0u8; len as usize];
+                if let Err(e) = f.read_exact_at(&mut buf, it.file_offset) {
+                    out.push(Err(format!("reading: {e}")));
+                    continue;
+                }
+                out.push(match crate::block::decode_block(&buf) {
+                    Ok((h, _)) if h.key == *k && h.namespace_id() == ns => Ok(h.payload_len),
+                    Ok(_) => Err("header names another block".into()),
+                    Err(e) => Err(e.to_string()),
+                });
+            }
+            let _ = self.release(&leases);
+        }
+        Ok(out)
+    }
+
     /// Opens a separate connection that streams KV events.
     pub fn subscribe_events(&self) -> Result<EventStream> {
         let sock = &self.cfg.socket;
