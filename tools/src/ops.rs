@@ -105,12 +105,12 @@ fn parse_ns(s: &str) -> Result<NamespaceId> {
 }
 
 fn parse_qualified(s: &str) -> Result<(Option<NamespaceId>, BlockKey)> {
-    match s.rsplit_once('/') {
-        Some((ns, k)) => {
-            let ns = ns.rsplit('/').next().unwrap_or(ns);
-            Ok((Some(parse_ns(ns)?), BlockKey::from_hex(k)?))
-        }
-        None => Ok((None, BlockKey::from_hex(s)?)),
+    // `KEY`, `NS/KEY` or the path form `NS/SHARD/KEY`.
+    let parts: Vec<&str> = s.split('/').collect();
+    match parts.as_slice() {
+        [k] => Ok((None, BlockKey::from_hex(k)?)),
+        [ns, k] | [ns, _, k] => Ok((Some(parse_ns(ns)?), BlockKey::from_hex(k)?)),
+        _ => bail!("{s:?}: expected KEY, NAMESPACE/KEY or NAMESPACE/SHARD/KEY"),
     }
 }
 
