@@ -14,6 +14,12 @@ pub mod g3;
 pub mod policy;
 #[doc(hidden)]
 pub mod testkit;
+pub mod config;
+pub mod error;
+pub mod events;
+pub mod metrics;
+pub mod policy;
+pub mod server;
 pub mod tier;
 
 pub use error::{Error, Result};

@@ -2,6 +2,7 @@
 
 mod bench;
 mod identity;
+mod ops;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -23,6 +24,18 @@ enum Cmd {
     /// Benchmarks, each measured beside a baseline in the same run.
     #[command(subcommand)]
     Bench(bench::BenchCmd),
+    /// Daemon statistics (JSON).
+    Stats(ops::StatsArgs),
+    /// List stored blocks.
+    Ls(ops::LsArgs),
+    /// One block's metadata.
+    Stat(ops::StatArgs),
+    /// Re-checksum stored blocks (exit 1 if any is bad).
+    Verify(ops::VerifyArgs),
+    /// Follow the KV event stream (JSON lines).
+    Events(ops::EventsArgs),
+    /// Offload/lookup/onboard round trip (starts kvtierd if none runs).
+    Demo(ops::DemoArgs),
 }
 
 fn main() -> Result<()> {
@@ -36,5 +49,11 @@ fn main() -> Result<()> {
         Cmd::Hash(a) => identity::hash(a),
         Cmd::Inspect(a) => identity::inspect(a),
         Cmd::Bench(b) => bench::run(b),
+        Cmd::Stats(a) => ops::stats(a),
+        Cmd::Ls(a) => ops::ls(a),
+        Cmd::Stat(a) => ops::stat(a),
+        Cmd::Verify(a) => ops::verify(a),
+        Cmd::Events(a) => ops::events(a),
+        Cmd::Demo(a) => ops::demo(a),
     }
 }

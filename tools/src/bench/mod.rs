@@ -5,6 +5,7 @@ pub mod g4;
 pub mod gds;
 pub mod replay;
 pub mod g3;
+pub mod io;
 
 use clap::Subcommand;
 
@@ -19,6 +20,8 @@ pub enum BenchCmd {
     G4(g4::G4Args),
     /// G3 (local NVMe tier) against raw O_DIRECT I/O; prefix lookup; recovery.
     G3(g3::G3Args),
+    /// End-to-end offload/onboard through kvtierd vs raw O_DIRECT.
+    Io(io::IoArgs),
 }
 
 /// Runs one benchmark.
@@ -28,5 +31,6 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
         BenchCmd::Gds(a) => gds::run(a),
         BenchCmd::G4(a) => g4::run(a),
         BenchCmd::G3(a) => g3::run(a),
+        BenchCmd::Io(a) => io::run(a),
     }
 }

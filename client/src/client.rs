@@ -1,0 +1,1206 @@
+//! The blocking client inference workers link to talk to `kvtierd`.
+//!
+//! **Fail open.** The data-path calls ([`NsHandle::lookup`],
+//! [`NsHandle::offload`], [`NsHandle::onboard_into`]) never return an error
+//! and never hang: every call runs under the configured deadline, and a
+//! dead daemon, a timeout, a refused request, a corrupt block or a storage
+//! failure comes back as a [`Miss`] with its [`MissCause`], so the engine
+//! simply recomputes. After a failure the connection is dropped and the next
+//! call reconnects by itself (at most one attempt per
+//! [`ClientConfig::reconnect_backoff_ms`]).
+//!
+//! **Integrity.** The client verifies what it onboards itself, whatever the
+//! mode: it decodes and validates the block header the daemon placed in the
+//! shared region (or reads it from the passed file), checks that it names
+//! the requested key and namespace and agrees with the reply, copies the
+//! payload into the caller's buffer, and compares blake3 of the bytes *in
+//! the caller's buffer* with the header's checksum. Bytes that fail are a
+//! `Miss(Corrupt)`, and the caller's buffer content is then unspecified.
+//!
+//! Bulk bytes go through a sealed shared region (see [`crate::shm`]); the
+//! socket carries only small frames.
+
+use crate::block::{padded_len, BlockHeader, HEADER_BYTES};
+use crate::error::{Error, Result};
+use crate::events::KvEvent;
+use crate::key::{BlockKey, HashMode};
+use crate::namespace::{Namespace, NamespaceId};
+use crate::proto::{
+    self, BlockStat, ItemStatus, ListEntry, OffloadItem, OnboardItem, OnboardMode, Request,
+    Response, FDS_MAX, KEYS_MAX,
+};
+use crate::shm::Region;
+use crate::types::{Hints, Tier};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::fs::FileExt;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// Where a list page ends: pass it back as `after`.
+pub type ListCursor = (NamespaceId, BlockKey);
+
+/// Client settings.
+#[derive(Debug, Clone)]
+pub struct ClientConfig {
+    /// The daemon's socket.
+    pub socket: PathBuf,
+    /// Size of the shared region (bounds one batch's bytes).
+    pub region_bytes: u64,
+    /// Deadline of every call.
+    pub timeout_ms: u64,
+    /// Onboard by reading the block file from a passed fd instead of having
+    /// the daemon copy into the region.
+    pub direct_read: bool,
+    /// Minimum pause between reconnect attempts.
+    pub reconnect_backoff_ms: u64,
+}
+
+impl ClientConfig {
+    /// Defaults: 64 MiB region, 2 s deadline, shared-region onboard.
+    pub fn new(socket: impl Into<PathBuf>) -> Self {
+        ClientConfig {
+            socket: socket.into(),
+            region_bytes: 64 << 20,
+            timeout_ms: 2000,
+            direct_read: false,
+            reconnect_backoff_ms: 50,
+        }
+    }
+}
+
+/// Why a data-path call missed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MissCause {
+    /// Not stored.
+    Absent,
+    /// Stored but failed verification (in the daemon or in this client).
+    Corrupt,
+    /// The daemon is unreachable or went away.
+    Unavailable,
+    /// The deadline passed.
+    Timeout,
+    /// The daemon refused the request (limits, invalid input, protocol).
+    Refused,
+    /// The store is full.
+    NoSpace,
+    /// Any other storage failure.
+    Storage,
+    /// The caller's buffer or the shared region is too small for the block.
+    TooLarge,
+}
+
+/// A miss, with what caused it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Miss {
+    /// The class.
+    pub cause: MissCause,
+    /// Details for logs.
+    pub detail: String,
+}
+
+impl Miss {
+    fn new(cause: MissCause, detail: impl Into<String>) -> Self {
+        Miss {
+            cause,
+            detail: detail.into(),
+        }
+    }
+
+    fn from_error(e: &Error) -> Self {
+        let cause = match e {
+            Error::Timeout { .. } => MissCause::Timeout,
+            Error::Unavailable { .. } | Error::Io { .. } => MissCause::Unavailable,
+            Error::Format { .. } => MissCause::Corrupt,
+            _ => MissCause::Refused,
+        };
+        Miss::new(cause, e.to_string())
+    }
+
+    fn from_status(s: ItemStatus) -> Self {
+        let cause = match s {
+            ItemStatus::Absent => MissCause::Absent,
+            ItemStatus::Corrupt => MissCause::Corrupt,
+            ItemStatus::Unavailable => MissCause::Unavailable,
+            ItemStatus::NoSpace => MissCause::NoSpace,
+            ItemStatus::Invalid | ItemStatus::LimitReached => MissCause::Refused,
+            _ => MissCause::Storage,
+        };
+        Miss::new(cause, format!("daemon: {s:?}"))
+    }
+}
+
+/// Result of a lookup: the cached prefix and where each block of it is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LookupResult {
+    /// Tier of each block of the cached prefix.
+    pub tiers: Vec<Tier>,
+    /// Set when the lookup itself failed (the prefix is then empty).
+    pub miss: Option<Miss>,
+}
+
+impl LookupResult {
+    /// Number of leading blocks that are cached.
+    pub fn prefix_len(&self) -> usize {
+        self.tiers.len()
+    }
+}
+
+/// One block to offload.
+#[derive(Debug, Clone, Copy)]
+pub struct OffloadBlock<'a> {
+    /// Its key.
+    pub key: BlockKey,
+    /// The previous block of its chain.
+    pub parent: Option<BlockKey>,
+    /// The bytes (exactly the namespace layout's block size).
+    pub payload: &'a [u8],
+    /// Hints.
+    pub hints: Hints,
+}
+
+/// Outcome of offloading one block.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum OffloadOutcome {
+    /// Stored and durable.
+    Stored,
+    /// Already there; nothing written.
+    AlreadyPresent,
+    /// Not stored.
+    Failed(Miss),
+}
+
+/// Outcome of onboarding one block.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Onboarded {
+    /// The verified payload is in the caller's buffer.
+    Hit {
+        /// Where it came from.
+        tier: Tier,
+        /// Bytes written at the start of the buffer.
+        payload_len: u64,
+    },
+    /// Not served: recompute.
+    Miss(Miss),
+}
+
+impl Onboarded {
+    /// Whether the block was served.
+    pub fn is_hit(&self) -> bool {
+        matches!(self, Onboarded::Hit { .. })
+    }
+}
+
+struct Conn {
+    sock: UnixStream,
+    region: Option<Region>,
+    next_req: u32,
+}
+
+/// A connection to `kvtierd` that reconnects by itself. Calls on one
+/// `Client` are serialised; open one per worker thread for parallelism.
+pub struct Client {
+    cfg: ClientConfig,
+    conn: Mutex<Option<Conn>>,
+    last_failure: Mutex<Option<Instant>>,
+}
+
+impl std::fmt::Debug for Client {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Client({})", self.cfg.socket.display())
+    }
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+fn io_to_error(socket: &Path, op: &'static str, timeout_ms: u64, e: std::io::Error) -> Error {
+    match e.kind() {
+        std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock => {
+            Error::Timeout { op, timeout_ms }
+        }
+        _ => Error::Unavailable {
+            socket: socket.to_path_buf(),
+            source: e,
+        },
+    }
+}
+
+impl Client {
+    /// Connects now (so that a wrong path is reported at once) with default
+    /// settings. Later failures reconnect by themselves.
+    pub fn connect(socket: impl AsRef<Path>) -> Result<Client> {
+        let c = Client::with_config(ClientConfig::new(socket.as_ref()));
+        c.ensure_connected()?;
+        Ok(c)
+    }
+
+    /// A client that connects on first use.
+    pub fn with_config(cfg: ClientConfig) -> Client {
+        Client {
+            cfg,
+            conn: Mutex::new(None),
+            last_failure: Mutex::new(None),
+        }
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &ClientConfig {
+        &self.cfg
+    }
+
+    /// A handle for one namespace (default hash mode: blake3).
+    pub fn namespace(&self, ns: &Namespace) -> NsHandle<'_> {
+        NsHandle {
+            client: self,
+            ns: ns.clone(),
+            id: ns.id(),
+            mode: HashMode::Blake3,
+        }
+    }
+
+    /// Connects if not connected.
+    pub fn ensure_connected(&self) -> Result<()> {
+        let mut g = self.conn.lock().map_err(|_| poisoned())?;
+        if g.is_none() {
+            *g = Some(self.open()?);
+        }
+        Ok(())
+    }
+
+    fn open(&self) -> Result<Conn> {
+        if let Ok(lf) = self.last_failure.lock() {
+            if let Some(t) = *lf {
+                if t.elapsed() < Duration::from_millis(self.cfg.reconnect_backoff_ms) {
+                    return Err(Error::Unavailable {
+                        socket: self.cfg.socket.clone(),
+                        source: std::io::Error::new(
+                            std::io::ErrorKind::NotConnected,
+                            "reconnect backoff after a failure",
+                        ),
+                    });
+                }
+            }
+        }
+        let r = self.open_now();
+        if let Ok(mut lf) = self.last_failure.lock() {
+            *lf = if r.is_err() {
+                Some(Instant::now())
+            } else {
+                None
+            };
+        }
+        r
+    }
+
+    fn open_now(&self) -> Result<Conn> {
+        let sock = &self.cfg.socket;
+        let stream = UnixStream::connect(sock).map_err(|e| Error::Unavailable {
+            socket: sock.clone(),
+            source: e,
+        })?;
+        let t = Some(Duration::from_millis(self.cfg.timeout_ms.max(1)));
+        let io = |e| io_to_error(sock, "connect", self.cfg.timeout_ms, e);
+        stream.set_read_timeout(t).map_err(io)?;
+        stream.set_write_timeout(t).map_err(io)?;
+        let region = if self.cfg.region_bytes > 0 {
+            Some(
+                Region::create(self.cfg.region_bytes).map_err(|e| Error::Io {
+                    path: PathBuf::from("memfd"),
+                    source: e,
+                })?,
+            )
+        } else {
+            None
+        };
+        let hello = Request::Hello {
+            shm_bytes: region.as_ref().map(|r| r.len() as u64).unwrap_or(0),
+            pid: std::process::id(),
+        };
+        let fds: Vec<i32> = region.iter().map(|r| r.fd().as_raw_fd()).collect();
+        let mut conn = Conn {
+            sock: stream,
+            region,
+            next_req: 1,
+        };
+        let (resp, _) = self.exchange(&mut conn, &hello, &fds)?;
+        match resp {
+            Response::Hello { .. } => Ok(conn),
+            Response::Error { code, message } => Err(Error::Remote { code, message }),
+            other => Err(Error::Protocol {
+                reason: format!("unexpected hello reply {other:?}"),
+            }),
+        }
+    }
+
+    fn exchange(
+        &self,
+        conn: &mut Conn,
+        req: &Request,
+        fds: &[i32],
+    ) -> Result<(Response, Vec<OwnedFd>)> {
+        let id = conn.next_req;
+        conn.next_req = conn.next_req.wrapping_add(1);
+        let frame = req.encode(id);
+        let op = req.op();
+        let sock = &self.cfg.socket;
+        let tmo = self.cfg.timeout_ms;
+        let name = Request::op_name(op);
+        proto::send_frame(conn.sock.as_raw_fd(), &frame, fds)
+            .map_err(|e| io_to_error(sock, name, tmo, e))?;
+        let mut got_fds = Vec::new();
+        let body = proto::recv_frame(conn.sock.as_raw_fd(), &mut got_fds).map_err(|e| match e {
+            proto::RecvError::Closed => Error::Unavailable {
+                socket: sock.clone(),
+                source: std::io::Error::new(
+                    std::io::ErrorKind::ConnectionReset,
+                    "daemon closed the connection",
+                ),
+            },
+            proto::RecvError::TooLarge(n) => Error::Protocol {
+                reason: format!("reply frame of {n} bytes"),
+            },
+            proto::RecvError::Io(e) => io_to_error(sock, name, tmo, e),
+        })?;
+        let (rid, resp) = Response::decode(&body, op)?;
+        if rid != id {
+            return Err(Error::Protocol {
+                reason: format!("reply to request {rid}, expected {id}"),
+            });
+        }
+        Ok((resp, got_fds))
+    }
+
+    /// Runs one request (connecting first if needed); a failure drops the
+    /// connection so the next call starts fresh. `f` runs with the region
+    /// and the reply while the connection is still held.
+    fn call<T>(
+        &self,
+        build: impl FnOnce(Option<&Region>) -> Result<Request>,
+        f: impl FnOnce(Option<&Region>, Response, Vec<OwnedFd>) -> Result<T>,
+    ) -> Result<T> {
+        let mut g = self.conn.lock().map_err(|_| poisoned())?;
+        if g.is_none() {
+            *g = Some(self.open()?);
+        }
+        let Some(conn) = g.as_mut() else {
+            return Err(poisoned());
+        };
+        let req = build(conn.region.as_ref())?;
+        match self.exchange(conn, &req, &[]) {
+            Ok((Response::Error { code, message }, _)) => {
+                // The daemon closes the connection after an error reply.
+                *g = None;
+                Err(Error::Remote { code, message })
+            }
+            Ok((resp, fds)) => f(conn.region.as_ref(), resp, fds),
+            Err(e) => {
+                *g = None;
+                if let Ok(mut lf) = self.last_failure.lock() {
+                    *lf = Some(Instant::now());
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Daemon statistics (the JSON document `kvtier stats` prints).
+    pub fn stats(&self) -> Result<serde_json::Value> {
+        self.call(
+            |_| Ok(Request::Stats),
+            |_, r, _| match r {
+                Response::Stats { json } => {
+                    serde_json::from_str(&json).map_err(|e| Error::Protocol {
+                        reason: format!("stats JSON: {e}"),
+                    })
+                }
+                other => Err(unexpected(other)),
+            },
+        )
+    }
+
+    /// One page of stored blocks, in (namespace, key) order.
+    pub fn list(
+        &self,
+        ns: Option<NamespaceId>,
+        after: Option<(NamespaceId, BlockKey)>,
+        limit: u32,
+    ) -> Result<(Vec<ListEntry>, Option<ListCursor>)> {
+        self.call(
+            |_| {
+                Ok(Request::List {
+                    ns,
+                    after,
+                    limit: limit.clamp(1, KEYS_MAX as u32),
+                })
+            },
+            |_, r, _| match r {
+                Response::List { entries, next } => Ok((entries, next)),
+                other => Err(unexpected(other)),
+            },
+        )
+    }
+
+    /// Releases leases.
+    pub fn release(&self, leases: &[u64]) -> Result<()> {
+        for chunk in leases.chunks(KEYS_MAX) {
+            self.call(
+                |_| {
+                    Ok(Request::Release {
+                        leases: chunk.to_vec(),
+                    })
+                },
+                |_, _, _| Ok(()),
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Metadata of keys in a namespace known only by id (tools).
+    pub fn stat_ids(&self, ns: NamespaceId, keys: &[BlockKey]) -> Result<Vec<Option<BlockStat>>> {
+        let mut out = Vec::with_capacity(keys.len());
+        for part in keys.chunks(KEYS_MAX) {
+            out.extend(self.call(
+                |_| {
+                    Ok(Request::Stat {
+                        ns,
+                        keys: part.to_vec(),
+                    })
+                },
+                |_, r, _| match r {
+                    Response::Stat { entries } if entries.len() == part.len() => Ok(entries),
+                    other => Err(unexpected(other)),
+                },
+            )?);
+        }
+        Ok(out)
+    }
+
+    /// Re-checksums stored blocks end to end (`kvtier verify`): each block
+    /// file is passed over a direct-read fd and fully decoded here (header,
+    /// length, padding, payload blake3), and must name `ns` and its key.
+    /// Per key: `Ok(payload_len)` or why it failed.
+    pub fn verify_ids(
+        &self,
+        ns: NamespaceId,
+        keys: &[BlockKey],
+    ) -> Result<Vec<std::result::Result<u64, String>>> {
+        let mut out = Vec::with_capacity(keys.len());
+        for part in keys.chunks(FDS_MAX) {
+            let (items, fds) = self.call(
+                |_| {
+                    Ok(Request::Onboard {
+                        ns,
+                        mode: OnboardMode::DirectFd,
+                        lease_ttl_ms: self.cfg.timeout_ms.clamp(1, u32::MAX as u64) as u32,
+                        items: part
+                            .iter()
+                            .map(|k| OnboardItem {
+                                key: *k,
+                                shm_offset: 0,
+                                shm_len: 0,
+                            })
+                            .collect(),
+                    })
+                },
+                |_, r, fds| match r {
+                    Response::Onboard { items } if items.len() == part.len() => Ok((items, fds)),
+                    other => Err(unexpected(other)),
+                },
+            )?;
+            let files: Vec<std::fs::File> = fds.into_iter().map(std::fs::File::from).collect();
+            let mut leases = Vec::new();
+            for (k, it) in part.iter().zip(&items) {
+                if it.lease_id != 0 {
+                    leases.push(it.lease_id);
+                }
+                if it.status != ItemStatus::Ok {
+                    out.push(Err(format!("daemon: {:?}", it.status)));
+                    continue;
+                }
+                let Some(f) = files.get(it.fd_index as usize) else {
+                    out.push(Err("no file descriptor passed".into()));
+                    continue;
+                };
+                if it.payload_len > crate::block::PAYLOAD_BYTES_MAX {
+                    out.push(Err(format!("payload length {}", it.payload_len)));
+                    continue;
+                }
+                let len = HEADER_BYTES as u64 + padded_len(it.payload_len);
+                let mut buf = vec![0u8; len as usize];
+                if let Err(e) = f.read_exact_at(&mut buf, it.file_offset) {
+                    out.push(Err(format!("reading: {e}")));
+                    continue;
+                }
+                out.push(match crate::block::decode_block(&buf) {
+                    Ok((h, _)) if h.key == *k && h.namespace_id() == ns => Ok(h.payload_len),
+                    Ok(_) => Err("header names another block".into()),
+                    Err(e) => Err(e.to_string()),
+                });
+            }
+            let _ = self.release(&leases);
+        }
+        Ok(out)
+    }
+
+    /// Opens a separate connection that streams KV events.
+    pub fn subscribe_events(&self) -> Result<EventStream> {
+        let sock = &self.cfg.socket;
+        let stream = UnixStream::connect(sock).map_err(|e| Error::Unavailable {
+            socket: sock.clone(),
+            source: e,
+        })?;
+        let t = Some(Duration::from_millis(self.cfg.timeout_ms.max(1)));
+        let io = |e| io_to_error(sock, "subscribe", self.cfg.timeout_ms, e);
+        stream.set_read_timeout(t).map_err(io)?;
+        stream.set_write_timeout(t).map_err(io)?;
+        let c = Client::with_config(ClientConfig {
+            region_bytes: 0,
+            ..self.cfg.clone()
+        });
+        let mut conn = Conn {
+            sock: stream,
+            region: None,
+            next_req: 1,
+        };
+        let hello = Request::Hello {
+            shm_bytes: 0,
+            pid: std::process::id(),
+        };
+        c.exchange(&mut conn, &hello, &[])?;
+        match c.exchange(&mut conn, &Request::Subscribe, &[])?.0 {
+            Response::Subscribed => Ok(EventStream {
+                sock: conn.sock,
+                socket: sock.clone(),
+            }),
+            other => Err(unexpected(other)),
+        }
+    }
+}
+
+fn poisoned() -> Error {
+    Error::Protocol {
+        reason: "client state poisoned by a panic in another thread".into(),
+    }
+}
+
+fn unexpected(r: Response) -> Error {
+    Error::Protocol {
+        reason: format!("unexpected reply {r:?}"),
+    }
+}
+
+/// A stream of KV events from the daemon.
+#[derive(Debug)]
+pub struct EventStream {
+    sock: UnixStream,
+    socket: PathBuf,
+}
+
+impl EventStream {
+    /// The next event, or `Ok(None)` when none arrived within `timeout`.
+    /// An error means the stream is over (daemon gone); subscribe again.
+    pub fn next_timeout(&mut self, timeout: Duration) -> Result<Option<KvEvent>> {
+        let io = |e: std::io::Error| Error::Unavailable {
+            socket: self.socket.clone(),
+            source: e,
+        };
+        self.sock
+            .set_read_timeout(Some(timeout.max(Duration::from_millis(1))))
+            .map_err(io)?;
+        // Peek first so a timeout never splits a frame.
+        let mut b = [0u8; 1];
+        // SAFETY: valid fd and a one-byte buffer.
+        let n = unsafe {
+            libc::recv(
+                self.sock.as_raw_fd(),
+                b.as_mut_ptr() as *mut libc::c_void,
+                1,
+                libc::MSG_PEEK,
+            )
+        };
+        let peeked = if n < 0 {
+            Err(std::io::Error::last_os_error())
+        } else {
+            Ok(n as usize)
+        };
+        match peeked {
+            Ok(0) => {
+                return Err(io(std::io::Error::new(
+                    std::io::ErrorKind::ConnectionReset,
+                    "daemon closed the event stream",
+                )))
+            }
+            Ok(_) => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                return Ok(None)
+            }
+            Err(e) => return Err(io(e)),
+        }
+        self.sock
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .map_err(io)?;
+        let mut fds = Vec::new();
+        let body = proto::recv_frame(self.sock.as_raw_fd(), &mut fds).map_err(|e| match e {
+            proto::RecvError::Io(e) => io(e),
+            other => Error::Protocol {
+                reason: format!("event stream: {other:?}"),
+            },
+        })?;
+        match Response::decode(&body, proto::OP_SUBSCRIBE)?.1 {
+            Response::Event(e) => Ok(Some(e)),
+            other => Err(unexpected(other)),
+        }
+    }
+}
+
+/// A namespace bound to a client: the calls engines make.
+#[derive(Debug)]
+pub struct NsHandle<'a> {
+    client: &'a Client,
+    ns: Namespace,
+    id: NamespaceId,
+    mode: HashMode,
+}
+
+fn slot_bytes(payload_len: u64) -> u64 {
+    HEADER_BYTES as u64 + padded_len(payload_len)
+}
+
+impl<'a> NsHandle<'a> {
+    /// Uses another sequence-hash scheme for [`NsHandle::hash_chain`].
+    pub fn with_hash_mode(mut self, mode: HashMode) -> Self {
+        self.mode = mode;
+        self
+    }
+
+    /// The namespace.
+    pub fn namespace(&self) -> &Namespace {
+        &self.ns
+    }
+
+    /// Its id.
+    pub fn id(&self) -> NamespaceId {
+        self.id
+    }
+
+    /// Keys of every full block of `tokens`.
+    pub fn hash_chain(&self, tokens: &[u32]) -> Vec<BlockKey> {
+        self.ns.hash_chain(self.mode, tokens)
+    }
+
+    /// Longest cached prefix of `chain`, with the tier of each block.
+    pub fn lookup(&self, chain: &[BlockKey]) -> LookupResult {
+        let mut tiers = Vec::new();
+        for part in chain.chunks(KEYS_MAX) {
+            let r = self.client.call(
+                |_| {
+                    Ok(Request::Lookup {
+                        ns: self.id,
+                        keys: part.to_vec(),
+                    })
+                },
+                |_, r, _| match r {
+                    Response::Lookup { tiers } if tiers.len() <= part.len() => Ok(tiers),
+                    other => Err(unexpected(other)),
+                },
+            );
+            match r {
+                Ok(t) => {
+                    let full = t.len() == part.len();
+                    tiers.extend(t);
+                    if !full {
+                        break;
+                    }
+                }
+                Err(e) => {
+                    return LookupResult {
+                        tiers: Vec::new(),
+                        miss: Some(Miss::from_error(&e)),
+                    }
+                }
+            }
+        }
+        LookupResult { tiers, miss: None }
+    }
+
+    /// Offloads blocks (batched through the shared region). Never fails as a
+    /// whole: each block gets its outcome.
+    pub fn offload(&self, blocks: &[OffloadBlock<'_>]) -> Vec<OffloadOutcome> {
+        let mut out = Vec::with_capacity(blocks.len());
+        let region_len = self.client.cfg.region_bytes.div_ceil(4096) * 4096;
+        let mut i = 0;
+        while i < blocks.len() {
+            // Pack as many blocks as fit in the region.
+            let mut end = i;
+            let mut used = 0u64;
+            while end < blocks.len() && end - i < KEYS_MAX {
+                let s = slot_bytes(blocks[end].payload.len() as u64);
+                if used + s > region_len {
+                    break;
+                }
+                used += s;
+                end += 1;
+            }
+            if end == i {
+                out.push(OffloadOutcome::Failed(Miss::new(
+                    MissCause::TooLarge,
+                    "block larger than the shared region",
+                )));
+                i += 1;
+                continue;
+            }
+            let batch = &blocks[i..end];
+            let r = self.client.call(
+                |region| {
+                    let region = region.ok_or_else(|| Error::Protocol {
+                        reason: "client has no shared region".into(),
+                    })?;
+                    let mut items = Vec::with_capacity(batch.len());
+                    let mut off = 0u64;
+                    let created = now_ms();
+                    for b in batch {
+                        let h = BlockHeader::for_payload(&self.ns, b.key, b.payload, created);
+                        let mut hb = [0u8; HEADER_BYTES];
+                        h.encode_into(&mut hb);
+                        region.write(off, &hb);
+                        region.write(off + HEADER_BYTES as u64, b.payload);
+                        items.push(OffloadItem {
+                            shm_offset: off,
+                            parent: b.parent,
+                            hints: b.hints,
+                        });
+                        off += slot_bytes(b.payload.len() as u64);
+                    }
+                    Ok(Request::Offload { ns: self.id, items })
+                },
+                |_, r, _| match r {
+                    Response::Items { status } if status.len() == batch.len() => Ok(status),
+                    other => Err(unexpected(other)),
+                },
+            );
+            match r {
+                Ok(status) => out.extend(status.into_iter().map(|s| match s {
+                    ItemStatus::Ok => OffloadOutcome::Stored,
+                    ItemStatus::AlreadyPresent => OffloadOutcome::AlreadyPresent,
+                    s => OffloadOutcome::Failed(Miss::from_status(s)),
+                })),
+                Err(e) => {
+                    let m = Miss::from_error(&e);
+                    out.extend(batch.iter().map(|_| OffloadOutcome::Failed(m.clone())));
+                }
+            }
+            i = end;
+        }
+        out
+    }
+
+    /// Offloads a chain: block i's parent is block i-1 (`first_parent` for
+    /// the first).
+    pub fn offload_chain(
+        &self,
+        first_parent: Option<BlockKey>,
+        keys: &[BlockKey],
+        payloads: &[&[u8]],
+        hints: Hints,
+    ) -> Vec<OffloadOutcome> {
+        let mut parent = first_parent;
+        let mut blocks = Vec::with_capacity(keys.len());
+        for (k, p) in keys.iter().zip(payloads) {
+            blocks.push(OffloadBlock {
+                key: *k,
+                parent,
+                payload: p,
+                hints,
+            });
+            parent = Some(*k);
+        }
+        self.offload(&blocks)
+    }
+
+    /// Onboards `keys[i]` into `bufs[i]` (each at least the block's payload
+    /// size), verifying every byte (see the module docs). Never fails as a
+    /// whole: each key gets its outcome.
+    pub fn onboard_into(&self, keys: &[BlockKey], bufs: &mut [&mut [u8]]) -> Vec<Onboarded> {
+        let n = keys.len().min(bufs.len());
+        let mut out: Vec<Onboarded> = Vec::with_capacity(keys.len());
+        let slot = slot_bytes(self.ns.layout.block_bytes());
+        let region_len = self.client.cfg.region_bytes.div_ceil(4096) * 4096;
+        let direct = self.client.cfg.direct_read;
+        let per_batch = if direct {
+            FDS_MAX
+        } else {
+            ((region_len / slot.max(1)) as usize).min(KEYS_MAX)
+        };
+        if per_batch == 0 {
+            for _ in 0..keys.len() {
+                out.push(Onboarded::Miss(Miss::new(
+                    MissCause::TooLarge,
+                    "block larger than the shared region",
+                )));
+            }
+            return out;
+        }
+        let mut i = 0;
+        while i < n {
+            let end = (i + per_batch).min(n);
+            let res = if direct {
+                self.onboard_direct(&keys[i..end], &mut bufs[i..end])
+            } else {
+                self.onboard_shm(&keys[i..end], &mut bufs[i..end], slot)
+            };
+            out.extend(res);
+            i = end;
+        }
+        for _ in n..keys.len() {
+            out.push(Onboarded::Miss(Miss::new(
+                MissCause::TooLarge,
+                "no buffer given for this key",
+            )));
+        }
+        out
+    }
+
+    /// Validates a header the daemon produced against the request and reply.
+    fn check_header(
+        &self,
+        hb: &[u8],
+        key: &BlockKey,
+        it: &proto::OnboardResult,
+        cap: usize,
+    ) -> std::result::Result<BlockHeader, Miss> {
+        let h =
+            BlockHeader::decode(hb).map_err(|e| Miss::new(MissCause::Corrupt, e.to_string()))?;
+        if h.key != *key
+            || h.namespace_digest != self.ns.digest()
+            || h.payload_len != it.payload_len
+            || h.payload_blake3 != it.payload_blake3
+        {
+            return Err(Miss::new(
+                MissCause::Corrupt,
+                format!("header for {key} disagrees with the request or reply"),
+            ));
+        }
+        if h.payload_len as usize > cap {
+            return Err(Miss::new(
+                MissCause::TooLarge,
+                format!("block of {} bytes, buffer of {cap}", h.payload_len),
+            ));
+        }
+        Ok(h)
+    }
+
+    fn onboard_shm(&self, keys: &[BlockKey], bufs: &mut [&mut [u8]], slot: u64) -> Vec<Onboarded> {
+        let r = self.client.call(
+            |region| {
+                if region.is_none() {
+                    return Err(Error::Protocol {
+                        reason: "client has no shared region".into(),
+                    });
+                }
+                let items = keys
+                    .iter()
+                    .enumerate()
+                    .map(|(j, k)| OnboardItem {
+                        key: *k,
+                        shm_offset: j as u64 * slot,
+                        shm_len: slot,
+                    })
+                    .collect();
+                Ok(Request::Onboard {
+                    ns: self.id,
+                    mode: OnboardMode::Shm,
+                    lease_ttl_ms: 0,
+                    items,
+                })
+            },
+            |region, r, _| {
+                let Response::Onboard { items } = r else {
+                    return Err(unexpected(r));
+                };
+                if items.len() != keys.len() {
+                    return Err(Error::Protocol {
+                        reason: "onboard reply length".into(),
+                    });
+                }
+                let Some(region) = region else {
+                    return Err(poisoned());
+                };
+                let mut out = Vec::with_capacity(keys.len());
+                for (j, it) in items.iter().enumerate() {
+                    if it.status != ItemStatus::Ok {
+                        out.push(Onboarded::Miss(Miss::from_status(it.status)));
+                        continue;
+                    }
+                    let off = j as u64 * slot;
+                    let mut hb = vec![0u8; HEADER_BYTES];
+                    if !region.read(off, &mut hb) {
+                        out.push(Onboarded::Miss(Miss::new(MissCause::Corrupt, "offset")));
+                        continue;
+                    }
+                    let h = match self.check_header(&hb, &keys[j], it, bufs[j].len()) {
+                        Ok(h) => h,
+                        Err(m) => {
+                            out.push(Onboarded::Miss(m));
+                            continue;
+                        }
+                    };
+                    let len = h.payload_len as usize;
+                    let dst = &mut bufs[j][..len];
+                    if !region.read(off + HEADER_BYTES as u64, dst) {
+                        out.push(Onboarded::Miss(Miss::new(MissCause::TooLarge, "region")));
+                        continue;
+                    }
+                    out.push(match h.verify_payload(dst) {
+                        Ok(()) => Onboarded::Hit {
+                            tier: it.tier,
+                            payload_len: h.payload_len,
+                        },
+                        Err(e) => Onboarded::Miss(Miss::new(MissCause::Corrupt, e.to_string())),
+                    });
+                }
+                Ok(out)
+            },
+        );
+        r.unwrap_or_else(|e| {
+            let m = Miss::from_error(&e);
+            keys.iter().map(|_| Onboarded::Miss(m.clone())).collect()
+        })
+    }
+
+    fn onboard_direct(&self, keys: &[BlockKey], bufs: &mut [&mut [u8]]) -> Vec<Onboarded> {
+        let r = self.client.call(
+            |_| {
+                let items = keys
+                    .iter()
+                    .map(|k| OnboardItem {
+                        key: *k,
+                        shm_offset: 0,
+                        shm_len: 0,
+                    })
+                    .collect();
+                Ok(Request::Onboard {
+                    ns: self.id,
+                    mode: OnboardMode::DirectFd,
+                    lease_ttl_ms: self.client.cfg.timeout_ms.min(u32::MAX as u64) as u32,
+                    items,
+                })
+            },
+            |_, r, fds| match r {
+                Response::Onboard { items } if items.len() == keys.len() => Ok((items, fds)),
+                other => Err(unexpected(other)),
+            },
+        );
+        let (items, fds) = match r {
+            Ok(x) => x,
+            Err(e) => {
+                let m = Miss::from_error(&e);
+                return keys.iter().map(|_| Onboarded::Miss(m.clone())).collect();
+            }
+        };
+        let files: Vec<std::fs::File> = fds.into_iter().map(std::fs::File::from).collect();
+        let mut out = Vec::with_capacity(keys.len());
+        let mut leases = Vec::new();
+        for (j, it) in items.iter().enumerate() {
+            if it.lease_id != 0 {
+                leases.push(it.lease_id);
+            }
+            if it.status != ItemStatus::Ok {
+                out.push(Onboarded::Miss(Miss::from_status(it.status)));
+                continue;
+            }
+            let Some(f) = files.get(it.fd_index as usize) else {
+                out.push(Onboarded::Miss(Miss::new(MissCause::Refused, "missing fd")));
+                continue;
+            };
+            let mut hb = vec![0u8; HEADER_BYTES];
+            if let Err(e) = f.read_exact_at(&mut hb, it.file_offset) {
+                out.push(Onboarded::Miss(Miss::new(
+                    MissCause::Storage,
+                    e.to_string(),
+                )));
+                continue;
+            }
+            let h = match self.check_header(&hb, &keys[j], it, bufs[j].len()) {
+                Ok(h) => h,
+                Err(m) => {
+                    out.push(Onboarded::Miss(m));
+                    continue;
+                }
+            };
+            let dst = &mut bufs[j][..h.payload_len as usize];
+            if let Err(e) = f.read_exact_at(dst, it.file_offset + HEADER_BYTES as u64) {
+                out.push(Onboarded::Miss(Miss::new(
+                    MissCause::Storage,
+                    e.to_string(),
+                )));
+                continue;
+            }
+            out.push(match h.verify_payload(dst) {
+                Ok(()) => Onboarded::Hit {
+                    tier: it.tier,
+                    payload_len: h.payload_len,
+                },
+                Err(e) => Onboarded::Miss(Miss::new(MissCause::Corrupt, e.to_string())),
+            });
+        }
+        // Leases time out anyway; a failed release costs nothing but time.
+        let _ = self.client.release(&leases);
+        out
+    }
+
+    fn keys_op(
+        &self,
+        keys: &[BlockKey],
+        mk: impl Fn(Vec<BlockKey>) -> Request,
+    ) -> Result<Vec<ItemStatus>> {
+        let mut out = Vec::with_capacity(keys.len());
+        for part in keys.chunks(KEYS_MAX) {
+            out.extend(self.client.call(
+                |_| Ok(mk(part.to_vec())),
+                |_, r, _| match r {
+                    Response::Items { status } if status.len() == part.len() => Ok(status),
+                    other => Err(unexpected(other)),
+                },
+            )?);
+        }
+        Ok(out)
+    }
+
+    /// Pins keys for `ttl_ms` (the daemon caps it): they are not evicted.
+    pub fn pin(&self, keys: &[BlockKey], ttl_ms: u32) -> Result<Vec<ItemStatus>> {
+        self.keys_op(keys, |keys| Request::Pin {
+            ns: self.id,
+            ttl_ms,
+            keys,
+        })
+    }
+
+    /// Removes pins.
+    pub fn unpin(&self, keys: &[BlockKey]) -> Result<Vec<ItemStatus>> {
+        self.keys_op(keys, |keys| Request::Unpin { ns: self.id, keys })
+    }
+
+    /// Evicts keys from the node (leased or pinned keys are refused).
+    pub fn evict(&self, keys: &[BlockKey]) -> Result<Vec<ItemStatus>> {
+        self.keys_op(keys, |keys| Request::Evict { ns: self.id, keys })
+    }
+
+    /// Metadata of keys.
+    pub fn stat(&self, keys: &[BlockKey]) -> Result<Vec<Option<BlockStat>>> {
+        let mut out = Vec::with_capacity(keys.len());
+        for part in keys.chunks(KEYS_MAX) {
+            out.extend(self.client.call(
+                |_| {
+                    Ok(Request::Stat {
+                        ns: self.id,
+                        keys: part.to_vec(),
+                    })
+                },
+                |_, r, _| match r {
+                    Response::Stat { entries } if entries.len() == part.len() => Ok(entries),
+                    other => Err(unexpected(other)),
+                },
+            )?);
+        }
+        Ok(out)
+    }
+}
+
+/// The async API (feature `async`): the blocking client driven from
+/// tokio's blocking pool, so an async engine never blocks its reactor.
+#[cfg(feature = "async")]
+pub mod nonblocking {
+    use super::*;
+    use std::sync::Arc;
+
+    /// An async handle over a shared [`Client`].
+    #[derive(Debug, Clone)]
+    pub struct AsyncClient {
+        inner: Arc<Client>,
+    }
+
+    impl AsyncClient {
+        /// Wraps a client.
+        pub fn new(client: Client) -> Self {
+            AsyncClient {
+                inner: Arc::new(client),
+            }
+        }
+
+        /// See [`NsHandle::lookup`].
+        pub async fn lookup(&self, ns: Namespace, chain: Vec<BlockKey>) -> LookupResult {
+            let c = self.inner.clone();
+            let r = tokio::task::spawn_blocking(move || c.namespace(&ns).lookup(&chain)).await;
+            r.unwrap_or_else(|_| LookupResult {
+                tiers: Vec::new(),
+                miss: Some(Miss::new(MissCause::Unavailable, "task failed")),
+            })
+        }
+
+        /// See [`NsHandle::offload`]; blocks are (key, parent, payload).
+        pub async fn offload(
+            &self,
+            ns: Namespace,
+            blocks: Vec<(BlockKey, Option<BlockKey>, Vec<u8>)>,
+            hints: Hints,
+        ) -> Vec<OffloadOutcome> {
+            let c = self.inner.clone();
+            let n = blocks.len();
+            let r = tokio::task::spawn_blocking(move || {
+                let bs: Vec<OffloadBlock<'_>> = blocks
+                    .iter()
+                    .map(|(k, p, b)| OffloadBlock {
+                        key: *k,
+                        parent: *p,
+                        payload: b,
+                        hints,
+                    })
+                    .collect();
+                c.namespace(&ns).offload(&bs)
+            })
+            .await;
+            r.unwrap_or_else(|_| {
+                vec![OffloadOutcome::Failed(Miss::new(MissCause::Unavailable, "task failed")); n]
+            })
+        }
+
+        /// See [`NsHandle::onboard_into`]; returns a fresh buffer per key.
+        pub async fn onboard(
+            &self,
+            ns: Namespace,
+            keys: Vec<BlockKey>,
+        ) -> Vec<(Onboarded, Vec<u8>)> {
+            let c = self.inner.clone();
+            let n = keys.len();
+            let r = tokio::task::spawn_blocking(move || {
+                let len = ns.layout.block_bytes() as usize;
+                let mut bufs: Vec<Vec<u8>> = keys.iter().map(|_| vec![0u8; len]).collect();
+                let mut refs: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
+                let res = c.namespace(&ns).onboard_into(&keys, &mut refs);
+                res.into_iter().zip(bufs).collect::<Vec<_>>()
+            })
+            .await;
+            r.unwrap_or_else(|_| {
+                (0..n)
+                    .map(|_| {
+                        (
+                            Onboarded::Miss(Miss::new(MissCause::Unavailable, "task failed")),
+                            Vec::new(),
+                        )
+                    })
+                    .collect()
+            })
+        }
+    }
+}

@@ -1,0 +1,342 @@
+//! kvtierd's configuration: a TOML file, overridden by flags, over an
+//! embedded laptop default.
+//!
+//! Unknown keys are refused (a typo must not silently fall back to a
+//! default), and every value is checked by [`Config::validate`], whose error
+//! names the key and the problem. Sizes accept integers or strings like
+//! `"4GiB"`. The integrator adds `[g4]`, `[mount]` and `[peers]` sections.
+
+use crate::error::{Error, Result};
+use serde::Deserialize;
+use std::path::{Path, PathBuf};
+
+/// The annotated default, printed by `kvtierd --print-default-config`.
+/// `@DATA@` stands for the default data directory.
+pub const DEFAULT_TOML: &str = r#"# kvtierd configuration. Every key is optional; these are the defaults.
+
+[server]
+# Unix socket the client library connects to.
+socket = "@DATA@/kvtierd.sock"
+# Permission bits of the socket (octal string). 0660: owner and group.
+socket_mode = "0660"
+# Group owning the socket (e.g. the group your inference workers run as).
+# socket_group = "kvtier"
+# Connections served at once; one more is answered BUSY and closed.
+max_connections = 1024
+# A connection that sends nothing for this long is closed (the client
+# reconnects by itself).
+idle_timeout_ms = 600000
+# Deadline for sending one reply to a client.
+io_timeout_ms = 5000
+# Largest shared region one client may register.
+region_bytes_max = "4GiB"
+# Leases one connection may hold, and the longest lease.
+leases_per_conn_max = 4096
+lease_ttl_max_ms = 30000
+# Pins held at once, and the longest pin.
+pins_max = 65536
+pin_ttl_max_ms = 3600000
+
+[g3]
+# Local NVMe tier: where block files live.
+dir = "@DATA@/g3"
+# Bytes kept before eviction.
+capacity = "4GiB"
+
+[metrics]
+# Prometheus /metrics and /healthz; "" disables the endpoint.
+addr = "127.0.0.1:9477"
+
+[log]
+# tracing filter (RUST_LOG syntax); RUST_LOG overrides it.
+level = "info"
+"#;
+
+fn de_size<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<u64, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum S {
+        N(u64),
+        T(String),
+    }
+    match S::deserialize(d)? {
+        S::N(n) => Ok(n),
+        S::T(t) => parse_size(&t).map_err(serde::de::Error::custom),
+    }
+}
+
+/// Parses `4096`, `64KiB`, `2MiB`, `4GiB`, `1TiB` (also KB/MB/GB/TB as
+/// binary units).
+pub fn parse_size(s: &str) -> std::result::Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a size (use e.g. 4096, 64KiB, 2MiB, 4GiB)"))?;
+    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        "t" | "tb" | "tib" => 1 << 40,
+        u => {
+            return Err(format!(
+                "unknown unit {u:?} in {s:?} (use KiB, MiB, GiB, TiB)"
+            ))
+        }
+    };
+    n.checked_mul(mult)
+        .ok_or_else(|| format!("size {s:?} overflows"))
+}
+
+/// `[server]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServerSection {
+    /// Socket path.
+    pub socket: PathBuf,
+    /// Octal permission bits.
+    pub socket_mode: String,
+    /// Owning group.
+    pub socket_group: Option<String>,
+    /// Connections at once.
+    pub max_connections: usize,
+    /// Idle close.
+    pub idle_timeout_ms: u64,
+    /// Reply send deadline.
+    pub io_timeout_ms: u64,
+    /// Largest client region.
+    #[serde(deserialize_with = "de_size")]
+    pub region_bytes_max: u64,
+    /// Leases per connection.
+    pub leases_per_conn_max: usize,
+    /// Longest lease.
+    pub lease_ttl_max_ms: u32,
+    /// Pins at once.
+    pub pins_max: usize,
+    /// Longest pin.
+    pub pin_ttl_max_ms: u32,
+}
+
+/// `[g3]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct G3Section {
+    /// Directory of block files.
+    pub dir: PathBuf,
+    /// Capacity.
+    #[serde(deserialize_with = "de_size")]
+    pub capacity: u64,
+}
+
+/// `[metrics]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MetricsSection {
+    /// Listen address; empty disables.
+    pub addr: String,
+}
+
+/// `[log]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LogSection {
+    /// tracing filter.
+    pub level: String,
+}
+
+/// The whole configuration.
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// `[server]`.
+    pub server: ServerSection,
+    /// `[g3]`.
+    pub g3: G3Section,
+    /// `[metrics]`.
+    pub metrics: MetricsSection,
+    /// `[log]`.
+    pub log: LogSection,
+}
+
+/// The default data directory: `$XDG_STATE_HOME/kvtier`, else
+/// `~/.local/state/kvtier`, else `./kvtier-data`.
+pub fn default_data_dir() -> PathBuf {
+    if let Some(x) = std::env::var_os("XDG_STATE_HOME").filter(|v| !v.is_empty()) {
+        return PathBuf::from(x).join("kvtier");
+    }
+    if let Some(h) = std::env::var_os("HOME").filter(|v| !v.is_empty()) {
+        return PathBuf::from(h).join(".local/state/kvtier");
+    }
+    PathBuf::from("./kvtier-data")
+}
+
+impl Default for ServerSection {
+    fn default() -> Self {
+        ServerSection {
+            socket: default_data_dir().join("kvtierd.sock"),
+            socket_mode: "0660".into(),
+            socket_group: None,
+            max_connections: 1024,
+            idle_timeout_ms: 600_000,
+            io_timeout_ms: 5_000,
+            region_bytes_max: 4 << 30,
+            leases_per_conn_max: 4096,
+            lease_ttl_max_ms: 30_000,
+            pins_max: 65536,
+            pin_ttl_max_ms: 3_600_000,
+        }
+    }
+}
+
+impl Default for G3Section {
+    fn default() -> Self {
+        G3Section {
+            dir: default_data_dir().join("g3"),
+            capacity: 4 << 30,
+        }
+    }
+}
+
+impl Default for MetricsSection {
+    fn default() -> Self {
+        MetricsSection {
+            addr: "127.0.0.1:9477".into(),
+        }
+    }
+}
+
+impl Default for LogSection {
+    fn default() -> Self {
+        LogSection {
+            level: "info".into(),
+        }
+    }
+}
+
+fn bad(key: &str, problem: impl Into<String>) -> Error {
+    Error::Config {
+        key: key.into(),
+        problem: problem.into(),
+    }
+}
+
+impl Config {
+    /// The annotated default with the data directory filled in.
+    pub fn default_toml() -> String {
+        DEFAULT_TOML.replace("@DATA@", &default_data_dir().display().to_string())
+    }
+
+    /// Parses TOML text (then call [`Config::validate`]).
+    pub fn from_toml(text: &str) -> Result<Config> {
+        toml::from_str(text).map_err(|e| {
+            let msg = e.message().to_string();
+            // toml names unknown fields in the message; point at the line too.
+            let at = e
+                .span()
+                .map(|s| {
+                    let line = text[..s.start.min(text.len())].lines().count().max(1);
+                    format!(" (line {line})")
+                })
+                .unwrap_or_default();
+            bad("<file>", format!("{msg}{at}"))
+        })
+    }
+
+    /// Reads and parses a file.
+    pub fn load(path: &Path) -> Result<Config> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| bad("--config", format!("cannot read {}: {e}", path.display())))?;
+        Self::from_toml(&text)
+    }
+
+    /// The socket permission bits.
+    pub fn socket_mode(&self) -> Result<u32> {
+        let m = u32::from_str_radix(self.server.socket_mode.trim_start_matches("0o"), 8)
+            .map_err(|_| bad("server.socket_mode", "not an octal mode like \"0660\""))?;
+        if m > 0o777 {
+            return Err(bad("server.socket_mode", "must be at most 0777"));
+        }
+        Ok(m)
+    }
+
+    /// Checks every value.
+    pub fn validate(&self) -> Result<()> {
+        let s = &self.server;
+        if s.socket.as_os_str().is_empty() {
+            return Err(bad("server.socket", "must not be empty"));
+        }
+        if s.socket.as_os_str().len() > 100 {
+            return Err(bad(
+                "server.socket",
+                "longer than 100 bytes (Unix socket paths are limited to 108)",
+            ));
+        }
+        self.socket_mode()?;
+        if !(1..=65536).contains(&s.max_connections) {
+            return Err(bad("server.max_connections", "must be 1..=65536"));
+        }
+        if s.idle_timeout_ms == 0 || s.io_timeout_ms == 0 {
+            return Err(bad("server.io_timeout_ms", "timeouts must be positive"));
+        }
+        if s.region_bytes_max < 1 << 20 || s.region_bytes_max > kvtier_client::shm::REGION_BYTES_MAX
+        {
+            return Err(bad(
+                "server.region_bytes_max",
+                "must be between 1MiB and 16GiB",
+            ));
+        }
+        if s.leases_per_conn_max == 0 || s.lease_ttl_max_ms == 0 {
+            return Err(bad(
+                "server.lease_ttl_max_ms",
+                "lease bounds must be positive",
+            ));
+        }
+        if s.pins_max == 0 || s.pin_ttl_max_ms == 0 {
+            return Err(bad("server.pins_max", "pin bounds must be positive"));
+        }
+        if self.g3.dir.as_os_str().is_empty() {
+            return Err(bad("g3.dir", "must not be empty"));
+        }
+        if self.g3.capacity < 1 << 20 {
+            return Err(bad("g3.capacity", "must be at least 1MiB"));
+        }
+        if !self.metrics.addr.is_empty()
+            && self.metrics.addr.parse::<std::net::SocketAddr>().is_err()
+        {
+            return Err(bad(
+                "metrics.addr",
+                format!(
+                    "{:?} is not host:port (e.g. 127.0.0.1:9477)",
+                    self.metrics.addr
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_parses_and_validates() {
+        let c = Config::from_toml(&Config::default_toml()).unwrap();
+        c.validate().unwrap();
+        assert_eq!(c.g3.capacity, 4 << 30);
+        assert_eq!(c.socket_mode().unwrap(), 0o660);
+    }
+
+    #[test]
+    fn errors_name_the_key() {
+        let e = Config::from_toml("[g3]\ncapacity = \"12XB\"\n").unwrap_err();
+        assert!(e.to_string().contains("12XB"), "{e}");
+        let e = Config::from_toml("[server]\nsokcet = \"x\"\n").unwrap_err();
+        assert!(e.to_string().contains("sokcet"), "{e}");
+        let c = Config::from_toml("[metrics]\naddr = \"nope\"\n").unwrap();
+        let e = c.validate().unwrap_err();
+        assert!(e.to_string().contains("metrics.addr"), "{e}");
+    }
+}

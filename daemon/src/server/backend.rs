@@ -1,0 +1,154 @@
+//! The one interface between the local server and the store behind it.
+//!
+//! The server knows nothing about tiers, files or indexes: it validates
+//! frames, moves bytes between the client's shared region and this trait,
+//! and counts. The integrator implements `Backend` over G3 + G4 + peers;
+//! [`crate::server::MemBackend`] is the in-memory test seam.
+//!
+//! Contract, for every implementation:
+//! - Calls are synchronous and may block on I/O; the server calls them from
+//!   its per-connection threads, so one slow call stalls only its client.
+//! - Buffers handed in (`payload` of `offload`, `dst` of `read_into`) live in
+//!   a client's shared memory, which that client may modify concurrently.
+//!   `offload` must verify the payload checksum on the bytes it actually
+//!   persists (e.g. after copying, or on the written file), never trust a
+//!   check done on the shared buffer before the copy.
+//! - A missing, torn or corrupt block is `Lookup::Miss` (a value); `Err` is
+//!   for the store itself failing. Never return unverified bytes as a hit.
+//! - Leases and pins are bounded: `lease` and `pin` return
+//!   [`Error::LimitReached`] when the budget is spent. A leased or pinned
+//!   block is not evicted by capacity pressure, and `evict` refuses it.
+//!   Leases cannot be renewed: each lives at most the configured maximum, so
+//!   a client re-leasing in a loop cannot keep a block forever (pins are the
+//!   tool for that, and they have their own budget and TTL cap).
+//! - Stored and Removed events go to the bus given to `attach_events`,
+//!   including removals the store decides itself (capacity eviction).
+
+use crate::error::Result;
+use crate::events::EventBus;
+use crate::tier::{Lookup, PutOutcome};
+use kvtier_client::proto::{BlockStat, ListEntry};
+use kvtier_client::{BlockHeader, BlockKey, Hints, NamespaceId, Tier};
+
+/// A lease handle (never 0).
+pub type LeaseId = u64;
+
+/// A block file opened for a direct read by the client.
+#[derive(Debug)]
+pub struct ReadFile {
+    /// The open file (its fd is passed to the client).
+    pub file: std::fs::File,
+    /// Offset of the block's header in the file (payload at +4096).
+    pub offset: u64,
+    /// The verified header.
+    pub header: BlockHeader,
+    /// Where the block is.
+    pub tier: Tier,
+}
+
+/// Outcome of an eviction request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EvictOutcome {
+    /// Removed from the node.
+    Evicted,
+    /// Not stored.
+    Absent,
+    /// Leased or pinned: kept.
+    Busy,
+}
+
+/// Occupancy of one tier.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TierStats {
+    /// Which tier.
+    pub tier: Tier,
+    /// Blocks held.
+    pub blocks: u64,
+    /// Bytes held (files, including headers and padding).
+    pub bytes: u64,
+    /// Configured capacity (0: unbounded or unknown).
+    pub capacity_bytes: u64,
+}
+
+/// Store-wide figures for `stats` and `/metrics`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BackendStats {
+    /// Per tier.
+    pub tiers: Vec<TierStats>,
+    /// Blocks evicted by capacity pressure or request, since start.
+    pub evictions: u64,
+    /// Blocks found corrupt and quarantined, since start.
+    pub quarantined: u64,
+    /// Leases held now.
+    pub leases_held: u64,
+    /// Pins held now.
+    pub pins_held: u64,
+}
+
+/// The store behind the local server. See the module docs for the contract.
+pub trait Backend: Send + Sync + 'static {
+    /// Short name (`mem`, `g3+g4`), reported in stats and bench JSON.
+    fn name(&self) -> &'static str;
+
+    /// The tier of each block of the longest stored prefix of `chain`.
+    fn lookup(&self, ns: &NamespaceId, chain: &[BlockKey]) -> Result<Vec<Tier>>;
+
+    /// Stores one block whose validated header is `header` (its namespace
+    /// is `ns`) and whose payload is `payload` (shared memory).
+    fn offload(
+        &self,
+        ns: &NamespaceId,
+        header: &BlockHeader,
+        payload: &[u8],
+        parent: Option<BlockKey>,
+        hints: Hints,
+    ) -> Result<PutOutcome>;
+
+    /// Reads a verified block into `dst` (shared memory, 4096-aligned):
+    /// header in `dst[..4096]`, payload from `dst[4096..]`. A block larger
+    /// than `dst` is a miss.
+    fn read_into(
+        &self,
+        ns: &NamespaceId,
+        key: &BlockKey,
+        dst: &mut [u8],
+    ) -> Result<Lookup<(BlockHeader, Tier)>>;
+
+    /// Opens a block for a direct read by the client.
+    fn open_for_read(&self, ns: &NamespaceId, key: &BlockKey) -> Result<Lookup<ReadFile>>;
+
+    /// Keeps a block from eviction for up to `ttl_ms` (capped).
+    fn lease(&self, ns: &NamespaceId, key: &BlockKey, ttl_ms: u32) -> Result<Lookup<LeaseId>>;
+
+    /// Ends a lease; false when unknown or expired.
+    fn release(&self, lease: LeaseId) -> bool;
+
+    /// Pins a block for up to `ttl_ms` (capped).
+    fn pin(&self, ns: &NamespaceId, key: &BlockKey, ttl_ms: u32) -> Result<Lookup<()>>;
+
+    /// Removes a pin; false when not pinned.
+    fn unpin(&self, ns: &NamespaceId, key: &BlockKey) -> Result<bool>;
+
+    /// Removes a block from the node unless leased or pinned.
+    fn evict(&self, ns: &NamespaceId, key: &BlockKey) -> Result<EvictOutcome>;
+
+    /// Metadata of a block, `None` when absent.
+    fn stat(&self, ns: &NamespaceId, key: &BlockKey) -> Result<Option<BlockStat>>;
+
+    /// Up to `limit` blocks after `after` in (namespace, key) order.
+    fn list(
+        &self,
+        ns: Option<NamespaceId>,
+        after: Option<(NamespaceId, BlockKey)>,
+        limit: usize,
+    ) -> Result<Vec<ListEntry>>;
+
+    /// Store-wide figures.
+    fn stats(&self) -> BackendStats;
+
+    /// Where to publish KV events from now on.
+    fn attach_events(&self, bus: EventBus);
+
+    /// Makes everything acknowledged durable (called at shutdown).
+    fn flush(&self) -> Result<()>;
+}

@@ -1,0 +1,668 @@
+//! One client connection: handshake, then request/reply until the client
+//! leaves, errs, idles out, or subscribes (then it is an event stream).
+
+use super::Shared;
+use crate::error::Error;
+use crate::tier::{Lookup, MissReason, PutOutcome};
+use kvtier_client::block::HEADER_BYTES;
+use kvtier_client::events::{KvEvent, KvEventData, StorageTier};
+use kvtier_client::proto::{
+    self, code, ItemStatus, OnboardMode, OnboardResult, RecvError, Request, Response, KEYS_MAX,
+};
+use kvtier_client::shm::Region;
+use kvtier_client::{BlockHeader, NamespaceId, Tier};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+fn send(fd: RawFd, resp: &Response, op: u8, req_id: u32, fds: &[RawFd]) -> bool {
+    proto::send_frame(fd, &resp.encode(op, req_id), fds).is_ok()
+}
+
+fn send_err(fd: RawFd, req_id: u32, c: u16, message: impl Into<String>) {
+    let _ = send(
+        fd,
+        &Response::Error {
+            code: c,
+            message: message.into(),
+        },
+        0,
+        req_id,
+        &[],
+    );
+}
+
+pub(super) fn refuse_busy(s: &UnixStream, max: usize) {
+    let _ = s.set_write_timeout(Some(Duration::from_millis(100)));
+    send_err(
+        s.as_raw_fd(),
+        0,
+        code::BUSY,
+        format!("the daemon serves at most {max} connections"),
+    );
+}
+
+fn err_kind(e: &Error) -> (&'static str, ItemStatus) {
+    match e {
+        Error::NoSpace { .. } => ("no_space", ItemStatus::NoSpace),
+        Error::LimitReached { .. } => ("limit", ItemStatus::LimitReached),
+        Error::InvalidInput { .. } | Error::Client(_) => ("invalid", ItemStatus::Invalid),
+        Error::Corrupt { .. } => ("corrupt", ItemStatus::Corrupt),
+        Error::Timeout { .. } => ("timeout", ItemStatus::Unavailable),
+        Error::Io { .. } => ("io", ItemStatus::Failed),
+        _ => ("storage", ItemStatus::Failed),
+    }
+}
+
+fn miss_status(m: MissReason) -> ItemStatus {
+    match m {
+        MissReason::Absent => ItemStatus::Absent,
+        MissReason::Corrupt => ItemStatus::Corrupt,
+        _ => ItemStatus::Unavailable,
+    }
+}
+
+struct Conn<'a> {
+    sh: &'a Shared,
+    fd: RawFd,
+    region: Option<Region>,
+    leases: Vec<u64>,
+}
+
+pub(super) fn serve(sh: &Shared, s: UnixStream) {
+    let idle = Duration::from_millis(sh.limits.idle_timeout_ms.max(1));
+    let io = Duration::from_millis(sh.limits.io_timeout_ms.max(1));
+    if s.set_read_timeout(Some(idle)).is_err() || s.set_write_timeout(Some(io)).is_err() {
+        return;
+    }
+    let mut c = Conn {
+        sh,
+        fd: s.as_raw_fd(),
+        region: None,
+        leases: Vec::new(),
+    };
+    c.run();
+    for l in c.leases.drain(..) {
+        sh.backend.release(l);
+    }
+}
+
+impl Conn<'_> {
+    fn error(&self, kind: &str) {
+        self.sh.metrics.errors.with_label_values(&[kind]).inc();
+    }
+
+    /// Reads and decodes one request; `None` closes the connection (after
+    /// an error reply where one is owed).
+    fn next(&mut self, fds: &mut Vec<OwnedFd>) -> Option<(u32, Request)> {
+        let body = match proto::recv_frame(self.fd, fds) {
+            Ok(b) => b,
+            Err(RecvError::Closed) => return None,
+            Err(RecvError::TooLarge(n)) => {
+                self.error("too_large");
+                send_err(
+                    self.fd,
+                    0,
+                    code::TOO_LARGE,
+                    format!("frame of {n} bytes; limit {}", proto::FRAME_BYTES_MAX),
+                );
+                return None;
+            }
+            Err(RecvError::Io(e)) => {
+                if e.kind() == std::io::ErrorKind::TimedOut {
+                    self.error("timeout");
+                } else {
+                    self.error("io");
+                }
+                return None;
+            }
+        };
+        match Request::decode(&body) {
+            Ok(r) => Some(r),
+            Err(e) => {
+                self.error("malformed");
+                let req_id = body
+                    .get(4..8)
+                    .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .unwrap_or(0);
+                let c = if body.first() != Some(&proto::PROTOCOL_VERSION) {
+                    code::VERSION
+                } else {
+                    code::MALFORMED
+                };
+                send_err(self.fd, req_id, c, e.to_string());
+                None
+            }
+        }
+    }
+
+    fn run(&mut self) {
+        let mut fds = Vec::new();
+        let Some((id, hello)) = self.next(&mut fds) else {
+            return;
+        };
+        let Request::Hello { shm_bytes, pid } = hello else {
+            self.error("malformed");
+            send_err(
+                self.fd,
+                id,
+                code::MALFORMED,
+                "the first request must be hello",
+            );
+            return;
+        };
+        if shm_bytes > 0 {
+            if shm_bytes > self.sh.limits.region_bytes_max {
+                self.error("limit");
+                send_err(
+                    self.fd,
+                    id,
+                    code::TOO_LARGE,
+                    format!(
+                        "region of {shm_bytes} bytes; limit {}",
+                        self.sh.limits.region_bytes_max
+                    ),
+                );
+                return;
+            }
+            let Some(fd) = fds.pop() else {
+                self.error("malformed");
+                send_err(
+                    self.fd,
+                    id,
+                    code::NO_REGION,
+                    "hello announced a region but carried no fd",
+                );
+                return;
+            };
+            match Region::adopt(fd, shm_bytes) {
+                Ok(r) => self.region = Some(r),
+                Err(e) => {
+                    self.error("malformed");
+                    send_err(
+                        self.fd,
+                        id,
+                        code::NO_REGION,
+                        format!("shared region refused: {e}"),
+                    );
+                    return;
+                }
+            }
+        }
+        fds.clear();
+        let session_id = self.sh.next_session.fetch_add(1, Ordering::Relaxed);
+        tracing::debug!(session_id, pid, shm_bytes, "client connected");
+        let hello = Response::Hello {
+            version: proto::PROTOCOL_VERSION,
+            session_id,
+            keys_max: KEYS_MAX as u32,
+            lease_ttl_max_ms: u32::MAX,
+        };
+        if !send(self.fd, &hello, proto::OP_HELLO, id, &[]) {
+            return;
+        }
+        loop {
+            fds.clear();
+            let Some((id, req)) = self.next(&mut fds) else {
+                return;
+            };
+            if !fds.is_empty() {
+                self.error("malformed");
+                send_err(self.fd, id, code::MALFORMED, "unexpected file descriptors");
+                return;
+            }
+            let op = req.op();
+            if self.sh.shutdown.load(Ordering::SeqCst) {
+                send_err(
+                    self.fd,
+                    id,
+                    code::SHUTTING_DOWN,
+                    "the daemon is shutting down",
+                );
+                return;
+            }
+            if matches!(req, Request::Subscribe) {
+                self.events(id);
+                return;
+            }
+            let name = Request::op_name(op);
+            self.sh.metrics.requests.with_label_values(&[name]).inc();
+            self.sh.in_flight.fetch_add(1, Ordering::SeqCst);
+            self.sh
+                .metrics
+                .queue_depth
+                .with_label_values(&["in_flight_requests"])
+                .inc();
+            let t = Instant::now();
+            let (resp, files) = self.handle(req);
+            self.sh
+                .metrics
+                .latency
+                .with_label_values(&[name])
+                .observe(t.elapsed().as_secs_f64());
+            self.sh.in_flight.fetch_sub(1, Ordering::SeqCst);
+            self.sh
+                .metrics
+                .queue_depth
+                .with_label_values(&["in_flight_requests"])
+                .dec();
+            let raw: Vec<RawFd> = files.iter().map(|f| f.as_raw_fd()).collect();
+            let is_err = matches!(resp, Response::Error { .. });
+            if !send(self.fd, &resp, op, id, &raw) {
+                self.error("io");
+                return;
+            }
+            if is_err {
+                return;
+            }
+        }
+    }
+
+    fn no_region() -> Response {
+        Response::Error {
+            code: code::NO_REGION,
+            message: "this connection registered no shared region".into(),
+        }
+    }
+
+    fn status_of(&self, e: &Error) -> ItemStatus {
+        let (kind, st) = err_kind(e);
+        self.error(kind);
+        tracing::debug!(error = %e, "item failed");
+        st
+    }
+
+    fn handle(&mut self, req: Request) -> (Response, Vec<std::fs::File>) {
+        let b = &self.sh.backend;
+        let m = &self.sh.metrics;
+        let resp = match req {
+            Request::Hello { .. } | Request::Subscribe => Response::Error {
+                code: code::MALFORMED,
+                message: "hello/subscribe are only valid first".into(),
+            },
+            Request::Lookup { ns, keys } => match b.lookup(&ns, &keys) {
+                Ok(mut tiers) => {
+                    tiers.truncate(keys.len());
+                    for t in &tiers {
+                        m.hits.with_label_values(&[t.name()]).inc();
+                    }
+                    if tiers.len() < keys.len() {
+                        m.misses
+                            .with_label_values(&["absent"])
+                            .inc_by((keys.len() - tiers.len()) as u64);
+                    }
+                    Response::Lookup { tiers }
+                }
+                Err(e) => {
+                    self.status_of(&e);
+                    m.misses.with_label_values(&["unavailable"]).inc();
+                    Response::Lookup { tiers: Vec::new() }
+                }
+            },
+            Request::Offload { ns, items } => {
+                let Some(region) = self.region.as_ref() else {
+                    return (Self::no_region(), Vec::new());
+                };
+                let mut status = Vec::with_capacity(items.len());
+                for it in items {
+                    status.push(self.offload_one(region, &ns, &it));
+                }
+                Response::Items { status }
+            }
+            Request::Onboard {
+                ns,
+                mode,
+                lease_ttl_ms,
+                items,
+            } => return self.onboard(ns, mode, lease_ttl_ms, items),
+            Request::Release { leases } => {
+                let status = leases
+                    .iter()
+                    .map(|l| {
+                        self.leases.retain(|x| x != l);
+                        if b.release(*l) {
+                            ItemStatus::Ok
+                        } else {
+                            ItemStatus::Absent
+                        }
+                    })
+                    .collect();
+                Response::Items { status }
+            }
+            Request::Pin { ns, ttl_ms, keys } => Response::Items {
+                status: keys
+                    .iter()
+                    .map(|k| match b.pin(&ns, k, ttl_ms) {
+                        Ok(Lookup::Hit(())) => ItemStatus::Ok,
+                        Ok(Lookup::Miss(r)) => miss_status(r),
+                        Err(e) => self.status_of(&e),
+                    })
+                    .collect(),
+            },
+            Request::Unpin { ns, keys } => Response::Items {
+                status: keys
+                    .iter()
+                    .map(|k| match b.unpin(&ns, k) {
+                        Ok(true) => ItemStatus::Ok,
+                        Ok(false) => ItemStatus::Absent,
+                        Err(e) => self.status_of(&e),
+                    })
+                    .collect(),
+            },
+            Request::Evict { ns, keys } => Response::Items {
+                status: keys
+                    .iter()
+                    .map(|k| match b.evict(&ns, k) {
+                        Ok(super::EvictOutcome::Evicted) => ItemStatus::Ok,
+                        Ok(super::EvictOutcome::Absent) => ItemStatus::Absent,
+                        Ok(super::EvictOutcome::Busy) => ItemStatus::LimitReached,
+                        Err(e) => self.status_of(&e),
+                    })
+                    .collect(),
+            },
+            Request::Stat { ns, keys } => {
+                let mut entries = Vec::with_capacity(keys.len());
+                for k in &keys {
+                    match b.stat(&ns, k) {
+                        Ok(s) => entries.push(s),
+                        Err(e) => {
+                            self.status_of(&e);
+                            entries.push(None);
+                        }
+                    }
+                }
+                Response::Stat { entries }
+            }
+            Request::Stats => Response::Stats {
+                json: self.stats_json(),
+            },
+            Request::List { ns, after, limit } => match b.list(ns, after, limit as usize) {
+                Ok(entries) => {
+                    let next = if entries.len() == limit as usize {
+                        entries.last().map(|e| (e.ns, e.key))
+                    } else {
+                        None
+                    };
+                    Response::List { entries, next }
+                }
+                Err(e) => Response::Error {
+                    code: code::INTERNAL,
+                    message: e.to_string(),
+                },
+            },
+        };
+        (resp, Vec::new())
+    }
+
+    fn offload_one(
+        &self,
+        region: &Region,
+        ns: &NamespaceId,
+        it: &proto::OffloadItem,
+    ) -> ItemStatus {
+        // Decode a private copy of the header: the client can rewrite the
+        // region at any time.
+        let mut hb = [0u8; HEADER_BYTES];
+        if !region.read(it.shm_offset, &mut hb) {
+            self.error("invalid");
+            return ItemStatus::Invalid;
+        }
+        let header = match BlockHeader::decode(&hb) {
+            Ok(h) => h,
+            Err(_) => {
+                self.error("invalid");
+                return ItemStatus::Invalid;
+            }
+        };
+        if header.namespace_id() != *ns {
+            self.error("invalid");
+            return ItemStatus::Invalid;
+        }
+        let Some(payload) = region.slice(
+            it.shm_offset + HEADER_BYTES as u64,
+            header.payload_len as usize,
+        ) else {
+            self.error("invalid");
+            return ItemStatus::Invalid;
+        };
+        match self
+            .sh
+            .backend
+            .offload(ns, &header, payload, it.parent, it.hints)
+        {
+            Ok(PutOutcome::Stored) => {
+                self.sh.metrics.offload_bytes.inc_by(header.payload_len);
+                ItemStatus::Ok
+            }
+            Ok(PutOutcome::AlreadyPresent) => ItemStatus::AlreadyPresent,
+            Err(e) => self.status_of(&e),
+        }
+    }
+
+    fn onboard(
+        &mut self,
+        ns: NamespaceId,
+        mode: OnboardMode,
+        lease_ttl_ms: u32,
+        items: Vec<proto::OnboardItem>,
+    ) -> (Response, Vec<std::fs::File>) {
+        let b = self.sh.backend.clone();
+        let m = self.sh.metrics.clone();
+        if mode == OnboardMode::Shm && self.region.is_none() {
+            return (
+                Response::Error {
+                    code: code::NO_REGION,
+                    message: "shared-region onboard without a region".into(),
+                },
+                Vec::new(),
+            );
+        }
+        let mut files = Vec::new();
+        let mut out = Vec::with_capacity(items.len());
+        for it in items {
+            let mut r = OnboardResult {
+                status: ItemStatus::Absent,
+                tier: Tier::G3,
+                lease_id: 0,
+                payload_len: 0,
+                payload_blake3: [0; 32],
+                fd_index: u32::MAX,
+                file_offset: 0,
+            };
+            // Lease first so the block cannot go away between the read and
+            // the client's use of it.
+            if lease_ttl_ms > 0 {
+                if self.leases.len() >= self.sh.limits.leases_per_conn_max {
+                    self.error("limit");
+                    r.status = ItemStatus::LimitReached;
+                    out.push(r);
+                    continue;
+                }
+                match b.lease(&ns, &it.key, lease_ttl_ms) {
+                    Ok(Lookup::Hit(l)) => {
+                        r.lease_id = l;
+                        self.leases.push(l);
+                    }
+                    Ok(Lookup::Miss(reason)) => {
+                        m.misses.with_label_values(&[reason_name(reason)]).inc();
+                        r.status = miss_status(reason);
+                        out.push(r);
+                        continue;
+                    }
+                    Err(e) => {
+                        r.status = self.status_of(&e);
+                        out.push(r);
+                        continue;
+                    }
+                }
+            }
+            let got = match mode {
+                OnboardMode::Shm => {
+                    let Some(dst) = self
+                        .region
+                        .as_ref()
+                        .and_then(|reg| reg.slice_mut(it.shm_offset, it.shm_len as usize))
+                    else {
+                        self.error("invalid");
+                        r.status = ItemStatus::Invalid;
+                        out.push(r);
+                        continue;
+                    };
+                    b.read_into(&ns, &it.key, dst).map(|l| match l {
+                        Lookup::Hit((h, t)) => Lookup::Hit((h, t, 0u64)),
+                        Lookup::Miss(x) => Lookup::Miss(x),
+                    })
+                }
+                OnboardMode::DirectFd => b.open_for_read(&ns, &it.key).map(|l| match l {
+                    Lookup::Hit(rf) => {
+                        r.fd_index = files.len() as u32;
+                        files.push(rf.file);
+                        Lookup::Hit((rf.header, rf.tier, rf.offset))
+                    }
+                    Lookup::Miss(x) => Lookup::Miss(x),
+                }),
+            };
+            match got {
+                Ok(Lookup::Hit((h, tier, off))) => {
+                    r.status = ItemStatus::Ok;
+                    r.tier = tier;
+                    r.payload_len = h.payload_len;
+                    r.payload_blake3 = h.payload_blake3;
+                    r.file_offset = off;
+                    m.hits.with_label_values(&[tier.name()]).inc();
+                    m.onboard_bytes.inc_by(h.payload_len);
+                }
+                Ok(Lookup::Miss(reason)) => {
+                    m.misses.with_label_values(&[reason_name(reason)]).inc();
+                    r.status = miss_status(reason);
+                }
+                Err(e) => r.status = self.status_of(&e),
+            }
+            if r.status != ItemStatus::Ok && r.lease_id != 0 {
+                b.release(r.lease_id);
+                self.leases.retain(|x| *x != r.lease_id);
+                r.lease_id = 0;
+            }
+            out.push(r);
+        }
+        (Response::Onboard { items: out }, files)
+    }
+
+    fn stats_json(&self) -> String {
+        let s = self.sh.backend.stats();
+        let tiers: serde_json::Map<String, serde_json::Value> = s
+            .tiers
+            .iter()
+            .map(|t| {
+                (
+                    t.tier.name().to_string(),
+                    serde_json::json!({
+                        "blocks": t.blocks,
+                        "bytes": t.bytes,
+                        "capacity_bytes": t.capacity_bytes,
+                    }),
+                )
+            })
+            .collect();
+        serde_json::json!({
+            "backend": self.sh.backend.name(),
+            "tiers": tiers,
+            "evictions": s.evictions,
+            "quarantined": s.quarantined,
+            "leases_held": s.leases_held,
+            "pins_held": s.pins_held,
+            "connections": self.sh.conns.load(Ordering::Relaxed),
+            "in_flight_requests": self.sh.in_flight.load(Ordering::Relaxed),
+            "event_subscribers": self.sh.bus.subscribers(),
+            "events_published": self.sh.bus.published(),
+        })
+        .to_string()
+    }
+
+    fn events(&mut self, id: u32) {
+        let Some(sub) = self.sh.bus.subscribe() else {
+            self.error("busy");
+            send_err(self.fd, id, code::BUSY, "too many event subscribers");
+            return;
+        };
+        self.sh
+            .metrics
+            .queue_depth
+            .with_label_values(&["event_subscribers"])
+            .inc();
+        if send(self.fd, &Response::Subscribed, proto::OP_SUBSCRIBE, id, &[]) {
+            self.event_loop(&sub);
+        }
+        self.sh
+            .metrics
+            .queue_depth
+            .with_label_values(&["event_subscribers"])
+            .dec();
+    }
+
+    fn event_loop(&self, sub: &crate::events::Subscription) {
+        use std::sync::mpsc::RecvTimeoutError;
+        loop {
+            if self.sh.shutdown.load(Ordering::SeqCst) {
+                return;
+            }
+            match sub.rx.recv_timeout(Duration::from_millis(200)) {
+                Ok(ev) => {
+                    let dropped = sub.take_dropped();
+                    if dropped > 0 {
+                        let lag = Response::Event(KvEvent {
+                            event_id: 0,
+                            namespace: NamespaceId([0; 16]),
+                            storage_tier: StorageTier::Disk,
+                            data: KvEventData::Lagged { dropped },
+                        });
+                        if !send(self.fd, &lag, 0, 0, &[]) {
+                            return;
+                        }
+                    }
+                    if !send(self.fd, &Response::Event((*ev).clone()), 0, 0, &[]) {
+                        return;
+                    }
+                }
+                Err(RecvTimeoutError::Timeout) => {
+                    if self.peer_gone() {
+                        return;
+                    }
+                }
+                Err(RecvTimeoutError::Disconnected) => return,
+            }
+        }
+    }
+
+    /// Whether the peer closed (a subscriber sends nothing, so EOF is the
+    /// only signal we get between events).
+    fn peer_gone(&self) -> bool {
+        let mut b = [0u8; 1];
+        // SAFETY: valid fd, one-byte buffer.
+        let n = unsafe {
+            libc::recv(
+                self.fd,
+                b.as_mut_ptr() as *mut libc::c_void,
+                1,
+                libc::MSG_PEEK | libc::MSG_DONTWAIT,
+            )
+        };
+        if n == 0 {
+            return true;
+        }
+        n < 0
+            && !matches!(
+                std::io::Error::last_os_error().kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted
+            )
+    }
+}
+
+fn reason_name(r: MissReason) -> &'static str {
+    match r {
+        MissReason::Absent => "absent",
+        MissReason::Corrupt => "corrupt",
+        _ => "unavailable",
+    }
+}

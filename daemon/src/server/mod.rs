@@ -1,0 +1,244 @@
+//! The local server: a Unix socket speaking [`kvtier_client::proto`], one
+//! thread per connection, bulk bytes through each client's shared region.
+//!
+//! Isolation: every connection has its own thread, its own socket timeouts
+//! (idle for the next request, `io_timeout_ms` for sending a reply) and its
+//! own bounded lease list, so a slow, stuck or dead client only ever holds
+//! its own thread. The number of connections is bounded (`max_connections`;
+//! the next one gets a `BUSY` error frame). A malformed or oversized frame
+//! gets an error reply and closes that connection only.
+//!
+//! Shutdown: [`ShutdownHandle::trigger`] stops the accept loop, requests in
+//! flight finish (up to `drain_timeout_ms`), then the backend is flushed.
+
+pub mod backend;
+mod conn;
+mod mem;
+
+pub use backend::{Backend, BackendStats, EvictOutcome, LeaseId, ReadFile, TierStats};
+pub use mem::{MemBackend, MemLimits};
+
+use crate::error::{Error, Result};
+use crate::events::EventBus;
+use crate::metrics::Metrics;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Bounds of the server.
+#[derive(Debug, Clone)]
+pub struct ServerLimits {
+    /// Connections served at once.
+    pub max_connections: usize,
+    /// A connection that sends no request for this long is closed.
+    pub idle_timeout_ms: u64,
+    /// Deadline for sending one reply.
+    pub io_timeout_ms: u64,
+    /// Largest shared region a client may register.
+    pub region_bytes_max: u64,
+    /// Leases one connection may hold.
+    pub leases_per_conn_max: usize,
+    /// How long shutdown waits for requests in flight.
+    pub drain_timeout_ms: u64,
+}
+
+impl Default for ServerLimits {
+    fn default() -> Self {
+        ServerLimits {
+            max_connections: 1024,
+            idle_timeout_ms: 600_000,
+            io_timeout_ms: 5_000,
+            region_bytes_max: 4 << 30,
+            leases_per_conn_max: 4096,
+            drain_timeout_ms: 10_000,
+        }
+    }
+}
+
+pub(crate) struct Shared {
+    pub backend: Arc<dyn Backend>,
+    pub metrics: Metrics,
+    pub bus: EventBus,
+    pub limits: ServerLimits,
+    pub shutdown: Arc<AtomicBool>,
+    pub conns: AtomicUsize,
+    pub in_flight: AtomicUsize,
+    pub next_session: AtomicU64,
+}
+
+/// Stops a running server from another thread or a signal handler task.
+#[derive(Debug, Clone)]
+pub struct ShutdownHandle(Arc<AtomicBool>);
+
+impl ShutdownHandle {
+    /// Asks the server to stop.
+    pub fn trigger(&self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+    /// Whether stop was asked.
+    pub fn is_triggered(&self) -> bool {
+        self.0.load(Ordering::SeqCst)
+    }
+}
+
+/// A bound server.
+pub struct Server {
+    listener: UnixListener,
+    path: PathBuf,
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for Server {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Server({})", self.path.display())
+    }
+}
+
+/// Socket file settings.
+#[derive(Debug, Clone)]
+pub struct SocketOptions {
+    /// Path of the socket.
+    pub path: PathBuf,
+    /// Permission bits (default 0o660).
+    pub mode: u32,
+    /// Group that owns the socket, if any.
+    pub group: Option<String>,
+}
+
+impl Server {
+    /// Binds the socket (replacing a stale one, refusing a live one).
+    pub fn bind(
+        sock: &SocketOptions,
+        backend: Arc<dyn Backend>,
+        metrics: Metrics,
+        bus: EventBus,
+        limits: ServerLimits,
+    ) -> Result<Server> {
+        let path = &sock.path;
+        if path.exists() {
+            if UnixStream::connect(path).is_ok() {
+                return Err(Error::Config {
+                    key: "server.socket".into(),
+                    problem: format!("{} is in use by a running daemon", path.display()),
+                });
+            }
+            std::fs::remove_file(path).map_err(|e| Error::io("removing stale socket", path, e))?;
+        }
+        if let Some(dir) = path.parent() {
+            if !dir.as_os_str().is_empty() {
+                std::fs::create_dir_all(dir)
+                    .map_err(|e| Error::io("creating the socket directory", dir, e))?;
+            }
+        }
+        let listener =
+            UnixListener::bind(path).map_err(|e| Error::io("binding the socket", path, e))?;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(sock.mode))
+            .map_err(|e| Error::io("setting socket permissions", path, e))?;
+        if let Some(g) = &sock.group {
+            let grp = nix::unistd::Group::from_name(g)
+                .ok()
+                .flatten()
+                .ok_or_else(|| Error::Config {
+                    key: "server.socket_group".into(),
+                    problem: format!("no group named {g:?}"),
+                })?;
+            nix::unistd::chown(path, None, Some(grp.gid)).map_err(|e| {
+                Error::io("changing the socket's group", path, std::io::Error::from(e))
+            })?;
+        }
+        backend.attach_events(bus.clone());
+        Ok(Server {
+            listener,
+            path: path.clone(),
+            shared: Arc::new(Shared {
+                backend,
+                metrics,
+                bus,
+                limits,
+                shutdown: Arc::new(AtomicBool::new(false)),
+                conns: AtomicUsize::new(0),
+                in_flight: AtomicUsize::new(0),
+                next_session: AtomicU64::new(1),
+            }),
+        })
+    }
+
+    /// A handle that stops [`Server::run`].
+    pub fn shutdown_handle(&self) -> ShutdownHandle {
+        ShutdownHandle(self.shared.shutdown.clone())
+    }
+
+    /// Accepts connections until shut down, drains, flushes the backend.
+    pub fn run(self) -> Result<()> {
+        let fd = self.listener.as_raw_fd();
+        self.listener
+            .set_nonblocking(true)
+            .map_err(|e| Error::io("configuring the socket", &self.path, e))?;
+        while !self.shared.shutdown.load(Ordering::SeqCst) {
+            let mut pfd = libc::pollfd {
+                fd,
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: one valid pollfd.
+            unsafe { libc::poll(&mut pfd, 1, 100) };
+            loop {
+                match self.listener.accept() {
+                    Ok((s, _)) => self.spawn(s),
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "accept failed");
+                        break;
+                    }
+                }
+            }
+        }
+        tracing::info!("shutting down: no new connections, draining requests in flight");
+        let _ = std::fs::remove_file(&self.path);
+        let deadline = Instant::now() + Duration::from_millis(self.shared.limits.drain_timeout_ms);
+        while self.shared.in_flight.load(Ordering::SeqCst) > 0 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        self.shared.backend.flush()?;
+        tracing::info!("backend flushed; bye");
+        Ok(())
+    }
+
+    fn spawn(&self, s: UnixStream) {
+        let _ = s.set_nonblocking(false);
+        let n = self.shared.conns.fetch_add(1, Ordering::SeqCst) + 1;
+        if n > self.shared.limits.max_connections {
+            self.shared.conns.fetch_sub(1, Ordering::SeqCst);
+            self.shared
+                .metrics
+                .errors
+                .with_label_values(&["busy"])
+                .inc();
+            conn::refuse_busy(&s, self.shared.limits.max_connections);
+            return;
+        }
+        self.shared.metrics.connections.inc();
+        let shared = self.shared.clone();
+        let spawned = std::thread::Builder::new()
+            .name("kvtier-conn".into())
+            .stack_size(512 << 10)
+            .spawn(move || {
+                conn::serve(&shared, s);
+                shared.conns.fetch_sub(1, Ordering::SeqCst);
+                shared.metrics.connections.dec();
+            });
+        if spawned.is_err() {
+            self.shared.conns.fetch_sub(1, Ordering::SeqCst);
+            self.shared.metrics.connections.dec();
+        }
+    }
+
+    /// The socket path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}

@@ -1,0 +1,124 @@
+//! End-to-end: the `kvtier` operator commands and `kvtier bench io` against
+//! a real `kvtierd`.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use std::process::Command;
+use support::Daemon;
+
+fn kvtier() -> std::path::PathBuf {
+    support::kvtierd_bin();
+    support::bin("kvtier-tools", "kvtier")
+}
+
+fn run(args: &[&str], socket: &std::path::Path) -> (bool, String, String) {
+    let out = Command::new(kvtier())
+        .args(args)
+        .env("KVTIER_SOCKET", socket)
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn demo_ls_stat_verify_events_stats() {
+    let d = Daemon::start();
+    let s = &d.socket;
+    // Events follower started first, in the background.
+    let follower = Command::new(kvtier())
+        .args(["events", "--count", "4"])
+        .env("KVTIER_SOCKET", s)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let (ok, out, err) = run(&["demo"], s);
+    assert!(ok, "{out}\n{err}");
+    assert!(out.contains("round trip OK"), "{out}");
+    let (ok, out) = support::wait_child(follower, std::time::Duration::from_secs(20));
+    assert!(ok, "{out}");
+    let lines: Vec<serde_json::Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 4);
+    assert!(lines[0]["data"]["stored"]["blocks"][0]["block_hash"].is_string());
+    assert_eq!(lines[0]["storage_tier"], "Disk");
+
+    let (ok, ls, _) = run(&["ls"], s);
+    assert!(ok);
+    assert_eq!(ls.lines().count(), 4, "{ls}");
+    let first = ls
+        .lines()
+        .next()
+        .unwrap()
+        .split('\t')
+        .next()
+        .unwrap()
+        .to_string();
+    let (ok, st, err) = run(&["stat", &first], s);
+    assert!(ok, "{err}");
+    let j: serde_json::Value = serde_json::from_str(&st).unwrap();
+    assert_eq!(j["payload_len"], 256 << 10);
+    assert_eq!(j["path"], first);
+    let (ok, v, err) = run(&["verify", "--all"], s);
+    assert!(ok, "{v}{err}");
+    assert!(v.contains("verified 4 blocks"), "{v}");
+    let (ok, st, _) = run(&["stats"], s);
+    assert!(ok);
+    let j: serde_json::Value = serde_json::from_str(&st).unwrap();
+    assert_eq!(j["tiers"]["g3"]["blocks"], 4);
+    let (ok, _, err) = run(&["stat", "00ff"], s);
+    assert!(!ok && err.contains("not stored"), "{err}");
+}
+
+#[test]
+fn bench_io_runs_tiny_and_keeps_the_json_contract() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(kvtier())
+        .args([
+            "bench",
+            "io",
+            "--block-size",
+            "64KiB",
+            "--blocks",
+            "8",
+            "--depth",
+            "2",
+            "--clients",
+            "2",
+            "--rounds",
+            "1",
+            "--json",
+            "--dir",
+        ])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(j["backend"], "mem");
+    for k in ["offload_gbps", "onboard_gbps"] {
+        assert!(j[k].as_f64().unwrap() > 0.0);
+        assert!(j[format!("{k}_baseline")].as_f64().unwrap() > 0.0);
+        assert!(j[format!("{k}_vs_baseline")].is_number());
+    }
+    let vs: Vec<&String> = j
+        .as_object()
+        .unwrap()
+        .keys()
+        .filter(|k| k.contains("vs_baseline"))
+        .collect();
+    assert!(vs.iter().all(|k| k.ends_with("_vs_baseline")));
+    assert_eq!(vs.len(), 2, "only comparison quotients: {vs:?}");
+    assert!(j["lookup64_p99_us"].as_f64().unwrap() > 0.0);
+}

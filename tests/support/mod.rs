@@ -1,0 +1,275 @@
+//! Helpers of the end-to-end suites: find (and build) the binaries, run a
+//! real `kvtierd` in a temp dir, scrape its metrics. Children are killed on
+//! drop, so a failing test leaves no daemon behind.
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+/// The target dir's profile directory (`target/debug`), from the test
+/// executable's path (`target/debug/deps/<test>-<hash>`).
+pub fn profile_dir() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    exe.parent().unwrap().parent().unwrap().to_path_buf()
+}
+
+/// Path of a workspace binary, built once per test process (cargo does not
+/// build dependencies' binaries for a test; a no-op build costs ~1 s).
+pub fn bin(package: &str, name: &str) -> PathBuf {
+    static BUILT: OnceLock<std::sync::Mutex<Vec<String>>> = OnceLock::new();
+    let built = BUILT.get_or_init(Default::default);
+    let mut g = built.lock().unwrap();
+    let path = profile_dir().join(name);
+    if !g.iter().any(|b| b == name) {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let mut cmd = Command::new(cargo);
+        cmd.args(["build", "-q", "-p", package, "--bin", name]);
+        cmd.current_dir(env!("CARGO_MANIFEST_DIR"));
+        if profile_dir().file_name().is_some_and(|n| n == "release") {
+            cmd.arg("--release");
+        }
+        let st = cmd.status().expect("running cargo build");
+        assert!(st.success(), "cargo build -p {package} --bin {name} failed");
+        g.push(name.to_string());
+    }
+    assert!(path.exists(), "{} missing after build", path.display());
+    path
+}
+
+/// The kvtierd binary.
+pub fn kvtierd_bin() -> PathBuf {
+    bin("kvtier-daemon", "kvtierd")
+}
+
+/// A free TCP port on 127.0.0.1 (racy, fine for tests).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A running kvtierd.
+pub struct Daemon {
+    pub dir: tempfile::TempDir,
+    pub socket: PathBuf,
+    pub metrics_addr: String,
+    child: Option<Child>,
+}
+
+impl Daemon {
+    /// Starts a daemon in a fresh temp dir and waits until it serves.
+    pub fn start() -> Daemon {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("kvtierd.sock");
+        let metrics_addr = format!("127.0.0.1:{}", free_port());
+        let mut d = Daemon {
+            dir,
+            socket,
+            metrics_addr,
+            child: None,
+        };
+        d.spawn();
+        d
+    }
+
+    fn spawn(&mut self) {
+        let child = Command::new(kvtierd_bin())
+            .arg("--socket")
+            .arg(&self.socket)
+            .arg("--g3-dir")
+            .arg(self.dir.path().join("g3"))
+            .args([
+                "--g3-capacity",
+                "256MiB",
+                "--metrics-addr",
+                &self.metrics_addr,
+            ])
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawning kvtierd");
+        self.child = Some(child);
+        wait_for_socket(&self.socket, Duration::from_secs(20));
+    }
+
+    /// Pid of the daemon.
+    pub fn pid(&self) -> i32 {
+        self.child.as_ref().unwrap().id() as i32
+    }
+
+    /// SIGKILL and reap.
+    pub fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Starts it again on the same socket and directory.
+    pub fn restart(&mut self) {
+        self.kill9();
+        self.spawn();
+    }
+
+    /// SIGTERM; returns the exit status (None if it did not exit in time).
+    pub fn term(&mut self, within: Duration) -> Option<std::process::ExitStatus> {
+        let mut c = self.child.take()?;
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(c.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        )
+        .unwrap();
+        let t = Instant::now();
+        while t.elapsed() < within {
+            if let Some(st) = c.try_wait().unwrap() {
+                return Some(st);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = c.kill();
+        let _ = c.wait();
+        None
+    }
+
+    /// GET a path on the metrics endpoint; returns (status line, body).
+    pub fn http_get(&self, path: &str) -> (String, String) {
+        let mut s = std::net::TcpStream::connect(&self.metrics_addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        write!(
+            s,
+            "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        )
+        .unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).unwrap();
+        let (head, body) = out.split_once("\r\n\r\n").unwrap_or((&out, ""));
+        (
+            head.lines().next().unwrap_or("").to_string(),
+            body.to_string(),
+        )
+    }
+
+    /// Scrapes /metrics and parses the exposition format.
+    pub fn scrape(&self) -> Vec<Sample> {
+        let (status, body) = self.http_get("/metrics");
+        assert!(status.contains("200"), "{status}");
+        parse_exposition(&body)
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+/// Polls until the socket accepts a connection.
+pub fn wait_for_socket(p: &Path, within: Duration) {
+    let t = Instant::now();
+    while t.elapsed() < within {
+        if std::os::unix::net::UnixStream::connect(p).is_ok() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    panic!(
+        "kvtierd did not listen on {} within {within:?}",
+        p.display()
+    );
+}
+
+/// One sample of the Prometheus text format.
+#[derive(Debug, Clone)]
+pub struct Sample {
+    pub name: String,
+    pub labels: Vec<(String, String)>,
+    pub value: f64,
+}
+
+/// Parses the text exposition format (names, labels, values; comments
+/// skipped). Panics on a line it cannot parse: the format is the contract.
+pub fn parse_exposition(text: &str) -> Vec<Sample> {
+    let mut out = Vec::new();
+    for line in text.lines() {
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let (series, value) = line.rsplit_once(' ').expect("sample line");
+        let value: f64 = value
+            .parse()
+            .unwrap_or_else(|_| panic!("value in {line:?}"));
+        let (name, labels) = match series.split_once('{') {
+            Some((n, rest)) => {
+                let body = rest.strip_suffix('}').expect("closing brace");
+                let labels = body
+                    .split(',')
+                    .filter(|s| !s.is_empty())
+                    .map(|kv| {
+                        let (k, v) = kv.split_once('=').expect("label k=v");
+                        (k.to_string(), v.trim_matches('"').to_string())
+                    })
+                    .collect();
+                (n.to_string(), labels)
+            }
+            None => (series.to_string(), Vec::new()),
+        };
+        out.push(Sample {
+            name,
+            labels,
+            value,
+        });
+    }
+    out
+}
+
+/// Sum of a metric's samples whose labels include `want`.
+pub fn metric(samples: &[Sample], name: &str, want: &[(&str, &str)]) -> f64 {
+    samples
+        .iter()
+        .filter(|s| s.name == name)
+        .filter(|s| {
+            want.iter()
+                .all(|(k, v)| s.labels.iter().any(|(a, b)| a == k && b == v))
+        })
+        .map(|s| s.value)
+        .sum()
+}
+
+/// Re-runs this test binary as a child process running only `test_name`,
+/// with `envs` set (the child test reads them and acts as a worker).
+pub fn spawn_worker(test_name: &str, envs: &[(&str, String)]) -> Child {
+    let mut c = Command::new(std::env::current_exe().unwrap());
+    c.args(["--exact", test_name, "--nocapture", "--test-threads", "1"]);
+    for (k, v) in envs {
+        c.env(k, v);
+    }
+    c.stdout(Stdio::piped()).stderr(Stdio::inherit());
+    c.spawn().unwrap()
+}
+
+/// Waits for a child with a deadline; kills it on timeout. Returns success
+/// and its stdout.
+pub fn wait_child(mut c: Child, within: Duration) -> (bool, String) {
+    let t = Instant::now();
+    loop {
+        if let Some(st) = c.try_wait().unwrap() {
+            let mut out = String::new();
+            if let Some(mut so) = c.stdout.take() {
+                let _ = so.read_to_string(&mut out);
+            }
+            return (st.success(), out);
+        }
+        if t.elapsed() > within {
+            let _ = c.kill();
+            let _ = c.wait();
+            return (false, "timed out".into());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}

@@ -1,0 +1,414 @@
+//! Daemon operations: `kvtier stats | ls | stat | verify | events | demo`,
+//! all against a running `kvtierd` over its socket.
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use kvtier_client::{
+    BlockKey, Client, ClientConfig, Hints, KvLayout, Namespace, NamespaceId, OffloadOutcome,
+    Onboarded,
+};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Where the daemon listens.
+#[derive(Debug, Args, Clone)]
+pub struct SocketArg {
+    /// The daemon's socket (default: $KVTIER_SOCKET, else the daemon's
+    /// default under the state directory).
+    #[arg(long)]
+    pub socket: Option<PathBuf>,
+}
+
+impl SocketArg {
+    fn path(&self) -> PathBuf {
+        self.socket
+            .clone()
+            .or_else(|| std::env::var_os("KVTIER_SOCKET").map(PathBuf::from))
+            .unwrap_or_else(|| kvtier_daemon::config::default_data_dir().join("kvtierd.sock"))
+    }
+    fn client(&self) -> Result<Client> {
+        let p = self.path();
+        let mut c = ClientConfig::new(&p);
+        c.region_bytes = 0;
+        c.timeout_ms = 10_000;
+        let c = Client::with_config(c);
+        c.ensure_connected()
+            .with_context(|| format!("is kvtierd running on {}?", p.display()))?;
+        Ok(c)
+    }
+}
+
+/// `kvtier stats`.
+#[derive(Debug, Args)]
+pub struct StatsArgs {
+    #[command(flatten)]
+    sock: SocketArg,
+}
+
+/// `kvtier ls`.
+#[derive(Debug, Args)]
+pub struct LsArgs {
+    #[command(flatten)]
+    sock: SocketArg,
+    /// Only this namespace (32 hex digits).
+    #[arg(long)]
+    namespace: Option<String>,
+    /// Stop after this many blocks.
+    #[arg(long, default_value_t = u64::MAX)]
+    limit: u64,
+}
+
+/// `kvtier stat`.
+#[derive(Debug, Args)]
+pub struct StatArgs {
+    #[command(flatten)]
+    sock: SocketArg,
+    /// `NAMESPACE/KEY` or `KEY` (then every namespace is searched).
+    key: String,
+}
+
+/// `kvtier verify`.
+#[derive(Debug, Args)]
+pub struct VerifyArgs {
+    #[command(flatten)]
+    sock: SocketArg,
+    /// Verify every stored block.
+    #[arg(long)]
+    all: bool,
+    /// Only this namespace.
+    #[arg(long)]
+    namespace: Option<String>,
+    /// Blocks to verify, as `NAMESPACE/KEY`.
+    keys: Vec<String>,
+}
+
+/// `kvtier events`.
+#[derive(Debug, Args)]
+pub struct EventsArgs {
+    #[command(flatten)]
+    sock: SocketArg,
+    /// Exit after this many events.
+    #[arg(long)]
+    count: Option<u64>,
+}
+
+/// `kvtier demo`.
+#[derive(Debug, Args)]
+pub struct DemoArgs {
+    #[command(flatten)]
+    sock: SocketArg,
+}
+
+fn parse_ns(s: &str) -> Result<NamespaceId> {
+    NamespaceId::from_hex(s).with_context(|| format!("namespace {s:?}"))
+}
+
+fn parse_qualified(s: &str) -> Result<(Option<NamespaceId>, BlockKey)> {
+    // `KEY`, `NS/KEY` or the path form `NS/SHARD/KEY`.
+    let parts: Vec<&str> = s.split('/').collect();
+    match parts.as_slice() {
+        [k] => Ok((None, BlockKey::from_hex(k)?)),
+        [ns, k] | [ns, _, k] => Ok((Some(parse_ns(ns)?), BlockKey::from_hex(k)?)),
+        _ => bail!("{s:?}: expected KEY, NAMESPACE/KEY or NAMESPACE/SHARD/KEY"),
+    }
+}
+
+/// Every (namespace, key) stored, optionally in one namespace.
+fn all_blocks(
+    c: &Client,
+    ns: Option<NamespaceId>,
+    limit: u64,
+) -> Result<Vec<(NamespaceId, BlockKey, kvtier_client::proto::BlockStat)>> {
+    let mut out = Vec::new();
+    let mut after = None;
+    loop {
+        let (page, next) = c.list(ns, after, 1024)?;
+        for e in page {
+            if out.len() as u64 >= limit {
+                return Ok(out);
+            }
+            out.push((e.ns, e.key, e.stat));
+        }
+        match next {
+            Some(n) => after = Some(n),
+            None => return Ok(out),
+        }
+    }
+}
+
+/// Prints daemon statistics.
+pub fn stats(a: StatsArgs) -> Result<()> {
+    let s = a.sock.client()?.stats()?;
+    println!("{}", serde_json::to_string_pretty(&s)?);
+    Ok(())
+}
+
+/// Lists stored blocks.
+pub fn ls(a: LsArgs) -> Result<()> {
+    let c = a.sock.client()?;
+    let ns = a.namespace.as_deref().map(parse_ns).transpose()?;
+    for (n, k, st) in all_blocks(&c, ns, a.limit)? {
+        println!(
+            "{n}/{}/{k}\t{}\t{}",
+            k.shard(),
+            st.tier.name(),
+            st.payload_len
+        );
+    }
+    Ok(())
+}
+
+/// Shows one block's metadata.
+pub fn stat(a: StatArgs) -> Result<()> {
+    let c = a.sock.client()?;
+    let (ns, key) = parse_qualified(&a.key)?;
+    let candidates: Vec<NamespaceId> = match ns {
+        Some(n) => vec![n],
+        None => {
+            let mut v: Vec<NamespaceId> = all_blocks(&c, None, u64::MAX)?
+                .into_iter()
+                .filter(|(_, k, _)| *k == key)
+                .map(|(n, _, _)| n)
+                .collect();
+            v.dedup();
+            v
+        }
+    };
+    let mut found = false;
+    for n in candidates {
+        if let Some(s) = c.stat_ids(n, &[key])?.pop().flatten() {
+            found = true;
+            let j = serde_json::json!({
+                "namespace": n.to_hex(),
+                "key": key.to_hex(),
+                "path": kvtier_client::block_path(&n, &key),
+                "tier": s.tier.name(),
+                "payload_len": s.payload_len,
+                "payload_blake3": s.payload_blake3.iter().map(|b| format!("{b:02x}")).collect::<String>(),
+                "created_unix_ms": s.created_unix_ms,
+                "pinned_until_unix_ms": s.pinned_until_unix_ms,
+                "leases": s.leases,
+            });
+            println!("{}", serde_json::to_string_pretty(&j)?);
+        }
+    }
+    if !found {
+        bail!("block {} not stored", a.key);
+    }
+    Ok(())
+}
+
+/// Re-checksums blocks; exits non-zero if any fails.
+pub fn verify(a: VerifyArgs) -> Result<()> {
+    let c = a.sock.client()?;
+    let mut targets: Vec<(NamespaceId, BlockKey)> = Vec::new();
+    if a.all || a.namespace.is_some() {
+        let ns = a.namespace.as_deref().map(parse_ns).transpose()?;
+        targets.extend(
+            all_blocks(&c, ns, u64::MAX)?
+                .into_iter()
+                .map(|(n, k, _)| (n, k)),
+        );
+    }
+    for k in &a.keys {
+        match parse_qualified(k)? {
+            (Some(n), key) => targets.push((n, key)),
+            (None, _) => bail!("{k}: give NAMESPACE/KEY"),
+        }
+    }
+    if targets.is_empty() {
+        bail!("nothing to verify: pass --all, --namespace or NAMESPACE/KEY");
+    }
+    let (mut ok, mut bad, mut bytes) = (0u64, 0u64, 0u64);
+    let mut i = 0;
+    while i < targets.len() {
+        let ns = targets[i].0;
+        let mut j = i;
+        while j < targets.len() && targets[j].0 == ns && j - i < 128 {
+            j += 1;
+        }
+        let keys: Vec<BlockKey> = targets[i..j].iter().map(|t| t.1).collect();
+        for (k, r) in keys.iter().zip(c.verify_ids(ns, &keys)?) {
+            match r {
+                Ok(n) => {
+                    ok += 1;
+                    bytes += n;
+                }
+                Err(e) => {
+                    bad += 1;
+                    println!("BAD {ns}/{k}: {e}");
+                }
+            }
+        }
+        i = j;
+    }
+    println!("verified {ok} blocks ({bytes} payload bytes), {bad} bad");
+    if bad > 0 {
+        bail!("{bad} blocks failed verification");
+    }
+    Ok(())
+}
+
+/// Follows the event stream, one JSON object per line.
+pub fn events(a: EventsArgs) -> Result<()> {
+    let c = a.sock.client()?;
+    let mut s = c.subscribe_events()?;
+    let mut n = 0u64;
+    while a.count.is_none_or(|max| n < max) {
+        if let Some(e) = s.next_timeout(Duration::from_secs(1))? {
+            println!("{}", e.to_json());
+            n += 1;
+        }
+    }
+    Ok(())
+}
+
+/// A daemon this process started; SIGTERM on drop.
+pub struct OwnedDaemon {
+    child: Child,
+    /// Its socket.
+    pub socket: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl OwnedDaemon {
+    /// Starts `kvtierd` (found next to this executable, else on PATH) in a
+    /// temporary directory with the given extra arguments.
+    pub fn start(extra: &[&str]) -> Result<OwnedDaemon> {
+        let dir = tempfile::Builder::new().prefix("kvtier-").tempdir()?;
+        let socket = dir.path().join("kvtierd.sock");
+        let exe = std::env::current_exe()?;
+        let local = exe.with_file_name("kvtierd");
+        let bin = if local.exists() {
+            local
+        } else {
+            PathBuf::from("kvtierd")
+        };
+        let child = Command::new(&bin)
+            .arg("--socket")
+            .arg(&socket)
+            .arg("--g3-dir")
+            .arg(dir.path().join("g3"))
+            .args(["--metrics-addr", ""])
+            .args(extra)
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .spawn()
+            .with_context(|| format!("starting {}", bin.display()))?;
+        let d = OwnedDaemon {
+            child,
+            socket,
+            _dir: dir,
+        };
+        let t = Instant::now();
+        while std::os::unix::net::UnixStream::connect(&d.socket).is_err() {
+            if t.elapsed() > Duration::from_secs(20) {
+                bail!("kvtierd did not start within 20 s");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(d)
+    }
+}
+
+impl Drop for OwnedDaemon {
+    fn drop(&mut self) {
+        let pid = nix_pid(self.child.id());
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(pid, libc::SIGTERM) };
+        let t = Instant::now();
+        while t.elapsed() < Duration::from_secs(5) {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn nix_pid(id: u32) -> libc::pid_t {
+    id as libc::pid_t
+}
+
+/// Shows an offload / lookup / onboard round trip, starting a daemon in a
+/// temporary directory when none runs on the socket.
+pub fn demo(a: DemoArgs) -> Result<()> {
+    let path = a.sock.path();
+    let _owned;
+    let socket: PathBuf = if std::os::unix::net::UnixStream::connect(&path).is_ok() {
+        println!("using the kvtierd running on {}", path.display());
+        path
+    } else {
+        let d = OwnedDaemon::start(&["--g3-capacity", "256MiB"])?;
+        println!(
+            "started kvtierd on {} (temporary directory)",
+            d.socket.display()
+        );
+        let s = d.socket.clone();
+        _owned = d;
+        s
+    };
+    round_trip(&socket)
+}
+
+fn round_trip(socket: &Path) -> Result<()> {
+    let ns = Namespace::new(
+        "demo/llama-ish",
+        KvLayout::with_block_bytes(256 << 10)?,
+        "",
+        "demo-tenant",
+    )?;
+    let client = Client::connect(socket)?;
+    let h = client.namespace(&ns);
+    let tokens: Vec<u32> = (0..64).collect();
+    let keys = h.hash_chain(&tokens);
+    println!(
+        "namespace {} : {} tokens -> {} blocks of 256 KiB",
+        ns.id(),
+        tokens.len(),
+        keys.len()
+    );
+    let before = h.lookup(&keys);
+    println!(
+        "lookup before offload: cached prefix {} of {}",
+        before.prefix_len(),
+        keys.len()
+    );
+    let payloads: Vec<Vec<u8>> = (0..keys.len())
+        .map(|i| (0..256 << 10).map(|j| (i * 31 + j) as u8).collect())
+        .collect();
+    let refs: Vec<&[u8]> = payloads.iter().map(|p| &p[..]).collect();
+    let t = Instant::now();
+    let out = h.offload_chain(None, &keys, &refs, Hints::default());
+    let stored = out.iter().filter(|o| **o == OffloadOutcome::Stored).count();
+    println!("offload: {stored} stored in {:?}", t.elapsed());
+    let after = h.lookup(&keys);
+    println!(
+        "lookup after offload: cached prefix {} of {} ({:?})",
+        after.prefix_len(),
+        keys.len(),
+        after.tiers.first()
+    );
+    let mut bufs: Vec<Vec<u8>> = keys.iter().map(|_| vec![0u8; 256 << 10]).collect();
+    let mut rb: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
+    let t = Instant::now();
+    let got = h.onboard_into(&keys, &mut rb);
+    let hits = got
+        .iter()
+        .filter(|g| matches!(g, Onboarded::Hit { .. }))
+        .count();
+    let same = bufs.iter().zip(&payloads).all(|(a, b)| a == b);
+    println!(
+        "onboard: {hits} of {} blocks verified (blake3) in {:?}; bytes identical: {same}",
+        keys.len(),
+        t.elapsed()
+    );
+    if hits != keys.len() || !same || after.prefix_len() != keys.len() {
+        bail!("round trip failed");
+    }
+    println!("round trip OK");
+    Ok(())
+}
