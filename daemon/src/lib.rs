@@ -7,19 +7,17 @@
 
 #[doc(hidden)]
 pub mod conformance;
-pub mod error;
-pub mod g4;
-pub mod peer;
-pub mod g3;
-pub mod policy;
-#[doc(hidden)]
-pub mod testkit;
 pub mod config;
 pub mod error;
 pub mod events;
+pub mod g3;
+pub mod g4;
 pub mod metrics;
+pub mod peer;
 pub mod policy;
 pub mod server;
+#[doc(hidden)]
+pub mod testkit;
 pub mod tier;
 
 pub use error::{Error, Result};
