@@ -1,11 +1,11 @@
 //! `kvtier bench ...`: every benchmark, each beside its baseline.
 
 pub mod common;
+pub mod g3;
 pub mod g4;
 pub mod gds;
-pub mod replay;
-pub mod g3;
 pub mod io;
+pub mod replay;
 
 use clap::Subcommand;
 
