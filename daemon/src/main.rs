@@ -31,6 +31,9 @@ struct Args {
     /// Prometheus address host:port, "" to disable (overrides metrics.addr).
     #[arg(long)]
     metrics_addr: Option<String>,
+    /// Mount the store's filesystem view here (overrides mount.dir).
+    #[arg(long)]
+    mount: Option<PathBuf>,
     /// Print the annotated default configuration and exit.
     #[arg(long)]
     print_default_config: bool,
@@ -64,6 +67,9 @@ fn run() -> Result<()> {
     }
     if let Some(m) = args.metrics_addr {
         cfg.metrics.addr = m;
+    }
+    if let Some(d) = args.mount {
+        cfg.mount.dir = d;
     }
     cfg.validate()?;
 
@@ -110,6 +116,28 @@ fn run() -> Result<()> {
     )?;
     let stop = server.shutdown_handle();
 
+    // ---- [mount] (docs/FS.md) ----
+    // The mount shows a G3Store. While the server's backend is MemBackend
+    // (its blocks live in memory, not in G3), the mount opens its own G3
+    // over `g3.dir`: blocks enter it by `cp` into the mount. Once the
+    // server runs over a Node, pass the Node's Arc<G3Store>, a fetch hook
+    // over its G4/peers, and feed `mount.events()` from the Node's G3
+    // event sink instead of setting the sink here.
+    let mount_handle = if cfg.mount.enabled() {
+        let g3 = kvtier_daemon::g3::G3Store::open(
+            kvtier_daemon::g3::G3Config::new(&cfg.g3.dir, cfg.g3.capacity),
+            Box::new(kvtier_daemon::policy::lru::Lru::new()),
+        )
+        .context("opening G3 for the mount")?;
+        let m = kvtier_daemon::mount::start(&cfg.mount, g3.clone(), None)
+            .with_context(|| format!("mounting at {}", cfg.mount.dir.display()))?;
+        g3.set_event_sink(m.events().sink());
+        Some(m)
+    } else {
+        None
+    };
+    // ---- end [mount] ----
+
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
@@ -152,6 +180,11 @@ fn run() -> Result<()> {
     );
     let r = server.run();
     let _ = tx.send(true);
+    if let Some(m) = mount_handle {
+        if let Err(e) = m.unmount() {
+            tracing::warn!(error = %e, "mount: unmount at shutdown failed");
+        }
+    }
     rt.shutdown_timeout(std::time::Duration::from_secs(1));
     r?;
     Ok(())
