@@ -132,7 +132,7 @@ fn run() -> Result<()> {
         let m = kvtier_daemon::mount::start(&cfg.mount, g3.clone(), None)
             .with_context(|| format!("mounting at {}", cfg.mount.dir.display()))?;
         g3.set_event_sink(m.events().sink());
-        Some(m)
+        Some((m, g3))
     } else {
         None
     };
@@ -180,9 +180,12 @@ fn run() -> Result<()> {
     );
     let r = server.run();
     let _ = tx.send(true);
-    if let Some(m) = mount_handle {
+    if let Some((m, g3)) = mount_handle {
         if let Err(e) = m.unmount() {
             tracing::warn!(error = %e, "mount: unmount at shutdown failed");
+        }
+        if let Err(e) = g3.close() {
+            tracing::warn!(error = %e, "mount: closing G3 failed");
         }
     }
     rt.shutdown_timeout(std::time::Duration::from_secs(1));

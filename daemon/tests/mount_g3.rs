@@ -158,10 +158,20 @@ fn tools_on_a_mounted_g3() {
     ));
     assert!(ok, "{err}");
     assert!(!fx.g3.stat(&ns().id(), &k0).unwrap().pinned);
+    // A reader holding the file open keeps reading the same bytes after
+    // the block is deleted under it.
+    let held = std::fs::File::open(&p0).unwrap();
     // rm deletes from G3 and the event shows in /.kvtier/events.
     let (ok, _, err) = sh(&format!("rm {}", p0.display()));
     assert!(ok, "{err}");
     assert!(fx.g3.stat(&ns().id(), &k0).is_none());
+    {
+        use std::os::unix::fs::FileExt;
+        let mut after = vec![0u8; f0.len()];
+        held.read_exact_at(&mut after, 0).unwrap();
+        assert_eq!(after, f0, "an open handle keeps its bytes after rm");
+    }
+    drop(held);
     let ev = std::fs::read_to_string(fx.mnt.join(".kvtier/events")).unwrap();
     let rel = kvtier_client::block_path(&ns().id(), &k0);
     assert!(ev.contains(&format!("stored {rel}")), "{ev}");
