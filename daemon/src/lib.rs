@@ -5,9 +5,9 @@
 //! tiers, the local server, the mount and peers together.
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used))]
 
+pub mod config;
 #[doc(hidden)]
 pub mod conformance;
-pub mod config;
 pub mod error;
 pub mod events;
 pub mod g3;
