@@ -24,11 +24,13 @@ const NAMES: TableDefinition<&[u8], u64> = TableDefinition::new("names");
 
 /// The (id, check) digest of a block's name.
 pub fn digest(ns: &NamespaceId, key: &BlockKey) -> (u64, u64) {
-    let mut h = blake3::Hasher::new();
-    h.update(&ns.0);
-    h.update(&[key.len() as u8]);
-    h.update(key.as_bytes());
-    let d = h.finalize();
+    // One-shot hashing of a stack buffer: the incremental Hasher costs
+    // more than the single compression these 17..81 bytes need.
+    let mut buf = [0u8; 16 + 1 + kvtier_client::key::KEY_BYTES_MAX];
+    buf[..16].copy_from_slice(&ns.0);
+    buf[16] = key.len() as u8;
+    buf[17..17 + key.len()].copy_from_slice(key.as_bytes());
+    let d = blake3::hash(&buf[..17 + key.len()]);
     let b = d.as_bytes();
     let mut id = [0u8; 8];
     let mut check = [0u8; 8];

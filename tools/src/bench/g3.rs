@@ -273,9 +273,12 @@ fn lookup_report(n: usize) -> Value {
                 flags: 0,
             },
         );
-        lru.on_insert(id, BlockMeta::default());
     }
     let rss1 = rss_bytes();
+    for id in mem.map.keys() {
+        lru.on_insert(*id, BlockMeta::default());
+    }
+    let rss2 = rss_bytes();
     let key_of =
         |i: usize| BlockKey::from_digest(*blake3::hash(&(i as u64).to_le_bytes()).as_bytes());
     let base: std::collections::HashSet<(kvtier_client::NamespaceId, BlockKey)> =
@@ -311,6 +314,7 @@ fn lookup_report(n: usize) -> Value {
         "lookup_p99_us": percentile(&lat, 99.0),
         "lookup_p99_us_hashset": percentile(&blat, 99.0),
         "index_ram_bytes_per_block": (rss1.saturating_sub(rss0)) as f64 / n.max(1) as f64,
+        "lru_policy_ram_bytes_per_block": (rss2.saturating_sub(rss1)) as f64 / n.max(1) as f64,
     })
 }
 
