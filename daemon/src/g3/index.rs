@@ -39,6 +39,11 @@ pub fn digest(ns: &NamespaceId, key: &BlockKey) -> (u64, u64) {
     (u64::from_le_bytes(id), u64::from_le_bytes(check))
 }
 
+/// [`digest`] of every key of a chain.
+pub fn digests(ns: &NamespaceId, chain: &[BlockKey]) -> Vec<(u64, u64)> {
+    chain.iter().map(|k| digest(ns, k)).collect()
+}
+
 /// Passes a u64 key through: map keys are already uniform digests.
 #[derive(Default, Clone, Copy)]
 pub struct IdHasher(u64);
@@ -122,9 +127,14 @@ impl MemIndex {
 
     /// How many leading keys of `chain` are present. Memory only.
     pub fn lookup_prefix(&self, ns: &NamespaceId, chain: &[BlockKey]) -> usize {
-        chain
-            .iter()
-            .take_while(|k| self.get(ns, k).is_some())
+        self.count_present(&digests(ns, chain))
+    }
+
+    /// How many leading digests (from [`digests`]) are present. Digests are
+    /// computed first so that the probes' cache misses overlap.
+    pub fn count_present(&self, ids: &[(u64, u64)]) -> usize {
+        ids.iter()
+            .take_while(|(id, check)| self.map.get(id).is_some_and(|e| e.check == *check))
             .count()
     }
 

@@ -1003,10 +1003,9 @@ impl G3Store {
     /// How many leading blocks of `chain` are present. Memory only: no disk
     /// access, no verification (a later read may still miss).
     pub fn lookup_prefix(&self, ns: &NamespaceId, chain: &[BlockKey]) -> usize {
-        self.mem
-            .read()
-            .map(|m| m.lookup_prefix(ns, chain))
-            .unwrap_or(0)
+        // Hash outside the lock; probe under it.
+        let ids = index::digests(ns, chain);
+        self.mem.read().map(|m| m.count_present(&ids)).unwrap_or(0)
     }
 
     /// A block's state, or `None` when absent. Reads one redb record.
