@@ -79,9 +79,11 @@ pub struct G3Config {
 /// How a block file's data is made durable before its rename.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum SyncMode {
-    /// One `fdatasync` after all chunks are written (the default, see
-    /// docs/BENCHMARKS.md for the measurement).
+    /// As measured best here (docs/BENCHMARKS.md): `ODsync` for files that
+    /// fit one request (1 MiB), `Fdatasync` for larger ones.
     #[default]
+    Auto,
+    /// One `fdatasync` after all chunks are written.
     Fdatasync,
     /// The temp file is opened `O_DSYNC`: every write request is durable
     /// when it completes, no separate flush.
@@ -102,7 +104,7 @@ impl G3Config {
             leases_max: 65536,
             lease_ttl_max_ms: 60_000,
             pinned_budget_bytes: capacity_bytes / 2,
-            sync_mode: SyncMode::Fdatasync,
+            sync_mode: SyncMode::Auto,
         }
     }
 
@@ -668,7 +670,11 @@ impl G3Store {
         if self.direct_ok {
             flags |= libc::O_DIRECT;
         }
-        let dsync = self.cfg.sync_mode == SyncMode::ODsync;
+        let dsync = match self.cfg.sync_mode {
+            SyncMode::ODsync => true,
+            SyncMode::Fdatasync => false,
+            SyncMode::Auto => header.file_len() <= CHUNK_BYTES as u64,
+        };
         if dsync {
             flags |= libc::O_DSYNC;
         }

@@ -47,8 +47,8 @@ pub struct G3Args {
     /// Blocks written for the recovery figure (8 KiB files).
     #[arg(long, default_value_t = 20_000)]
     recovery_blocks: usize,
-    /// Durability of block files: fdatasync or odsync.
-    #[arg(long, default_value = "fdatasync")]
+    /// Durability of block files: auto, fdatasync or odsync.
+    #[arg(long, default_value = "auto")]
     sync: String,
     /// One JSON document on stdout.
     #[arg(long)]
@@ -406,9 +406,10 @@ fn recovery_report(
 pub fn run(a: G3Args) -> Result<()> {
     let engine = engine_kind(&a.engine)?;
     let sync = match a.sync.as_str() {
+        "auto" => SyncMode::Auto,
         "fdatasync" => SyncMode::Fdatasync,
         "odsync" | "o_dsync" => SyncMode::ODsync,
-        s => anyhow::bail!("--sync is fdatasync or odsync, not {s:?}"),
+        s => anyhow::bail!("--sync is auto, fdatasync or odsync, not {s:?}"),
     };
     std::fs::create_dir_all(&a.dir).with_context(|| format!("creating {}", a.dir.display()))?;
     let tmp = tempfile::Builder::new()
