@@ -1245,6 +1245,20 @@ mod tests {
         assert!(Request::decode(&f[4..]).is_err());
     }
 
+    proptest::proptest! {
+        #[test]
+        fn decoders_never_panic(body in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..512), op in 0u8..16) {
+            let mut framed = vec![PROTOCOL_VERSION, op, 0, 0, 1, 0, 0, 0];
+            framed.extend_from_slice(&body);
+            let _ = Request::decode(&framed);
+            let _ = Request::decode(&body);
+            for o in 1..=12u8 {
+                let _ = Response::decode(&body, o);
+                let _ = Response::decode(&framed, o);
+            }
+        }
+    }
+
     #[test]
     fn replies_round_trip() {
         let r = Response::Onboard {

@@ -197,7 +197,7 @@ impl Conn<'_> {
             version: proto::PROTOCOL_VERSION,
             session_id,
             keys_max: KEYS_MAX as u32,
-            lease_ttl_max_ms: u32::MAX,
+            lease_ttl_max_ms: self.sh.limits.lease_ttl_max_ms,
         };
         if !send(self.fd, &hello, proto::OP_HELLO, id, &[]) {
             return;
