@@ -247,13 +247,13 @@ fn default_beats_lru_on_mooncake_trace() {
             def - lru
         );
         assert!(def >= lru - 0.003, "at {f}: default {def} < lru {lru}");
-        // Issue targets: +0.02 at 5% and at 10%. Measured +0.0225 at 5%
-        // but +0.012 at 10% (docs/BENCHMARKS.md), so 10% guards the
-        // measured gain, not the unmet target.
+        // Issue targets: +0.02 at 5% and at 10%. Measured +0.0258 at 5%
+        // but +0.0145 at 10% (docs/BENCHMARKS.md): 10% guards the measured
+        // gain, not the unmet target.
         let min_gain = if f == 0.05 {
             0.02
         } else if f == 0.1 {
-            0.01
+            0.012
         } else {
             0.0
         };

@@ -615,6 +615,17 @@ mod tests {
     }
 
     #[test]
+    fn per_block_state_stays_small() {
+        // The memory budget (docs/ARCHITECTURE.md): an entry, a map slot,
+        // a candidate-set key and at most two ghost slots per tracked block.
+        let entry = std::mem::size_of::<(u64, Entry)>();
+        let ghost_slot = std::mem::size_of::<(u32, (u32, u8))>();
+        eprintln!("entry slot {entry} B, ghost slot {ghost_slot} B");
+        assert!(entry <= 64, "entry slot {entry} B");
+        assert!(ghost_slot <= 12, "ghost slot {ghost_slot} B");
+    }
+
+    #[test]
     fn burst_end_learns_the_tail_and_length() {
         let mut p = DefaultPolicy::new();
         p.on_insert(1, meta(None));
