@@ -615,6 +615,45 @@ mod tests {
     }
 
     #[test]
+    fn learns_that_burst_ends_are_not_reused() {
+        // Each turn re-reads the previous turn but its last block, then
+        // stores four new blocks: ends of bursts are never reused, the
+        // rest always (no evictions: the tier is large).
+        let mut p = DefaultPolicy::new();
+        let mut next = 1u64;
+        let mut prev: Vec<u64> = Vec::new();
+        for _ in 0..3000 {
+            let keep = prev.len().saturating_sub(1);
+            for &id in &prev[..keep] {
+                p.on_access(id);
+            }
+            let mut parent = prev[..keep].last().copied();
+            let mut ids = prev[..keep].to_vec();
+            for _ in 0..4 {
+                p.on_insert(next, meta(parent));
+                parent = Some(next);
+                ids.push(next);
+                next += 1;
+            }
+            // Conversations restart now and then, to bound chain depth.
+            prev = if ids.len() > 40 { Vec::new() } else { ids };
+        }
+        let classes = p.class_probabilities(100.0);
+        let is_tail = |c: usize| (c / BURST_BUCKETS) % 2 == 1;
+        assert!(classes.iter().any(|&(c, _, _)| is_tail(c)));
+        for (c, stages, prob) in classes {
+            eprintln!("class {c}: {stages:.0} stages, p {prob:.3}");
+            if is_tail(c) {
+                assert!(prob < 0.05, "tail class {c} learned p {prob}");
+            } else if c < BURST_BUCKETS * 2 * GEN_BUCKETS {
+                // Never hit yet, not a burst end: reused unless the
+                // conversation restarts (one turn in ten).
+                assert!(prob > 0.8, "reused class {c} learned p {prob}");
+            }
+        }
+    }
+
+    #[test]
     fn per_block_state_stays_small() {
         // The memory budget (docs/ARCHITECTURE.md): an entry, a map slot,
         // a candidate-set key and at most two ghost slots per tracked block.
