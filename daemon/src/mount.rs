@@ -578,3 +578,62 @@ pub fn start(
         events,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mount_options_follow_the_section() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = crate::config::Config::from_toml(
+            "[mount]\ndir = \"/mnt/kv\"\nallow_other = true\nread_only = true\nuid = 7\ngid = 8\n\
+             file_mode = \"0440\"\ndir_mode = \"0750\"\npassthrough = \"required\"\n\
+             verify_on_open = false\n",
+        )
+        .unwrap()
+        .mount;
+        assert!(s.enabled() && !s.verify_on_open);
+        let o = mount_options(&s, dir.path()).unwrap();
+        assert!(o.allow_other && o.read_only);
+        assert_eq!(
+            (o.uid, o.gid, o.file_mode, o.dir_mode),
+            (7, 8, 0o440, 0o750)
+        );
+        assert_eq!(o.passthrough, Passthrough::Required);
+        assert_eq!(o.staging_dir, dir.path().join("mount-staging"));
+        assert!(o.staging_dir.is_dir());
+        let d = MountSection::default();
+        assert!(!d.enabled() && d.verify_on_open);
+        assert_eq!(d.passthrough, PassthroughMode::Auto);
+        assert_eq!(mount_options(&d, dir.path()).unwrap().file_mode, 0o444);
+    }
+
+    #[test]
+    fn events_lines_name_kind_and_reason() {
+        let ev = MountEvents::default();
+        let ns = NamespaceId([3; 16]);
+        let key = BlockKey::from_u64(5);
+        ev.feed(&G3Event::Stored {
+            ns,
+            key,
+            parent: None,
+            file_len: 8192,
+        });
+        ev.feed(&G3Event::Removed {
+            ns,
+            key,
+            reason: RemoveReason::Evicted,
+        });
+        let text = String::from_utf8(ev.log().read_at(0, 4096)).unwrap();
+        let path = kvtier_client::block_path(&ns, &key);
+        assert!(
+            text.contains(&format!("stored {path} tier=g3 bytes=8192")),
+            "{text}"
+        );
+        assert!(
+            text.contains(&format!("removed {path} reason=evicted")),
+            "{text}"
+        );
+    }
+}
