@@ -335,7 +335,7 @@ fn concurrent_writers_share_group_commits_and_all_are_durable() {
     });
     let (groups, members) = s.group_commit_counts();
     assert_eq!(members, 64);
-    assert!(groups >= 1 && groups <= 64, "{groups}");
+    assert!((1..=64).contains(&groups), "{groups}");
     drop(s);
     // Crash-style reopen (no marker): every block is on disk and indexed.
     let s = common::open(dir.path(), EngineKind::Auto);
