@@ -74,6 +74,7 @@ impl G3Store {
         let trusted = self.take_clean_marker(generation)?;
         self.disk.set_generation(generation + 1)?;
         rep.clean_start = trusted;
+        prefetch(&self.cfg.root.join("index.redb"));
         let mut mem = MemIndex::default();
         let mut order: Vec<(u32, u64, Hints)> = Vec::new();
         self.disk.for_each(|id, r| {
@@ -272,6 +273,29 @@ impl G3Store {
             ReadOutcome::Ok(h) => Ok(h),
             ReadOutcome::Corrupt(why) => Err(why),
             ReadOutcome::Vanished => Err("vanished".into()),
+        }
+    }
+}
+
+/// Reads the index file front to back once so that the B-tree walk that
+/// follows hits the page cache. Cold, redb fetches its pages one by one in
+/// key order (measured: 10.6 s for 1M records on this virtual disk);
+/// sequential reads with readahead take a fraction of that. Best effort:
+/// errors surface in the walk itself.
+fn prefetch(path: &Path) {
+    use std::io::Read;
+    let Ok(mut f) = std::fs::File::open(path) else {
+        return;
+    };
+    // SAFETY: plain advice on an fd we own; no memory is touched.
+    unsafe {
+        libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_SEQUENTIAL);
+        libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_WILLNEED);
+    }
+    let mut buf = vec![0u8; 8 << 20];
+    while let Ok(n) = f.read(&mut buf) {
+        if n == 0 {
+            break;
         }
     }
 }
