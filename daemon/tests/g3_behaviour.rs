@@ -287,7 +287,7 @@ fn clean_restart_trusts_the_index_and_crash_restart_walks() {
     // stranger is not adopted, and the marker is gone before any write.
     let s = common::open(dir.path(), EngineKind::Auto);
     let rep = s.recovery.lock().unwrap().clone();
-    assert!(rep.clean_start, "{rep:?}");
+    assert!(rep.clean_start && rep.from_snapshot, "{rep:?}");
     assert_eq!((rep.indexed, rep.adopted), (1, 0), "{rep:?}");
     assert!(!marker.exists());
     assert_eq!(s.get(&ns.id(), &k0).unwrap().hit().unwrap().payload, p0);
@@ -305,6 +305,19 @@ fn clean_restart_trusts_the_index_and_crash_restart_walks() {
     assert_eq!(s.get(&ns.id(), &k1).unwrap().hit().unwrap().payload, p1);
     assert_eq!(s.get(&ns.id(), &k2).unwrap().hit().unwrap().payload, p2);
     assert_eq!(s.lookup_prefix(&ns.id(), &[k0, k1, k2]), 3);
+    s.close().unwrap();
+    drop(s);
+
+    // A damaged snapshot is not used: the clean start falls back to redb.
+    let snap = dir.path().join("index.snap");
+    let mut bytes = std::fs::read(&snap).unwrap();
+    bytes[30] ^= 1;
+    std::fs::write(&snap, bytes).unwrap();
+    let s = common::open(dir.path(), EngineKind::Auto);
+    let rep = s.recovery.lock().unwrap().clone();
+    assert!(rep.clean_start && !rep.from_snapshot, "{rep:?}");
+    assert_eq!(s.lookup_prefix(&ns.id(), &[k0, k1, k2]), 3);
+    assert_eq!(s.get(&ns.id(), &k1).unwrap().hit().unwrap().payload, p1);
     s.close().unwrap();
     drop(s);
 

@@ -24,6 +24,7 @@ mod group;
 pub mod index;
 pub mod reclaimer;
 pub mod recover;
+mod snapshot;
 
 use crate::error::{Error, Result};
 use crate::policy::{BlockMeta, EvictionPolicy};
@@ -43,6 +44,7 @@ use std::time::{Duration, Instant};
 
 pub use engine::EngineKind as G3EngineKind;
 pub use recover::{RecoveryReport, CLEAN_MARKER};
+pub use snapshot::SNAPSHOT_FILE;
 
 /// Most block operations in flight at once (rings in the io_uring pool).
 pub const IO_DEPTH_MAX: usize = 256;
@@ -1416,11 +1418,13 @@ impl G3Store {
             }
         }
         let mut recs = Vec::new();
+        let mut names = Vec::new();
         {
             let mem = self.mem.read().map_err(|_| lock_err("g3 index"))?;
             self.disk.for_each(|id, mut r| {
                 if let Some(e) = mem.map.get(&id) {
                     index::merge_stats(&mut r, e);
+                    names.push((r.ns, id));
                     recs.push((id, r));
                 }
             })?;
@@ -1430,6 +1434,15 @@ impl G3Store {
             self.disk.put(&refs)?;
         }
         self.disk.flush()?;
+        {
+            // The in-memory image the next clean open loads instead of
+            // iterating redb (snapshot.rs); made visible by the marker's
+            // directory fsync below.
+            let mem = self.mem.read().map_err(|_| lock_err("g3 index"))?;
+            let generation = self.disk.generation()?;
+            snapshot::write(&self.cfg.root, generation, &names, &mem)
+                .map_err(|e| Error::io("writing index snapshot", &self.cfg.root, e))?;
+        }
         // Only now is the index a complete, durable account of the files:
         // the next open may trust it instead of walking (recover.rs).
         self.write_clean_marker()

@@ -50,6 +50,9 @@ pub struct RecoveryReport {
     /// A valid clean-shutdown marker was found: the index was trusted and
     /// the files were not walked.
     pub clean_start: bool,
+    /// The clean start loaded the in-memory index from its snapshot
+    /// (`index.snap`) rather than from redb.
+    pub from_snapshot: bool,
 }
 
 /// Name of the clean-shutdown marker under the store's root.
@@ -74,14 +77,37 @@ impl G3Store {
         let trusted = self.take_clean_marker(generation)?;
         self.disk.set_generation(generation + 1)?;
         rep.clean_start = trusted;
-        prefetch(&self.cfg.root.join("index.redb"));
         let mut mem = MemIndex::default();
         let mut order: Vec<(u32, u64, Hints)> = Vec::new();
-        self.disk.for_each(|id, r| {
-            let (_, check) = digest(&r.ns, &r.key);
-            order.push((r.last_access_s, id, hints_of(&r)));
-            mem.insert(r.ns, id, entry_of(&r, check));
-        })?;
+        let image = if trusted {
+            super::snapshot::load(&self.cfg.root, generation)
+        } else {
+            None
+        };
+        rep.from_snapshot = image.is_some();
+        if let Some(image) = image {
+            mem.map.reserve(image.len());
+            for (ns, id, e) in image {
+                order.push((
+                    e.last_access_s.load(std::sync::atomic::Ordering::Relaxed),
+                    id,
+                    Hints {
+                        priority: e.priority,
+                        pinned: e.pin_until_s != 0,
+                        ephemeral: e.flags & super::index::FLAG_EPHEMERAL != 0,
+                        expected_reuse: 0,
+                    },
+                ));
+                mem.insert(ns, id, e);
+            }
+        } else {
+            prefetch(&self.cfg.root.join("index.redb"));
+            self.disk.for_each(|id, r| {
+                let (_, check) = digest(&r.ns, &r.key);
+                order.push((r.last_access_s, id, hints_of(&r)));
+                mem.insert(r.ns, id, entry_of(&r, check));
+            })?;
+        }
         let mut known = std::collections::HashSet::new();
         if !trusted {
             self.walk(&mut mem, &mut order, &mut known, &mut rep)?;
