@@ -298,7 +298,9 @@ impl DiskIndex {
             path: path.to_path_buf(),
             dirty: std::sync::atomic::AtomicBool::new(false),
         };
-        me.write(Durability::Immediate, |w| {
+        // Non-durable: tables lost to a crash are created again, and the
+        // files are the truth anyway; an fsync here costs every open.
+        me.write(Durability::None, |w| {
             w.open_table(BLOCKS)?;
             w.open_table(NAMES)?;
             w.open_table(META)?;
@@ -322,6 +324,12 @@ impl DiskIndex {
         let lazy = matches!(durability, Durability::None);
         let mut w = self.db.begin_write().map_err(|e| self.err(e))?;
         w.set_durability(durability).map_err(|e| self.err(e))?;
+        if !lazy {
+            // Durable commits also record redb's allocator state, so that
+            // an open after a crash (or a drop that could not record it)
+            // loads it instead of rebuilding it from the whole file.
+            w.set_quick_repair(true);
+        }
         let t = f(&w).map_err(|e| self.err(e))?;
         w.commit().map_err(|e| self.err(e))?;
         if lazy {
@@ -423,10 +431,12 @@ impl DiskIndex {
         Ok(v.map(|g| g.value()).unwrap_or(0))
     }
 
-    /// Sets the generation with a durable commit (which also makes every
-    /// earlier non-durable commit durable).
+    /// Sets the generation (non-durable commit: it is bumped only after
+    /// the clean marker was durably removed, so losing the bump to a crash
+    /// cannot make a stale marker valid; `close` makes it durable before
+    /// writing the next marker).
     pub fn set_generation(&self, generation: u64) -> Result<()> {
-        self.write(Durability::Immediate, |w| {
+        self.write(Durability::None, |w| {
             w.open_table(META)?.insert(GENERATION, generation)?;
             Ok(())
         })

@@ -481,6 +481,8 @@ impl G3Store {
             dropped = report.dropped,
             temp_removed = report.temp_removed,
             quarantined = report.quarantined,
+            clean_start = report.clean_start,
+            from_snapshot = report.from_snapshot,
             ms = report.elapsed_ms,
             "g3 opened"
         );

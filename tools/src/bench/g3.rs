@@ -519,6 +519,11 @@ fn clean_restart_report(tmp: &Path, n: usize, depth: usize, engine: EngineKind) 
     store.close()?;
     let close_ms = t.elapsed().as_secs_f64() * 1e3;
     drop(store);
+    // The redb open alone (repair check, table opens), cold.
+    drop_page_cache();
+    let t = Instant::now();
+    drop(DiskIndex::open(&root.join("index.redb"))?);
+    let redb_open_ms = t.elapsed().as_secs_f64() * 1e3;
     // Now with the snapshot that close wrote.
     let cold = drop_page_cache();
     let t = Instant::now();
@@ -540,6 +545,8 @@ fn clean_restart_report(tmp: &Path, n: usize, depth: usize, engine: EngineKind) 
         "clean_restart_from_redb_ms": redb_ms,
         "clean_restart_from_redb_skipped_walk": redb_rep.clean_start && !redb_rep.from_snapshot,
         "close_ms": close_ms,
+        "redb_open_alone_ms": redb_open_ms,
+        "recovery_elapsed_ms": rep.elapsed_ms,
         "indexed_after_open": rep.indexed,
         "index_file_bytes": index_bytes,
         "index_fill_s": fill_s,
