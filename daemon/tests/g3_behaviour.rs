@@ -264,6 +264,105 @@ fn eviction_respects_watermarks_leases_and_pins() {
 }
 
 #[test]
+fn clean_restart_trusts_the_index_and_crash_restart_walks() {
+    let dir = tempfile::tempdir().unwrap();
+    let ns = namespace(8192, "clean").unwrap();
+    let (k0, h0, p0) = block(&ns, 0);
+    let s = common::open(dir.path(), EngineKind::Auto);
+    s.put(&ns.id(), &h0, &p0).unwrap();
+    s.close().unwrap();
+    drop(s);
+    let marker = dir.path().join(kvtier_daemon::g3::CLEAN_MARKER);
+    assert!(marker.exists());
+    // A valid block file added behind the store's back while it is down.
+    let (k1, h1, p1) = block(&ns, 1);
+    let p = dir
+        .path()
+        .join("blocks")
+        .join(kvtier_client::block_path(&ns.id(), &k1));
+    std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+    std::fs::write(&p, encode_block(&h1, &p1)).unwrap();
+
+    // Clean restart: the index is trusted, the files are not walked, the
+    // stranger is not adopted, and the marker is gone before any write.
+    let s = common::open(dir.path(), EngineKind::Auto);
+    let rep = s.recovery.lock().unwrap().clone();
+    assert!(rep.clean_start && rep.from_snapshot, "{rep:?}");
+    assert_eq!((rep.indexed, rep.adopted), (1, 0), "{rep:?}");
+    assert!(!marker.exists());
+    assert_eq!(s.get(&ns.id(), &k0).unwrap().hit().unwrap().payload, p0);
+    assert!(!s.contains(&ns.id(), &k1).unwrap());
+    // A write after a clean start, then a crash (no close): no marker.
+    let (k2, h2, p2) = block(&ns, 2);
+    s.put(&ns.id(), &h2, &p2).unwrap();
+    drop(s);
+    assert!(!marker.exists());
+
+    // Crash restart: the walk adopts the stranger and keeps the write.
+    let s = common::open(dir.path(), EngineKind::Auto);
+    let rep = s.recovery.lock().unwrap().clone();
+    assert!(!rep.clean_start, "{rep:?}");
+    assert_eq!(s.get(&ns.id(), &k1).unwrap().hit().unwrap().payload, p1);
+    assert_eq!(s.get(&ns.id(), &k2).unwrap().hit().unwrap().payload, p2);
+    assert_eq!(s.lookup_prefix(&ns.id(), &[k0, k1, k2]), 3);
+    s.close().unwrap();
+    drop(s);
+
+    // A damaged snapshot is not used: the clean start falls back to redb.
+    let snap = dir.path().join("index.snap");
+    let mut bytes = std::fs::read(&snap).unwrap();
+    bytes[30] ^= 1;
+    std::fs::write(&snap, bytes).unwrap();
+    let s = common::open(dir.path(), EngineKind::Auto);
+    let rep = s.recovery.lock().unwrap().clone();
+    assert!(rep.clean_start && !rep.from_snapshot, "{rep:?}");
+    assert_eq!(s.lookup_prefix(&ns.id(), &[k0, k1, k2]), 3);
+    assert_eq!(s.get(&ns.id(), &k1).unwrap().hit().unwrap().payload, p1);
+    s.close().unwrap();
+    drop(s);
+
+    // A marker that does not match the index generation is not trusted.
+    std::fs::write(&marker, "kvtier-g3-clean v1 generation 999\n").unwrap();
+    let s = common::open(dir.path(), EngineKind::Auto);
+    assert!(!s.recovery.lock().unwrap().clean_start);
+    assert!(!marker.exists());
+    assert_eq!(s.lookup_prefix(&ns.id(), &[k0, k1, k2]), 3);
+}
+
+#[test]
+fn concurrent_writers_share_group_commits_and_all_are_durable() {
+    let dir = tempfile::tempdir().unwrap();
+    let ns = namespace(8192, "group").unwrap();
+    let s = common::open(dir.path(), EngineKind::Auto);
+    let blocks: Vec<_> = (0..64).map(|i| block(&ns, 100 + i)).collect();
+    std::thread::scope(|sc| {
+        for part in blocks.chunks(8) {
+            let s = &s;
+            let ns = &ns;
+            sc.spawn(move || {
+                for (_, h, p) in part {
+                    assert_eq!(s.put(&ns.id(), h, p).unwrap(), PutOutcome::Stored);
+                }
+            });
+        }
+    });
+    let (groups, members) = s.group_commit_counts();
+    assert_eq!(members, 64);
+    assert!((1..=64).contains(&groups), "{groups}");
+    drop(s);
+    // Crash-style reopen (no marker): every block is on disk and indexed.
+    let s = common::open(dir.path(), EngineKind::Auto);
+    assert!(!s.recovery.lock().unwrap().clean_start);
+    let keys: Vec<_> = blocks.iter().map(|(k, _, _)| *k).collect();
+    assert_eq!(s.lookup_prefix(&ns.id(), &keys), 64);
+    let digests = G3Store::chain_digests(&ns.id(), &keys);
+    assert_eq!(s.lookup_prefix_digests(&digests), 64);
+    for (k, _, p) in &blocks {
+        assert_eq!(&s.get(&ns.id(), k).unwrap().hit().unwrap().payload, p);
+    }
+}
+
+#[test]
 fn recovery_adopts_drops_and_cleans() {
     let dir = tempfile::tempdir().unwrap();
     let ns = namespace(8192, "recover").unwrap();
@@ -276,6 +375,8 @@ fn recovery_adopts_drops_and_cleans() {
     s.get(&ns.id(), &k0).unwrap();
     s.close().unwrap();
     drop(s);
+    // Without the clean marker the open walks, as after a crash.
+    std::fs::remove_file(dir.path().join(kvtier_daemon::g3::CLEAN_MARKER)).unwrap();
     // Gone behind the index's back.
     std::fs::remove_file(
         dir.path()

@@ -21,6 +21,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 const BLOCKS: TableDefinition<u64, &[u8]> = TableDefinition::new("blocks");
 const NAMES: TableDefinition<&[u8], u64> = TableDefinition::new("names");
+const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
+const GENERATION: &str = "generation";
 
 /// The (id, check) digest of a block's name.
 pub fn digest(ns: &NamespaceId, key: &BlockKey) -> (u64, u64) {
@@ -125,9 +127,25 @@ impl MemIndex {
             .map(|e| (id, e))
     }
 
-    /// How many leading keys of `chain` are present. Memory only.
+    /// How many leading keys of `chain` are present. Memory only, no
+    /// allocation: digests are computed into a stack buffer a batch at a
+    /// time, then the batch is probed (the probes' cache misses overlap
+    /// because they no longer wait on hashing in between).
     pub fn lookup_prefix(&self, ns: &NamespaceId, chain: &[BlockKey]) -> usize {
-        self.count_present(&digests(ns, chain))
+        const BATCH: usize = 64;
+        let mut ids = [(0u64, 0u64); BATCH];
+        let mut found = 0;
+        for part in chain.chunks(BATCH) {
+            for (slot, key) in ids.iter_mut().zip(part) {
+                *slot = digest(ns, key);
+            }
+            let n = self.count_present(&ids[..part.len()]);
+            found += n;
+            if n < part.len() {
+                break;
+            }
+        }
+        found
     }
 
     /// How many leading digests (from [`digests`]) are present. Digests are
@@ -280,9 +298,12 @@ impl DiskIndex {
             path: path.to_path_buf(),
             dirty: std::sync::atomic::AtomicBool::new(false),
         };
-        me.write(Durability::Immediate, |w| {
+        // Non-durable: tables lost to a crash are created again, and the
+        // files are the truth anyway; an fsync here costs every open.
+        me.write(Durability::None, |w| {
             w.open_table(BLOCKS)?;
             w.open_table(NAMES)?;
+            w.open_table(META)?;
             Ok(())
         })?;
         Ok(me)
@@ -303,6 +324,12 @@ impl DiskIndex {
         let lazy = matches!(durability, Durability::None);
         let mut w = self.db.begin_write().map_err(|e| self.err(e))?;
         w.set_durability(durability).map_err(|e| self.err(e))?;
+        if !lazy {
+            // Durable commits also record redb's allocator state, so that
+            // an open after a crash (or a drop that could not record it)
+            // loads it instead of rebuilding it from the whole file.
+            w.set_quick_repair(true);
+        }
         let t = f(&w).map_err(|e| self.err(e))?;
         w.commit().map_err(|e| self.err(e))?;
         if lazy {
@@ -392,6 +419,27 @@ impl DiskIndex {
             }
         }
         Ok(out)
+    }
+
+    /// The index generation: bumped (durably) at every open, written into
+    /// the clean-shutdown marker at close, so that a marker is trusted only
+    /// beside the index it was written for.
+    pub fn generation(&self) -> Result<u64> {
+        let r = self.db.begin_read().map_err(|e| self.err(e))?;
+        let t = r.open_table(META).map_err(|e| self.err(e))?;
+        let v = t.get(GENERATION).map_err(|e| self.err(e))?;
+        Ok(v.map(|g| g.value()).unwrap_or(0))
+    }
+
+    /// Sets the generation (non-durable commit: it is bumped only after
+    /// the clean marker was durably removed, so losing the bump to a crash
+    /// cannot make a stale marker valid; `close` makes it durable before
+    /// writing the next marker).
+    pub fn set_generation(&self, generation: u64) -> Result<()> {
+        self.write(Durability::None, |w| {
+            w.open_table(META)?.insert(GENERATION, generation)?;
+            Ok(())
+        })
     }
 
     /// Makes every earlier non-durable commit durable.

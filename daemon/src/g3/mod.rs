@@ -20,9 +20,11 @@
 
 pub mod engine;
 pub mod fault;
+mod group;
 pub mod index;
 pub mod reclaimer;
 pub mod recover;
+mod snapshot;
 
 use crate::error::{Error, Result};
 use crate::policy::{BlockMeta, EvictionPolicy};
@@ -41,7 +43,8 @@ use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 pub use engine::EngineKind as G3EngineKind;
-pub use recover::RecoveryReport;
+pub use recover::{RecoveryReport, CLEAN_MARKER};
+pub use snapshot::SNAPSHOT_FILE;
 
 /// Most block operations in flight at once (rings in the io_uring pool).
 pub const IO_DEPTH_MAX: usize = 256;
@@ -346,6 +349,8 @@ pub struct G3Store {
     sink: RwLock<Option<EventSink>>,
     counters: Counters,
     known_dirs: Mutex<HashSet<PathBuf>>,
+    group: group::GroupCommit,
+    write_gate: RwLock<()>,
     reclaim: Arc<reclaimer::Signal>,
     reclaimer: Mutex<Option<std::thread::JoinHandle<()>>>,
     /// What recovery found at open.
@@ -459,6 +464,8 @@ impl G3Store {
             sink: RwLock::new(None),
             counters: Counters::default(),
             known_dirs: Mutex::new(HashSet::new()),
+            group: group::GroupCommit::default(),
+            write_gate: RwLock::new(()),
             reclaim: Arc::new(reclaimer::Signal::default()),
             reclaimer: Mutex::new(None),
             recovery: Mutex::new(RecoveryReport::default()),
@@ -474,6 +481,8 @@ impl G3Store {
             dropped = report.dropped,
             temp_removed = report.temp_removed,
             quarantined = report.quarantined,
+            clean_start = report.clean_start,
+            from_snapshot = report.from_snapshot,
             ms = report.elapsed_ms,
             "g3 opened"
         );
@@ -491,6 +500,12 @@ impl G3Store {
     /// The engine that runs (`io_uring` or `pread`).
     pub fn engine_name(&self) -> &'static str {
         self.engine.name()
+    }
+
+    /// Group commits since open: (groups, writes in them). Their quotient
+    /// is how many writes shared one directory fsync and index commit.
+    pub fn group_commit_counts(&self) -> (u64, u64) {
+        self.group.counts()
     }
 
     /// The configuration.
@@ -538,6 +553,12 @@ impl G3Store {
                 ),
             });
         }
+        // Held for the whole write: `close` takes it exclusively so that no
+        // write completes after the clean marker is written.
+        let _gate = self
+            .write_gate
+            .read()
+            .map_err(|_| lock_err("g3 write gate"))?;
         self.check_writable()?;
         let key = header.key;
         let (id, check) = digest(ns, &key);
@@ -557,32 +578,44 @@ impl G3Store {
         self.make_room(file_len)?;
 
         let result = self.write_durable(ns, header, payload, id);
-        let rec = match result {
-            Ok(true) => Record {
-                ns: *ns,
-                key,
-                payload_len: header.payload_len,
-                payload_blake3: header.payload_blake3,
-                created_unix_ms: header.created_unix_ms,
-                hits: 0,
-                last_access_s: now_s(),
-                pin_until_s: 0,
-                priority: meta.hints.priority,
-                flags: if meta.hints.ephemeral {
-                    FLAG_EPHEMERAL
-                } else {
-                    0
+        let (dir, rec) = match result {
+            Ok(Some(dir)) => (
+                dir,
+                Record {
+                    ns: *ns,
+                    key,
+                    payload_len: header.payload_len,
+                    payload_blake3: header.payload_blake3,
+                    created_unix_ms: header.created_unix_ms,
+                    hits: 0,
+                    last_access_s: now_s(),
+                    pin_until_s: 0,
+                    priority: meta.hints.priority,
+                    flags: if meta.hints.ephemeral {
+                        FLAG_EPHEMERAL
+                    } else {
+                        0
+                    },
                 },
-            },
-            Ok(false) => return Ok(PutOutcome::AlreadyPresent),
+            ),
+            Ok(None) => return Ok(PutOutcome::AlreadyPresent),
             Err(e) => {
                 self.counters.write_errors.fetch_add(1, Ordering::Relaxed);
                 return Err(e);
             }
         };
-        if let Err(e) = self.disk.put(&[(id, &rec)]) {
-            // The file is durable; recovery adopts it. Until then it is not
-            // visible, so say the write failed.
+        let last_access_s = rec.last_access_s;
+        let priority = rec.priority;
+        let flags = rec.flags;
+        // The directory fsync and the index commit, shared with the writers
+        // that renamed at about the same time (group.rs). On an index
+        // failure the file is durable and recovery adopts it; until then it
+        // is not visible, so the write is reported failed.
+        if let Err(e) = self.group.join(
+            group::Pending { dir, id, rec },
+            &self.cfg.root.join("index.redb"),
+            |items| self.commit_group(items),
+        ) {
             self.counters.write_errors.fetch_add(1, Ordering::Relaxed);
             return Err(e);
         }
@@ -602,11 +635,11 @@ impl G3Store {
                     check,
                     file_pages: (file_len / 4096) as u32,
                     hits: AtomicU32::new(0),
-                    last_access_s: AtomicU32::new(rec.last_access_s),
+                    last_access_s: AtomicU32::new(last_access_s),
                     pin_until_s,
                     leases: 0,
-                    priority: rec.priority,
-                    flags: rec.flags,
+                    priority,
+                    flags,
                 },
             );
             let mut pol = self.policy.lock().map_err(|_| lock_err("g3 policy"))?;
@@ -652,15 +685,16 @@ impl G3Store {
         }
     }
 
-    /// Writes the temp file, makes it durable, renames it into place and
-    /// makes the rename durable. `Ok(false)`: the name already existed.
+    /// Writes the temp file, makes it durable and renames it into place.
+    /// `Ok(Some(dir))`: renamed into `dir`, whose fsync (group commit) makes
+    /// the rename durable; `Ok(None)`: the name already existed.
     fn write_durable(
         &self,
         ns: &NamespaceId,
         header: &BlockHeader,
         payload: &[u8],
         id: u64,
-    ) -> Result<bool> {
+    ) -> Result<Option<PathBuf>> {
         let seq = self.counters.seq.fetch_add(1, Ordering::Relaxed);
         let tmp = self
             .tmp_dir
@@ -753,15 +787,34 @@ impl G3Store {
             Ok(()) => {}
             Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {
                 let _ = std::fs::remove_file(&tmp);
-                return Ok(false);
+                return Ok(None);
             }
             Err(e) => return Err(cleanup(Error::io("renaming into place", &final_path, e))),
         }
-        if let Err(e) = fsync_dir(&dir) {
-            self.poison(format!("fsync of directory {}: {e}", dir.display()));
-            return Err(Error::io("flushing directory", &dir, e));
+        Ok(Some(dir))
+    }
+
+    /// The leader's half of a group commit: one fsync per distinct shard
+    /// directory, then one (non-durable, see index.rs) redb transaction for
+    /// every record of the group.
+    fn commit_group(&self, items: &[group::Pending]) -> std::result::Result<(), group::Failure> {
+        let mut dirs: Vec<&Path> = items.iter().map(|p| p.dir.as_path()).collect();
+        dirs.sort_unstable();
+        dirs.dedup();
+        for dir in dirs {
+            if let Err(e) = fsync_dir(dir) {
+                self.poison(format!("fsync of directory {}: {e}", dir.display()));
+                return Err(group::Failure::Dir {
+                    dir: dir.to_path_buf(),
+                    errno: e.raw_os_error(),
+                    msg: e.to_string(),
+                });
+            }
         }
-        Ok(true)
+        let recs: Vec<(u64, &Record)> = items.iter().map(|p| (p.id, &p.rec)).collect();
+        self.disk
+            .put(&recs)
+            .map_err(|e| group::Failure::Index(e.to_string()))
     }
 
     /// Creates `blocks/<ns>/<shard>` durably the first time it is needed.
@@ -1009,9 +1062,28 @@ impl G3Store {
     /// How many leading blocks of `chain` are present. Memory only: no disk
     /// access, no verification (a later read may still miss).
     pub fn lookup_prefix(&self, ns: &NamespaceId, chain: &[BlockKey]) -> usize {
-        // Hash outside the lock; probe under it.
-        let ids = index::digests(ns, chain);
-        self.mem.read().map(|m| m.count_present(&ids)).unwrap_or(0)
+        // One read lock per chain; hashing under it costs readers nothing
+        // and delays a writer by at most the chain's hashing.
+        self.mem
+            .read()
+            .map(|m| m.lookup_prefix(ns, chain))
+            .unwrap_or(0)
+    }
+
+    /// [`G3Store::lookup_prefix`] over digests computed earlier with
+    /// [`G3Store::chain_digests`] (a caller probing the same chain on
+    /// several tiers or repeatedly hashes it once). Probes only.
+    pub fn lookup_prefix_digests(&self, digests: &[(u64, u64)]) -> usize {
+        self.mem
+            .read()
+            .map(|m| m.count_present(digests))
+            .unwrap_or(0)
+    }
+
+    /// The index digests of a chain's keys, for
+    /// [`G3Store::lookup_prefix_digests`].
+    pub fn chain_digests(ns: &NamespaceId, chain: &[BlockKey]) -> Vec<(u64, u64)> {
+        index::digests(ns, chain)
     }
 
     /// A block's state, or `None` when absent. Reads one redb record.
@@ -1328,10 +1400,18 @@ impl G3Store {
         Ok(rep)
     }
 
-    /// Stops the reclaimer, writes hits and last access to the index and
-    /// makes it durable. Writes are refused afterwards; reads still work.
+    /// Stops the reclaimer, writes hits and last access to the index, makes
+    /// it durable and writes the clean-shutdown marker (the next open then
+    /// loads the index without walking the files, see [`recover`]). Writes
+    /// are refused afterwards; reads still work.
     pub fn close(&self) -> Result<()> {
         self.closed.store(true, Ordering::Release);
+        // Waits for writes in flight (they passed the closed check).
+        drop(
+            self.write_gate
+                .write()
+                .map_err(|_| lock_err("g3 write gate"))?,
+        );
         self.reclaim.stop();
         let handle = self.reclaimer.lock().ok().and_then(|mut h| h.take());
         if let Some(h) = handle {
@@ -1340,11 +1420,13 @@ impl G3Store {
             }
         }
         let mut recs = Vec::new();
+        let mut names = Vec::new();
         {
             let mem = self.mem.read().map_err(|_| lock_err("g3 index"))?;
             self.disk.for_each(|id, mut r| {
                 if let Some(e) = mem.map.get(&id) {
                     index::merge_stats(&mut r, e);
+                    names.push((r.ns, id));
                     recs.push((id, r));
                 }
             })?;
@@ -1353,7 +1435,19 @@ impl G3Store {
             let refs: Vec<(u64, &Record)> = batch.iter().map(|(i, r)| (*i, r)).collect();
             self.disk.put(&refs)?;
         }
-        self.disk.flush()
+        self.disk.flush()?;
+        {
+            // The in-memory image the next clean open loads instead of
+            // iterating redb (snapshot.rs); made visible by the marker's
+            // directory fsync below.
+            let mem = self.mem.read().map_err(|_| lock_err("g3 index"))?;
+            let generation = self.disk.generation()?;
+            snapshot::write(&self.cfg.root, generation, &names, &mem)
+                .map_err(|e| Error::io("writing index snapshot", &self.cfg.root, e))?;
+        }
+        // Only now is the index a complete, durable account of the files:
+        // the next open may trust it instead of walking (recover.rs).
+        self.write_clean_marker()
     }
 }
 

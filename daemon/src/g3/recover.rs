@@ -10,6 +10,17 @@
 //!
 //! Indexed files are not re-read here (that is [`G3Store::verify_all`]);
 //! every read verifies, so a damaged indexed file is still never served.
+//!
+//! Clean-shutdown fast path: [`G3Store::close`] writes `<root>/clean`
+//! ([`CLEAN_MARKER`]) durably after the index is durable, naming the index
+//! generation. An open that finds a marker matching the index's generation
+//! trusts the index and skips step 3 and 4 (no directory walk); either way
+//! the marker is removed and the generation bumped, durably, before open
+//! returns, so a crash after that point finds no marker and walks.
+//! Consequence: files added to or removed from `blocks/` behind the store's
+//! back while it was cleanly shut down are not noticed at open (a removed
+//! file reads as a miss and leaves the index then; an added one stays
+//! invisible). Deleting the marker forces the full walk.
 
 use super::index::{digest, Entry, MemIndex, Record, FLAG_SEEN};
 use super::{G3Store, ReadOutcome, Verifier};
@@ -36,7 +47,17 @@ pub struct RecoveryReport {
     pub quarantined: u64,
     /// Wall time of recovery.
     pub elapsed_ms: u64,
+    /// A valid clean-shutdown marker was found: the index was trusted and
+    /// the files were not walked.
+    pub clean_start: bool,
+    /// The clean start loaded the in-memory index from its snapshot
+    /// (`index.snap`) rather than from redb.
+    pub from_snapshot: bool,
 }
+
+/// Name of the clean-shutdown marker under the store's root.
+pub const CLEAN_MARKER: &str = "clean";
+const MARKER_MAGIC: &str = "kvtier-g3-clean v1 generation";
 
 fn read_dir(p: &Path) -> Result<std::fs::ReadDir> {
     std::fs::read_dir(p).map_err(|e| Error::io("listing", p, e))
@@ -52,14 +73,124 @@ impl G3Store {
                 .map_err(|err| Error::io("removing temp file", e.path(), err))?;
             rep.temp_removed += 1;
         }
+        let generation = self.disk.generation()?;
+        let trusted = self.take_clean_marker(generation)?;
+        self.disk.set_generation(generation + 1)?;
+        rep.clean_start = trusted;
         let mut mem = MemIndex::default();
         let mut order: Vec<(u32, u64, Hints)> = Vec::new();
-        self.disk.for_each(|id, r| {
-            let (_, check) = digest(&r.ns, &r.key);
-            order.push((r.last_access_s, id, hints_of(&r)));
-            mem.insert(r.ns, id, entry_of(&r, check));
-        })?;
+        let image = if trusted {
+            super::snapshot::load(&self.cfg.root, generation)
+        } else {
+            None
+        };
+        rep.from_snapshot = image.is_some();
+        if let Some(image) = image {
+            mem.map.reserve(image.len());
+            for (ns, id, e) in image {
+                order.push((
+                    e.last_access_s.load(std::sync::atomic::Ordering::Relaxed),
+                    id,
+                    Hints {
+                        priority: e.priority,
+                        pinned: e.pin_until_s != 0,
+                        ephemeral: e.flags & super::index::FLAG_EPHEMERAL != 0,
+                        expected_reuse: 0,
+                    },
+                ));
+                mem.insert(ns, id, e);
+            }
+        } else {
+            prefetch(&self.cfg.root.join("index.redb"));
+            self.disk.for_each(|id, r| {
+                let (_, check) = digest(&r.ns, &r.key);
+                order.push((r.last_access_s, id, hints_of(&r)));
+                mem.insert(r.ns, id, entry_of(&r, check));
+            })?;
+        }
         let mut known = std::collections::HashSet::new();
+        if !trusted {
+            self.walk(&mut mem, &mut order, &mut known, &mut rep)?;
+        }
+        rep.indexed = mem.map.len() as u64 - rep.adopted;
+        order.retain(|(_, id, _)| mem.map.contains_key(id));
+        order.sort_unstable_by_key(|(t, id, _)| (*t, *id));
+        {
+            let mut pol = self
+                .policy
+                .lock()
+                .map_err(|_| super::lock_err("g3 policy"))?;
+            for (_, id, hints) in order {
+                let size_bytes = mem.map.get(&id).map(Entry::file_len).unwrap_or(0);
+                pol.on_insert(
+                    id,
+                    BlockMeta {
+                        parent: None,
+                        size_bytes,
+                        hints,
+                    },
+                );
+            }
+        }
+        *self.mem.write().map_err(|_| super::lock_err("g3 index"))? = mem;
+        if let Ok(mut k) = self.known_dirs.lock() {
+            k.extend(known);
+        }
+        if !trusted {
+            self.disk.flush()?;
+        }
+        rep.elapsed_ms = t.elapsed().as_millis() as u64;
+        Ok(rep)
+    }
+
+    /// Reads and removes the clean-shutdown marker (durably); whether it
+    /// was valid for index generation `generation`.
+    fn take_clean_marker(&self, generation: u64) -> Result<bool> {
+        let path = self.cfg.root.join(CLEAN_MARKER);
+        let text = match std::fs::read_to_string(&path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
+            Err(e) => {
+                tracing::warn!(path = %path.display(), error = %e, "g3: unreadable clean marker; full recovery");
+                String::new()
+            }
+        };
+        let valid = text.trim_end().strip_prefix(MARKER_MAGIC).map(str::trim)
+            == Some(generation.to_string().as_str());
+        if !valid {
+            tracing::warn!(path = %path.display(), generation, "g3: clean marker does not match the index; full recovery");
+        }
+        std::fs::remove_file(&path).map_err(|e| Error::io("removing clean marker", &path, e))?;
+        super::fsync_dir(&self.cfg.root)
+            .map_err(|e| Error::io("flushing directory", &self.cfg.root, e))?;
+        Ok(valid)
+    }
+
+    /// Writes the clean-shutdown marker durably (at close, after the index
+    /// was made durable).
+    pub(super) fn write_clean_marker(&self) -> Result<()> {
+        use std::io::Write;
+        let generation = self.disk.generation()?;
+        let tmp = self.cfg.root.join(format!("{CLEAN_MARKER}.tmp"));
+        let path = self.cfg.root.join(CLEAN_MARKER);
+        let mut f = std::fs::File::create(&tmp).map_err(|e| Error::io("creating", &tmp, e))?;
+        f.write_all(format!("{MARKER_MAGIC} {generation}\n").as_bytes())
+            .and_then(|()| f.sync_all())
+            .map_err(|e| Error::io("writing clean marker", &tmp, e))?;
+        std::fs::rename(&tmp, &path).map_err(|e| Error::io("renaming", &path, e))?;
+        super::fsync_dir(&self.cfg.root)
+            .map_err(|e| Error::io("flushing directory", &self.cfg.root, e))
+    }
+
+    /// Steps 3 and 4: walks `blocks/`, adopts unknown files, drops entries
+    /// without a file.
+    fn walk(
+        &self,
+        mem: &mut MemIndex,
+        order: &mut Vec<(u32, u64, Hints)>,
+        known: &mut std::collections::HashSet<std::path::PathBuf>,
+        rep: &mut RecoveryReport,
+    ) -> Result<()> {
         for nsd in read_dir(&self.blocks_dir)? {
             let nsd = nsd.map_err(|e| Error::io("listing", &self.blocks_dir, e))?;
             let Some(ns) = nsd
@@ -138,33 +269,7 @@ impl G3Store {
         for e in mem.map.values_mut() {
             e.flags &= !FLAG_SEEN;
         }
-        order.retain(|(_, id, _)| mem.map.contains_key(id));
-        order.sort_unstable_by_key(|(t, id, _)| (*t, *id));
-        {
-            let mut pol = self
-                .policy
-                .lock()
-                .map_err(|_| super::lock_err("g3 policy"))?;
-            for (_, id, hints) in order {
-                let size_bytes = mem.map.get(&id).map(Entry::file_len).unwrap_or(0);
-                pol.on_insert(
-                    id,
-                    BlockMeta {
-                        parent: None,
-                        size_bytes,
-                        hints,
-                    },
-                );
-            }
-        }
-        rep.indexed = mem.map.len() as u64 - rep.adopted;
-        *self.mem.write().map_err(|_| super::lock_err("g3 index"))? = mem;
-        if let Ok(mut k) = self.known_dirs.lock() {
-            k.extend(known);
-        }
-        self.disk.flush()?;
-        rep.elapsed_ms = t.elapsed().as_millis() as u64;
-        Ok(rep)
+        Ok(())
     }
 
     /// Reads and fully verifies a file that the index does not know.
@@ -194,6 +299,29 @@ impl G3Store {
             ReadOutcome::Ok(h) => Ok(h),
             ReadOutcome::Corrupt(why) => Err(why),
             ReadOutcome::Vanished => Err("vanished".into()),
+        }
+    }
+}
+
+/// Reads the index file front to back once so that the B-tree walk that
+/// follows hits the page cache. Cold, redb fetches its pages one by one in
+/// key order (measured: 10.6 s for 1M records on this virtual disk);
+/// sequential reads with readahead take a fraction of that. Best effort:
+/// errors surface in the walk itself.
+fn prefetch(path: &Path) {
+    use std::io::Read;
+    let Ok(mut f) = std::fs::File::open(path) else {
+        return;
+    };
+    // SAFETY: plain advice on an fd we own; no memory is touched.
+    unsafe {
+        libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_SEQUENTIAL);
+        libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_WILLNEED);
+    }
+    let mut buf = vec![0u8; 8 << 20];
+    while let Ok(n) = f.read(&mut buf) {
+        if n == 0 {
+            break;
         }
     }
 }
