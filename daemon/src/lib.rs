@@ -5,14 +5,15 @@
 //! tiers, the local server, the mount and peers together.
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used))]
 
+pub mod config;
 #[doc(hidden)]
 pub mod conformance;
-pub mod config;
 pub mod error;
 pub mod events;
 pub mod g3;
 pub mod g4;
 pub mod metrics;
+pub mod node;
 pub mod peer;
 pub mod policy;
 pub mod server;
