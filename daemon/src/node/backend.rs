@@ -242,6 +242,8 @@ impl Backend for Node {
         // Removes the local copy only: G4 (shared by every node) keeps its
         // own, so an evicted block can still onboard from there.
         Ok(if self.g3.delete_block(ns, key)? {
+            self.evicted_by_request
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             EvictOutcome::Evicted
         } else {
             EvictOutcome::Absent
@@ -307,7 +309,10 @@ impl Backend for Node {
         self.sweep_pins();
         BackendStats {
             tiers,
-            evictions: s.evictions,
+            evictions: s.evictions
+                + self
+                    .evicted_by_request
+                    .load(std::sync::atomic::Ordering::Relaxed),
             quarantined: s.quarantined,
             leases_held: self.leases.lock().map(|l| l.len() as u64).unwrap_or(0),
             pins_held: self.pins.lock().map(|p| p.len() as u64).unwrap_or(0),

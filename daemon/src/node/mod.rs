@@ -177,6 +177,8 @@ pub struct Node {
     from_peer: PromoteCounters,
     from_g4: PromoteCounters,
     g4_enqueued: Arc<AtomicU64>,
+    /// Blocks removed by `evict` requests (G3 counts only its own).
+    evicted_by_request: AtomicU64,
     lookup_remote_deadline: Duration,
     fetch_deadline: Duration,
     pins_max: usize,
@@ -256,6 +258,7 @@ impl Node {
             from_peer: PromoteCounters::default(),
             from_g4: PromoteCounters::default(),
             g4_enqueued,
+            evicted_by_request: AtomicU64::new(0),
             lookup_remote_deadline: Duration::from_millis(cfg.lookup_remote_deadline_ms),
             fetch_deadline: Duration::from_millis(cfg.fetch_deadline_ms),
             pins_max: cfg.pins_max,
