@@ -304,3 +304,49 @@ fn three_daemons_peers_g4_and_a_lying_peer() {
         "C never saw A's corrupt bytes"
     );
 }
+
+#[test]
+fn bench_crossnode_json_contract() {
+    if support::find_weed_for_tests().is_none() {
+        eprintln!("SKIP: bench_crossnode_json_contract: .venv/bin/weed not found");
+        return;
+    }
+    support::kvtierd_bin();
+    let out = std::process::Command::new(support::bin("kvtier-tools", "kvtier"))
+        .args([
+            "bench",
+            "crossnode",
+            "--blocks",
+            "3",
+            "--block-size",
+            "64KiB",
+            "--rounds",
+            "1",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(j["bench"], "crossnode");
+    for k in ["peer_gbps", "g4_gbps"] {
+        assert!(j[k].as_f64().unwrap() > 0.0, "{k}");
+        assert!(j[format!("{k}_baseline")].as_f64().unwrap() > 0.0);
+        assert!(j[format!("{k}_vs_baseline")].is_number());
+    }
+    for k in ["g4_get_verify", "g3_promote", "client_read", "total_mean"] {
+        assert!(j["g4_breakdown_ms"][k].is_number(), "{k}");
+    }
+    // Only comparison quotients end in _vs_baseline.
+    let vs: Vec<&String> = j
+        .as_object()
+        .unwrap()
+        .keys()
+        .filter(|k| k.ends_with("_vs_baseline"))
+        .collect();
+    assert_eq!(vs.len(), 2, "{vs:?}");
+}

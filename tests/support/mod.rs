@@ -298,3 +298,9 @@ pub fn wait_child(mut c: Child, within: Duration) -> (bool, String) {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// `weed` for the S3 suites (`KVTIER_WEED`, else `.venv/bin/weed` above
+/// the workspace), as `kvtier_daemon::testkit::s3` finds it.
+pub fn find_weed_for_tests() -> Option<PathBuf> {
+    kvtier_daemon::testkit::s3::find_weed()
+}

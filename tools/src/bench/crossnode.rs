@@ -231,7 +231,7 @@ pub fn run(a: CrossnodeArgs) -> Result<()> {
     let data: Vec<Vec<u8>> = (0..a.blocks)
         .map(|i| {
             let mut v = vec![0u8; bs];
-            let mut x = i as u64 * 0x9E37_79B9_7F4A_7C15 | 1;
+            let mut x = (i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
             for c in v.chunks_mut(8) {
                 x ^= x << 13;
                 x ^= x >> 7;
