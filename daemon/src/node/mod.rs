@@ -377,3 +377,6 @@ pub(crate) fn run_on<T: Send + 'static>(
     });
     rx.recv().ok()
 }
+
+#[cfg(test)]
+mod tests;
