@@ -497,6 +497,28 @@ mod tests {
     }
 
     #[test]
+    fn g4_and_peer_sections() {
+        let c = Config::from_toml("[g3]\ndir = \"/d/g3\"\n").unwrap();
+        let g4 = c.g4.to_g4_config(&c.g3.dir).unwrap();
+        assert_eq!(g4.url, "file:///d/g4");
+        let c = Config::from_toml("[g4]\nurl = \"\"\n").unwrap();
+        assert!(c.g4.to_g4_config(&c.g3.dir).is_none());
+        let c = Config::from_toml("[g4]\nurl = \"s3://b/p\"\npath_style = true\n").unwrap();
+        let g4 = c.g4.to_g4_config(&c.g3.dir).unwrap();
+        assert!(g4.path_style && g4.url == "s3://b/p");
+        for (text, key) in [
+            ("[g4]\nadmission = \"sometimes\"\n", "g4.admission"),
+            ("[g3]\npolicy = \"belady\"\n", "g3.policy"),
+            ("[g3]\nengine = \"spdk\"\n", "g3.engine"),
+            ("[g3]\nlow_watermark = 0.99\n", "g3.high_watermark"),
+            ("[peer]\nenabled = true\n", "peer.secret_file"),
+        ] {
+            let e = Config::from_toml(text).unwrap().validate().unwrap_err();
+            assert!(e.to_string().contains(key), "{text}: {e}");
+        }
+    }
+
+    #[test]
     fn errors_name_the_key() {
         let e = Config::from_toml("[g3]\ncapacity = \"12XB\"\n").unwrap_err();
         assert!(e.to_string().contains("12XB"), "{e}");
