@@ -10,8 +10,10 @@
 //! and C evict their promoted copies so each round fetches again. The page
 //! cache is dropped before each phase when running as root.
 //!
-//! G4-only latency breakdown per block: G4 GET + verify and G3 promote come
-//! from C's `kvtier_promote_microseconds_total`; client read is the rest.
+//! Latency breakdown per block (G4-only on C, peer on B): fetch + verify and
+//! G3 promote come from the node's `kvtier_promote_microseconds_total`;
+//! client read (lease, verified G3 read into shared memory, reply) is the
+//! rest of the client-observed latency.
 
 use super::common;
 use anyhow::{bail, Context, Result};
@@ -295,6 +297,12 @@ pub fn run(a: CrossnodeArgs) -> Result<()> {
     let store_ms =
         scrape(&nc, "kvtier_promote_microseconds_total", "stage=\"store\"")? / promoted / 1e3;
     let g4_mean_ms = g4_lat.iter().sum::<f64>() / g4_lat.len().max(1) as f64 * 1e3;
+    let from_peer = scrape(&nb, "kvtier_promotions_total", "source=\"peer\"")?.max(1.0);
+    let peer_fetch_ms =
+        scrape(&nb, "kvtier_promote_microseconds_total", "stage=\"fetch\"")? / from_peer / 1e3;
+    let peer_store_ms =
+        scrape(&nb, "kvtier_promote_microseconds_total", "stage=\"store\"")? / from_peer / 1e3;
+    let peer_mean_ms = peer_lat.iter().sum::<f64>() / peer_lat.len().max(1) as f64 * 1e3;
     let ms = |v: &[f64], p: f64| common::percentile(v, p) * 1e3;
 
     let mut out = Map::new();
@@ -332,6 +340,15 @@ pub fn run(a: CrossnodeArgs) -> Result<()> {
             "g3_promote": store_ms,
             "client_read": (g4_mean_ms - fetch_ms - store_ms).max(0.0),
             "total_mean": g4_mean_ms,
+        }),
+    );
+    out.insert(
+        "peer_breakdown_ms".into(),
+        json!({
+            "peer_fetch_verify": peer_fetch_ms,
+            "g3_promote": peer_store_ms,
+            "client_read": (peer_mean_ms - peer_fetch_ms - peer_store_ms).max(0.0),
+            "total_mean": peer_mean_ms,
         }),
     );
     drop((na, nb, nc));
