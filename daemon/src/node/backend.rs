@@ -98,6 +98,26 @@ impl Backend for Node {
             Lookup::Hit(t) => t,
             Lookup::Miss(r) => return Ok(Lookup::Miss(r)),
         };
+        let promoted = self.take_promoted(ns, key);
+        // Just promoted: serve the bytes the fetcher verified, instead of
+        // reading the fresh G3 copy back.
+        if let Some(block) = promoted.as_ref().and_then(|p| p.block.clone()) {
+            let len = block.payload.len();
+            if dst.len() < HEADER_BYTES + len {
+                return Ok(Lookup::Miss(MissReason::Absent));
+            }
+            block
+                .header
+                .encode_into((&mut dst[..HEADER_BYTES]).try_into().map_err(|_| {
+                    Error::InvalidInput {
+                        what: "read buffer",
+                        reason: "shorter than a block header".into(),
+                    }
+                })?);
+            dst[HEADER_BYTES..HEADER_BYTES + len].copy_from_slice(&block.payload);
+            let tier = promoted.map(|p| p.tier).unwrap_or(from);
+            return Ok(Lookup::Hit((block.header.clone(), tier)));
+        }
         // A block larger than the caller's buffer is a miss (contract).
         if let Some(info) = self.g3.stat(ns, key) {
             if (dst.len() as u64) < info.file_len {
@@ -106,12 +126,9 @@ impl Backend for Node {
         }
         match self.g3.read_into(ns, key, dst)? {
             Lookup::Hit(h) => {
-                let tier = match from {
-                    Tier::G3 => self.take_promoted(ns, key),
-                    t => {
-                        self.take_promoted(ns, key);
-                        t
-                    }
+                let tier = match promoted {
+                    Some(p) => p.tier,
+                    None => from,
                 };
                 if tier == Tier::G3 {
                     self.on_g3_hit(ns, key);
@@ -141,12 +158,9 @@ impl Backend for Node {
             Ok(h) if h.namespace_id() == *ns && h.key == *key => h,
             _ => return Ok(Lookup::Miss(MissReason::Corrupt)),
         };
-        let tier = match from {
-            Tier::G3 => self.take_promoted(ns, key),
-            t => {
-                self.take_promoted(ns, key);
-                t
-            }
+        let tier = match self.take_promoted(ns, key) {
+            Some(p) => p.tier,
+            None => from,
         };
         if tier == Tier::G3 {
             self.on_g3_hit(ns, key);

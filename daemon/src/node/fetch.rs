@@ -13,6 +13,7 @@ use crate::peer::PeerLookup;
 use crate::tier::{Block, Lookup, MissReason, PutOutcome};
 use kvtier_client::{BlockKey, Hints, NamespaceId, Tier};
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::Instant;
 
 impl Node {
@@ -36,7 +37,7 @@ impl Node {
                 Some(PeerLookup::Hit { block, peer, .. }) => {
                     let fetch_us = t.elapsed().as_micros() as u64;
                     tracing::debug!(%ns, %key, peer = %peer.id, "onboard: fetched from a peer");
-                    return self.promote(ns, &block, Tier::Peer, fetch_us);
+                    return self.promote(ns, Arc::new(*block), Tier::Peer, fetch_us);
                 }
                 Some(PeerLookup::Miss { attempts }) => {
                     if attempts
@@ -55,7 +56,7 @@ impl Node {
             match g4.fetch(ns, key, left) {
                 Lookup::Hit(block) => {
                     let fetch_us = t.elapsed().as_micros() as u64;
-                    let r = self.promote(ns, &block, Tier::G4, fetch_us)?;
+                    let r = self.promote(ns, Arc::new(block), Tier::G4, fetch_us)?;
                     // It came from G4: never upload it again.
                     self.g3.mark_in_g4(ns, key);
                     return Ok(r);
@@ -72,7 +73,7 @@ impl Node {
     fn promote(
         &self,
         ns: &NamespaceId,
-        block: &Block,
+        block: Arc<Block>,
         from: Tier,
         fetch_us: u64,
     ) -> Result<Lookup<Tier>> {
@@ -99,7 +100,7 @@ impl Node {
                 block.header.payload_len,
             );
         }
-        self.remember_promoted(ns, &block.header.key, from);
+        self.remember_promoted(ns, block, from);
         Ok(Lookup::Hit(from))
     }
 }

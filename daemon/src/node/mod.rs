@@ -19,11 +19,13 @@
 //! so no `block_on` ever runs on a runtime thread.
 //!
 //! Architecture invariants:
-//! - Bytes reach a client only from G3 (`G3Store::read_into` verifies them,
-//!   or the client verifies a direct read against the header): a block found
-//!   on a peer or in G4 is fetched, verified by the fetcher, and promoted
-//!   into G3 first. A G4-only or peer-only read is therefore byte-identical
-//!   to what was stored, or a miss.
+//! - Bytes reach a client only verified: from G3 (`G3Store::read_into`
+//!   verifies them, or the client verifies a direct read against the
+//!   header), or, for the read right after a promotion, from the block the
+//!   fetcher verified (kept in a bounded memo). A block found on a peer or in
+//!   G4 is fetched, verified, and promoted into G3 before anything is
+//!   served. A G4-only or peer-only read is byte-identical to what was
+//!   stored, or a miss.
 //! - A lookup never reports a block the node cannot then try to serve:
 //!   `Peer` means a peer's header probe named this namespace and key, `G4`
 //!   means G4's existence cache or a HEAD said present. Both are hints: a
@@ -55,6 +57,18 @@ pub use peers::PeerSetup;
 
 /// Entries of the "promoted from" memo at most (see [`Node`]).
 const PROMOTED_MEMO_MAX: usize = 4096;
+/// Bytes of fetched blocks the memo keeps for the read that follows their
+/// promotion at most.
+const PROMOTED_MEMO_BYTES_MAX: u64 = 64 << 20;
+
+/// A recently promoted block: where it came from and, while the memo has
+/// room, its verified bytes (so the read that follows the promoting lease
+/// is served without reading the fresh G3 copy back).
+#[derive(Clone)]
+struct Promoted {
+    tier: Tier,
+    block: Option<Arc<crate::tier::Block>>,
+}
 
 /// Everything a [`Node`] is built from.
 #[derive(Debug, Clone)]
@@ -171,7 +185,7 @@ pub struct Node {
     events: Arc<RwLock<Option<EventBus>>>,
     /// Where recently promoted blocks came from, so the read that follows
     /// the promoting lease reports the tier that actually delivered them.
-    promoted: Mutex<HashMap<(NamespaceId, BlockKey), Tier>>,
+    promoted: Mutex<(HashMap<(NamespaceId, BlockKey), Promoted>, u64)>,
     leases: Mutex<HashMap<u64, Instant>>,
     pins: Mutex<HashMap<(NamespaceId, BlockKey), Instant>>,
     from_peer: PromoteCounters,
@@ -252,7 +266,7 @@ impl Node {
             heartbeat: Mutex::new(heartbeat),
             admission: cfg.admission,
             events,
-            promoted: Mutex::new(HashMap::new()),
+            promoted: Mutex::new((HashMap::new(), 0)),
             leases: Mutex::new(HashMap::new()),
             pins: Mutex::new(HashMap::new()),
             from_peer: PromoteCounters::default(),
@@ -322,22 +336,42 @@ impl Node {
         run_on(&self.handle, fut)
     }
 
-    fn remember_promoted(&self, ns: &NamespaceId, key: &BlockKey, tier: Tier) {
-        if let Ok(mut m) = self.promoted.lock() {
-            if m.len() >= PROMOTED_MEMO_MAX {
-                // Only a reporting nicety: forgetting reports G3 instead.
+    fn remember_promoted(&self, ns: &NamespaceId, block: Arc<crate::tier::Block>, tier: Tier) {
+        if let Ok(mut g) = self.promoted.lock() {
+            let (m, bytes) = &mut *g;
+            let len = block.payload.len() as u64;
+            if m.len() >= PROMOTED_MEMO_MAX || *bytes + len > PROMOTED_MEMO_BYTES_MAX {
+                // Only an optimization: forgotten entries read from G3 and
+                // report G3.
                 m.clear();
+                *bytes = 0;
             }
-            m.insert((*ns, *key), tier);
+            let keep = len <= PROMOTED_MEMO_BYTES_MAX;
+            if keep {
+                *bytes += len;
+            }
+            let key = (*ns, block.header.key);
+            let old = m.insert(
+                key,
+                Promoted {
+                    tier,
+                    block: keep.then_some(block),
+                },
+            );
+            if let Some(b) = old.and_then(|o| o.block) {
+                *bytes = bytes.saturating_sub(b.payload.len() as u64);
+            }
         }
     }
 
-    fn take_promoted(&self, ns: &NamespaceId, key: &BlockKey) -> Tier {
-        self.promoted
-            .lock()
-            .ok()
-            .and_then(|mut m| m.remove(&(*ns, *key)))
-            .unwrap_or(Tier::G3)
+    fn take_promoted(&self, ns: &NamespaceId, key: &BlockKey) -> Option<Promoted> {
+        let mut g = self.promoted.lock().ok()?;
+        let (m, bytes) = &mut *g;
+        let p = m.remove(&(*ns, *key))?;
+        if let Some(b) = &p.block {
+            *bytes = bytes.saturating_sub(b.payload.len() as u64);
+        }
+        Some(p)
     }
 
     /// Stops heartbeats, waits (bounded) for G4 uploads, closes G3.
