@@ -61,6 +61,9 @@ const PROMOTED_MEMO_MAX: usize = 4096;
 /// promotion at most.
 const PROMOTED_MEMO_BYTES_MAX: u64 = 64 << 20;
 
+/// Recently promoted blocks (the `u64` beside it counts their bytes).
+type PromotedMemo = HashMap<(NamespaceId, BlockKey), Promoted>;
+
 /// A recently promoted block: where it came from and, while the memo has
 /// room, its verified bytes (so the read that follows the promoting lease
 /// is served without reading the fresh G3 copy back).
@@ -185,7 +188,7 @@ pub struct Node {
     events: Arc<RwLock<Option<EventBus>>>,
     /// Where recently promoted blocks came from, so the read that follows
     /// the promoting lease reports the tier that actually delivered them.
-    promoted: Mutex<(HashMap<(NamespaceId, BlockKey), Promoted>, u64)>,
+    promoted: Mutex<(PromotedMemo, u64)>,
     leases: Mutex<HashMap<u64, Instant>>,
     pins: Mutex<HashMap<(NamespaceId, BlockKey), Instant>>,
     from_peer: PromoteCounters,
