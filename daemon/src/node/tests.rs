@@ -190,3 +190,47 @@ fn peer_lookup_and_fetch_in_process() {
     assert_eq!(f.peer.unwrap().hits, 1);
     assert!(matches!(read(&b, &absent.key), Lookup::Miss(_)));
 }
+
+#[test]
+fn peers_found_through_g4_heartbeats() {
+    let shared = tempfile::tempdir().unwrap();
+    let url = format!("file://{}", shared.path().display());
+    let secret = b"unit-peer-secret-0123456789".to_vec();
+    let open = |dir: &std::path::Path, id: &str| {
+        let mut c = NodeConfig::new(G3Config::new(dir.join("g3"), 64 << 20));
+        c.g4 = Some(G4Config::new(url.clone()));
+        c.peer = Some(PeerSetup {
+            cfg: crate::peer::PeerConfig {
+                enabled: true,
+                bind: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+                discovery: true,
+                secret_file: Some("/nonexistent/peer.secret".into()),
+                ..Default::default()
+            },
+            node_id: id.into(),
+            secret: secret.clone(),
+            corrupt_responses_for_tests: false,
+        });
+        Node::open(c).unwrap()
+    };
+    let (da, db) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let a = open(da.path(), "a");
+    // B reads the heartbeats at start: A is there, with no static list.
+    let b = open(db.path(), "b");
+    let id = ns().id();
+    let (h, p) = block(11);
+    // Ephemeral: never in G4, so only the peer can deliver it.
+    let eph = Hints {
+        ephemeral: true,
+        ..Hints::default()
+    };
+    a.offload(&id, &h, &p, None, eph).unwrap();
+    assert_eq!(b.lookup(&id, &[h.key]).unwrap(), vec![Tier::Peer]);
+    match read(&b, &h.key) {
+        Lookup::Hit((_, t, got)) => {
+            assert_eq!(t, Tier::Peer);
+            assert_eq!(got, p);
+        }
+        Lookup::Miss(r) => panic!("{r:?}"),
+    }
+}
