@@ -1059,11 +1059,49 @@ pub enum RecvError {
 /// collecting any file descriptors that arrive with it (at most
 /// [`FDS_MAX`]; extra ones are closed by being dropped).
 pub fn recv_frame(fd: RawFd, fds: &mut Vec<OwnedFd>) -> std::result::Result<Vec<u8>, RecvError> {
+    recv_frame_timed(fd, fds, None)
+}
+
+/// Sets a socket's receive timeout (SO_RCVTIMEO).
+pub fn set_recv_timeout(fd: RawFd, t: std::time::Duration) -> std::io::Result<()> {
+    let tv = libc::timeval {
+        tv_sec: t.as_secs().min(i32::MAX as u64) as libc::time_t,
+        tv_usec: t.subsec_micros() as libc::suseconds_t,
+    };
+    // SAFETY: valid fd, a timeval of the right size.
+    let r = unsafe {
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_RCVTIMEO,
+            &tv as *const libc::timeval as *const libc::c_void,
+            std::mem::size_of::<libc::timeval>() as libc::socklen_t,
+        )
+    };
+    if r != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Like [`recv_frame`], but once the first bytes of a frame arrived the
+/// rest must arrive within `body_timeout` (so a client that trickles a
+/// frame cannot hold a connection for the whole idle timeout per byte).
+/// The socket keeps `body_timeout` as its receive timeout afterwards.
+pub fn recv_frame_timed(
+    fd: RawFd,
+    fds: &mut Vec<OwnedFd>,
+    body_timeout: Option<std::time::Duration>,
+) -> std::result::Result<Vec<u8>, RecvError> {
     let mut len = [0u8; 4];
-    let got = recv_exact(fd, &mut len, fds, true)?;
+    let got = recv_exact(fd, &mut len[..1], fds, true)?;
     if got == 0 {
         return Err(RecvError::Closed);
     }
+    if let Some(t) = body_timeout {
+        set_recv_timeout(fd, t).map_err(RecvError::Io)?;
+    }
+    recv_exact(fd, &mut len[1..], fds, false)?;
     let n = u32::from_le_bytes(len) as usize;
     if !(FRAME_HEADER_BYTES..=FRAME_BYTES_MAX).contains(&n) {
         return Err(RecvError::TooLarge(n));
@@ -1243,6 +1281,20 @@ mod tests {
         let mut f = Request::Stats.encode(1);
         f[4] = 2; // version
         assert!(Request::decode(&f[4..]).is_err());
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn decoders_never_panic(body in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..512), op in 0u8..16) {
+            let mut framed = vec![PROTOCOL_VERSION, op, 0, 0, 1, 0, 0, 0];
+            framed.extend_from_slice(&body);
+            let _ = Request::decode(&framed);
+            let _ = Request::decode(&body);
+            for o in 1..=12u8 {
+                let _ = Response::decode(&body, o);
+                let _ = Response::decode(&framed, o);
+            }
+        }
     }
 
     #[test]

@@ -139,6 +139,7 @@ fn run() -> Result<()> {
             region_bytes_max: cfg.server.region_bytes_max,
             leases_per_conn_max: cfg.server.leases_per_conn_max,
             drain_timeout_ms: 10_000,
+            lease_ttl_max_ms: cfg.server.lease_ttl_max_ms,
         },
     )?;
     let stop = server.shutdown_handle();

@@ -123,12 +123,11 @@ fn fsync_failure_refuses_writes_until_restart() {
         ..FaultPlan::default()
     };
     let fe = Arc::new(FaultEngine::new(Arc::new(PreadEngine), plan));
-    let s = G3Store::open_with_engine(
-        common::cfg(dir.path(), EngineKind::Auto),
-        Box::new(Lru::new()),
-        fe,
-    )
-    .unwrap();
+    // The fault targets fdatasync, which O_DSYNC (Auto for small files)
+    // would skip.
+    let mut c = common::cfg(dir.path(), EngineKind::Auto);
+    c.sync_mode = kvtier_daemon::g3::SyncMode::Fdatasync;
+    let s = G3Store::open_with_engine(c, Box::new(Lru::new()), fe).unwrap();
     let ns = namespace(8192, "fsync").unwrap();
     let mut blocks = (0..5).map(|i| block(&ns, i));
     for _ in 0..2 {

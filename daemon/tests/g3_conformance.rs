@@ -66,3 +66,12 @@ fn conformance_through_fault_wrapper() {
         assert_eq!(fe.injected(), 0);
     }
 }
+
+#[test]
+fn conformance_odsync() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = common::cfg(dir.path(), EngineKind::Auto);
+    c.sync_mode = kvtier_daemon::g3::SyncMode::ODsync;
+    let s = G3Store::open(c, Box::new(Lru::new())).unwrap();
+    suite(&s, 65536 + 32);
+}

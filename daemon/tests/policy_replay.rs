@@ -112,6 +112,61 @@ fn agent_trace(seed: u64, requests: usize) -> Trace {
     Trace { requests: out }
 }
 
+/// Conversation-shaped, unlike the other two in every parameter the policy
+/// could have been fitted to: continuation gaps are Pareto (alpha 1.2,
+/// heavy-tailed), every turn continues with the same probability (no
+/// "long conversations go on" effect unless `survival_grows`), each
+/// request ends with a partial block that the next turn replaces, and a
+/// quarter of conversations start with one of 50 shared documents.
+fn pareto_conversations(seed: u64, requests: usize, survival_grows: bool) -> Trace {
+    let mut rng = Rng(seed);
+    let mut next_id = 10u64;
+    let docs: Vec<Vec<u64>> = (0..50u64)
+        .map(|d| (0..(2 + d % 7)).map(|i| 5_000_000 + d * 100 + i).collect())
+        .collect();
+    // Continuations due at a step: (chain without its partial block, turns).
+    let mut due: std::collections::BTreeMap<u64, Vec<(Vec<u64>, u32)>> = Default::default();
+    let mut out = Vec::new();
+    let mut step = 0u64;
+    while out.len() < requests {
+        let mut batch = due.remove(&step).unwrap_or_default();
+        if rng.below(100) < 70 {
+            let mut chain = vec![0u64];
+            if rng.below(4) == 0 {
+                // Popularity skewed towards the last documents.
+                let d = (rng.below(50 * 50) as f64).sqrt() as usize;
+                chain.extend(&docs[49 - d.min(49)]);
+            }
+            batch.push((chain, 0));
+        }
+        for (mut chain, turns) in batch {
+            for _ in 0..(1 + rng.below(20)) {
+                chain.push(next_id);
+                next_id += 1;
+            }
+            let mut ids = chain.clone();
+            ids.push(next_id);
+            next_id += 1;
+            out.push(req(ids));
+            let p = if survival_grows {
+                1.0 - 0.6 / (1.0 + f64::from(turns) * 0.5)
+            } else {
+                0.4
+            };
+            if (rng.below(1000) as f64) < p * 1000.0 {
+                let u = (rng.below(1 << 20) as f64 + 1.0) / f64::from(1 << 20);
+                let gap = (20.0 / u.powf(1.0 / 1.2)) as u64;
+                due.entry(step + 1 + gap)
+                    .or_default()
+                    .push((chain, turns + 1));
+            }
+        }
+        step += 1;
+    }
+    out.truncate(requests);
+    Trace { requests: out }
+}
+
 #[test]
 fn lru_replay_matches_naive_lru_exactly() {
     for (seed, cap) in [(1, 0), (2, 5), (3, 40), (4, 200), (5, 10_000)] {
@@ -128,7 +183,7 @@ fn lru_replay_matches_naive_lru_exactly() {
 
 fn check_not_worse(t: &Trace, what: &str) {
     let ceiling = t.ceiling_hit_ratio();
-    for f in [0.02, 0.05, 0.1, 0.25, 0.5, 1.0] {
+    for f in [0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0] {
         let cap = capacity_for_fraction(t, f);
         let lru = replay_dry(t, PolicyKind::Lru, cap).unwrap().hit_ratio();
         let def = replay_dry(t, PolicyKind::Default, cap).unwrap().hit_ratio();
@@ -149,6 +204,12 @@ fn check_not_worse(t: &Trace, what: &str) {
 fn default_not_worse_than_lru_on_synthetic_traces() {
     check_not_worse(&chat_trace(7, 3000), "chat");
     check_not_worse(&agent_trace(11, 3000), "agent");
+}
+
+#[test]
+fn default_not_worse_than_lru_on_pareto_conversations() {
+    check_not_worse(&pareto_conversations(3, 6000, false), "pareto");
+    check_not_worse(&pareto_conversations(5, 6000, true), "pareto-growing");
 }
 
 fn real_trace() -> Option<Trace> {
@@ -186,13 +247,13 @@ fn default_beats_lru_on_mooncake_trace() {
             def - lru
         );
         assert!(def >= lru - 0.003, "at {f}: default {def} < lru {lru}");
-        // Issue targets: +0.02 at 5% and at 10%. Measured +0.0225 at 5%
-        // but +0.012 at 10% (docs/BENCHMARKS.md), so 10% guards the
-        // measured gain, not the unmet target.
+        // Issue targets: +0.02 at 5% and at 10%. Measured +0.0258 at 5%
+        // but +0.0145 at 10% (docs/BENCHMARKS.md): 10% guards the measured
+        // gain, not the unmet target.
         let min_gain = if f == 0.05 {
             0.02
         } else if f == 0.1 {
-            0.01
+            0.012
         } else {
             0.0
         };

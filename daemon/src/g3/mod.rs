@@ -72,6 +72,22 @@ pub struct G3Config {
     pub lease_ttl_max_ms: u64,
     /// Bytes that pins may protect from eviction.
     pub pinned_budget_bytes: u64,
+    /// How block files are made durable.
+    pub sync_mode: SyncMode,
+}
+
+/// How a block file's data is made durable before its rename.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SyncMode {
+    /// As measured best here (docs/BENCHMARKS.md): `ODsync` for files that
+    /// fit one request (1 MiB), `Fdatasync` for larger ones.
+    #[default]
+    Auto,
+    /// One `fdatasync` after all chunks are written.
+    Fdatasync,
+    /// The temp file is opened `O_DSYNC`: every write request is durable
+    /// when it completes, no separate flush.
+    ODsync,
 }
 
 impl G3Config {
@@ -88,6 +104,7 @@ impl G3Config {
             leases_max: 65536,
             lease_ttl_max_ms: 60_000,
             pinned_budget_bytes: capacity_bytes / 2,
+            sync_mode: SyncMode::Auto,
         }
     }
 
@@ -653,6 +670,14 @@ impl G3Store {
         if self.direct_ok {
             flags |= libc::O_DIRECT;
         }
+        let dsync = match self.cfg.sync_mode {
+            SyncMode::ODsync => true,
+            SyncMode::Fdatasync => false,
+            SyncMode::Auto => header.file_len() <= CHUNK_BYTES as u64,
+        };
+        if dsync {
+            flags |= libc::O_DSYNC;
+        }
         let file = OpenOptions::new()
             .write(true)
             .create_new(true)
@@ -692,14 +717,26 @@ impl G3Store {
             .engine
             .write_file(file.as_raw_fd(), file_len, &mut bufs, &mut fill);
         self.pool.give(bufs);
-        wrote.map_err(|e| cleanup(Error::io("writing", &tmp, e)))?;
+        if let Err(e) = wrote {
+            let err = Error::io("writing", &tmp, e);
+            if dsync && !matches!(err, Error::NoSpace { .. }) {
+                // Under O_DSYNC a failed write may be a failed flush.
+                self.poison(format!("O_DSYNC write of {}: {err}", tmp.display()));
+            }
+            return Err(cleanup(err));
+        }
         if hasher.finalize().as_bytes() != &header.payload_blake3 {
             return Err(cleanup(Error::InvalidInput {
                 what: "payload",
                 reason: format!("checksum does not match the header of block {}", header.key),
             }));
         }
-        if let Err(e) = self.engine.sync_data(file.as_raw_fd()) {
+        let synced = if dsync {
+            Ok(())
+        } else {
+            self.engine.sync_data(file.as_raw_fd())
+        };
+        if let Err(e) = synced {
             let err = Error::io("flushing", &tmp, e);
             if !matches!(err, Error::NoSpace { .. }) {
                 self.poison(format!("fdatasync of {}: {err}", tmp.display()));
@@ -972,10 +1009,9 @@ impl G3Store {
     /// How many leading blocks of `chain` are present. Memory only: no disk
     /// access, no verification (a later read may still miss).
     pub fn lookup_prefix(&self, ns: &NamespaceId, chain: &[BlockKey]) -> usize {
-        self.mem
-            .read()
-            .map(|m| m.lookup_prefix(ns, chain))
-            .unwrap_or(0)
+        // Hash outside the lock; probe under it.
+        let ids = index::digests(ns, chain);
+        self.mem.read().map(|m| m.count_present(&ids)).unwrap_or(0)
     }
 
     /// A block's state, or `None` when absent. Reads one redb record.

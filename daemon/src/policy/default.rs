@@ -1,147 +1,229 @@
-//! The default policy: prefix-aware, frequency-weighted recency with hints.
+//! The default policy: prefix-aware recency, shifted by a reuse probability
+//! learned online per block class, with hints.
 //!
-//! Why this shape (measured on the Mooncake conversation trace, see
-//! docs/BENCHMARKS.md): recency is the strongest signal in KV traffic, so the
-//! score stays an LRU timestamp, and everything else *shifts* it in units of
-//! the cache's own lifetime (the most blocks ever tracked, i.e. how many
-//! insertions it takes for a block to age out under plain LRU):
+//! Why this shape (measured on the Mooncake conversation trace and on
+//! synthetic chat/agent/conversation shapes, see docs/BENCHMARKS.md):
+//! recency is the strongest single signal in KV traffic, so the score stays
+//! an LRU timestamp; what LRU lacks is knowing that most blocks (76% on
+//! Mooncake) are never used again while some kinds of blocks almost always
+//! are. So each block belongs to a *class* of observable features, the
+//! policy measures each class's reuse probability `p` as the traffic runs,
+//! and a block enters the recency order shifted by `ln(p / p_max)` mean
+//! reuse ages: under a reuse time that decays exponentially with the mean
+//! observed reuse age, `p * exp(-age / mean)` is the block's chance of
+//! another use, and ordering by it is ordering by `last + mean * ln(p)`.
+//! Nothing is fitted to a trace: the probabilities and the mean age are
+//! measured, and with one class (or equal probabilities) the order is LRU.
 //!
-//! - **Prefix-aware**: only leaves (blocks with no cached child) are eviction
-//!   candidates, so a parent can never go before its children; since every
-//!   request touches its chain root-first, a parent's score is never below
-//!   the children's that need it.
-//! - **Scan resistant**: a block that has never been hit enters `shift`
-//!   lifetimes "older" than now; most blocks of agent/chat traffic are used
-//!   once (76% on Mooncake), so they leave before proven blocks do, yet a
-//!   block reused soon is still kept (SLRU/S3-FIFO, which admit into a small
-//!   fixed queue, lose to LRU on this trace exactly because first reuses
-//!   come late).
-//! - **Frequency-aware**: a proven block gets `shift * log2(1 + hits)`
-//!   lifetimes of credit: the probability of another reuse grows with the
-//!   hits seen (0.24 fresh, 0.42 after one hit, 0.9 after six on Mooncake),
-//!   but only logarithmically, so an old hot block still ages out. Hit
-//!   counts outlive eviction in a ghost (TinyLFU's non-resident frequency),
-//!   so a hot prefix flushed by a scan returns with its credit.
-//! - **Self-tuning**: `shift` is chosen by miniature simulations of this
-//!   very policy on a 1-in-8 sample of ids, one per candidate shift
-//!   (0 = leaf-ordered LRU); the policy follows whichever has the most recent
-//!   hits, so it falls back to LRU where frequency does not pay.
+//! - **Classes** (all observable through the policy trait): hits so far
+//!   (0, 1, 2-3, 4-7, 8+); the chain's *generation* (how many times the
+//!   chain has been extended after a pause: a conversation's turn); the
+//!   length of the *burst* the block was stored in (blocks stored one after
+//!   another, each the parent of the next: one request's new blocks), and
+//!   whether the block *ended* its burst (a request's last, partial block,
+//!   which the next turn replaces instead of reusing). Bursts are inferred
+//!   from parent links, so the trait is unchanged.
+//! - **Learning**: every insert or hit starts a "stage" in the block's
+//!   class; a stage ends as a reuse when the block is hit, or when it comes
+//!   back after eviction while the ghost still remembers it. The ghost is
+//!   what makes the estimate honest: without it a class the policy evicts
+//!   early would never show its late reuses and would be evicted ever
+//!   earlier. Counts decay, so the classes follow the traffic.
+//! - **Ghost**: 32-bit fingerprints of departed blocks with their class and
+//!   last touch, in two generations of one lifetime (the most blocks ever
+//!   tracked) each: 12 bytes a slot instead of an id queue plus a map.
+//!   A returning block counts as hit once (it proved a reuse).
+//! - **Prefix-aware**: only leaves (blocks with no cached child) are
+//!   eviction candidates, so a parent can never go before its children.
 //! - **Hints**: ephemeral blocks form a band evicted before any other; each
 //!   priority step adds a lifetime of credit; pinned blocks are never
 //!   candidates while pinned, up to a pin budget (pins beyond it are treated
 //!   as maximum priority, never as pins).
+//!
+//! Interleaved requests in the daemon split bursts (a burst ends when a
+//! block's parent is not the block stored just before): the classes are
+//! then coarser, and the learned probabilities absorb it.
 
 use super::{BlockMeta, EvictionPolicy};
 use kvtier_client::Hints;
-use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeSet, HashMap};
 
 /// Default pin budget: the fraction of tracked blocks that may be pinned.
 /// Pins past it would let a misbehaving engine fill the tier with blocks
 /// that can never leave.
 pub const PIN_BUDGET_FRACTION: f64 = 0.5;
 
-/// Shifts the miniature simulations try, in lifetimes. 0 is plain
-/// (leaf-ordered) LRU, so the policy falls back to LRU wherever frequency
-/// does not pay; the grid is coarse on purpose (no fitting to one trace).
-const SHIFT_GRID_LIFETIMES: [f64; 4] = [0.0, 0.25, 0.5, 1.0];
-/// One id in this many feeds the miniature simulations (spatial sampling,
-/// as in SHARDS / miniature simulations, Waldspurger et al., ATC '17).
-const SAMPLE_ONE_IN: u64 = 8;
-/// Sampled events between two choices of the shift.
-const TUNE_EVERY_EVENTS: u64 = 1024;
+/// Hit-count buckets: 0, 1, 2-3, 4-7, 8+.
+const HIT_BUCKETS: usize = 5;
+/// Generation buckets: 0, 1, 2, 3+.
+const GEN_BUCKETS: usize = 4;
+/// Burst-length buckets: 0 = burst still open, then 1, 2-3, 4-7, 8-15, 16+.
+const BURST_BUCKETS: usize = 6;
+/// Burst length from which the bucket no longer changes: ids past it need
+/// not be remembered until the burst ends.
+const BURST_SATURATED: u32 = 16;
+/// Number of classes (hits x generation x burst end x burst length).
+const CLASSES: usize = HIT_BUCKETS * GEN_BUCKETS * 2 * BURST_BUCKETS;
+const _: () = assert!(CLASSES <= 256, "classes are stored in a u8");
+/// Events between two recomputations of the per-class shifts.
+const SHIFT_EVERY_EVENTS: u64 = 1024;
+/// Events between two decays of the statistics, and the decay factor: a
+/// half-life of about 280k events, long enough for rare classes to gather
+/// evidence, short enough to follow a change of traffic.
+const DECAY_EVERY_EVENTS: u64 = 4096;
+const DECAY: f64 = 0.99;
+/// Prior of every class: half a reuse in one stage (p = 0.5, no opinion).
+const PRIOR_REUSES: f64 = 0.5;
+const PRIOR_STAGES: f64 = 1.0;
+/// Floor of a class probability inside the logarithm (bounds the shift).
+const P_FLOOR: f64 = 1e-4;
 
-/// A scaled-down copy of this policy at one fixed shift, fed the sampled ids.
-#[derive(Debug)]
-struct MiniSim {
-    policy: DefaultPolicy,
-    /// Hits, halved at every choice so that old behaviour fades.
-    hits: f64,
+fn fingerprint(id: u64) -> u32 {
+    // splitmix64 finaliser: trace ids are sequential, real ones hashes.
+    let mut z = id.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    (z ^ (z >> 31)) as u32
 }
 
-/// Chooses the shift by replaying sampled ids through one miniature cache
-/// per candidate shift and following the one with most recent hits.
-#[derive(Debug)]
-struct Tuner {
-    sims: Vec<MiniSim>,
-    events: u64,
+fn hit_bucket(hits: u8) -> usize {
+    match hits {
+        0 => 0,
+        1 => 1,
+        2..=3 => 2,
+        4..=7 => 3,
+        _ => 4,
+    }
 }
 
-impl Tuner {
+fn burst_bucket(len: u32) -> u8 {
+    // 1 -> 1, 2-3 -> 2, 4-7 -> 3, 8-15 -> 4, 16+ -> 5.
+    (32 - len.leading_zeros()).min(BURST_BUCKETS as u32 - 1) as u8
+}
+
+/// Departed blocks: fingerprint -> (last touch, class), in two generations
+/// of at most one lifetime of departures each.
+#[derive(Debug, Default)]
+struct Ghost {
+    current: HashMap<u32, (u32, u8)>,
+    previous: HashMap<u32, (u32, u8)>,
+}
+
+impl Ghost {
+    fn remember(&mut self, id: u64, last_touch: u64, class: u8, lifetime: usize) {
+        if self.current.len() >= lifetime.max(1) {
+            self.previous = std::mem::take(&mut self.current);
+        }
+        self.current
+            .insert(fingerprint(id), (last_touch as u32, class));
+    }
+
+    fn take(&mut self, id: u64) -> Option<(u32, u8)> {
+        let fp = fingerprint(id);
+        self.current
+            .remove(&fp)
+            .or_else(|| self.previous.remove(&fp))
+    }
+}
+
+/// Per-class reuse statistics and the shifts derived from them.
+#[derive(Debug)]
+struct Learner {
+    stages: Vec<f64>,
+    reuses: Vec<f64>,
+    reuse_age_sum: f64,
+    reuse_count: f64,
+    /// `ln(p / p_max) * mean reuse age`, per class (<= 0).
+    shift: Vec<f64>,
+}
+
+impl Learner {
     fn new() -> Self {
         Self {
-            sims: SHIFT_GRID_LIFETIMES
-                .iter()
-                .map(|&shift| MiniSim {
-                    policy: DefaultPolicy::fixed(shift),
-                    hits: 0.0,
-                })
-                .collect(),
-            events: 0,
+            stages: vec![0.0; CLASSES],
+            reuses: vec![0.0; CLASSES],
+            reuse_age_sum: 0.0,
+            reuse_count: 0.0,
+            shift: vec![0.0; CLASSES],
         }
     }
 
-    fn sampled(id: u64) -> bool {
-        // splitmix64 finaliser: trace ids are sequential, real ones hashes.
-        let mut z = id.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        (z ^ (z >> 31)).is_multiple_of(SAMPLE_ONE_IN)
+    fn reuse(&mut self, class: u8, age: u64) {
+        self.reuses[usize::from(class)] += 1.0;
+        self.reuse_age_sum += age as f64;
+        self.reuse_count += 1.0;
     }
 
-    /// Feeds one reference; returns a new shift when it is time to choose.
-    fn observe(&mut self, id: u64, tracked: usize) -> Option<f64> {
-        if !Self::sampled(id) {
-            return None;
+    fn probability(&self, class: usize) -> f64 {
+        (self.reuses[class] + PRIOR_REUSES) / (self.stages[class] + PRIOR_STAGES)
+    }
+
+    fn recompute(&mut self, lifetime: f64) {
+        let mean_age = if self.reuse_count >= 1.0 {
+            self.reuse_age_sum / self.reuse_count
+        } else {
+            lifetime
+        };
+        let p_max = (0..CLASSES)
+            .map(|c| self.probability(c))
+            .fold(P_FLOOR, f64::max);
+        for c in 0..CLASSES {
+            let p = self.probability(c).max(P_FLOOR);
+            self.shift[c] = (p / p_max).ln() * mean_age;
         }
-        let capacity = (tracked as u64 / SAMPLE_ONE_IN).max(1) as usize;
-        for sim in &mut self.sims {
-            if sim.policy.entries.contains_key(&id) {
-                sim.hits += 1.0;
-                sim.policy.on_access(id);
-            } else {
-                while sim.policy.len() >= capacity {
-                    let Some(v) = sim.policy.victim(&mut |_| true) else {
-                        break;
-                    };
-                    sim.policy.on_remove(v);
-                }
-                sim.policy.on_insert(id, BlockMeta::default());
-            }
+    }
+
+    fn decay(&mut self) {
+        for v in self.stages.iter_mut().chain(self.reuses.iter_mut()) {
+            *v *= DECAY;
         }
-        self.events += 1;
-        if !self.events.is_multiple_of(TUNE_EVERY_EVENTS) {
-            return None;
-        }
-        // Most hits wins; ties go to the smaller shift (closer to LRU).
-        let mut best = 0;
-        for (i, sim) in self.sims.iter().enumerate() {
-            if sim.hits > self.sims[best].hits {
-                best = i;
-            }
-        }
-        let shift = SHIFT_GRID_LIFETIMES[best];
-        for sim in &mut self.sims {
-            sim.hits /= 2.0;
-        }
-        Some(shift)
+        self.reuse_age_sum *= DECAY;
+        self.reuse_count *= DECAY;
     }
 }
 
 #[derive(Debug, Clone, Copy)]
 struct Entry {
     parent: Option<u64>,
-    children: u32,
-    hits: u32,
     /// The clock at the last insert or hit.
     last: u64,
+    /// Score in the candidate set (band from `hints.ephemeral`).
+    key: i64,
+    /// `born` of the parent when linked: a parent removed and stored
+    /// again is another block, whose child count this one is not part of.
+    parent_born: u32,
+    /// The clock at insertion (truncated), naming this incarnation.
+    born: u32,
+    children: u32,
     hints: Hints,
+    hits: u8,
+    /// Generation bucket (see the module doc).
+    gen: u8,
+    /// Burst-length bucket, 0 while the burst is open.
+    burst: u8,
+    /// Ended its burst.
+    tail: bool,
     /// Counted against the pin budget (only honoured pins).
     pinned: bool,
-    /// The candidate-set key while this block is a candidate leaf.
-    key: (u8, i64),
+    class: u8,
 }
 
-/// The default eviction policy (`default`). O(log n) per operation.
+impl Entry {
+    fn class(&self) -> u8 {
+        let c = ((hit_bucket(self.hits) * GEN_BUCKETS + usize::from(self.gen)) * 2
+            + usize::from(self.tail))
+            * BURST_BUCKETS
+            + usize::from(self.burst);
+        c as u8
+    }
+
+    fn band(&self) -> u8 {
+        u8::from(!self.hints.ephemeral)
+    }
+}
+
+/// The default eviction policy (`default`). O(log n) per operation (plus
+/// O(number of classes) every [`SHIFT_EVERY_EVENTS`]).
 #[derive(Debug)]
 pub struct DefaultPolicy {
     clock: u64,
@@ -150,24 +232,17 @@ pub struct DefaultPolicy {
     candidates: BTreeSet<((u8, i64), u64)>,
     pinned_blocks: u64,
     pin_budget_blocks: Option<u64>,
-    /// Lifetimes by which frequency shifts recency (see the module doc).
-    shift: f64,
-    /// Chooses `shift`; `None` in the miniature copies themselves.
-    tuner: Option<Box<Tuner>>,
     /// Most blocks ever tracked: the lifetime unit (the tier's capacity
     /// once it has filled).
     peak_len: usize,
-    /// Hit counts of recently removed blocks (TinyLFU keeps frequency
-    /// beyond residency for the same reason: a hot block flushed by a scan
-    /// must come back as hot, not as a stranger). Bounded by
-    /// `GHOST_LIFETIMES * peak_len`.
-    ghost_hits: HashMap<u64, u32>,
-    ghost_order: VecDeque<u64>,
+    learner: Learner,
+    ghost: Ghost,
+    /// The last block stored, while its burst is open.
+    open_tail: Option<u64>,
+    /// Blocks of the open burst (up to [`BURST_SATURATED`]).
+    burst_ids: Vec<u64>,
+    burst_len: u32,
 }
-
-/// The ghost remembers this many lifetimes of departures (TinyLFU's
-/// frequency window is of the same order: ten times the cache).
-const GHOST_LIFETIMES: usize = 8;
 
 impl Default for DefaultPolicy {
     fn default() -> Self {
@@ -185,35 +260,12 @@ impl DefaultPolicy {
             candidates: BTreeSet::new(),
             pinned_blocks: 0,
             pin_budget_blocks: None,
-            shift: 0.0,
-            tuner: Some(Box::new(Tuner::new())),
             peak_len: 0,
-            ghost_hits: HashMap::new(),
-            ghost_order: VecDeque::new(),
-        }
-    }
-
-    /// A policy with a fixed shift (in lifetimes) and no tuning: the
-    /// miniature simulations, and experiments.
-    pub fn fixed(shift_lifetimes: f64) -> Self {
-        Self {
-            clock: 0,
-            entries: HashMap::new(),
-            candidates: BTreeSet::new(),
-            pinned_blocks: 0,
-            pin_budget_blocks: None,
-            shift: shift_lifetimes.max(0.0),
-            tuner: None,
-            peak_len: 0,
-            ghost_hits: HashMap::new(),
-            ghost_order: VecDeque::new(),
-        }
-    }
-
-    fn tune(&mut self, id: u64) {
-        let tracked = self.entries.len();
-        if let Some(shift) = self.tuner.as_mut().and_then(|t| t.observe(id, tracked)) {
-            self.shift = shift;
+            learner: Learner::new(),
+            ghost: Ghost::default(),
+            open_tail: None,
+            burst_ids: Vec::with_capacity(BURST_SATURATED as usize),
+            burst_len: 0,
         }
     }
 
@@ -225,14 +277,19 @@ impl DefaultPolicy {
         }
     }
 
-    /// The current frequency shift, in lifetimes (0 = leaf-ordered LRU).
-    pub fn shift_lifetimes(&self) -> f64 {
-        self.shift
-    }
-
     /// Blocks currently pinned (and honoured as pins).
     pub fn pinned_blocks(&self) -> u64 {
         self.pinned_blocks
+    }
+
+    /// The learned reuse probability of each class that has seen at least
+    /// `min_stages` stages, as (class index, stages, probability): for
+    /// diagnostics and tests.
+    pub fn class_probabilities(&self, min_stages: f64) -> Vec<(usize, f64, f64)> {
+        (0..CLASSES)
+            .filter(|&c| self.learner.stages[c] >= min_stages)
+            .map(|c| (c, self.learner.stages[c], self.learner.probability(c)))
+            .collect()
     }
 
     fn pin_budget(&self) -> u64 {
@@ -240,14 +297,24 @@ impl DefaultPolicy {
             .unwrap_or(((self.entries.len() as f64) * PIN_BUDGET_FRACTION).ceil() as u64)
     }
 
-    /// The score: recency shifted by frequency and priority, in lifetimes.
-    fn key_of(&self, e: &Entry) -> (u8, i64) {
-        let lifetime = self.peak_len.max(1) as f64;
-        let freq = if e.hits == 0 {
-            -self.shift
-        } else {
-            self.shift * f64::from(e.hits + 1).log2()
-        };
+    fn lifetime(&self) -> f64 {
+        self.peak_len.max(1) as f64
+    }
+
+    /// Advances the clock by one event; recomputes and decays on schedule.
+    fn tick(&mut self) {
+        self.clock += 1;
+        if self.clock.is_multiple_of(SHIFT_EVERY_EVENTS) {
+            let lifetime = self.lifetime();
+            self.learner.recompute(lifetime);
+        }
+        if self.clock.is_multiple_of(DECAY_EVERY_EVENTS) {
+            self.learner.decay();
+        }
+    }
+
+    /// The score: recency shifted by class and priority.
+    fn score(&self, e: &Entry) -> i64 {
         let prio = f64::from(e.hints.priority);
         // A pin refused for budget still counts as the highest priority.
         let prio = if e.hints.pinned && !e.pinned {
@@ -255,32 +322,74 @@ impl DefaultPolicy {
         } else {
             prio
         };
-        let score = e.last as f64 + lifetime * (freq + prio);
-        (u8::from(!e.hints.ephemeral), score as i64)
+        let shift = self.learner.shift[usize::from(e.class)];
+        (e.last as f64 + shift + self.lifetime() * prio) as i64
     }
 
     fn is_candidate(e: &Entry) -> bool {
         e.children == 0 && !e.pinned
     }
 
-    /// Recomputes `id`'s key (after a touch or a hint change) and its place
-    /// in the candidate set.
+    fn unlist(&mut self, id: u64) {
+        if let Some(e) = self.entries.get(&id) {
+            self.candidates.remove(&((e.band(), e.key), id));
+        }
+    }
+
+    /// Recomputes `id`'s class (moving its open stage along) and key, and
+    /// its place in the candidate set.
     fn refresh(&mut self, id: u64) {
-        let Some(e) = self.entries.get(&id).copied() else {
+        self.unlist(id);
+        let Some(mut e) = self.entries.get(&id).copied() else {
             return;
         };
-        self.candidates.remove(&(e.key, id));
-        let key = self.key_of(&e);
-        if let Some(slot) = self.entries.get_mut(&id) {
-            slot.key = key;
+        let class = e.class();
+        if class != e.class {
+            let old = &mut self.learner.stages[usize::from(e.class)];
+            *old = (*old - 1.0).max(0.0);
+            self.learner.stages[usize::from(class)] += 1.0;
+            e.class = class;
         }
+        e.key = self.score(&e);
         if Self::is_candidate(&e) {
-            self.candidates.insert((key, id));
+            self.candidates.insert(((e.band(), e.key), id));
         }
+        self.entries.insert(id, e);
+    }
+
+    /// Ends the open burst unless `continued_by` (the parent of the block
+    /// being stored) is its last block: the burst's blocks learn its length
+    /// and the last one that it ended the burst.
+    fn close_burst(&mut self, continued_by: Option<u64>) {
+        let Some(tail) = self.open_tail else {
+            return;
+        };
+        if continued_by == Some(tail) {
+            return;
+        }
+        self.open_tail = None;
+        let bucket = burst_bucket(self.burst_len);
+        let ids = std::mem::take(&mut self.burst_ids);
+        for &id in &ids {
+            if let Some(e) = self.entries.get_mut(&id) {
+                e.burst = bucket;
+                e.tail |= id == tail;
+            }
+            self.refresh(id);
+        }
+        if let Some(e) = self.entries.get_mut(&tail) {
+            e.burst = bucket;
+            e.tail = true;
+        }
+        self.refresh(tail);
+        self.burst_ids = ids;
+        self.burst_ids.clear();
+        self.burst_len = 0;
     }
 
     fn apply_hints(&mut self, id: u64, hints: Hints) {
         let budget = self.pin_budget();
+        self.unlist(id);
         let Some(e) = self.entries.get_mut(&id) else {
             return;
         };
@@ -307,83 +416,111 @@ impl EvictionPolicy for DefaultPolicy {
             self.on_access(id);
             return;
         }
-        self.tune(id);
-        self.clock += 1;
         let parent = meta.parent.filter(|p| self.entries.contains_key(p));
-        // A returning block is a re-reference: its old hits plus this one.
-        let hits = self
-            .ghost_hits
-            .remove(&id)
-            .map_or(0, |h| h.saturating_add(1));
-        let entry = Entry {
-            parent,
-            children: 0,
-            hits,
-            last: self.clock,
-            hints: Hints::default(),
-            pinned: false,
-            key: (0, 0),
+        let same_burst = parent.is_some() && parent == self.open_tail;
+        self.close_burst(parent);
+        self.tick();
+        // A returning block is a reuse the tier missed: its class learns
+        // it, and it comes back as hit once.
+        let hits = match self.ghost.take(id) {
+            Some((touched, class)) => {
+                let age = u64::from((self.clock as u32).wrapping_sub(touched));
+                self.learner.reuse(class, age);
+                1
+            }
+            None => 0,
         };
+        let (gen, parent_born) = parent
+            .and_then(|p| self.entries.get(&p))
+            .map_or((0, 0), |pe| {
+                let gen = if same_burst { pe.gen } else { pe.gen + 1 };
+                (gen.min(GEN_BUCKETS as u8 - 1), pe.born)
+            });
+        self.burst_len = self.burst_len.saturating_add(1);
+        let burst = if self.burst_len > BURST_SATURATED {
+            burst_bucket(self.burst_len)
+        } else {
+            self.burst_ids.push(id);
+            0
+        };
+        let mut entry = Entry {
+            parent,
+            last: self.clock,
+            key: 0,
+            parent_born,
+            born: self.clock as u32,
+            children: 0,
+            hints: Hints::default(),
+            hits,
+            gen,
+            burst,
+            tail: false,
+            pinned: false,
+            class: 0,
+        };
+        entry.class = entry.class();
+        self.learner.stages[usize::from(entry.class)] += 1.0;
         self.entries.insert(id, entry);
         self.peak_len = self.peak_len.max(self.entries.len());
         if let Some(p) = parent {
+            self.unlist(p);
             if let Some(pe) = self.entries.get_mut(&p) {
                 pe.children += 1;
-                let (key, was_leaf) = (pe.key, pe.children == 1);
-                if was_leaf {
-                    self.candidates.remove(&(key, p));
-                }
             }
         }
+        self.open_tail = Some(id);
         self.apply_hints(id, meta.hints);
         self.refresh(id);
     }
 
     fn on_access(&mut self, id: u64) {
-        if let Some(e) = self.entries.get_mut(&id) {
-            e.hits = e.hits.saturating_add(1);
-            self.clock += 1;
-            e.last = self.clock;
-            self.refresh(id);
-            self.tune(id);
+        if !self.entries.contains_key(&id) {
+            return;
         }
+        // A lookup starts a new request: whatever was being stored ended.
+        self.close_burst(None);
+        self.tick();
+        let clock = self.clock;
+        if let Some(e) = self.entries.get_mut(&id) {
+            self.learner.reuse(e.class, clock - e.last);
+            e.hits = e.hits.saturating_add(1);
+            e.last = clock;
+            // A new stage: the old class's was counted at the last touch.
+            let class = e.class();
+            e.class = class;
+            self.learner.stages[usize::from(class)] += 1.0;
+        }
+        self.refresh(id);
     }
 
     fn on_remove(&mut self, id: u64) {
+        self.unlist(id);
         let Some(e) = self.entries.remove(&id) else {
             return;
         };
-        self.candidates.remove(&(e.key, id));
         if e.pinned {
             self.pinned_blocks -= 1;
         }
-        // Every departure is remembered, hits or not: a block that returns
-        // within the ghost's reach has proved a reuse the tier missed.
-        if self.ghost_hits.insert(id, e.hits).is_none() {
-            self.ghost_order.push_back(id);
-            while self.ghost_order.len() > self.peak_len.max(1) * GHOST_LIFETIMES {
-                if let Some(old) = self.ghost_order.pop_front() {
-                    self.ghost_hits.remove(&old);
-                }
-            }
+        if self.open_tail == Some(id) {
+            self.close_burst(None);
         }
-        // Children that outlive their parent (a forced delete) become roots.
-        // Rare, so a scan is acceptable and keeps the entry small.
-        if e.children > 0 {
-            for c in self.entries.values_mut() {
-                if c.parent == Some(id) {
-                    c.parent = None;
-                }
-            }
-        }
+        let lifetime = self.peak_len;
+        self.ghost.remember(id, e.last, e.class, lifetime);
+        // Children that outlive their parent (a forced delete) keep a stale
+        // link; `parent_born` tells them apart from a re-stored parent, so
+        // nothing needs scanning here.
         if let Some(p) = e.parent {
-            if let Some(pe) = self.entries.get_mut(&p) {
-                pe.children = pe.children.saturating_sub(1);
+            let is_leaf_again = match self.entries.get_mut(&p) {
+                Some(pe) if pe.born == e.parent_born => {
+                    pe.children = pe.children.saturating_sub(1);
+                    pe.children == 0
+                }
+                _ => false,
+            };
+            if is_leaf_again {
                 // Back to a leaf: it competes with the score of its last
                 // touch, not a fresh one.
-                if pe.children == 0 && !pe.pinned {
-                    self.candidates.insert((pe.key, p));
-                }
+                self.refresh(p);
             }
         }
     }
@@ -394,10 +531,20 @@ impl EvictionPolicy for DefaultPolicy {
     }
 
     fn victim(&mut self, can_evict: &mut dyn FnMut(u64) -> bool) -> Option<u64> {
-        self.candidates
-            .iter()
-            .map(|&(_, id)| id)
-            .find(|&id| can_evict(id))
+        // The block just stored is spared while its burst may continue:
+        // evicting it would orphan the rest of the request.
+        let open = self.open_tail;
+        let mut spared = None;
+        for &(_, id) in &self.candidates {
+            if Some(id) == open {
+                spared = Some(id);
+                continue;
+            }
+            if can_evict(id) {
+                return Some(id);
+            }
+        }
+        spared.filter(|&id| can_evict(id))
     }
 
     fn len(&self) -> usize {
@@ -448,5 +595,88 @@ mod tests {
         p.on_hints(1, Hints::default());
         assert_eq!(p.pinned_blocks(), 0);
         assert_eq!(p.victim(&mut |_| true), Some(1));
+    }
+
+    #[test]
+    fn removing_a_parent_leaves_children_consistent() {
+        let mut p = DefaultPolicy::new();
+        p.on_insert(1, meta(None));
+        p.on_insert(2, meta(Some(1)));
+        // A forced delete of the parent, then the same id stored again.
+        p.on_remove(1);
+        p.on_insert(1, meta(None));
+        p.on_insert(3, meta(Some(1)));
+        // The orphan's departure must not touch the new parent's count.
+        p.on_remove(2);
+        assert_eq!(p.entries.get(&1).map(|e| e.children), Some(1));
+        p.on_remove(3);
+        assert_eq!(p.entries.get(&1).map(|e| e.children), Some(0));
+        assert_eq!(p.victim(&mut |_| true), Some(1));
+    }
+
+    #[test]
+    fn learns_that_burst_ends_are_not_reused() {
+        // Each turn re-reads the previous turn but its last block, then
+        // stores four new blocks: ends of bursts are never reused, the
+        // rest always (no evictions: the tier is large).
+        let mut p = DefaultPolicy::new();
+        let mut next = 1u64;
+        let mut prev: Vec<u64> = Vec::new();
+        for _ in 0..3000 {
+            let keep = prev.len().saturating_sub(1);
+            for &id in &prev[..keep] {
+                p.on_access(id);
+            }
+            let mut parent = prev[..keep].last().copied();
+            let mut ids = prev[..keep].to_vec();
+            for _ in 0..4 {
+                p.on_insert(next, meta(parent));
+                parent = Some(next);
+                ids.push(next);
+                next += 1;
+            }
+            // Conversations restart now and then, to bound chain depth.
+            prev = if ids.len() > 40 { Vec::new() } else { ids };
+        }
+        let classes = p.class_probabilities(100.0);
+        let is_tail = |c: usize| (c / BURST_BUCKETS) % 2 == 1;
+        assert!(classes.iter().any(|&(c, _, _)| is_tail(c)));
+        for (c, stages, prob) in classes {
+            eprintln!("class {c}: {stages:.0} stages, p {prob:.3}");
+            if is_tail(c) {
+                assert!(prob < 0.05, "tail class {c} learned p {prob}");
+            } else if c < BURST_BUCKETS * 2 * GEN_BUCKETS {
+                // Never hit yet, not a burst end: reused unless the
+                // conversation restarts (one turn in ten).
+                assert!(prob > 0.8, "reused class {c} learned p {prob}");
+            }
+        }
+    }
+
+    #[test]
+    fn per_block_state_stays_small() {
+        // The memory budget (docs/ARCHITECTURE.md): an entry, a map slot,
+        // a candidate-set key and at most two ghost slots per tracked block.
+        let entry = std::mem::size_of::<(u64, Entry)>();
+        let ghost_slot = std::mem::size_of::<(u32, (u32, u8))>();
+        eprintln!("entry slot {entry} B, ghost slot {ghost_slot} B");
+        assert!(entry <= 64, "entry slot {entry} B");
+        assert!(ghost_slot <= 12, "ghost slot {ghost_slot} B");
+    }
+
+    #[test]
+    fn burst_end_learns_the_tail_and_length() {
+        let mut p = DefaultPolicy::new();
+        p.on_insert(1, meta(None));
+        p.on_insert(2, meta(Some(1)));
+        p.on_insert(3, meta(Some(2)));
+        // A new request: its lookup closes the first burst.
+        p.on_access(1);
+        let e = |id| p.entries.get(&id).copied().unwrap();
+        assert!(e(3).tail && !e(2).tail);
+        assert_eq!(e(2).burst, burst_bucket(3));
+        // Storing after a hit: the next generation of the chain.
+        p.on_insert(4, meta(Some(2)));
+        assert_eq!(p.entries.get(&4).map(|e| e.gen), Some(1));
     }
 }

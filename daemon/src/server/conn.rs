@@ -96,7 +96,12 @@ impl Conn<'_> {
     /// Reads and decodes one request; `None` closes the connection (after
     /// an error reply where one is owed).
     fn next(&mut self, fds: &mut Vec<OwnedFd>) -> Option<(u32, Request)> {
-        let body = match proto::recv_frame(self.fd, fds) {
+        let idle = Duration::from_millis(self.sh.limits.idle_timeout_ms.max(1));
+        let io = Duration::from_millis(self.sh.limits.io_timeout_ms.max(1));
+        if proto::set_recv_timeout(self.fd, idle).is_err() {
+            return None;
+        }
+        let body = match proto::recv_frame_timed(self.fd, fds, Some(io)) {
             Ok(b) => b,
             Err(RecvError::Closed) => return None,
             Err(RecvError::TooLarge(n)) => {
@@ -197,7 +202,7 @@ impl Conn<'_> {
             version: proto::PROTOCOL_VERSION,
             session_id,
             keys_max: KEYS_MAX as u32,
-            lease_ttl_max_ms: u32::MAX,
+            lease_ttl_max_ms: self.sh.limits.lease_ttl_max_ms,
         };
         if !send(self.fd, &hello, proto::OP_HELLO, id, &[]) {
             return;

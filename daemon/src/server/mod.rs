@@ -44,6 +44,9 @@ pub struct ServerLimits {
     pub leases_per_conn_max: usize,
     /// How long shutdown waits for requests in flight.
     pub drain_timeout_ms: u64,
+    /// Longest lease (told to clients in the hello reply; the backend
+    /// enforces it).
+    pub lease_ttl_max_ms: u32,
 }
 
 impl Default for ServerLimits {
@@ -55,6 +58,7 @@ impl Default for ServerLimits {
             region_bytes_max: 4 << 30,
             leases_per_conn_max: 4096,
             drain_timeout_ms: 10_000,
+            lease_ttl_max_ms: 30_000,
         }
     }
 }

@@ -11,7 +11,7 @@ use clap::Args;
 use kvtier_client::{BlockHeader, BlockKey, KvLayout, Namespace};
 use kvtier_daemon::g3::engine::{AlignedBuf, EngineKind};
 use kvtier_daemon::g3::index::{digest, Entry, MemIndex};
-use kvtier_daemon::g3::{G3Config, G3Store, PutMeta};
+use kvtier_daemon::g3::{G3Config, G3Store, PutMeta, SyncMode};
 use kvtier_daemon::policy::{BlockMeta, EvictionPolicy, Lru};
 use kvtier_daemon::tier::Lookup;
 use serde_json::{json, Map, Value};
@@ -47,6 +47,9 @@ pub struct G3Args {
     /// Blocks written for the recovery figure (8 KiB files).
     #[arg(long, default_value_t = 20_000)]
     recovery_blocks: usize,
+    /// Durability of block files: auto, fdatasync or odsync.
+    #[arg(long, default_value = "auto")]
+    sync: String,
     /// One JSON document on stdout.
     #[arg(long)]
     json: bool,
@@ -61,8 +64,14 @@ fn engine_kind(s: &str) -> Result<EngineKind> {
     })
 }
 
-fn open_store(root: &Path, depth: usize, engine: EngineKind) -> Result<Arc<G3Store>> {
+fn open_store(
+    root: &Path,
+    depth: usize,
+    engine: EngineKind,
+    sync: SyncMode,
+) -> Result<Arc<G3Store>> {
     let mut c = G3Config::new(root, 1 << 50);
+    c.sync_mode = sync;
     c.io_depth = depth.clamp(1, 256);
     c.buffer_pool_bytes = (depth as u64 * 4) << 20;
     c.engine = engine;
@@ -87,10 +96,11 @@ fn g3_round(
     n: usize,
     depth: usize,
     engine: EngineKind,
+    sync: SyncMode,
     round: usize,
 ) -> Result<(f64, f64, Vec<f64>, &'static str)> {
     let _ = std::fs::remove_dir_all(root);
-    let store = open_store(root, depth, engine)?;
+    let store = open_store(root, depth, engine, sync)?;
     let ns = Namespace::new(
         "bench",
         KvLayout::with_block_bytes(size)?,
@@ -178,7 +188,13 @@ pub fn payload(len: usize) -> Vec<u8> {
         .collect()
 }
 
-fn size_report(a: &G3Args, tmp: &Path, size: u64, engine: EngineKind) -> Result<Value> {
+fn size_report(
+    a: &G3Args,
+    tmp: &Path,
+    size: u64,
+    engine: EngineKind,
+    sync: SyncMode,
+) -> Result<Value> {
     let file_len = (4096 + size.div_ceil(4096) * 4096) as usize;
     let n = a
         .blocks
@@ -189,7 +205,7 @@ fn size_report(a: &G3Args, tmp: &Path, size: u64, engine: EngineKind) -> Result<
     let mut cold = true;
     for round in 0..a.rounds.max(1) {
         eprintln!("g3 bench: {size} B x {n}, round {}/{}", round + 1, a.rounds);
-        let (gw, gr, lat, e) = g3_round(&tmp.join("store"), size, n, a.depth, engine, round)?;
+        let (gw, gr, lat, e) = g3_round(&tmp.join("store"), size, n, a.depth, engine, sync, round)?;
         engine_name = e;
         w.push(gw);
         r.push(gr);
@@ -212,6 +228,7 @@ fn size_report(a: &G3Args, tmp: &Path, size: u64, engine: EngineKind) -> Result<
     m.insert("depth".into(), json!(a.depth));
     m.insert("rounds".into(), json!(a.rounds));
     m.insert("engine".into(), json!(engine_name));
+    m.insert("sync".into(), json!(format!("{sync:?}")));
     m.insert("cold_reads".into(), json!(cold));
     compare(&mut m, "write_gbps", median(&w), median(&bw));
     compare(&mut m, "read_gbps", median(&r), median(&br));
@@ -273,9 +290,12 @@ fn lookup_report(n: usize) -> Value {
                 flags: 0,
             },
         );
-        lru.on_insert(id, BlockMeta::default());
     }
     let rss1 = rss_bytes();
+    for id in mem.map.keys() {
+        lru.on_insert(*id, BlockMeta::default());
+    }
+    let rss2 = rss_bytes();
     let key_of =
         |i: usize| BlockKey::from_digest(*blake3::hash(&(i as u64).to_le_bytes()).as_bytes());
     let base: std::collections::HashSet<(kvtier_client::NamespaceId, BlockKey)> =
@@ -311,15 +331,22 @@ fn lookup_report(n: usize) -> Value {
         "lookup_p99_us": percentile(&lat, 99.0),
         "lookup_p99_us_hashset": percentile(&blat, 99.0),
         "index_ram_bytes_per_block": (rss1.saturating_sub(rss0)) as f64 / n.max(1) as f64,
+        "lru_policy_ram_bytes_per_block": (rss2.saturating_sub(rss1)) as f64 / n.max(1) as f64,
     })
 }
 
 /// Recovery time of `n` indexed blocks (cold cache), beside a bare walk of
 /// the same directory tree (the floor any file-scanning recovery pays).
-fn recovery_report(tmp: &Path, n: usize, depth: usize, engine: EngineKind) -> Result<Value> {
+fn recovery_report(
+    tmp: &Path,
+    n: usize,
+    depth: usize,
+    engine: EngineKind,
+    sync: SyncMode,
+) -> Result<Value> {
     let root = tmp.join("recovery");
     let _ = std::fs::remove_dir_all(&root);
-    let store = open_store(&root, depth, engine)?;
+    let store = open_store(&root, depth, engine, sync)?;
     let ns = Namespace::new(
         "bench",
         KvLayout::with_block_bytes(4096)?,
@@ -349,7 +376,7 @@ fn recovery_report(tmp: &Path, n: usize, depth: usize, engine: EngineKind) -> Re
     drop(store);
     let cold = drop_page_cache();
     let t = Instant::now();
-    let store = open_store(&root, depth, engine)?;
+    let store = open_store(&root, depth, engine, sync)?;
     let ms = t.elapsed().as_secs_f64() * 1e3;
     let rep = store.recovery.lock().map(|r| r.clone()).unwrap_or_default();
     drop(store);
@@ -378,6 +405,12 @@ fn recovery_report(tmp: &Path, n: usize, depth: usize, engine: EngineKind) -> Re
 /// Runs the benchmark.
 pub fn run(a: G3Args) -> Result<()> {
     let engine = engine_kind(&a.engine)?;
+    let sync = match a.sync.as_str() {
+        "auto" => SyncMode::Auto,
+        "fdatasync" => SyncMode::Fdatasync,
+        "odsync" | "o_dsync" => SyncMode::ODsync,
+        s => anyhow::bail!("--sync is auto, fdatasync or odsync, not {s:?}"),
+    };
     std::fs::create_dir_all(&a.dir).with_context(|| format!("creating {}", a.dir.display()))?;
     let tmp = tempfile::Builder::new()
         .prefix("kvtier-bench-g3")
@@ -389,12 +422,12 @@ pub fn run(a: G3Args) -> Result<()> {
     };
     let mut per_size = Vec::new();
     for s in sizes {
-        per_size.push(size_report(&a, tmp.path(), s, engine)?);
+        per_size.push(size_report(&a, tmp.path(), s, engine, sync)?);
     }
     eprintln!("g3 bench: lookup with {} blocks indexed", a.lookup_blocks);
     let lookup = lookup_report(a.lookup_blocks);
     eprintln!("g3 bench: recovery of {} blocks", a.recovery_blocks);
-    let recovery = recovery_report(tmp.path(), a.recovery_blocks, a.depth, engine)?;
+    let recovery = recovery_report(tmp.path(), a.recovery_blocks, a.depth, engine, sync)?;
     let report = json!({
         "bench": "g3",
         "dir": a.dir.display().to_string(),

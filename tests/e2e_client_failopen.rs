@@ -1,0 +1,131 @@
+//! The client against a hostile or stuck daemon (an in-process fake speaking
+//! the real protocol on a real socket): corrupt bytes are a `Corrupt` miss,
+//! a silent daemon is a `Timeout` miss within the deadline, never a hang.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use kvtier_client::block::HEADER_BYTES;
+use kvtier_client::proto::{self, ItemStatus, OnboardResult, Request, Response};
+use kvtier_client::shm::Region;
+use kvtier_client::{
+    BlockHeader, BlockKey, Client, ClientConfig, KvLayout, MissCause, Namespace, Onboarded, Tier,
+};
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixListener;
+use std::time::{Duration, Instant};
+
+const BLOCK: usize = 8192;
+
+fn ns() -> Namespace {
+    Namespace::new(
+        "m",
+        KvLayout::with_block_bytes(BLOCK as u64).unwrap(),
+        "",
+        "",
+    )
+    .unwrap()
+}
+
+/// Serves one connection: hello, then answers every onboard with a block
+/// whose payload is altered after its header was sealed (`corrupt`), or
+/// never answers at all (`!corrupt`).
+fn fake_daemon(l: UnixListener, corrupt: bool) {
+    let (s, _) = l.accept().unwrap();
+    let fd = s.as_raw_fd();
+    let mut fds = Vec::new();
+    let body = proto::recv_frame(fd, &mut fds).unwrap();
+    let (id, Request::Hello { shm_bytes, .. }) = Request::decode(&body).unwrap() else {
+        panic!("no hello")
+    };
+    let region = Region::adopt(fds.pop().unwrap(), shm_bytes).unwrap();
+    let hello = Response::Hello {
+        version: 1,
+        session_id: 1,
+        keys_max: 4096,
+        lease_ttl_max_ms: 1000,
+    };
+    proto::send_frame(fd, &hello.encode(proto::OP_HELLO, id), &[]).unwrap();
+    loop {
+        let Ok(body) = proto::recv_frame(fd, &mut fds) else {
+            return;
+        };
+        let (id, req) = Request::decode(&body).unwrap();
+        if !corrupt {
+            std::thread::sleep(Duration::from_secs(3));
+            return;
+        }
+        let Request::Onboard { items, .. } = req else {
+            return;
+        };
+        let mut out = Vec::new();
+        for it in items {
+            let payload = vec![7u8; BLOCK];
+            let h = BlockHeader::for_payload(&ns(), it.key, &payload, 1);
+            let mut hb = [0u8; HEADER_BYTES];
+            h.encode_into(&mut hb);
+            region.write(it.shm_offset, &hb);
+            let mut bad = payload.clone();
+            bad[100] ^= 0x40; // one flipped bit
+            region.write(it.shm_offset + HEADER_BYTES as u64, &bad);
+            out.push(OnboardResult {
+                status: ItemStatus::Ok,
+                tier: Tier::G3,
+                lease_id: 0,
+                payload_len: h.payload_len,
+                payload_blake3: h.payload_blake3,
+                fd_index: u32::MAX,
+                file_offset: 0,
+            });
+        }
+        let r = Response::Onboard { items: out };
+        proto::send_frame(fd, &r.encode(proto::OP_ONBOARD, id), &[]).unwrap();
+    }
+}
+
+fn client(sock: &std::path::Path) -> Client {
+    let mut c = ClientConfig::new(sock);
+    c.region_bytes = 1 << 20;
+    c.timeout_ms = 300;
+    Client::with_config(c)
+}
+
+#[test]
+fn corrupt_bytes_from_the_daemon_are_a_corrupt_miss() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("s");
+    let l = UnixListener::bind(&sock).unwrap();
+    let t = std::thread::spawn(move || fake_daemon(l, true));
+    let c = client(&sock);
+    let mut buf = vec![0u8; BLOCK];
+    let r = c
+        .namespace(&ns())
+        .onboard_into(&[BlockKey::from_u64(1)], &mut [&mut buf[..]]);
+    assert!(
+        matches!(&r[0], Onboarded::Miss(m) if m.cause == MissCause::Corrupt),
+        "{r:?}"
+    );
+    drop(c);
+    t.join().unwrap();
+}
+
+#[test]
+fn a_silent_daemon_is_a_timeout_miss_within_the_deadline() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("s");
+    let l = UnixListener::bind(&sock).unwrap();
+    let t = std::thread::spawn(move || fake_daemon(l, false));
+    let c = client(&sock);
+    let keys = [BlockKey::from_u64(1)];
+    let start = Instant::now();
+    let l = c.namespace(&ns()).lookup(&keys);
+    let took = start.elapsed();
+    assert_eq!(l.prefix_len(), 0);
+    assert_eq!(l.miss.as_ref().unwrap().cause, MissCause::Timeout, "{l:?}");
+    assert!(took < Duration::from_millis(1500), "{took:?}");
+    // No daemon at all: Unavailable, at once.
+    drop(t);
+    let c = client(&dir.path().join("nobody"));
+    let start = Instant::now();
+    let l = c.namespace(&ns()).lookup(&keys);
+    assert_eq!(l.miss.unwrap().cause, MissCause::Unavailable);
+    assert!(start.elapsed() < Duration::from_millis(500));
+}
