@@ -350,3 +350,32 @@ fn bench_crossnode_json_contract() {
         .collect();
     assert_eq!(vs.len(), 2, "{vs:?}");
 }
+
+#[test]
+fn uploads_lost_to_a_crash_are_requeued_at_restart() {
+    let Some(mut s3) = s3_or_skip("uploads_lost_to_a_crash_are_requeued_at_restart") else {
+        return;
+    };
+    let cfg_dir = tempfile::tempdir().unwrap();
+    let conf = write_config(cfg_dir.path(), &s3, None);
+    let mut a = Daemon::start_with(&["--config".into(), conf.clone()], &[]);
+    // The object store is down: offloads succeed on G3, uploads cannot.
+    s3.kill();
+    let (keys, data) = offload(&a, 6, 3);
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(g4_stat(&a, "uploads_stored"), 0.0);
+    // The daemon dies with its upload jobs; the store comes back.
+    a.kill9();
+    s3.restart().unwrap();
+    a.restart();
+    // At start the node re-queues every block not yet marked safe in G4.
+    wait_metric(
+        &a,
+        "kvtier_g4",
+        &[("stat", "uploads_stored")],
+        3.0,
+        Duration::from_secs(30),
+    );
+    let b = Daemon::start_with(&["--config".into(), conf], &[]);
+    assert_eq!(onboard_verified(&b, &keys, &data), vec![Tier::G4; 3]);
+}

@@ -50,7 +50,12 @@ impl Node {
                 None => reason = MissReason::Unavailable,
             }
         }
-        if let Some(g4) = &self.g4 {
+        // A fresh "absent" from G4's existence cache saves a GET per miss.
+        if let Some(g4) = self
+            .g4
+            .as_ref()
+            .filter(|g| g.contains_cached(ns, key) != Some(false))
+        {
             let left = deadline.saturating_duration_since(Instant::now());
             let t = Instant::now();
             match g4.fetch(ns, key, left) {
