@@ -9,12 +9,17 @@
 //! `fanout_max` peers in rendezvous order; the first that answers with a
 //! header naming this namespace and key wins. No payload moves at lookup
 //! time. G4 is asked through its existence cache first, then one HEAD.
-//! Both answers are hints: the onboard verifies what it fetches.
+//! Both answers are hints: the onboard verifies what it fetches. Up to 16
+//! blocks are asked about at once; answers are taken in chain order.
 
 use super::Node;
 use crate::error::Result;
 use kvtier_client::{BlockKey, NamespaceId, Tier};
 use std::time::Instant;
+
+/// Blocks asked about at once past the local prefix (each asks up to
+/// `fanout_max` peers and G4).
+const LOOKUP_PARALLEL: usize = 16;
 
 impl Node {
     pub(super) fn locate(&self, ns: &NamespaceId, chain: &[BlockKey]) -> Result<Vec<Tier>> {
@@ -30,30 +35,35 @@ impl Node {
         let fanout = self.peer_fanout;
         let (ns2, g3) = (*ns, self.g3.clone());
         let found = self.run_async(async move {
-            let mut out = Vec::new();
-            for key in rest {
-                if Instant::now() >= deadline {
-                    break;
-                }
-                // A block promoted meanwhile (another client onboarded it).
-                if g3.lookup_prefix(&ns2, std::slice::from_ref(&key)) == 1 {
-                    out.push(Tier::G3);
-                    continue;
-                }
-                if let Some(set) = &peers {
-                    let order: Vec<_> = set.order(&ns2, &key).into_iter().take(fanout).collect();
-                    let probes = order.iter().map(|p| {
-                        let client = set.client().clone();
-                        let addr = p.address.clone();
-                        async move { client.probe(&addr, &ns2, &key, deadline).await }
-                    });
-                    let answers = futures::future::join_all(probes).await;
-                    if answers.into_iter().any(|a| a) {
-                        out.push(Tier::Peer);
-                        continue;
+            use futures::StreamExt;
+            // Where one block is, or `None` when nowhere (or too late).
+            let where_is = |key: BlockKey| {
+                let (peers, g4, g3) = (peers.clone(), g4.clone(), g3.clone());
+                async move {
+                    if Instant::now() >= deadline {
+                        return None;
                     }
-                }
-                if let Some(g4) = &g4 {
+                    // A block promoted meanwhile (another client onboarded it).
+                    if g3.lookup_prefix(&ns2, std::slice::from_ref(&key)) == 1 {
+                        return Some(Tier::G3);
+                    }
+                    if let Some(set) = &peers {
+                        let order: Vec<_> =
+                            set.order(&ns2, &key).into_iter().take(fanout).collect();
+                        let probes = order.iter().map(|p| {
+                            let client = set.client().clone();
+                            let addr = p.address.clone();
+                            async move { client.probe(&addr, &ns2, &key, deadline).await }
+                        });
+                        if futures::future::join_all(probes)
+                            .await
+                            .into_iter()
+                            .any(|a| a)
+                        {
+                            return Some(Tier::Peer);
+                        }
+                    }
+                    let g4 = g4.as_ref()?;
                     let present = match g4.contains_cached(&ns2, &key) {
                         Some(p) => p,
                         None => tokio::time::timeout_at(
@@ -65,12 +75,17 @@ impl Node {
                         .and_then(|r| r.ok())
                         .unwrap_or(false),
                     };
-                    if present {
-                        out.push(Tier::G4);
-                        continue;
-                    }
+                    present.then_some(Tier::G4)
                 }
-                break;
+            };
+            // Several blocks asked at once, answers taken in chain order; the
+            // first gap ends the prefix (and drops the questions after it).
+            let mut answers = futures::stream::iter(rest)
+                .map(where_is)
+                .buffered(LOOKUP_PARALLEL);
+            let mut out = Vec::new();
+            while let Some(Some(t)) = answers.next().await {
+                out.push(t);
             }
             out
         });
