@@ -79,6 +79,26 @@ addr = "127.0.0.1:9477"
 [log]
 # tracing filter (RUST_LOG syntax); RUST_LOG overrides it.
 level = "info"
+
+[mount]
+# FUSE view of the store (docs/FS.md); "" = not mounted. --mount DIR overrides.
+dir = ""
+# Let users other than the daemon's in (needs root or user_allow_other).
+allow_other = false
+# Refuse imports (cp), rm and setfattr with EROFS.
+read_only = false
+# Owner shown for files and directories (default: the daemon's uid/gid).
+# uid = 1000
+# gid = 1000
+# Permission bits of block files and directories (octal strings).
+file_mode = "0444"
+dir_mode = "0755"
+# FUSE passthrough (kernel reads block files directly): auto | off | required.
+passthrough = "auto"
+# Verify a block's checksum once at open (a buffered read that also warms
+# the page cache for the passthrough read). Off: passthrough reads are not
+# checksummed by kvtier (the fallback path always verifies).
+verify_on_open = true
 "#;
 
 fn de_size<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<u64, D::Error> {
@@ -284,6 +304,8 @@ pub struct Config {
     pub metrics: MetricsSection,
     /// `[log]`.
     pub log: LogSection,
+    /// `[mount]`.
+    pub mount: MountSection,
 }
 
 /// The default data directory: `$XDG_STATE_HOME/kvtier`, else
@@ -342,6 +364,91 @@ impl Default for LogSection {
         LogSection {
             level: "info".into(),
         }
+    }
+}
+
+/// FUSE passthrough selection of `[mount]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PassthroughMode {
+    /// Use it when the kernel and privileges allow; else fall back.
+    Auto,
+    /// Never (every read through the daemon).
+    Off,
+    /// Refuse to start without it.
+    Required,
+}
+
+/// `[mount]`: the FUSE view of the store.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MountSection {
+    /// Mount point; empty = no mount.
+    pub dir: PathBuf,
+    /// `allow_other`.
+    pub allow_other: bool,
+    /// Read-only mount.
+    pub read_only: bool,
+    /// Owner shown (default: the daemon's uid).
+    pub uid: Option<u32>,
+    /// Group shown (default: the daemon's gid).
+    pub gid: Option<u32>,
+    /// Octal permission bits of block files.
+    pub file_mode: String,
+    /// Octal permission bits of directories.
+    pub dir_mode: String,
+    /// Passthrough selection.
+    pub passthrough: PassthroughMode,
+    /// Verify each block once at open.
+    pub verify_on_open: bool,
+}
+
+impl Default for MountSection {
+    fn default() -> Self {
+        MountSection {
+            dir: PathBuf::new(),
+            allow_other: false,
+            read_only: false,
+            uid: None,
+            gid: None,
+            file_mode: "0444".into(),
+            dir_mode: "0755".into(),
+            passthrough: PassthroughMode::Auto,
+            verify_on_open: true,
+        }
+    }
+}
+
+fn octal_bits(key: &str, v: &str) -> Result<u16> {
+    let m = u16::from_str_radix(v.trim_start_matches("0o"), 8)
+        .map_err(|_| bad(key, format!("{v:?} is not an octal mode like \"0444\"")))?;
+    if m > 0o777 {
+        return Err(bad(key, "must be at most 0777"));
+    }
+    Ok(m)
+}
+
+impl MountSection {
+    /// Whether a mount is configured.
+    pub fn enabled(&self) -> bool {
+        !self.dir.as_os_str().is_empty()
+    }
+
+    /// `file_mode` as bits.
+    pub fn file_mode_bits(&self) -> Result<u16> {
+        octal_bits("mount.file_mode", &self.file_mode)
+    }
+
+    /// `dir_mode` as bits.
+    pub fn dir_mode_bits(&self) -> Result<u16> {
+        octal_bits("mount.dir_mode", &self.dir_mode)
+    }
+
+    /// Checks every value.
+    pub fn validate(&self) -> Result<()> {
+        self.file_mode_bits()?;
+        self.dir_mode_bits()?;
+        Ok(())
     }
 }
 
@@ -480,6 +587,7 @@ impl Config {
                 ),
             ));
         }
+        self.mount.validate()?;
         Ok(())
     }
 }
@@ -524,6 +632,14 @@ mod tests {
         assert!(e.to_string().contains("12XB"), "{e}");
         let e = Config::from_toml("[server]\nsokcet = \"x\"\n").unwrap_err();
         assert!(e.to_string().contains("sokcet"), "{e}");
+        let e = Config::from_toml("[mount]\npassthrough = \"sometimes\"\n").unwrap_err();
+        assert!(e.to_string().contains("sometimes"), "{e}");
+        let c = Config::from_toml("[mount]\nfile_mode = \"999\"\n").unwrap();
+        assert!(c
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("mount.file_mode"));
         let c = Config::from_toml("[metrics]\naddr = \"nope\"\n").unwrap();
         let e = c.validate().unwrap_err();
         assert!(e.to_string().contains("metrics.addr"), "{e}");

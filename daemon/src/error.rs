@@ -111,6 +111,9 @@ pub enum Error {
     /// An error from the client crate (format, keys, protocol).
     #[error(transparent)]
     Client(#[from] kvtier_client::Error),
+    /// Mounting or serving the filesystem view failed (kvtier-fs).
+    #[error("mount: {0}")]
+    Mount(Box<kvtier_fs::Error>),
 }
 
 impl Error {

@@ -13,6 +13,7 @@ pub mod events;
 pub mod g3;
 pub mod g4;
 pub mod metrics;
+pub mod mount;
 pub mod node;
 pub mod peer;
 pub mod policy;

@@ -51,6 +51,9 @@ struct Args {
     /// This node's id (overrides peer.node_id; default: the hostname).
     #[arg(long)]
     node_id: Option<String>,
+    /// Mount the store's filesystem view here (overrides mount.dir).
+    #[arg(long)]
+    mount: Option<PathBuf>,
     /// Print the annotated default configuration and exit.
     #[arg(long)]
     print_default_config: bool,
@@ -104,6 +107,9 @@ fn run() -> Result<()> {
     if let Some(id) = args.node_id {
         cfg.peer.node_id = Some(id);
     }
+    if let Some(d) = args.mount {
+        cfg.mount.dir = d;
+    }
     cfg.validate()?;
 
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
@@ -143,6 +149,20 @@ fn run() -> Result<()> {
         },
     )?;
     let stop = server.shutdown_handle();
+
+    // ---- [mount] (docs/FS.md) ----
+    // The mount shows the node's G3; a read of a block G3 lacks falls
+    // through to peers and G4 (the node's fetch hook), and the mount's
+    // event log listens to the node's G3 events.
+    let mount_handle = if cfg.mount.enabled() {
+        let m = kvtier_daemon::mount::start(&cfg.mount, node.g3().clone(), Some(node.fetch_hook()))
+            .with_context(|| format!("mounting at {}", cfg.mount.dir.display()))?;
+        node.add_g3_listener(m.events().sink());
+        Some(m)
+    } else {
+        None
+    };
+    // ---- end [mount] ----
 
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
@@ -189,6 +209,11 @@ fn run() -> Result<()> {
     );
     let r = server.run();
     let _ = tx.send(true);
+    if let Some(m) = mount_handle {
+        if let Err(e) = m.unmount() {
+            tracing::warn!(error = %e, "mount: unmount at shutdown failed");
+        }
+    }
     rt.shutdown_timeout(std::time::Duration::from_secs(1));
     r?;
     Ok(())

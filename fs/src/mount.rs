@@ -327,11 +327,28 @@ fn detach(path: &Path) -> std::io::Result<()> {
     }
 }
 
+fn statfs(path: &Path) -> std::io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| std::io::Error::from_raw_os_error(libc::EINVAL))?;
+    // SAFETY: `c` is NUL-terminated and `st` is a writable statfs that
+    // outlives the call.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statfs(c.as_ptr(), &mut st) } == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
 /// Detects a FUSE mount whose server died (`stat` fails with ENOTCONN) and
 /// detaches it: `umount2(MNT_DETACH)` as root, else `fusermount3 -uz`.
 /// Returns whether something was cleaned.
 pub fn clean_stale_mount(path: &Path) -> Result<bool> {
-    match std::fs::metadata(path) {
+    // statfs, not stat: the kernel answers `stat` of a dead mount's root
+    // from its attribute cache for up to the attribute TTL, but always
+    // sends STATFS, which a dead connection fails with ENOTCONN.
+    match statfs(path) {
         Ok(_) => Ok(false),
         Err(e) if e.raw_os_error() == Some(libc::ENOTCONN) => {
             tracing::warn!(path = %path.display(), "stale FUSE mount (server gone); cleaning it");

@@ -10,9 +10,18 @@ use std::sync::{Arc, RwLock};
 /// The bus slot, filled by `attach_events`.
 pub(super) type Slot = Arc<RwLock<Option<EventBus>>>;
 
-/// A G3 event sink publishing on whatever bus the slot holds.
-pub(super) fn g3_sink(slot: Slot) -> EventSink {
+/// Other receivers of raw G3 events (the mount's event log).
+pub(super) type Listeners = Arc<RwLock<Vec<EventSink>>>;
+
+/// A G3 event sink publishing on whatever bus the slot holds, and handing
+/// every event to the listeners.
+pub(super) fn g3_sink(slot: Slot, listeners: Listeners) -> EventSink {
     Arc::new(move |ev: G3Event| {
+        if let Ok(l) = listeners.read() {
+            for f in l.iter() {
+                f(ev.clone());
+            }
+        }
         let Ok(g) = slot.read() else { return };
         let Some(bus) = g.as_ref() else { return };
         // Stores are published by the node itself (it knows the payload

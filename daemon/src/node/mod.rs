@@ -186,6 +186,7 @@ pub struct Node {
     heartbeat: Mutex<Option<HeartbeatTask>>,
     admission: G4Admission,
     events: Arc<RwLock<Option<EventBus>>>,
+    listeners: events::Listeners,
     /// Where recently promoted blocks came from, so the read that follows
     /// the promoting lease reports the tier that actually delivered them.
     promoted: Mutex<(PromotedMemo, u64)>,
@@ -231,7 +232,8 @@ impl Node {
         })?;
         let g3 = G3Store::open(cfg.g3.clone(), policy)?;
         let events: Arc<RwLock<Option<EventBus>>> = Arc::new(RwLock::new(None));
-        g3.set_event_sink(events::g3_sink(events.clone()));
+        let listeners: events::Listeners = Arc::new(RwLock::new(Vec::new()));
+        g3.set_event_sink(events::g3_sink(events.clone(), listeners.clone()));
         let mut g4_store = None;
         let mut g4_raw = None;
         if let Some(c) = &cfg.g4 {
@@ -269,6 +271,7 @@ impl Node {
             heartbeat: Mutex::new(heartbeat),
             admission: cfg.admission,
             events,
+            listeners,
             promoted: Mutex::new((HashMap::new(), 0)),
             leases: Mutex::new(HashMap::new()),
             pins: Mutex::new(HashMap::new()),
@@ -307,6 +310,27 @@ impl Node {
     /// Where the peer server listens, when peers are enabled.
     pub fn peer_addr(&self) -> Option<std::net::SocketAddr> {
         self.peer_server.as_ref().map(|s| s.local_addr())
+    }
+
+    /// Hands every G3 event (stored, removed) to `sink` too, on the thread
+    /// that caused it (keep it short). For the mount's event log.
+    pub fn add_g3_listener(&self, sink: crate::g3::EventSink) {
+        if let Ok(mut l) = self.listeners.write() {
+            l.push(sink);
+        }
+    }
+
+    /// The mount's fall-through: brings a block G3 lacks in from a peer or
+    /// G4 (verified, promoted). `Ok(true)` when it is on G3 now. Blocks for
+    /// up to the fetch deadline; call from plain threads (FUSE's).
+    pub fn fetch_hook(self: &Arc<Self>) -> crate::mount::FetchHook {
+        let node = Arc::clone(self);
+        Arc::new(move |ns: &NamespaceId, key: &BlockKey| {
+            Ok(matches!(
+                node.ensure_local(ns, key)?,
+                crate::tier::Lookup::Hit(_)
+            ))
+        })
     }
 
     /// Figures for `/metrics` beyond the backend stats.

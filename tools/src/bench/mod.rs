@@ -2,6 +2,7 @@
 
 pub mod common;
 pub mod crossnode;
+pub mod fs;
 pub mod g3;
 pub mod g4;
 pub mod gds;
@@ -25,6 +26,8 @@ pub enum BenchCmd {
     Io(io::IoArgs),
     /// Cross-node onboard (peer fetch, G4 only) through three kvtierd vs raw TCP.
     Crossnode(crossnode::CrossnodeArgs),
+    /// Cold reads through the FUSE mount vs the G3 files read directly.
+    Fs(fs::FsArgs),
 }
 
 /// Runs one benchmark.
@@ -36,5 +39,6 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
         BenchCmd::G3(a) => g3::run(a),
         BenchCmd::Io(a) => io::run(a),
         BenchCmd::Crossnode(a) => crossnode::run(a),
+        BenchCmd::Fs(a) => fs::run(a),
     }
 }
