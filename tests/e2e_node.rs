@@ -379,3 +379,63 @@ fn uploads_lost_to_a_crash_are_requeued_at_restart() {
     let b = Daemon::start_with(&["--config".into(), conf], &[]);
     assert_eq!(onboard_verified(&b, &keys, &data), vec![Tier::G4; 3]);
 }
+
+/// Unmounts (lazily) on drop, after the daemon it guards is killed.
+struct Umount(std::path::PathBuf);
+
+impl Drop for Umount {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(&self.0)
+            .stderr(std::process::Stdio::null())
+            .status();
+    }
+}
+
+#[test]
+fn mount_reads_fall_through_to_g4() {
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    if !root || !Path::new("/dev/fuse").exists() {
+        eprintln!("SKIP: mount_reads_fall_through_to_g4: needs root and /dev/fuse");
+        return;
+    }
+    let mnt_parent = tempfile::tempdir().unwrap();
+    let mnt = mnt_parent.path().join("mnt");
+    let _umount = Umount(mnt.clone());
+    // The embedded default's local file:// G4 beside G3.
+    let d = Daemon::start_with(&["--mount".into(), mnt.display().to_string()], &[]);
+    let t = Instant::now();
+    while !std::fs::read_to_string("/proc/self/mounts")
+        .unwrap()
+        .lines()
+        .any(|l| l.split_whitespace().nth(1) == Some(mnt.to_str().unwrap()))
+    {
+        assert!(t.elapsed() < Duration::from_secs(20), "no mount");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let (keys, data) = offload(&d, 7, 2);
+    let g4_file = d
+        .dir
+        .path()
+        .join("g4/blocks")
+        .join(kvtier_client::block_path(&ns().id(), &keys[0]));
+    let t = Instant::now();
+    while !g4_file.exists() {
+        assert!(t.elapsed() < Duration::from_secs(20), "not uploaded to G4");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(200)); // the in_g4 mark
+    client(&d).namespace(&ns()).evict(&keys[..1]).unwrap();
+    // Not on G3 any more: a plain read of the mount's file fetches it from
+    // G4 (verified), promotes it, and serves the block file.
+    let file = std::fs::read(mnt.join(kvtier_client::block_path(&ns().id(), &keys[0]))).unwrap();
+    let h = kvtier_client::BlockHeader::decode(&file[..4096]).unwrap();
+    assert_eq!(h.key, keys[0]);
+    assert!(file[4096..4096 + BLOCK] == data[0][..], "bytes differ");
+    assert_eq!(
+        metric(&d.scrape(), "kvtier_promotions_total", &[("source", "g4")]),
+        1.0
+    );
+}
