@@ -95,7 +95,9 @@ fn round_trip_from_several_processes() {
     if std::env::var("KVTIER_E2E_SOCKET").is_ok() {
         return;
     }
-    let d = Daemon::start();
+    // G3 only: this suite checks the server over the local tier (an
+    // evicted block must miss, events are Disk); e2e_node covers G4.
+    let d = Daemon::start_with(&["--g4".into(), String::new()], &[]);
     let sock = d.socket.display().to_string();
     let admin = Client::with_config(cfg(&sock, false));
     let mut events = admin.subscribe_events().unwrap();
@@ -175,7 +177,7 @@ fn round_trip_from_several_processes() {
 
     // stats, list
     let s = admin.stats().unwrap();
-    assert_eq!(s["backend"], "mem");
+    assert_eq!(s["backend"], "g3");
     assert_eq!(s["tiers"]["g3"]["blocks"], 31);
     let (page, next) = admin.list(Some(ns.id()), None, 10).unwrap();
     assert_eq!(page.len(), 10);

@@ -42,6 +42,35 @@ pin_ttl_max_ms = 3600000
 dir = "@DATA@/g3"
 # Bytes kept before eviction.
 capacity = "4GiB"
+# Eviction policy: "default" (prefix-, frequency- and hint-aware) or "lru".
+policy = "default"
+# Eviction starts above high_watermark x capacity and stops below low.
+high_watermark = 0.95
+low_watermark = 0.85
+# I/O engine: "auto" (io_uring, falling back to pread), "uring", "pread".
+engine = "auto"
+
+[g4]
+# Shared tier: s3://bucket/prefix, file:///path or memory://. "" disables
+# G4. Unset: file://<g3.dir>/../g4, a local G4 beside G3.
+# url = "s3://kvtier/prod"
+# endpoint = "http://127.0.0.1:8333"   # non-AWS stores
+# region = "us-east-1"
+# allow_http = true                     # plain-HTTP local servers
+# path_style = true                     # MinIO, SeaweedFS
+# Credentials: the standard AWS_* environment variables, or
+# access_key_id / secret_access_key here (never logged).
+# Which blocks are written through: "all" or "after-first-reuse".
+admission = "all"
+
+[peer]
+# Serve blocks to, and fetch from, other kvtierd nodes (off by default).
+enabled = false
+# node_id = "gpu-node-07"              # defaults to the hostname
+# bind = "127.0.0.1:7401"              # never 0.0.0.0 unless you mean it
+# secret_file = "/etc/kvtier/peer.secret"
+# peers = [{ id = "gpu-node-08", address = "10.0.0.8:7401" }]
+# discovery = true                     # heartbeats under <g4>/nodes/
 
 [metrics]
 # Prometheus /metrics and /healthz; "" disables the endpoint.
@@ -148,6 +177,99 @@ pub struct G3Section {
     /// Capacity.
     #[serde(deserialize_with = "de_size")]
     pub capacity: u64,
+    /// Eviction policy (`default`, `lru`).
+    pub policy: String,
+    /// Eviction starts above this fraction of capacity.
+    pub high_watermark: f64,
+    /// Eviction stops below this fraction.
+    pub low_watermark: f64,
+    /// I/O engine (`auto`, `uring`, `pread`).
+    pub engine: String,
+}
+
+/// `[g4]`: the G4 tier's own settings plus admission.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct G4Section {
+    /// Store URL; `None`: `file://<g3.dir>/../g4`; `""`: G4 off.
+    pub url: Option<String>,
+    /// S3 endpoint for non-AWS stores.
+    pub endpoint: Option<String>,
+    /// S3 region.
+    pub region: Option<String>,
+    /// Allow plain HTTP.
+    pub allow_http: bool,
+    /// Path-style requests.
+    pub path_style: bool,
+    /// Access key id (else `AWS_ACCESS_KEY_ID`).
+    pub access_key_id: Option<String>,
+    /// Secret key (else `AWS_SECRET_ACCESS_KEY`).
+    pub secret_access_key: Option<String>,
+    /// Session token.
+    pub session_token: Option<String>,
+    /// Bytes G4 may hold before the sweeper deletes oldest first.
+    pub capacity_bytes: Option<u64>,
+    /// Age after which the sweeper deletes a block.
+    pub ttl_ms: Option<u64>,
+    /// Upload jobs waiting at most.
+    pub upload_queue_max: Option<usize>,
+    /// Uploads in flight at most.
+    pub upload_concurrency: Option<usize>,
+    /// `all` or `after-first-reuse`.
+    pub admission: String,
+}
+
+impl Default for G4Section {
+    fn default() -> Self {
+        G4Section {
+            url: None,
+            endpoint: None,
+            region: None,
+            allow_http: false,
+            path_style: false,
+            access_key_id: None,
+            secret_access_key: None,
+            session_token: None,
+            capacity_bytes: None,
+            ttl_ms: None,
+            upload_queue_max: None,
+            upload_concurrency: None,
+            admission: "all".into(),
+        }
+    }
+}
+
+impl G4Section {
+    /// The G4 config, or `None` when G4 is off. `g3_dir` places the
+    /// default local G4 beside G3.
+    pub fn to_g4_config(&self, g3_dir: &Path) -> Option<crate::g4::G4Config> {
+        let url = match &self.url {
+            Some(u) if u.is_empty() => return None,
+            Some(u) => u.clone(),
+            None => {
+                let base = g3_dir.parent().unwrap_or(g3_dir);
+                let abs = std::path::absolute(base.join("g4")).unwrap_or(base.join("g4"));
+                format!("file://{}", abs.display())
+            }
+        };
+        let mut c = crate::g4::G4Config::new(url);
+        c.endpoint = self.endpoint.clone();
+        c.region = self.region.clone();
+        c.allow_http = self.allow_http;
+        c.path_style = self.path_style;
+        c.access_key_id = self.access_key_id.clone();
+        c.secret_access_key = self.secret_access_key.clone();
+        c.session_token = self.session_token.clone();
+        c.capacity_bytes = self.capacity_bytes;
+        c.ttl_ms = self.ttl_ms;
+        if let Some(q) = self.upload_queue_max {
+            c.upload_queue_max = q;
+        }
+        if let Some(q) = self.upload_concurrency {
+            c.upload_concurrency = q;
+        }
+        Some(c)
+    }
 }
 
 /// `[metrics]`.
@@ -174,6 +296,10 @@ pub struct Config {
     pub server: ServerSection,
     /// `[g3]`.
     pub g3: G3Section,
+    /// `[g4]`.
+    pub g4: G4Section,
+    /// `[peer]`.
+    pub peer: crate::peer::PeerConfig,
     /// `[metrics]`.
     pub metrics: MetricsSection,
     /// `[log]`.
@@ -217,6 +343,10 @@ impl Default for G3Section {
         G3Section {
             dir: default_data_dir().join("g3"),
             capacity: 4 << 30,
+            policy: "default".into(),
+            high_watermark: 0.95,
+            low_watermark: 0.85,
+            engine: "auto".into(),
         }
     }
 }
@@ -368,6 +498,20 @@ impl Config {
         Ok(m)
     }
 
+    /// The G3 I/O engine.
+    pub fn g3_engine(&self) -> Result<crate::g3::G3EngineKind> {
+        use crate::g3::G3EngineKind as K;
+        match self.g3.engine.as_str() {
+            "auto" => Ok(K::Auto),
+            "uring" | "io_uring" => Ok(K::Uring),
+            "pread" => Ok(K::Pread),
+            e => Err(bad(
+                "g3.engine",
+                format!("{e:?} is not an engine (auto | uring | pread)"),
+            )),
+        }
+    }
+
     /// Checks every value.
     pub fn validate(&self) -> Result<()> {
         let s = &self.server;
@@ -409,6 +553,29 @@ impl Config {
         if self.g3.capacity < 1 << 20 {
             return Err(bad("g3.capacity", "must be at least 1MiB"));
         }
+        if crate::policy::by_name(&self.g3.policy).is_none() {
+            return Err(bad(
+                "g3.policy",
+                format!("{:?} is not a policy (default | lru)", self.g3.policy),
+            ));
+        }
+        if !(0.0 < self.g3.low_watermark
+            && self.g3.low_watermark < self.g3.high_watermark
+            && self.g3.high_watermark <= 1.0)
+        {
+            return Err(bad(
+                "g3.high_watermark",
+                "need 0 < low_watermark < high_watermark <= 1",
+            ));
+        }
+        self.g3_engine()?;
+        self.g4
+            .admission
+            .parse::<crate::policy::G4Admission>()
+            .map_err(|e| bad("g4.admission", e))?;
+        if self.peer.enabled {
+            self.peer.validate()?;
+        }
         if !self.metrics.addr.is_empty()
             && self.metrics.addr.parse::<std::net::SocketAddr>().is_err()
         {
@@ -435,6 +602,28 @@ mod tests {
         c.validate().unwrap();
         assert_eq!(c.g3.capacity, 4 << 30);
         assert_eq!(c.socket_mode().unwrap(), 0o660);
+    }
+
+    #[test]
+    fn g4_and_peer_sections() {
+        let c = Config::from_toml("[g3]\ndir = \"/d/g3\"\n").unwrap();
+        let g4 = c.g4.to_g4_config(&c.g3.dir).unwrap();
+        assert_eq!(g4.url, "file:///d/g4");
+        let c = Config::from_toml("[g4]\nurl = \"\"\n").unwrap();
+        assert!(c.g4.to_g4_config(&c.g3.dir).is_none());
+        let c = Config::from_toml("[g4]\nurl = \"s3://b/p\"\npath_style = true\n").unwrap();
+        let g4 = c.g4.to_g4_config(&c.g3.dir).unwrap();
+        assert!(g4.path_style && g4.url == "s3://b/p");
+        for (text, key) in [
+            ("[g4]\nadmission = \"sometimes\"\n", "g4.admission"),
+            ("[g3]\npolicy = \"belady\"\n", "g3.policy"),
+            ("[g3]\nengine = \"spdk\"\n", "g3.engine"),
+            ("[g3]\nlow_watermark = 0.99\n", "g3.high_watermark"),
+            ("[peer]\nenabled = true\n", "peer.secret_file"),
+        ] {
+            let e = Config::from_toml(text).unwrap().validate().unwrap_err();
+            assert!(e.to_string().contains(key), "{text}: {e}");
+        }
     }
 
     #[test]

@@ -14,6 +14,7 @@ pub mod g3;
 pub mod g4;
 pub mod metrics;
 pub mod mount;
+pub mod node;
 pub mod peer;
 pub mod policy;
 pub mod server;

@@ -7,8 +7,12 @@ use anyhow::{Context, Result};
 use clap::Parser;
 use kvtier_daemon::config::{parse_size, Config};
 use kvtier_daemon::events::EventBus;
+use kvtier_daemon::g3::G3Config;
 use kvtier_daemon::metrics::Metrics;
-use kvtier_daemon::server::{Backend, MemBackend, MemLimits, Server, ServerLimits, SocketOptions};
+use kvtier_daemon::node::{Node, NodeConfig, PeerSetup};
+use kvtier_daemon::peer::PeerInfo;
+use kvtier_daemon::policy::G4Admission;
+use kvtier_daemon::server::{Backend, Server, ServerLimits, SocketOptions};
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -31,6 +35,22 @@ struct Args {
     /// Prometheus address host:port, "" to disable (overrides metrics.addr).
     #[arg(long)]
     metrics_addr: Option<String>,
+    /// G4 store URL: s3://bucket/prefix, file:///path, memory://, or "" to
+    /// disable (overrides g4.url).
+    #[arg(long)]
+    g4: Option<String>,
+    /// Enable peers, serving on host:port (overrides peer.bind).
+    #[arg(long)]
+    peer_listen: Option<String>,
+    /// File with the peers' shared secret (overrides peer.secret_file).
+    #[arg(long)]
+    peer_secret_file: Option<PathBuf>,
+    /// Static peers: id=host:port,id=host:port (replaces peer.peers).
+    #[arg(long)]
+    peers: Option<String>,
+    /// This node's id (overrides peer.node_id; default: the hostname).
+    #[arg(long)]
+    node_id: Option<String>,
     /// Mount the store's filesystem view here (overrides mount.dir).
     #[arg(long)]
     mount: Option<PathBuf>,
@@ -68,6 +88,25 @@ fn run() -> Result<()> {
     if let Some(m) = args.metrics_addr {
         cfg.metrics.addr = m;
     }
+    // [g4] / [peer] flags.
+    if let Some(u) = args.g4 {
+        cfg.g4.url = Some(u);
+    }
+    if let Some(l) = args.peer_listen {
+        cfg.peer.enabled = true;
+        cfg.peer.bind = l
+            .parse()
+            .map_err(|_| anyhow::anyhow!("--peer-listen: {l:?} is not host:port"))?;
+    }
+    if let Some(f) = args.peer_secret_file {
+        cfg.peer.secret_file = Some(f);
+    }
+    if let Some(p) = args.peers {
+        cfg.peer.peers = parse_peers(&p)?;
+    }
+    if let Some(id) = args.node_id {
+        cfg.peer.node_id = Some(id);
+    }
     if let Some(d) = args.mount {
         cfg.mount.dir = d;
     }
@@ -83,19 +122,13 @@ fn run() -> Result<()> {
 
     std::fs::create_dir_all(&cfg.g3.dir)
         .with_context(|| format!("config: `g3.dir`: cannot create {}", cfg.g3.dir.display()))?;
-    // The real G3 + G4 store plugs in here (Backend over g3::, g4::, peers).
-    tracing::warn!("backend: in-memory (blocks do not survive a restart until G3 is wired in)");
-    let backend: Arc<dyn Backend> = Arc::new(MemBackend::new(
-        MemLimits {
-            capacity_bytes: cfg.g3.capacity,
-            leases_max: cfg.server.leases_per_conn_max.saturating_mul(64),
-            lease_ttl_max_ms: cfg.server.lease_ttl_max_ms,
-            pins_max: cfg.server.pins_max,
-            pin_ttl_max_ms: cfg.server.pin_ttl_max_ms,
-        },
-        &cfg.g3.dir,
-    ));
+    let node = Node::open(node_config(&cfg)?)?;
+    let backend: Arc<dyn Backend> = node.clone();
     let metrics = Metrics::new().context("registering metrics")?;
+    {
+        let n = node.clone();
+        metrics.set_figures(Arc::new(move || n.figures()));
+    }
     let server = Server::bind(
         &SocketOptions {
             path: cfg.server.socket.clone(),
@@ -118,22 +151,14 @@ fn run() -> Result<()> {
     let stop = server.shutdown_handle();
 
     // ---- [mount] (docs/FS.md) ----
-    // The mount shows a G3Store. While the server's backend is MemBackend
-    // (its blocks live in memory, not in G3), the mount opens its own G3
-    // over `g3.dir`: blocks enter it by `cp` into the mount. Once the
-    // server runs over a Node, pass the Node's Arc<G3Store>, a fetch hook
-    // over its G4/peers, and feed `mount.events()` from the Node's G3
-    // event sink instead of setting the sink here.
+    // The mount shows the node's G3; a read of a block G3 lacks falls
+    // through to peers and G4 (the node's fetch hook), and the mount's
+    // event log listens to the node's G3 events.
     let mount_handle = if cfg.mount.enabled() {
-        let g3 = kvtier_daemon::g3::G3Store::open(
-            kvtier_daemon::g3::G3Config::new(&cfg.g3.dir, cfg.g3.capacity),
-            Box::new(kvtier_daemon::policy::lru::Lru::new()),
-        )
-        .context("opening G3 for the mount")?;
-        let m = kvtier_daemon::mount::start(&cfg.mount, g3.clone(), None)
+        let m = kvtier_daemon::mount::start(&cfg.mount, node.g3().clone(), Some(node.fetch_hook()))
             .with_context(|| format!("mounting at {}", cfg.mount.dir.display()))?;
-        g3.set_event_sink(m.events().sink());
-        Some((m, g3))
+        node.add_g3_listener(m.events().sink());
+        Some(m)
     } else {
         None
     };
@@ -177,19 +202,73 @@ fn run() -> Result<()> {
         socket = %cfg.server.socket.display(),
         g3_dir = %cfg.g3.dir.display(),
         capacity_bytes = cfg.g3.capacity,
+        backend = backend.name(),
+        g4 = %node.g4().map(|g| g.config().url.clone()).unwrap_or_default(),
+        peer_addr = %node.peer_addr().map(|a| a.to_string()).unwrap_or_default(),
         "kvtierd ready"
     );
     let r = server.run();
     let _ = tx.send(true);
-    if let Some((m, g3)) = mount_handle {
+    if let Some(m) = mount_handle {
         if let Err(e) = m.unmount() {
             tracing::warn!(error = %e, "mount: unmount at shutdown failed");
-        }
-        if let Err(e) = g3.close() {
-            tracing::warn!(error = %e, "mount: closing G3 failed");
         }
     }
     rt.shutdown_timeout(std::time::Duration::from_secs(1));
     r?;
     Ok(())
+}
+
+/// `id=host:port,id=host:port`.
+fn parse_peers(s: &str) -> Result<Vec<PeerInfo>> {
+    s.split(',')
+        .filter(|p| !p.trim().is_empty())
+        .map(|p| {
+            let (id, addr) = p
+                .trim()
+                .split_once('=')
+                .ok_or_else(|| anyhow::anyhow!("--peers: {p:?} is not id=host:port"))?;
+            PeerInfo::new(id, addr).map_err(|e| anyhow::anyhow!("--peers: {e}"))
+        })
+        .collect()
+}
+
+/// The node's configuration from the daemon's.
+fn node_config(cfg: &Config) -> Result<NodeConfig> {
+    let mut g3 = G3Config::new(cfg.g3.dir.clone(), cfg.g3.capacity);
+    g3.high_watermark = cfg.g3.high_watermark;
+    g3.low_watermark = cfg.g3.low_watermark;
+    g3.engine = cfg.g3_engine()?;
+    g3.lease_ttl_max_ms = u64::from(cfg.server.lease_ttl_max_ms);
+    g3.leases_max = cfg.server.leases_per_conn_max.saturating_mul(64);
+    let mut n = NodeConfig::new(g3);
+    n.policy = cfg.g3.policy.clone();
+    n.g4 = cfg.g4.to_g4_config(&cfg.g3.dir);
+    n.admission = cfg
+        .g4
+        .admission
+        .parse::<G4Admission>()
+        .map_err(|e| anyhow::anyhow!("config: `g4.admission`: {e}"))?;
+    n.pins_max = cfg.server.pins_max;
+    n.pin_ttl_max_ms = cfg.server.pin_ttl_max_ms;
+    if cfg.peer.enabled {
+        let node_id = match &cfg.peer.node_id {
+            Some(id) => id.clone(),
+            None => std::fs::read_to_string("/proc/sys/kernel/hostname")
+                .map(|h| h.trim().to_string())
+                .ok()
+                .filter(|h| kvtier_daemon::peer::validate_node_id(h).is_ok())
+                .unwrap_or_else(|| "kvtier-node".into()),
+        };
+        let secret = cfg.peer.read_secret()?;
+        n.peer = Some(PeerSetup {
+            cfg: cfg.peer.clone(),
+            node_id,
+            secret,
+            // Test hook for the end-to-end suites (a lying peer).
+            corrupt_responses_for_tests: std::env::var("KVTIER_TEST_PEER_CORRUPT")
+                .is_ok_and(|v| v == "1"),
+        });
+    }
+    Ok(n)
 }

@@ -9,7 +9,10 @@ use prometheus::{
     Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
     Registry, TextEncoder,
 };
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
+
+/// Where node-level figures (G4, peers, promotions) come from at scrape time.
+pub type FiguresFn = Arc<dyn Fn() -> crate::node::NodeFigures + Send + Sync>;
 
 /// Every metric kvtierd exports.
 #[derive(Clone)]
@@ -42,6 +45,13 @@ pub struct Metrics {
     quarantined: IntGauge,
     leases: IntGauge,
     pins: IntGauge,
+    g4: IntGaugeVec,
+    peer_fetches: IntGaugeVec,
+    peer_bytes: IntGaugeVec,
+    peer_served: IntGaugeVec,
+    promotions: IntGaugeVec,
+    promote_us: IntGaugeVec,
+    figures: Arc<RwLock<Option<FiguresFn>>>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -125,6 +135,56 @@ impl Metrics {
             ),
             leases: reg(&r, IntGauge::new("kvtier_leases_held", "Leases held")?),
             pins: reg(&r, IntGauge::new("kvtier_pins_held", "Pins held")?),
+            g4: reg(
+                &r,
+                gv(
+                    "kvtier_g4",
+                    "G4 write-through and fetch figures (queue_depth, uploads_in_flight, \
+                     upload_lag_ms_last, upload_lag_ms_max are gauges; the rest count since start)",
+                    &["stat"],
+                )?,
+            ),
+            peer_fetches: reg(
+                &r,
+                gv(
+                    "kvtier_peer_fetches_total",
+                    "Peer fetches by outcome (hit, absent, unavailable, corrupt, timeout, skipped)",
+                    &["outcome"],
+                )?,
+            ),
+            peer_bytes: reg(
+                &r,
+                gv(
+                    "kvtier_peer_bytes_total",
+                    "Block bytes moved between peers, by direction",
+                    &["direction"],
+                )?,
+            ),
+            peer_served: reg(
+                &r,
+                gv(
+                    "kvtier_peer_requests_total",
+                    "Peer server requests by outcome (all, unauthorized, rejected)",
+                    &["outcome"],
+                )?,
+            ),
+            promotions: reg(
+                &r,
+                gv(
+                    "kvtier_promotions_total",
+                    "Blocks promoted into G3, by source tier",
+                    &["source"],
+                )?,
+            ),
+            promote_us: reg(
+                &r,
+                gv(
+                    "kvtier_promote_microseconds_total",
+                    "Time spent promoting, by source and stage (fetch: transfer + verify; store: G3 write)",
+                    &["source", "stage"],
+                )?,
+            ),
+            figures: Arc::new(RwLock::new(None)),
             registry: r,
         })
     }
@@ -144,6 +204,7 @@ impl Metrics {
         self.quarantined.set(s.quarantined as i64);
         self.leases.set(s.leases_held as i64);
         self.pins.set(s.pins_held as i64);
+        self.render_figures();
         let mut buf = Vec::new();
         if TextEncoder::new()
             .encode(&self.registry.gather(), &mut buf)
@@ -152,6 +213,74 @@ impl Metrics {
             return String::new();
         }
         String::from_utf8(buf).unwrap_or_default()
+    }
+}
+
+impl Metrics {
+    /// Sets where node-level figures come from (kvtierd passes its node).
+    pub fn set_figures(&self, f: FiguresFn) {
+        if let Ok(mut g) = self.figures.write() {
+            *g = Some(f);
+        }
+    }
+
+    fn render_figures(&self) {
+        let f = match self.figures.read() {
+            Ok(g) => g.clone(),
+            Err(_) => None,
+        };
+        let Some(f) = f else { return };
+        let n = f();
+        let set = |v: &IntGaugeVec, l: &[&str], x: u64| v.with_label_values(l).set(x as i64);
+        if let Some(g) = &n.g4 {
+            for (k, x) in [
+                ("queue_depth", g.upload_queue_depth),
+                ("uploads_in_flight", g.uploads_in_flight),
+                ("uploads_stored", g.uploads_stored),
+                ("uploads_already_present", g.uploads_already_present),
+                ("upload_attempt_failures", g.upload_attempt_failures),
+                ("uploads_given_up", g.uploads_given_up),
+                ("uploads_dropped_queue_full", g.uploads_dropped_queue_full),
+                ("uploads_skipped_ephemeral", g.uploads_skipped_ephemeral),
+                ("uploads_source_missing", g.uploads_source_missing),
+                ("upload_lag_ms_last", g.upload_lag_ms_last),
+                ("upload_lag_ms_max", g.upload_lag_ms_max),
+                ("fetch_requests", g.fetch_requests),
+                ("fetch_hits", g.fetch_hits),
+                ("fetch_absent", g.fetch_absent),
+                ("fetch_corrupt", g.fetch_corrupt),
+                ("fetch_unavailable", g.fetch_unavailable),
+                ("exists_heads", g.exists_heads),
+                ("sweep_deleted", g.sweep_deleted),
+                ("enqueued", n.g4_enqueued),
+            ] {
+                set(&self.g4, &[k], x);
+            }
+        }
+        if let Some(p) = &n.peer {
+            for (k, x) in [
+                ("hit", p.hits),
+                ("absent", p.absent),
+                ("unavailable", p.unavailable),
+                ("corrupt", p.corrupt),
+                ("timeout", p.timeout),
+                ("skipped", p.skipped),
+            ] {
+                set(&self.peer_fetches, &[k], x);
+            }
+            set(&self.peer_bytes, &["received"], p.bytes);
+        }
+        if let Some(s) = &n.peer_served {
+            set(&self.peer_bytes, &["sent"], s.bytes_sent);
+            set(&self.peer_served, &["all"], s.requests);
+            set(&self.peer_served, &["unauthorized"], s.unauthorized);
+            set(&self.peer_served, &["rejected"], s.rejected);
+        }
+        for (src, p) in [("peer", n.promoted_from_peer), ("g4", n.promoted_from_g4)] {
+            set(&self.promotions, &[src], p.count);
+            set(&self.promote_us, &[src, "fetch"], p.fetch_us);
+            set(&self.promote_us, &[src, "store"], p.store_us);
+        }
     }
 }
 

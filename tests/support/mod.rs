@@ -59,6 +59,10 @@ pub struct Daemon {
     pub socket: PathBuf,
     pub metrics_addr: String,
     child: Option<Child>,
+    /// Flags added after the defaults (later flags win).
+    pub extra_args: Vec<String>,
+    /// Environment of the daemon process.
+    pub envs: Vec<(String, String)>,
 }
 
 impl Daemon {
@@ -72,6 +76,25 @@ impl Daemon {
             socket,
             metrics_addr,
             child: None,
+            extra_args: Vec::new(),
+            envs: Vec::new(),
+        };
+        d.spawn();
+        d
+    }
+
+    /// Like [`Daemon::start`] with extra flags and environment.
+    pub fn start_with(extra_args: &[String], envs: &[(String, String)]) -> Daemon {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("kvtierd.sock");
+        let metrics_addr = format!("127.0.0.1:{}", free_port());
+        let mut d = Daemon {
+            dir,
+            socket,
+            metrics_addr,
+            child: None,
+            extra_args: extra_args.to_vec(),
+            envs: envs.to_vec(),
         };
         d.spawn();
         d
@@ -89,6 +112,8 @@ impl Daemon {
                 "--metrics-addr",
                 &self.metrics_addr,
             ])
+            .args(&self.extra_args)
+            .envs(self.envs.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .env("RUST_LOG", "warn")
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())
@@ -272,4 +297,10 @@ pub fn wait_child(mut c: Child, within: Duration) -> (bool, String) {
         }
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// `weed` for the S3 suites (`KVTIER_WEED`, else `.venv/bin/weed` above
+/// the workspace), as `kvtier_daemon::testkit::s3` finds it.
+pub fn find_weed_for_tests() -> Option<PathBuf> {
+    kvtier_daemon::testkit::s3::find_weed()
 }

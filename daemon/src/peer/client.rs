@@ -387,6 +387,84 @@ impl PeerClient {
     }
 }
 
+impl PeerClient {
+    /// Asks the peer at `address` whether it holds `(ns, key)` with one
+    /// ranged GET of the 4096-byte header (no payload moves). `true` only
+    /// when the header decodes and names this namespace and key. A hint for
+    /// lookups: the bytes are verified when the block is fetched. Not
+    /// counted in the fetch counters.
+    pub async fn probe(
+        &self,
+        address: &str,
+        ns: &NamespaceId,
+        key: &BlockKey,
+        deadline: Instant,
+    ) -> bool {
+        tokio::time::timeout_at(
+            tokio::time::Instant::from_std(deadline),
+            self.probe_inner(address, ns, key, deadline),
+        )
+        .await
+        .unwrap_or(false)
+    }
+
+    async fn probe_inner(
+        &self,
+        address: &str,
+        ns: &NamespaceId,
+        key: &BlockKey,
+        deadline: Instant,
+    ) -> bool {
+        let path = block_url_path(ns, key);
+        let range = format!("bytes=0-{}", HEADER_BYTES - 1);
+        let mut idle = self.take_idle(address);
+        let (conn, resp) = loop {
+            let reused = idle.is_some();
+            let mut conn = match idle.take() {
+                Some(c) => c,
+                None => match self.connect(address, deadline).await {
+                    Ok(c) => c,
+                    Err(_) => return false,
+                },
+            };
+            if conn.sender.ready().await.is_err() {
+                if reused {
+                    continue;
+                }
+                return false;
+            }
+            let req = Request::get(path.as_str())
+                .header(header::HOST, address)
+                .header(header::RANGE, range.as_str())
+                .header(
+                    header::AUTHORIZATION,
+                    self.key.sign("GET", &path, &range, unix_ms_now()),
+                )
+                .body(Empty::new());
+            let Ok(req) = req else { return false };
+            match conn.sender.send_request(req).await {
+                Ok(r) => break (conn, r),
+                Err(_) if reused => continue,
+                Err(_) => return false,
+            }
+        };
+        let status = resp.status();
+        let Ok(body) = resp.into_body().collect().await else {
+            return false;
+        };
+        let body = body.to_bytes();
+        if body.len() <= HEADER_BYTES {
+            self.put_idle(address, conn);
+        }
+        if status != StatusCode::PARTIAL_CONTENT && status != StatusCode::OK {
+            return false;
+        }
+        body.len() >= HEADER_BYTES
+            && BlockHeader::decode(&body[..HEADER_BYTES])
+                .is_ok_and(|h| h.namespace_id() == *ns && h.key == *key)
+    }
+}
+
 /// One HTTP/1.1 connection to a peer and the task driving it.
 struct Conn {
     sender: hyper::client::conn::http1::SendRequest<Empty<bytes::Bytes>>,

@@ -2,9 +2,10 @@
 //! client -> socket -> daemon -> store, beside a raw O_DIRECT baseline of the
 //! same sizes and depth on the same filesystem, interleaved round by round.
 //!
-//! The JSON names the daemon's backend (`"backend"`): until the G3 store is
-//! wired into kvtierd it is `mem`, and the figures measure the protocol and
-//! shared-memory path, not the disk.
+//! The JSON names the daemon's backend (`"backend"`): the daemon this bench
+//! starts runs the real G3 store with G4 off (`g3`), so the figures are
+//! client -> socket -> daemon -> io_uring/O_DIRECT on the disk. With
+//! `--socket`, whatever that daemon runs is measured (and named).
 
 use super::common::{self, RawFile};
 use anyhow::{bail, Context, Result};
@@ -81,7 +82,9 @@ pub fn run(a: IoArgs) -> Result<()> {
     let socket = match &a.socket {
         Some(s) => s.clone(),
         None => {
-            owned = crate::ops::OwnedDaemon::start(&["--g3-capacity", &cap])?;
+            // G4 off: the G4 write-through would read every block back from
+            // the same disk while the bench measures it against raw I/O.
+            owned = crate::ops::OwnedDaemon::start(&["--g3-capacity", &cap, "--g4", ""])?;
             owned.socket.clone()
         }
     };

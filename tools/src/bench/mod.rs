@@ -1,6 +1,7 @@
 //! `kvtier bench ...`: every benchmark, each beside its baseline.
 
 pub mod common;
+pub mod crossnode;
 pub mod fs;
 pub mod g3;
 pub mod g4;
@@ -23,6 +24,8 @@ pub enum BenchCmd {
     G3(g3::G3Args),
     /// End-to-end offload/onboard through kvtierd vs raw O_DIRECT.
     Io(io::IoArgs),
+    /// Cross-node onboard (peer fetch, G4 only) through three kvtierd vs raw TCP.
+    Crossnode(crossnode::CrossnodeArgs),
     /// Cold reads through the FUSE mount vs the G3 files read directly.
     Fs(fs::FsArgs),
 }
@@ -35,6 +38,7 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
         BenchCmd::G4(a) => g4::run(a),
         BenchCmd::G3(a) => g3::run(a),
         BenchCmd::Io(a) => io::run(a),
+        BenchCmd::Crossnode(a) => crossnode::run(a),
         BenchCmd::Fs(a) => fs::run(a),
     }
 }

@@ -1,0 +1,345 @@
+//! The server's view of the node: [`Backend`] over G3 + peers + G4.
+
+use super::Node;
+use crate::error::{Error, Result};
+use crate::events::EventBus;
+use crate::g3::{LeaseId as G3Lease, PutMeta};
+use crate::policy::admission::AdmissionEvent;
+use crate::server::backend::{Backend, BackendStats, EvictOutcome, LeaseId, ReadFile, TierStats};
+use crate::tier::{Lookup, MissReason, PutOutcome};
+use kvtier_client::block::HEADER_BYTES;
+use kvtier_client::proto::{BlockStat, ListEntry};
+use kvtier_client::{BlockHeader, BlockKey, Hints, NamespaceId, Tier};
+use std::time::{Duration, Instant};
+
+fn stat_of(info: &crate::g3::BlockInfo) -> BlockStat {
+    BlockStat {
+        tier: Tier::G3,
+        payload_len: info.payload_len,
+        payload_blake3: info.payload_blake3,
+        created_unix_ms: info.created_unix_ms,
+        // G3 knows that a pin holds, not until when.
+        pinned_until_unix_ms: if info.pinned { u64::MAX } else { 0 },
+        leases: u32::from(info.leases),
+    }
+}
+
+impl Node {
+    fn sweep_leases(&self) {
+        let now = Instant::now();
+        if let Ok(mut l) = self.leases.lock() {
+            l.retain(|_, until| *until > now);
+        }
+    }
+
+    fn sweep_pins(&self) {
+        let now = Instant::now();
+        if let Ok(mut p) = self.pins.lock() {
+            p.retain(|_, until| *until > now);
+        }
+    }
+
+    /// A G3 hit: feeds admission (after-first-reuse uploads on a hit).
+    fn on_g3_hit(&self, ns: &NamespaceId, key: &BlockKey) {
+        if self.g4.is_none() || self.admission == crate::policy::G4Admission::All {
+            return;
+        }
+        if let Some(info) = self.g3.stat(ns, key) {
+            let hints = Hints {
+                priority: info.priority,
+                pinned: info.pinned,
+                ephemeral: info.ephemeral,
+                expected_reuse: 0,
+            };
+            self.admit(ns, key, AdmissionEvent::Hit, hints, info.in_g4);
+        }
+    }
+}
+
+impl Backend for Node {
+    fn name(&self) -> &'static str {
+        match (self.g4.is_some(), self.peers.is_some()) {
+            (false, false) => "g3",
+            (true, false) => "g3+g4",
+            (false, true) => "g3+peers",
+            (true, true) => "g3+peers+g4",
+        }
+    }
+
+    fn lookup(&self, ns: &NamespaceId, chain: &[BlockKey]) -> Result<Vec<Tier>> {
+        self.locate(ns, chain)
+    }
+
+    fn offload(
+        &self,
+        ns: &NamespaceId,
+        header: &BlockHeader,
+        payload: &[u8],
+        parent: Option<BlockKey>,
+        hints: Hints,
+    ) -> Result<PutOutcome> {
+        let outcome = self
+            .g3
+            .put_block(ns, header, payload, PutMeta { parent, hints })?;
+        if outcome == PutOutcome::Stored {
+            super::events::g3_stored(&self.events, ns, &header.key, parent, header.payload_len);
+            self.admit(ns, &header.key, AdmissionEvent::Stored, hints, false);
+        }
+        Ok(outcome)
+    }
+
+    fn read_into(
+        &self,
+        ns: &NamespaceId,
+        key: &BlockKey,
+        dst: &mut [u8],
+    ) -> Result<Lookup<(BlockHeader, Tier)>> {
+        let from = match self.ensure_local(ns, key)? {
+            Lookup::Hit(t) => t,
+            Lookup::Miss(r) => return Ok(Lookup::Miss(r)),
+        };
+        let promoted = self.take_promoted(ns, key);
+        // Just promoted: serve the bytes the fetcher verified, instead of
+        // reading the fresh G3 copy back.
+        if let Some(block) = promoted.as_ref().and_then(|p| p.block.clone()) {
+            let len = block.payload.len();
+            if dst.len() < HEADER_BYTES + len {
+                return Ok(Lookup::Miss(MissReason::Absent));
+            }
+            block
+                .header
+                .encode_into((&mut dst[..HEADER_BYTES]).try_into().map_err(|_| {
+                    Error::InvalidInput {
+                        what: "read buffer",
+                        reason: "shorter than a block header".into(),
+                    }
+                })?);
+            dst[HEADER_BYTES..HEADER_BYTES + len].copy_from_slice(&block.payload);
+            let tier = promoted.map(|p| p.tier).unwrap_or(from);
+            return Ok(Lookup::Hit((block.header.clone(), tier)));
+        }
+        // A block larger than the caller's buffer is a miss (contract).
+        if let Some(info) = self.g3.stat(ns, key) {
+            if (dst.len() as u64) < info.file_len {
+                return Ok(Lookup::Miss(MissReason::Absent));
+            }
+        }
+        match self.g3.read_into(ns, key, dst)? {
+            Lookup::Hit(h) => {
+                let tier = match promoted {
+                    Some(p) => p.tier,
+                    None => from,
+                };
+                if tier == Tier::G3 {
+                    self.on_g3_hit(ns, key);
+                }
+                Ok(Lookup::Hit((h, tier)))
+            }
+            Lookup::Miss(r) => Ok(Lookup::Miss(r)),
+        }
+    }
+
+    fn open_for_read(&self, ns: &NamespaceId, key: &BlockKey) -> Result<Lookup<ReadFile>> {
+        let from = match self.ensure_local(ns, key)? {
+            Lookup::Hit(t) => t,
+            Lookup::Miss(r) => return Ok(Lookup::Miss(r)),
+        };
+        let (file, _) = match self.g3.open_for_read(ns, key)? {
+            Lookup::Hit(x) => x,
+            Lookup::Miss(r) => return Ok(Lookup::Miss(r)),
+        };
+        // The header is checked here; the client verifies the payload
+        // against it (the direct-read contract).
+        let mut head = vec![0u8; HEADER_BYTES];
+        if std::os::unix::fs::FileExt::read_exact_at(&file, &mut head, 0).is_err() {
+            return Ok(Lookup::Miss(MissReason::Corrupt));
+        }
+        let header = match BlockHeader::decode(&head) {
+            Ok(h) if h.namespace_id() == *ns && h.key == *key => h,
+            _ => return Ok(Lookup::Miss(MissReason::Corrupt)),
+        };
+        let tier = match self.take_promoted(ns, key) {
+            Some(p) => p.tier,
+            None => from,
+        };
+        if tier == Tier::G3 {
+            self.on_g3_hit(ns, key);
+        }
+        Ok(Lookup::Hit(ReadFile {
+            file,
+            offset: 0,
+            header,
+            tier,
+        }))
+    }
+
+    fn lease(&self, ns: &NamespaceId, key: &BlockKey, ttl_ms: u32) -> Result<Lookup<LeaseId>> {
+        // Leasing is the first step of an onboard: fall through to peers
+        // and G4 here, so the lease protects the promoted copy.
+        if let Lookup::Miss(r) = self.ensure_local(ns, key)? {
+            return Ok(Lookup::Miss(r));
+        }
+        self.sweep_leases();
+        let ttl = u64::from(ttl_ms).min(self.g3.config().lease_ttl_max_ms);
+        match self.g3.lease(ns, key, ttl)? {
+            // G3 numbers leases from 0; the server's ids are never 0.
+            Some(G3Lease(id)) => {
+                let lid = id + 1;
+                if let Ok(mut l) = self.leases.lock() {
+                    l.insert(lid, Instant::now() + Duration::from_millis(ttl));
+                }
+                Ok(Lookup::Hit(lid))
+            }
+            None => Ok(Lookup::Miss(MissReason::Absent)),
+        }
+    }
+
+    fn release(&self, lease: LeaseId) -> bool {
+        if lease == 0 {
+            return false;
+        }
+        if let Ok(mut l) = self.leases.lock() {
+            l.remove(&lease);
+        }
+        self.g3.release(G3Lease(lease - 1))
+    }
+
+    fn pin(&self, ns: &NamespaceId, key: &BlockKey, ttl_ms: u32) -> Result<Lookup<()>> {
+        if let Lookup::Miss(r) = self.ensure_local(ns, key)? {
+            return Ok(Lookup::Miss(r));
+        }
+        self.sweep_pins();
+        let ttl = ttl_ms.min(self.pin_ttl_max_ms);
+        let full = self
+            .pins
+            .lock()
+            .map(|p| p.len() >= self.pins_max && !p.contains_key(&(*ns, *key)))
+            .unwrap_or(false);
+        if full {
+            return Err(Error::LimitReached {
+                what: "pins_max",
+                limit: self.pins_max as u64,
+            });
+        }
+        if self.g3.pin(ns, key, Some(u64::from(ttl))) {
+            if let Ok(mut p) = self.pins.lock() {
+                p.insert(
+                    (*ns, *key),
+                    Instant::now() + Duration::from_millis(u64::from(ttl)),
+                );
+            }
+            return Ok(Lookup::Hit(()));
+        }
+        if self.g3.stat(ns, key).is_some() {
+            return Err(Error::LimitReached {
+                what: "g3 pinned_budget_bytes",
+                limit: self.g3.config().pinned_budget_bytes,
+            });
+        }
+        Ok(Lookup::Miss(MissReason::Absent))
+    }
+
+    fn unpin(&self, ns: &NamespaceId, key: &BlockKey) -> Result<bool> {
+        if let Ok(mut p) = self.pins.lock() {
+            p.remove(&(*ns, *key));
+        }
+        Ok(self.g3.unpin(ns, key))
+    }
+
+    fn evict(&self, ns: &NamespaceId, key: &BlockKey) -> Result<EvictOutcome> {
+        let Some(info) = self.g3.stat(ns, key) else {
+            return Ok(EvictOutcome::Absent);
+        };
+        if info.leases > 0 || info.pinned {
+            return Ok(EvictOutcome::Busy);
+        }
+        // Removes the local copy only: G4 (shared by every node) keeps its
+        // own, so an evicted block can still onboard from there.
+        Ok(if self.g3.delete_block(ns, key)? {
+            self.evicted_by_request
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            EvictOutcome::Evicted
+        } else {
+            EvictOutcome::Absent
+        })
+    }
+
+    fn stat(&self, ns: &NamespaceId, key: &BlockKey) -> Result<Option<BlockStat>> {
+        Ok(self.g3.stat(ns, key).map(|i| stat_of(&i)))
+    }
+
+    fn list(
+        &self,
+        ns: Option<NamespaceId>,
+        after: Option<(NamespaceId, BlockKey)>,
+        limit: usize,
+    ) -> Result<Vec<ListEntry>> {
+        let namespaces = match ns {
+            Some(n) => vec![n],
+            None => self.g3.namespaces(),
+        };
+        let mut out = Vec::new();
+        for n in namespaces {
+            if out.len() >= limit {
+                break;
+            }
+            let start = match &after {
+                Some((an, _)) if n < *an => continue,
+                Some((an, ak)) if n == *an => Some(*ak),
+                _ => None,
+            };
+            for key in self.g3.list(&n, start.as_ref(), limit - out.len()) {
+                if let Some(info) = self.g3.stat(&n, &key) {
+                    out.push(ListEntry {
+                        ns: n,
+                        key,
+                        stat: stat_of(&info),
+                    });
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    fn stats(&self) -> BackendStats {
+        let s = self.g3.stats();
+        let mut tiers = vec![TierStats {
+            tier: Tier::G3,
+            blocks: s.blocks,
+            bytes: s.used_bytes,
+            capacity_bytes: s.capacity_bytes,
+        }];
+        if let Some(g4) = &self.g4 {
+            let g = g4.stats();
+            tiers.push(TierStats {
+                tier: Tier::G4,
+                // Known only from the sweeper's last listing (0 without one).
+                blocks: 0,
+                bytes: g.sweep_last_total_bytes,
+                capacity_bytes: g4.config().capacity_bytes.unwrap_or(0),
+            });
+        }
+        self.sweep_leases();
+        self.sweep_pins();
+        BackendStats {
+            tiers,
+            evictions: s.evictions
+                + self
+                    .evicted_by_request
+                    .load(std::sync::atomic::Ordering::Relaxed),
+            quarantined: s.quarantined,
+            leases_held: self.leases.lock().map(|l| l.len() as u64).unwrap_or(0),
+            pins_held: self.pins.lock().map(|p| p.len() as u64).unwrap_or(0),
+        }
+    }
+
+    fn attach_events(&self, bus: EventBus) {
+        if let Ok(mut slot) = self.events.write() {
+            *slot = Some(bus);
+        }
+    }
+
+    fn flush(&self) -> Result<()> {
+        self.shutdown(Duration::from_secs(10))
+    }
+}

@@ -1,0 +1,81 @@
+//! G3 and G4 happenings as KV events (Dynamo's `RouterEvent` shape): G3
+//! stores and removals are `storage_tier: Disk`, G4 uploads `External`.
+
+use crate::events::EventBus;
+use crate::g3::{EventSink, G3Event};
+use kvtier_client::events::{KvEventData, StorageTier, StoredBlock};
+use kvtier_client::{BlockKey, NamespaceId};
+use std::sync::{Arc, RwLock};
+
+/// The bus slot, filled by `attach_events`.
+pub(super) type Slot = Arc<RwLock<Option<EventBus>>>;
+
+/// Other receivers of raw G3 events (the mount's event log).
+pub(super) type Listeners = Arc<RwLock<Vec<EventSink>>>;
+
+/// A G3 event sink publishing on whatever bus the slot holds, and handing
+/// every event to the listeners.
+pub(super) fn g3_sink(slot: Slot, listeners: Listeners) -> EventSink {
+    Arc::new(move |ev: G3Event| {
+        if let Ok(l) = listeners.read() {
+            for f in l.iter() {
+                f(ev.clone());
+            }
+        }
+        let Ok(g) = slot.read() else { return };
+        let Some(bus) = g.as_ref() else { return };
+        // Stores are published by the node itself (it knows the payload
+        // length and the parent); G3 alone knows about its evictions.
+        if let G3Event::Removed { ns, key, .. } = ev {
+            bus.publish(
+                ns,
+                StorageTier::Disk,
+                KvEventData::Removed {
+                    block_hashes: vec![key],
+                },
+            );
+        }
+    })
+}
+
+/// A block became visible on this node's disk (offload or promotion).
+pub(super) fn g3_stored(
+    slot: &Slot,
+    ns: &NamespaceId,
+    key: &BlockKey,
+    parent: Option<BlockKey>,
+    payload_len: u64,
+) {
+    let Ok(g) = slot.read() else { return };
+    if let Some(bus) = g.as_ref() {
+        bus.publish(
+            *ns,
+            StorageTier::Disk,
+            KvEventData::Stored {
+                parent_hash: parent,
+                blocks: vec![StoredBlock {
+                    block_hash: *key,
+                    payload_len,
+                }],
+            },
+        );
+    }
+}
+
+/// A block became safe in G4 (uploaded by this node, or found there).
+pub(super) fn g4_stored(slot: &Slot, ns: &NamespaceId, key: &BlockKey, payload_len: u64) {
+    let Ok(g) = slot.read() else { return };
+    if let Some(bus) = g.as_ref() {
+        bus.publish(
+            *ns,
+            StorageTier::External,
+            KvEventData::Stored {
+                parent_hash: None,
+                blocks: vec![StoredBlock {
+                    block_hash: *key,
+                    payload_len,
+                }],
+            },
+        );
+    }
+}

@@ -1,0 +1,95 @@
+//! Lookup across tiers: the local prefix from the G3 index (memory only),
+//! then, for the blocks after it and within `lookup_remote_deadline`, a
+//! peer that holds the block (reported `Peer`), else G4 (reported `G4`).
+//! The walk stops at the first block found nowhere: a prefix is only as
+//! long as its first gap.
+//!
+//! How a peer is known to hold a block, cheaply: a ranged GET of the 4096
+//! header bytes (`PeerClient::probe`) sent at once to the first
+//! `fanout_max` peers in rendezvous order; the first that answers with a
+//! header naming this namespace and key wins. No payload moves at lookup
+//! time. G4 is asked through its existence cache first, then one HEAD.
+//! Both answers are hints: the onboard verifies what it fetches. Up to 16
+//! blocks are asked about at once; answers are taken in chain order.
+
+use super::Node;
+use crate::error::Result;
+use kvtier_client::{BlockKey, NamespaceId, Tier};
+use std::time::Instant;
+
+/// Blocks asked about at once past the local prefix (each asks up to
+/// `fanout_max` peers and G4).
+const LOOKUP_PARALLEL: usize = 16;
+
+impl Node {
+    pub(super) fn locate(&self, ns: &NamespaceId, chain: &[BlockKey]) -> Result<Vec<Tier>> {
+        let n = self.g3.lookup_prefix(ns, chain);
+        let mut tiers = vec![Tier::G3; n];
+        if n == chain.len() || (self.peers.is_none() && self.g4.is_none()) {
+            return Ok(tiers);
+        }
+        let rest: Vec<BlockKey> = chain[n..].to_vec();
+        let deadline = Instant::now() + self.lookup_remote_deadline;
+        let peers = self.peers.clone();
+        let g4 = self.g4.clone();
+        let fanout = self.peer_fanout;
+        let (ns2, g3) = (*ns, self.g3.clone());
+        let found = self.run_async(async move {
+            use futures::StreamExt;
+            // Where one block is, or `None` when nowhere (or too late).
+            let where_is = |key: BlockKey| {
+                let (peers, g4, g3) = (peers.clone(), g4.clone(), g3.clone());
+                async move {
+                    if Instant::now() >= deadline {
+                        return None;
+                    }
+                    // A block promoted meanwhile (another client onboarded it).
+                    if g3.lookup_prefix(&ns2, std::slice::from_ref(&key)) == 1 {
+                        return Some(Tier::G3);
+                    }
+                    if let Some(set) = &peers {
+                        let order: Vec<_> =
+                            set.order(&ns2, &key).into_iter().take(fanout).collect();
+                        let probes = order.iter().map(|p| {
+                            let client = set.client().clone();
+                            let addr = p.address.clone();
+                            async move { client.probe(&addr, &ns2, &key, deadline).await }
+                        });
+                        if futures::future::join_all(probes)
+                            .await
+                            .into_iter()
+                            .any(|a| a)
+                        {
+                            return Some(Tier::Peer);
+                        }
+                    }
+                    let g4 = g4.as_ref()?;
+                    let present = match g4.contains_cached(&ns2, &key) {
+                        Some(p) => p,
+                        None => tokio::time::timeout_at(
+                            tokio::time::Instant::from_std(deadline),
+                            g4.contains_async(&ns2, &key),
+                        )
+                        .await
+                        .ok()
+                        .and_then(|r| r.ok())
+                        .unwrap_or(false),
+                    };
+                    present.then_some(Tier::G4)
+                }
+            };
+            // Several blocks asked at once, answers taken in chain order; the
+            // first gap ends the prefix (and drops the questions after it).
+            let mut answers = futures::stream::iter(rest)
+                .map(where_is)
+                .buffered(LOOKUP_PARALLEL);
+            let mut out = Vec::new();
+            while let Some(Some(t)) = answers.next().await {
+                out.push(t);
+            }
+            out
+        });
+        tiers.extend(found.unwrap_or_default());
+        Ok(tiers)
+    }
+}

@@ -1,0 +1,443 @@
+//! `Node`: the store behind kvtierd's server. G3 (local NVMe) first, then
+//! peers, then G4 (the shared object store), as one [`crate::server::Backend`].
+//!
+//! Roles, one file each:
+//! - `backend`: the [`crate::server::Backend`] implementation (the server's
+//!   view: lookup, offload, onboard, leases, pins, stats).
+//! - `fetch`: the onboard fall-through (peer, then G4), verified, promoted
+//!   into G3 before anything is served.
+//! - `locate`: lookup across tiers (G3 index, peer header probes, G4
+//!   existence cache then HEAD), within a small deadline.
+//! - `uplink`: the G4 write-through (admission, the uploader's block
+//!   source, marking blocks safe in G4, re-queueing after a restart).
+//! - `peers`: starting the peer server, the peer set and heartbeats.
+//! - `events`: G3/G4 happenings turned into KV events on the bus.
+//!
+//! Threading: the server calls the `Backend` methods from its own
+//! connection threads. G4 and peers are async: the node owns a small tokio
+//! runtime and hands work to it, waiting on a channel ([`Node::run_async`]),
+//! so no `block_on` ever runs on a runtime thread.
+//!
+//! Architecture invariants:
+//! - Bytes reach a client only verified: from G3 (`G3Store::read_into`
+//!   verifies them, or the client verifies a direct read against the
+//!   header), or, for the read right after a promotion, from the block the
+//!   fetcher verified (kept in a bounded memo). A block found on a peer or in
+//!   G4 is fetched, verified, and promoted into G3 before anything is
+//!   served. A G4-only or peer-only read is byte-identical to what was
+//!   stored, or a miss.
+//! - A lookup never reports a block the node cannot then try to serve:
+//!   `Peer` means a peer's header probe named this namespace and key, `G4`
+//!   means G4's existence cache or a HEAD said present. Both are hints: a
+//!   later fetch that fails verification is a miss.
+//! - Ephemeral blocks never leave the node (not uploaded to G4).
+
+mod backend;
+mod events;
+mod fetch;
+mod locate;
+mod peers;
+mod uplink;
+
+use crate::error::{Error, Result};
+use crate::events::EventBus;
+use crate::g3::{G3Config, G3Store};
+use crate::g4::{G4Config, G4StatsSnapshot, G4Store};
+use crate::peer::{HeartbeatTask, PeerMetricsSnapshot, PeerServer, PeerSet};
+use crate::policy::G4Admission;
+use kvtier_client::{BlockKey, NamespaceId, Tier};
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+use tokio::runtime::{Handle, Runtime};
+
+pub use peers::PeerSetup;
+
+/// Entries of the "promoted from" memo at most (see [`Node`]).
+const PROMOTED_MEMO_MAX: usize = 4096;
+/// Bytes of fetched blocks the memo keeps for the read that follows their
+/// promotion at most.
+const PROMOTED_MEMO_BYTES_MAX: u64 = 64 << 20;
+
+/// Recently promoted blocks (the `u64` beside it counts their bytes).
+type PromotedMemo = HashMap<(NamespaceId, BlockKey), Promoted>;
+
+/// A recently promoted block: where it came from and, while the memo has
+/// room, its verified bytes (so the read that follows the promoting lease
+/// is served without reading the fresh G3 copy back).
+#[derive(Clone)]
+struct Promoted {
+    tier: Tier,
+    block: Option<Arc<crate::tier::Block>>,
+}
+
+/// Everything a [`Node`] is built from.
+#[derive(Debug, Clone)]
+pub struct NodeConfig {
+    /// The local tier.
+    pub g3: G3Config,
+    /// G3 eviction policy name (`default`, `lru`; see `policy::by_name`).
+    pub policy: String,
+    /// The shared tier, if any.
+    pub g4: Option<G4Config>,
+    /// Which blocks are written through to G4.
+    pub admission: G4Admission,
+    /// Peers, if enabled.
+    pub peer: Option<PeerSetup>,
+    /// Time a lookup may spend asking peers and G4 about blocks past the
+    /// local prefix.
+    pub lookup_remote_deadline_ms: u64,
+    /// Time an onboard may spend fetching one block from peers and G4.
+    pub fetch_deadline_ms: u64,
+    /// Pins held at once.
+    pub pins_max: usize,
+    /// Longest pin.
+    pub pin_ttl_max_ms: u32,
+}
+
+impl NodeConfig {
+    /// G3 only, with defaults for the rest.
+    pub fn new(g3: G3Config) -> Self {
+        NodeConfig {
+            g3,
+            policy: "default".into(),
+            g4: None,
+            admission: G4Admission::All,
+            peer: None,
+            lookup_remote_deadline_ms: 200,
+            fetch_deadline_ms: 10_000,
+            pins_max: 65536,
+            pin_ttl_max_ms: 3_600_000,
+        }
+    }
+}
+
+/// Promotions into G3 from one source, for metrics and benches.
+#[derive(Debug, Default)]
+struct PromoteCounters {
+    count: AtomicU64,
+    fetch_us: AtomicU64,
+    store_us: AtomicU64,
+}
+
+/// Promotions from one source: how many, and time spent fetching
+/// (transfer + verification) and storing into G3.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PromoteFigures {
+    /// Blocks promoted.
+    pub count: u64,
+    /// Total microseconds fetching and verifying.
+    pub fetch_us: u64,
+    /// Total microseconds writing into G3.
+    pub store_us: u64,
+}
+
+impl PromoteCounters {
+    fn snapshot(&self) -> PromoteFigures {
+        PromoteFigures {
+            count: self.count.load(Ordering::Relaxed),
+            fetch_us: self.fetch_us.load(Ordering::Relaxed),
+            store_us: self.store_us.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// What the peer server has done, for metrics.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PeerServedFigures {
+    /// Requests received.
+    pub requests: u64,
+    /// Block bytes sent.
+    pub bytes_sent: u64,
+    /// Requests refused for a bad or missing signature.
+    pub unauthorized: u64,
+    /// Requests refused otherwise (method, path, range).
+    pub rejected: u64,
+}
+
+/// Node-level figures beyond [`crate::server::BackendStats`] (G4 queue,
+/// peers, promotions), read at scrape time.
+#[derive(Debug, Clone, Default)]
+pub struct NodeFigures {
+    /// G4 counters, when G4 is configured.
+    pub g4: Option<G4StatsSnapshot>,
+    /// Peer client counters, when peers are enabled.
+    pub peer: Option<PeerMetricsSnapshot>,
+    /// Peer server counters, when peers are enabled.
+    pub peer_served: Option<PeerServedFigures>,
+    /// Promotions from peers.
+    pub promoted_from_peer: PromoteFigures,
+    /// Promotions from G4.
+    pub promoted_from_g4: PromoteFigures,
+    /// G3 write-through jobs queued by this node.
+    pub g4_enqueued: u64,
+}
+
+/// G3 + optional G4 + optional peers. See the module docs.
+pub struct Node {
+    g3: Arc<G3Store>,
+    g4: Option<Arc<G4Store>>,
+    peers: Option<Arc<PeerSet>>,
+    peer_server: Option<PeerServer>,
+    peer_fanout: usize,
+    node_id: String,
+    heartbeat: Mutex<Option<HeartbeatTask>>,
+    admission: G4Admission,
+    events: Arc<RwLock<Option<EventBus>>>,
+    listeners: events::Listeners,
+    /// Where recently promoted blocks came from, so the read that follows
+    /// the promoting lease reports the tier that actually delivered them.
+    promoted: Mutex<(PromotedMemo, u64)>,
+    leases: Mutex<HashMap<u64, Instant>>,
+    pins: Mutex<HashMap<(NamespaceId, BlockKey), Instant>>,
+    from_peer: PromoteCounters,
+    from_g4: PromoteCounters,
+    g4_enqueued: Arc<AtomicU64>,
+    /// Blocks removed by `evict` requests (G3 counts only its own).
+    evicted_by_request: AtomicU64,
+    lookup_remote_deadline: Duration,
+    fetch_deadline: Duration,
+    pins_max: usize,
+    pin_ttl_max_ms: u32,
+    handle: Handle,
+    runtime: Mutex<Option<Runtime>>,
+}
+
+impl std::fmt::Debug for Node {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Node")
+            .field("node_id", &self.node_id)
+            .field("g4", &self.g4.is_some())
+            .field("peers", &self.peers.is_some())
+            .finish()
+    }
+}
+
+impl Node {
+    /// Opens G3 (recovery included), G4 and peers as configured, starts the
+    /// G4 uploader, the peer server and heartbeats.
+    pub fn open(cfg: NodeConfig) -> Result<Arc<Node>> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("kvtier-node")
+            .enable_all()
+            .build()
+            .map_err(|e| Error::io("starting the node runtime", "", e))?;
+        let handle = runtime.handle().clone();
+        let policy = crate::policy::by_name(&cfg.policy).ok_or_else(|| Error::Config {
+            key: "g3.policy".into(),
+            problem: format!("unknown policy {:?} (default | lru)", cfg.policy),
+        })?;
+        let g3 = G3Store::open(cfg.g3.clone(), policy)?;
+        let events: Arc<RwLock<Option<EventBus>>> = Arc::new(RwLock::new(None));
+        let listeners: events::Listeners = Arc::new(RwLock::new(Vec::new()));
+        g3.set_event_sink(events::g3_sink(events.clone(), listeners.clone()));
+        let mut g4_store = None;
+        let mut g4_raw = None;
+        if let Some(c) = &cfg.g4 {
+            let (store, prefix) = c.build_store()?;
+            g4_raw = Some((store.clone(), prefix.clone()));
+            g4_store = Some(Arc::new(G4Store::with_handle(
+                store,
+                prefix,
+                c.clone(),
+                handle.clone(),
+            )?));
+        }
+        let g4_enqueued = Arc::new(AtomicU64::new(0));
+        if let Some(g4) = &g4_store {
+            uplink::start(&g3, g4, events.clone())?;
+        }
+        let mut node_id = String::from("local");
+        let mut peer_fanout = 1;
+        let (mut peer_set, mut peer_server, mut heartbeat) = (None, None, None);
+        if let Some(p) = &cfg.peer {
+            let started = peers::start(&handle, &g3, p, g4_raw.clone())?;
+            node_id = p.node_id.clone();
+            peer_fanout = p.cfg.fanout_max.max(1);
+            peer_set = Some(started.set);
+            peer_server = Some(started.server);
+            heartbeat = started.heartbeat;
+        }
+        let node = Arc::new(Node {
+            g3,
+            g4: g4_store,
+            peers: peer_set,
+            peer_server,
+            peer_fanout,
+            node_id,
+            heartbeat: Mutex::new(heartbeat),
+            admission: cfg.admission,
+            events,
+            listeners,
+            promoted: Mutex::new((HashMap::new(), 0)),
+            leases: Mutex::new(HashMap::new()),
+            pins: Mutex::new(HashMap::new()),
+            from_peer: PromoteCounters::default(),
+            from_g4: PromoteCounters::default(),
+            g4_enqueued,
+            evicted_by_request: AtomicU64::new(0),
+            lookup_remote_deadline: Duration::from_millis(cfg.lookup_remote_deadline_ms),
+            fetch_deadline: Duration::from_millis(cfg.fetch_deadline_ms),
+            pins_max: cfg.pins_max,
+            pin_ttl_max_ms: cfg.pin_ttl_max_ms,
+            handle,
+            runtime: Mutex::new(Some(runtime)),
+        });
+        if node.g4.is_some() {
+            uplink::requeue_unmarked(&node);
+        }
+        Ok(node)
+    }
+
+    /// The local tier.
+    pub fn g3(&self) -> &Arc<G3Store> {
+        &self.g3
+    }
+
+    /// The shared tier, when configured.
+    pub fn g4(&self) -> Option<&Arc<G4Store>> {
+        self.g4.as_ref()
+    }
+
+    /// This node's id (`local` without peers).
+    pub fn node_id(&self) -> &str {
+        &self.node_id
+    }
+
+    /// Where the peer server listens, when peers are enabled.
+    pub fn peer_addr(&self) -> Option<std::net::SocketAddr> {
+        self.peer_server.as_ref().map(|s| s.local_addr())
+    }
+
+    /// Hands every G3 event (stored, removed) to `sink` too, on the thread
+    /// that caused it (keep it short). For the mount's event log.
+    pub fn add_g3_listener(&self, sink: crate::g3::EventSink) {
+        if let Ok(mut l) = self.listeners.write() {
+            l.push(sink);
+        }
+    }
+
+    /// The mount's fall-through: brings a block G3 lacks in from a peer or
+    /// G4 (verified, promoted). `Ok(true)` when it is on G3 now. Blocks for
+    /// up to the fetch deadline; call from plain threads (FUSE's).
+    pub fn fetch_hook(self: &Arc<Self>) -> crate::mount::FetchHook {
+        let node = Arc::clone(self);
+        Arc::new(move |ns: &NamespaceId, key: &BlockKey| {
+            Ok(matches!(
+                node.ensure_local(ns, key)?,
+                crate::tier::Lookup::Hit(_)
+            ))
+        })
+    }
+
+    /// Figures for `/metrics` beyond the backend stats.
+    pub fn figures(&self) -> NodeFigures {
+        NodeFigures {
+            g4: self.g4.as_ref().map(|g| g.stats()),
+            peer: self.peers.as_ref().map(|p| p.metrics()),
+            peer_served: self.peer_server.as_ref().map(|s| {
+                let m = s.metrics();
+                PeerServedFigures {
+                    requests: m.requests.load(Ordering::Relaxed),
+                    bytes_sent: m.bytes_sent.load(Ordering::Relaxed),
+                    unauthorized: m.unauthorized.load(Ordering::Relaxed),
+                    rejected: m.rejected.load(Ordering::Relaxed),
+                }
+            }),
+            promoted_from_peer: self.from_peer.snapshot(),
+            promoted_from_g4: self.from_g4.snapshot(),
+            g4_enqueued: self.g4_enqueued.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Runs `fut` on the node runtime and waits for it. Must not be called
+    /// from a runtime thread (the server's connection threads are plain
+    /// threads). `None` when the runtime is gone (shutting down).
+    fn run_async<T: Send + 'static>(
+        &self,
+        fut: impl Future<Output = T> + Send + 'static,
+    ) -> Option<T> {
+        run_on(&self.handle, fut)
+    }
+
+    fn remember_promoted(&self, ns: &NamespaceId, block: Arc<crate::tier::Block>, tier: Tier) {
+        if let Ok(mut g) = self.promoted.lock() {
+            let (m, bytes) = &mut *g;
+            let len = block.payload.len() as u64;
+            if m.len() >= PROMOTED_MEMO_MAX || *bytes + len > PROMOTED_MEMO_BYTES_MAX {
+                // Only an optimization: forgotten entries read from G3 and
+                // report G3.
+                m.clear();
+                *bytes = 0;
+            }
+            let keep = len <= PROMOTED_MEMO_BYTES_MAX;
+            if keep {
+                *bytes += len;
+            }
+            let key = (*ns, block.header.key);
+            let old = m.insert(
+                key,
+                Promoted {
+                    tier,
+                    block: keep.then_some(block),
+                },
+            );
+            if let Some(b) = old.and_then(|o| o.block) {
+                *bytes = bytes.saturating_sub(b.payload.len() as u64);
+            }
+        }
+    }
+
+    fn take_promoted(&self, ns: &NamespaceId, key: &BlockKey) -> Option<Promoted> {
+        let mut g = self.promoted.lock().ok()?;
+        let (m, bytes) = &mut *g;
+        let p = m.remove(&(*ns, *key))?;
+        if let Some(b) = &p.block {
+            *bytes = bytes.saturating_sub(b.payload.len() as u64);
+        }
+        Some(p)
+    }
+
+    /// Stops heartbeats, waits (bounded) for G4 uploads, closes G3.
+    pub fn shutdown(&self, g4_flush_timeout: Duration) -> Result<()> {
+        if let Ok(mut h) = self.heartbeat.lock() {
+            h.take();
+        }
+        if let Some(g4) = &self.g4 {
+            if !g4.flush(g4_flush_timeout) {
+                tracing::warn!(
+                    "g4: uploads still pending at shutdown; they are re-queued at the next start"
+                );
+            }
+        }
+        self.g3.close()
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        if let Ok(mut r) = self.runtime.lock() {
+            if let Some(rt) = r.take() {
+                rt.shutdown_background();
+            }
+        }
+    }
+}
+
+/// Runs `fut` on `handle` and waits for it from a non-runtime thread.
+pub(crate) fn run_on<T: Send + 'static>(
+    handle: &Handle,
+    fut: impl Future<Output = T> + Send + 'static,
+) -> Option<T> {
+    let (tx, rx) = std::sync::mpsc::sync_channel(1);
+    handle.spawn(async move {
+        let _ = tx.send(fut.await);
+    });
+    rx.recv().ok()
+}
+
+#[cfg(test)]
+mod tests;

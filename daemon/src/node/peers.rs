@@ -1,0 +1,111 @@
+//! Starting the peer subsystem: the server that streams this node's G3
+//! block files, the peer set that fetches from others, and heartbeats in G4.
+
+use crate::error::{Error, Result};
+use crate::g3::G3Store;
+use crate::peer::{HeartbeatTask, PeerClient, PeerConfig, PeerServer, PeerSet, PeerSource};
+use crate::tier::Lookup;
+use kvtier_client::{BlockKey, NamespaceId};
+use object_store::path::Path;
+use object_store::ObjectStore;
+use std::fs::File;
+use std::sync::Arc;
+use tokio::runtime::Handle;
+
+/// The peer settings a node starts with.
+#[derive(Clone)]
+pub struct PeerSetup {
+    /// The `[peer]` section.
+    pub cfg: PeerConfig,
+    /// This node's id.
+    pub node_id: String,
+    /// The shared secret (read from `cfg.secret_file`).
+    pub secret: Vec<u8>,
+    /// Test hook: the server flips a payload byte of every response
+    /// (`KVTIER_TEST_PEER_CORRUPT=1` in kvtierd). Never set in production.
+    pub corrupt_responses_for_tests: bool,
+}
+
+impl std::fmt::Debug for PeerSetup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PeerSetup")
+            .field("cfg", &self.cfg)
+            .field("node_id", &self.node_id)
+            .field("secret", &"<redacted>")
+            .finish()
+    }
+}
+
+/// G3 as what the peer server streams: the block file as on disk. The
+/// receiver verifies; G3 drops corrupt blocks it learns about.
+struct G3Source(Arc<G3Store>);
+
+impl PeerSource for G3Source {
+    fn open_block(&self, ns: &NamespaceId, key: &BlockKey) -> Result<Option<(File, u64)>> {
+        Ok(match self.0.open_for_read(ns, key)? {
+            Lookup::Hit((file, info)) => Some((file, info.file_len)),
+            Lookup::Miss(_) => None,
+        })
+    }
+}
+
+pub(super) struct Started {
+    pub(super) set: Arc<PeerSet>,
+    pub(super) server: PeerServer,
+    pub(super) heartbeat: Option<HeartbeatTask>,
+}
+
+/// Starts the server, the set, and (when `discovery` and G4 are on) the
+/// heartbeat task publishing under `<g4 prefix>/nodes/`.
+pub(super) fn start(
+    handle: &Handle,
+    g3: &Arc<G3Store>,
+    p: &PeerSetup,
+    g4: Option<(Arc<dyn ObjectStore>, Path)>,
+) -> Result<Started> {
+    p.cfg.validate()?;
+    let mut scfg = p.cfg.server_config(p.secret.clone());
+    scfg.corrupt_responses_for_tests = p.corrupt_responses_for_tests;
+    if p.corrupt_responses_for_tests {
+        tracing::warn!("peer: TEST HOOK ON: every response is corrupted on purpose");
+    }
+    let source: Arc<dyn PeerSource> = Arc::new(G3Source(g3.clone()));
+    let server = super::run_on(handle, PeerServer::start(scfg, source))
+        .ok_or_else(|| runtime_gone("starting the peer server"))??;
+    let bound = server.local_addr();
+    let client = PeerClient::new(p.cfg.client_config(p.secret.clone()))?;
+    let set = Arc::new(PeerSet::new(p.cfg.set_config(&p.node_id), client)?);
+    let address = p.cfg.advertised_address(bound);
+    tracing::info!(node_id = %p.node_id, %address, static_peers = p.cfg.peers.len(), "peer server listening");
+    let mut heartbeat = None;
+    if p.cfg.discovery {
+        if let Some((store, prefix)) = g4 {
+            let scoped: Arc<dyn ObjectStore> =
+                Arc::new(object_store::prefix::PrefixStore::new(store, prefix));
+            let fut = HeartbeatTask::start(
+                scoped,
+                p.node_id.clone(),
+                address,
+                p.cfg.heartbeat_ttl_ms,
+                p.cfg.heartbeat_period_ms,
+                Some(set.clone()),
+            );
+            match super::run_on(handle, fut) {
+                Some(Ok(h)) => heartbeat = Some(h),
+                // Discovery is an addition to static peers: a store that
+                // refuses heartbeats must not keep the node from serving.
+                Some(Err(e)) => tracing::warn!("peer discovery off: {e}"),
+                None => return Err(runtime_gone("starting heartbeats")),
+            }
+        }
+    }
+    Ok(Started {
+        set,
+        server,
+        heartbeat,
+    })
+}
+
+fn runtime_gone(op: &'static str) -> Error {
+    Error::io(op, "", std::io::Error::other("the node runtime shut down"))
+}

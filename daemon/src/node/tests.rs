@@ -1,0 +1,236 @@
+//! Node over real G3 (temp dir), a `memory://` G4 and in-process peers on
+//! loopback. The cross-process suites are in tests/e2e_node.rs.
+
+use super::*;
+use crate::peer::PeerInfo;
+use crate::server::backend::{Backend, EvictOutcome};
+use crate::tier::Lookup;
+use kvtier_client::events::{KvEventData, StorageTier};
+use kvtier_client::{BlockHeader, Hints, KvLayout, Namespace};
+
+const BLOCK: u64 = 16 << 10;
+
+fn ns() -> Namespace {
+    Namespace::new(
+        "node-unit",
+        KvLayout::with_block_bytes(BLOCK).unwrap(),
+        "",
+        "t",
+    )
+    .unwrap()
+}
+
+fn block(i: u64) -> (BlockHeader, Vec<u8>) {
+    let payload: Vec<u8> = (0..BLOCK).map(|j| (j * 7 + i * 13) as u8).collect();
+    let h = BlockHeader::for_payload(&ns(), BlockKey::from_u64(100 + i), &payload, 1);
+    (h, payload)
+}
+
+fn node(dir: &std::path::Path, g4: bool, peer: Option<PeerSetup>) -> Arc<Node> {
+    let mut c = NodeConfig::new(G3Config::new(dir.join("g3"), 64 << 20));
+    if g4 {
+        c.g4 = Some(G4Config::new("memory://"));
+    }
+    c.peer = peer;
+    c.fetch_deadline_ms = 5_000;
+    Node::open(c).unwrap()
+}
+
+fn read(n: &Node, key: &BlockKey) -> Lookup<(BlockHeader, Tier, Vec<u8>)> {
+    let mut buf = vec![0u8; (BLOCK + 8192) as usize];
+    match n.read_into(&ns().id(), key, &mut buf).unwrap() {
+        Lookup::Hit((h, t)) => {
+            let payload = buf[4096..4096 + h.payload_len as usize].to_vec();
+            Lookup::Hit((h, t, payload))
+        }
+        Lookup::Miss(r) => Lookup::Miss(r),
+    }
+}
+
+fn wait_in_g4(n: &Node, key: &BlockKey) {
+    let t = Instant::now();
+    while !n.g3().stat(&ns().id(), key).is_some_and(|i| i.in_g4) {
+        assert!(t.elapsed() < Duration::from_secs(5), "never marked in G4");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn write_through_then_fall_through_from_g4() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = node(dir.path(), true, None);
+    let bus = EventBus::new();
+    let sub = bus.subscribe().unwrap();
+    n.attach_events(bus);
+    let id = ns().id();
+    let (h0, p0) = block(0);
+    let (h1, p1) = block(1);
+    let eph = Hints {
+        ephemeral: true,
+        ..Hints::default()
+    };
+    n.offload(&id, &h0, &p0, None, Hints::default()).unwrap();
+    n.offload(&id, &h1, &p1, Some(h0.key), eph).unwrap();
+    assert!(n.g4().unwrap().flush(Duration::from_secs(5)));
+    wait_in_g4(&n, &h0.key);
+    assert!(
+        !n.g3().stat(&id, &h1.key).unwrap().in_g4,
+        "ephemeral uploaded"
+    );
+
+    // Disk events for both stores, External for the upload.
+    let evs: Vec<_> = sub.rx.try_iter().collect();
+    let disk = evs
+        .iter()
+        .filter(|e| e.storage_tier == StorageTier::Disk)
+        .count();
+    let external: Vec<_> = evs
+        .iter()
+        .filter(|e| e.storage_tier == StorageTier::External)
+        .collect();
+    assert_eq!(disk, 2, "{evs:?}");
+    assert_eq!(external.len(), 1, "{evs:?}");
+    assert!(
+        matches!(&external[0].data, KvEventData::Stored { blocks, .. } if blocks[0].block_hash == h0.key && blocks[0].payload_len == BLOCK)
+    );
+
+    // Evicted locally: the lookup sees G4, the read falls through verified.
+    assert_eq!(n.evict(&id, &h0.key).unwrap(), EvictOutcome::Evicted);
+    assert_eq!(n.evict(&id, &h1.key).unwrap(), EvictOutcome::Evicted);
+    assert_eq!(n.lookup(&id, &[h0.key, h1.key]).unwrap(), vec![Tier::G4]);
+    match read(&n, &h0.key) {
+        Lookup::Hit((h, t, p)) => {
+            assert_eq!(t, Tier::G4);
+            assert_eq!(h.key, h0.key);
+            assert_eq!(p, p0);
+        }
+        Lookup::Miss(r) => panic!("{r:?}"),
+    }
+    // Promoted: now a G3 hit, and never uploaded again.
+    assert_eq!(n.lookup(&id, &[h0.key]).unwrap(), vec![Tier::G3]);
+    assert!(matches!(read(&n, &h0.key), Lookup::Hit((_, Tier::G3, _))));
+    assert!(n.g3().stat(&id, &h0.key).unwrap().in_g4);
+    // The ephemeral block never reached G4: a miss, not wrong bytes.
+    assert!(matches!(read(&n, &h1.key), Lookup::Miss(_)));
+    assert_eq!(n.figures().promoted_from_g4.count, 1);
+}
+
+#[test]
+fn a_lease_promotes_and_protects() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = node(dir.path(), true, None);
+    let id = ns().id();
+    let (h, p) = block(5);
+    n.offload(&id, &h, &p, None, Hints::default()).unwrap();
+    assert!(n.g4().unwrap().flush(Duration::from_secs(5)));
+    wait_in_g4(&n, &h.key);
+    n.evict(&id, &h.key).unwrap();
+    let Lookup::Hit(lease) = n.lease(&id, &h.key, 10_000).unwrap() else {
+        panic!("lease after eviction should fall through to G4");
+    };
+    assert_ne!(lease, 0);
+    assert_eq!(n.evict(&id, &h.key).unwrap(), EvictOutcome::Busy);
+    assert!(n.release(lease));
+    assert_eq!(n.evict(&id, &h.key).unwrap(), EvictOutcome::Evicted);
+}
+
+#[test]
+fn peer_lookup_and_fetch_in_process() {
+    let secret = b"unit-peer-secret-0123456789".to_vec();
+    let port_b = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let setup = |id: &str, bind: u16, peers: Vec<PeerInfo>| PeerSetup {
+        cfg: crate::peer::PeerConfig {
+            enabled: true,
+            bind: std::net::SocketAddr::from(([127, 0, 0, 1], bind)),
+            peers,
+            discovery: false,
+            // Validation wants the file named; the secret itself is passed.
+            secret_file: Some("/nonexistent/peer.secret".into()),
+            ..Default::default()
+        },
+        node_id: id.into(),
+        secret: secret.clone(),
+        corrupt_responses_for_tests: false,
+    };
+    let da = tempfile::tempdir().unwrap();
+    let db = tempfile::tempdir().unwrap();
+    let a = node(da.path(), false, Some(setup("a", 0, vec![])));
+    let a_addr = a.peer_addr().unwrap().to_string();
+    let b = node(
+        db.path(),
+        false,
+        Some(setup(
+            "b",
+            port_b,
+            vec![PeerInfo::new("a", a_addr).unwrap()],
+        )),
+    );
+    let id = ns().id();
+    let (h, p) = block(9);
+    let (absent, _) = block(10);
+    a.offload(&id, &h, &p, None, Hints::default()).unwrap();
+    assert_eq!(
+        b.lookup(&id, &[h.key, absent.key]).unwrap(),
+        vec![Tier::Peer]
+    );
+    match read(&b, &h.key) {
+        Lookup::Hit((_, t, got)) => {
+            assert_eq!(t, Tier::Peer);
+            assert_eq!(got, p);
+        }
+        Lookup::Miss(r) => panic!("{r:?}"),
+    }
+    assert_eq!(b.lookup(&id, &[h.key]).unwrap(), vec![Tier::G3]);
+    let f = b.figures();
+    assert_eq!(f.promoted_from_peer.count, 1);
+    assert_eq!(f.peer.unwrap().hits, 1);
+    assert!(matches!(read(&b, &absent.key), Lookup::Miss(_)));
+}
+
+#[test]
+fn peers_found_through_g4_heartbeats() {
+    let shared = tempfile::tempdir().unwrap();
+    let url = format!("file://{}", shared.path().display());
+    let secret = b"unit-peer-secret-0123456789".to_vec();
+    let open = |dir: &std::path::Path, id: &str| {
+        let mut c = NodeConfig::new(G3Config::new(dir.join("g3"), 64 << 20));
+        c.g4 = Some(G4Config::new(url.clone()));
+        c.peer = Some(PeerSetup {
+            cfg: crate::peer::PeerConfig {
+                enabled: true,
+                bind: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+                discovery: true,
+                secret_file: Some("/nonexistent/peer.secret".into()),
+                ..Default::default()
+            },
+            node_id: id.into(),
+            secret: secret.clone(),
+            corrupt_responses_for_tests: false,
+        });
+        Node::open(c).unwrap()
+    };
+    let (da, db) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let a = open(da.path(), "a");
+    // B reads the heartbeats at start: A is there, with no static list.
+    let b = open(db.path(), "b");
+    let id = ns().id();
+    let (h, p) = block(11);
+    // Ephemeral: never in G4, so only the peer can deliver it.
+    let eph = Hints {
+        ephemeral: true,
+        ..Hints::default()
+    };
+    a.offload(&id, &h, &p, None, eph).unwrap();
+    assert_eq!(b.lookup(&id, &[h.key]).unwrap(), vec![Tier::Peer]);
+    match read(&b, &h.key) {
+        Lookup::Hit((_, t, got)) => {
+            assert_eq!(t, Tier::Peer);
+            assert_eq!(got, p);
+        }
+        Lookup::Miss(r) => panic!("{r:?}"),
+    }
+}

@@ -1,0 +1,138 @@
+//! The G4 write-through: which G3 blocks go up, how the uploader reads
+//! them, and what happens once they are safe.
+//!
+//! - Admission ([`G4Admission`]): `all` (the default) queues every
+//!   non-ephemeral block once it is durable on G3; `after-first-reuse`
+//!   queues it on its first G3 hit (or at store time when the engine hinted
+//!   reuse or a pin). Ephemeral blocks are never uploaded.
+//! - The uploader reads the block file from G3 at upload time through
+//!   `G3Store::read_into`, which verifies header, length, padding and
+//!   checksum (the uploader verifies again before the bytes leave).
+//! - A block safe in G4 is marked in the G3 index (`mark_in_g4`) and an
+//!   `External` Stored event is published.
+//! - Eviction does not wait for uploads: G3 must keep accepting writes when
+//!   the object store is slow or down. A block evicted before its upload is
+//!   skipped by the uploader (`SourceMissing`) and is lost to G4; a job lost
+//!   to a full queue or a restart is re-queued at the next start for every
+//!   block still on G3 and not marked (see [`requeue_unmarked`]).
+
+use super::events::{self, Slot};
+use super::Node;
+use crate::error::Result;
+use crate::g3::G3Store;
+use crate::g4::{EnqueueOutcome, G4Store, UploadOutcome};
+use crate::policy::admission::AdmissionEvent;
+use kvtier_client::{BlockKey, Hints, NamespaceId};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+/// Starts G4's upload workers over `g3`.
+pub(super) fn start(g3: &Arc<G3Store>, g4: &Arc<G4Store>, slot: Slot) -> Result<()> {
+    let src = g3.clone();
+    let source = move |ns: &NamespaceId, key: &BlockKey| -> Option<Vec<u8>> {
+        let info = src.stat(ns, key)?;
+        let mut buf = vec![0u8; info.file_len as usize];
+        match src.read_into(ns, key, &mut buf) {
+            Ok(crate::tier::Lookup::Hit(_)) => Some(buf),
+            _ => None,
+        }
+    };
+    let marker = g3.clone();
+    let on_uploaded = Arc::new(
+        move |ns: &NamespaceId, key: &BlockKey, outcome: UploadOutcome| {
+            if !outcome.is_safe_in_g4() {
+                if outcome == UploadOutcome::GaveUp {
+                    tracing::warn!(%ns, %key, "g4: upload given up; re-queued at next start");
+                }
+                return;
+            }
+            let (g3, slot, ns, key) = (marker.clone(), slot.clone(), *ns, *key);
+            // A redb write: off the G4 runtime's async workers.
+            tokio::task::spawn_blocking(move || {
+                g3.mark_in_g4(&ns, &key);
+                let payload_len = g3
+                    .stat(&ns, &key)
+                    .map(|i| i.payload_len)
+                    .unwrap_or_default();
+                events::g4_stored(&slot, &ns, &key, payload_len);
+            });
+        },
+    );
+    g4.start_uploader(Arc::new(source), Some(on_uploaded))
+}
+
+impl Node {
+    /// Queues a block for upload when admission says so.
+    pub(super) fn admit(
+        &self,
+        ns: &NamespaceId,
+        key: &BlockKey,
+        event: AdmissionEvent,
+        hints: Hints,
+        in_g4: bool,
+    ) {
+        let Some(g4) = &self.g4 else { return };
+        if !self.admission.should_write(event, hints, in_g4) {
+            return;
+        }
+        match g4.enqueue(ns, key, hints) {
+            EnqueueOutcome::Queued => {
+                self.g4_enqueued.fetch_add(1, Ordering::Relaxed);
+            }
+            EnqueueOutcome::DroppedQueueFull => {
+                tracing::debug!(%ns, %key, "g4: upload queue full; re-queued at next start")
+            }
+            _ => {}
+        }
+    }
+}
+
+/// Re-queues, in the background, every G3 block not yet marked safe in G4
+/// that admission would upload (jobs lost to a crash, a full queue or
+/// exhausted retries). Bounded by the upload queue: overflow is dropped and
+/// counted, and picked up again at the next start.
+pub(super) fn requeue_unmarked(node: &Arc<Node>) {
+    let weak = Arc::downgrade(node);
+    let spawned = std::thread::Builder::new()
+        .name("kvtier-requeue".into())
+        .spawn(move || {
+            let Some(node) = weak.upgrade() else { return };
+            let mut queued = 0u64;
+            for ns in node.g3.namespaces() {
+                let mut after: Option<BlockKey> = None;
+                loop {
+                    let page = node.g3.list(&ns, after.as_ref(), 1024);
+                    let Some(last) = page.last().copied() else {
+                        break;
+                    };
+                    for key in page {
+                        let Some(info) = node.g3.stat(&ns, &key) else {
+                            continue;
+                        };
+                        let hints = Hints {
+                            priority: info.priority,
+                            pinned: info.pinned,
+                            ephemeral: info.ephemeral,
+                            expected_reuse: 0,
+                        };
+                        let event = if info.hits > 0 {
+                            AdmissionEvent::Hit
+                        } else {
+                            AdmissionEvent::Stored
+                        };
+                        if !info.in_g4 && node.admission.should_write(event, hints, false) {
+                            node.admit(&ns, &key, event, hints, false);
+                            queued += 1;
+                        }
+                    }
+                    after = Some(last);
+                }
+            }
+            if queued > 0 {
+                tracing::info!(blocks = queued, "g4: re-queued blocks not yet uploaded");
+            }
+        });
+    if let Err(e) = spawned {
+        tracing::warn!(error = %e, "g4: cannot start the re-queue thread");
+    }
+}

@@ -1,0 +1,357 @@
+//! `kvtier bench crossnode`: cross-node onboard through real daemons.
+//!
+//! Starts a real S3-compatible server (SeaweedFS, as the tests do) and three
+//! `kvtierd` on loopback with separate data dirs and ports, all on the same
+//! G4 bucket: A and B are peers, C has peers off. A offloads N blocks and
+//! the bench waits until A has uploaded them. Then, round by round
+//! (interleaved): a raw TCP loopback transfer of A's block files (the
+//! baseline, `peer::bench::raw_tcp_transfer`), B onboarding every block
+//! (peer fetch from A), C onboarding every block (G4 only). Between rounds B
+//! and C evict their promoted copies so each round fetches again. The page
+//! cache is dropped before each phase when running as root.
+//!
+//! Latency breakdown per block (G4-only on C, peer on B): fetch + verify and
+//! G3 promote come from the node's `kvtier_promote_microseconds_total`;
+//! client read (lease, verified G3 read into shared memory, reply) is the
+//! rest of the client-observed latency.
+
+use super::common;
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use kvtier_client::{
+    BlockKey, Client, ClientConfig, Hints, KvLayout, Namespace, OffloadOutcome, Onboarded, Tier,
+};
+use kvtier_daemon::testkit::s3::{S3Server, ACCESS_KEY_ID};
+use serde_json::{json, Map, Value};
+use std::io::{Read, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Arguments of `kvtier bench crossnode`.
+#[derive(Debug, Args)]
+pub struct CrossnodeArgs {
+    /// Blocks offloaded on node A.
+    #[arg(long, default_value_t = 64)]
+    pub blocks: usize,
+    /// Block size.
+    #[arg(long, default_value = "2MiB", value_parser = common::parse_size)]
+    pub block_size: u64,
+    /// Interleaved rounds (medians reported).
+    #[arg(long, default_value_t = 3)]
+    pub rounds: usize,
+    /// One JSON document on stdout.
+    #[arg(long)]
+    pub json: bool,
+}
+
+struct Node {
+    child: Child,
+    dir: tempfile::TempDir,
+    socket: PathBuf,
+    metrics: String,
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn free_port() -> Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+fn start_node(config: &str, name: &str) -> Result<Node> {
+    let dir = tempfile::Builder::new()
+        .prefix(&format!("kvtier-xn-{name}-"))
+        .tempdir()?;
+    let socket = dir.path().join("kvtierd.sock");
+    let metrics = format!("127.0.0.1:{}", free_port()?);
+    let conf = dir.path().join("kvtierd.toml");
+    std::fs::write(&conf, config)?;
+    let exe = std::env::current_exe()?;
+    let local = exe.with_file_name("kvtierd");
+    let bin = if local.exists() {
+        local
+    } else {
+        PathBuf::from("kvtierd")
+    };
+    let child = Command::new(&bin)
+        .arg("--config")
+        .arg(&conf)
+        .arg("--socket")
+        .arg(&socket)
+        .arg("--g3-dir")
+        .arg(dir.path().join("g3"))
+        .args(["--g3-capacity", "16GiB", "--metrics-addr", &metrics])
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .spawn()
+        .with_context(|| format!("starting {}", bin.display()))?;
+    let n = Node {
+        child,
+        dir,
+        socket,
+        metrics,
+    };
+    let t = Instant::now();
+    while std::os::unix::net::UnixStream::connect(&n.socket).is_err() {
+        if t.elapsed() > Duration::from_secs(30) {
+            bail!("kvtierd {name} did not start within 30 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok(n)
+}
+
+/// Sum of a metric's samples whose label set includes `label`.
+fn scrape(n: &Node, name: &str, label: &str) -> Result<f64> {
+    let mut s = std::net::TcpStream::connect(&n.metrics)?;
+    s.set_read_timeout(Some(Duration::from_secs(5)))?;
+    write!(
+        s,
+        "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )?;
+    let mut body = String::new();
+    s.read_to_string(&mut body)?;
+    let mut sum = 0.0;
+    for line in body.lines().filter(|l| !l.starts_with('#')) {
+        let Some((series, v)) = line.rsplit_once(' ') else {
+            continue;
+        };
+        let metric = series.split('{').next().unwrap_or("");
+        if metric == name && series.contains(label) {
+            sum += v.parse::<f64>().unwrap_or(0.0);
+        }
+    }
+    Ok(sum)
+}
+
+fn client(n: &Node, block_bytes: u64) -> Client {
+    let mut c = ClientConfig::new(&n.socket);
+    c.region_bytes = (block_bytes + 8192) * 4;
+    c.timeout_ms = 60_000;
+    Client::with_config(c)
+}
+
+/// Onboards every key one at a time (the latency of one block through the
+/// path), checking bytes; returns (seconds in total, per-block seconds).
+fn onboard_each(
+    n: &Node,
+    ns: &Namespace,
+    keys: &[BlockKey],
+    data: &[Vec<u8>],
+    want: Tier,
+) -> Result<(f64, Vec<f64>)> {
+    let c = client(n, data[0].len() as u64);
+    let h = c.namespace(ns);
+    let mut buf = vec![0u8; data[0].len()];
+    let mut lat = Vec::with_capacity(keys.len());
+    let t0 = Instant::now();
+    for (k, d) in keys.iter().zip(data) {
+        let t = Instant::now();
+        let r = h.onboard_into(std::slice::from_ref(k), &mut [&mut buf[..]]);
+        lat.push(t.elapsed().as_secs_f64());
+        match r.first() {
+            Some(Onboarded::Hit { tier, .. }) if *tier == want => {}
+            other => bail!("onboard via {want:?} got {other:?}"),
+        }
+        if buf != *d {
+            bail!("onboarded bytes differ");
+        }
+    }
+    Ok((t0.elapsed().as_secs_f64(), lat))
+}
+
+fn config(s3: &S3Server, peer: Option<(&str, u16, &str, &Path)>) -> String {
+    let mut t = format!(
+        "[g4]\nurl = \"s3://{}/bench\"\nendpoint = \"{}\"\nregion = \"us-east-1\"\nallow_http = true\npath_style = true\naccess_key_id = \"{ACCESS_KEY_ID}\"\nsecret_access_key = \"{}\"\n",
+        s3.bucket,
+        s3.endpoint(),
+        s3.secret_access_key
+    );
+    if let Some((id, port, peer, secret)) = peer {
+        t.push_str(&format!(
+            "[peer]\nenabled = true\nnode_id = \"{id}\"\nbind = \"127.0.0.1:{port}\"\nsecret_file = \"{}\"\npeers = [{peer}]\ndiscovery = false\n",
+            secret.display()
+        ));
+    }
+    t
+}
+
+/// Runs the benchmark.
+pub fn run(a: CrossnodeArgs) -> Result<()> {
+    if a.blocks == 0 || a.rounds == 0 {
+        bail!("--blocks and --rounds must be positive");
+    }
+    let bs = a.block_size as usize;
+    let Some(s3) = S3Server::start("kvtier-bench").context("starting SeaweedFS")? else {
+        bail!("needs SeaweedFS: run scripts/setup.sh (or set KVTIER_WEED to a weed binary)");
+    };
+    let secret_dir = tempfile::tempdir()?;
+    let secret = secret_dir.path().join("peer.secret");
+    std::fs::write(&secret, "bench-secret-0123456789abcdef0123\n")?;
+    std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600))?;
+    let (pa, pb) = (free_port()?, free_port()?);
+    let na = start_node(
+        &config(
+            &s3,
+            Some((
+                "node-a",
+                pa,
+                &format!("{{ id = \"node-b\", address = \"127.0.0.1:{pb}\" }}"),
+                &secret,
+            )),
+        ),
+        "a",
+    )?;
+    let nb = start_node(
+        &config(
+            &s3,
+            Some((
+                "node-b",
+                pb,
+                &format!("{{ id = \"node-a\", address = \"127.0.0.1:{pa}\" }}"),
+                &secret,
+            )),
+        ),
+        "b",
+    )?;
+    let nc = start_node(&config(&s3, None), "c")?;
+
+    let ns = Namespace::new(
+        "bench/crossnode",
+        KvLayout::with_block_bytes(a.block_size)?,
+        "",
+        "bench",
+    )?;
+    let data: Vec<Vec<u8>> = (0..a.blocks)
+        .map(|i| {
+            let mut v = vec![0u8; bs];
+            let mut x = (i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+            for c in v.chunks_mut(8) {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                c.copy_from_slice(&x.to_le_bytes()[..c.len()]);
+            }
+            v
+        })
+        .collect();
+    let tokens: Vec<u32> = (0..a.blocks as u32 * 16).collect();
+    let ca = client(&na, a.block_size);
+    let ha = ca.namespace(&ns);
+    let keys = ha.hash_chain(&tokens);
+    for (k, d) in keys.iter().zip(&data) {
+        let o = ha.offload_chain(None, std::slice::from_ref(k), &[&d[..]], Hints::default());
+        if o.first() != Some(&OffloadOutcome::Stored) {
+            bail!("offload on A: {o:?}");
+        }
+    }
+    let t = Instant::now();
+    while scrape(&na, "kvtier_g4", "uploads_stored")? < a.blocks as f64 {
+        if t.elapsed() > Duration::from_secs(120) {
+            bail!("A did not upload its blocks to G4 within 120 s");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let upload_s = t.elapsed().as_secs_f64();
+    let files: Vec<PathBuf> = keys
+        .iter()
+        .map(|k| {
+            na.dir
+                .path()
+                .join("g3/blocks")
+                .join(kvtier_client::block_path(&ns.id(), k))
+        })
+        .collect();
+    let total = (a.blocks * bs) as f64;
+    let cold = common::drop_page_cache();
+    let (mut raw, mut peer, mut g4) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut peer_lat, mut g4_lat) = (Vec::new(), Vec::new());
+    for round in 0..a.rounds {
+        if round > 0 {
+            client(&nb, a.block_size).namespace(&ns).evict(&keys)?;
+            client(&nc, a.block_size).namespace(&ns).evict(&keys)?;
+        }
+        common::drop_page_cache();
+        let r = kvtier_daemon::peer::bench::raw_tcp_transfer(&files, 1 << 20)?;
+        raw.push(r.bytes as f64 / r.seconds / 1e9);
+        common::drop_page_cache();
+        let (s, l) = onboard_each(&nb, &ns, &keys, &data, Tier::Peer)?;
+        peer.push(total / s / 1e9);
+        peer_lat.extend(l);
+        common::drop_page_cache();
+        let (s, l) = onboard_each(&nc, &ns, &keys, &data, Tier::G4)?;
+        g4.push(total / s / 1e9);
+        g4_lat.extend(l);
+    }
+    let promoted = scrape(&nc, "kvtier_promotions_total", "source=\"g4\"")?.max(1.0);
+    let fetch_ms =
+        scrape(&nc, "kvtier_promote_microseconds_total", "stage=\"fetch\"")? / promoted / 1e3;
+    let store_ms =
+        scrape(&nc, "kvtier_promote_microseconds_total", "stage=\"store\"")? / promoted / 1e3;
+    let g4_mean_ms = g4_lat.iter().sum::<f64>() / g4_lat.len().max(1) as f64 * 1e3;
+    let from_peer = scrape(&nb, "kvtier_promotions_total", "source=\"peer\"")?.max(1.0);
+    let peer_fetch_ms =
+        scrape(&nb, "kvtier_promote_microseconds_total", "stage=\"fetch\"")? / from_peer / 1e3;
+    let peer_store_ms =
+        scrape(&nb, "kvtier_promote_microseconds_total", "stage=\"store\"")? / from_peer / 1e3;
+    let peer_mean_ms = peer_lat.iter().sum::<f64>() / peer_lat.len().max(1) as f64 * 1e3;
+    let ms = |v: &[f64], p: f64| common::percentile(v, p) * 1e3;
+
+    let mut out = Map::new();
+    out.insert("bench".into(), json!("crossnode"));
+    out.insert("blocks".into(), json!(a.blocks));
+    out.insert("block_bytes".into(), json!(bs));
+    out.insert("rounds".into(), json!(a.rounds));
+    out.insert("cold".into(), json!(cold));
+    out.insert(
+        "g4_server".into(),
+        json!("seaweedfs (weed mini) on 127.0.0.1"),
+    );
+    out.insert("upload_wait_s".into(), json!(upload_s));
+    out.insert("raw_tcp_gbps".into(), json!(common::median(&raw)));
+    common::compare(
+        &mut out,
+        "peer_gbps",
+        common::median(&peer),
+        common::median(&raw),
+    );
+    common::compare(
+        &mut out,
+        "g4_gbps",
+        common::median(&g4),
+        common::median(&raw),
+    );
+    out.insert("peer_latency_ms_p50".into(), json!(ms(&peer_lat, 50.0)));
+    out.insert("peer_latency_ms_p99".into(), json!(ms(&peer_lat, 99.0)));
+    out.insert("g4_latency_ms_p50".into(), json!(ms(&g4_lat, 50.0)));
+    out.insert("g4_latency_ms_p99".into(), json!(ms(&g4_lat, 99.0)));
+    out.insert(
+        "g4_breakdown_ms".into(),
+        json!({
+            "g4_get_verify": fetch_ms,
+            "g3_promote": store_ms,
+            "client_read": (g4_mean_ms - fetch_ms - store_ms).max(0.0),
+            "total_mean": g4_mean_ms,
+        }),
+    );
+    out.insert(
+        "peer_breakdown_ms".into(),
+        json!({
+            "peer_fetch_verify": peer_fetch_ms,
+            "g3_promote": peer_store_ms,
+            "client_read": (peer_mean_ms - peer_fetch_ms - peer_store_ms).max(0.0),
+            "total_mean": peer_mean_ms,
+        }),
+    );
+    drop((na, nb, nc));
+    drop(s3);
+    common::emit(&Value::Object(out), a.json)
+}
