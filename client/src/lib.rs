@@ -3,6 +3,30 @@
 //!
 //! Start with [`Namespace`] (what a block belongs to), [`BlockKey`] (what it
 //! is called) and [`block`] (how it is stored).
+//!
+//! ```no_run
+//! use kvtier_client::{Client, Hints, KvLayout, Namespace};
+//!
+//! # fn main() -> kvtier_client::Result<()> {
+//! let ns = Namespace::new("meta-llama/Llama-3.1-8B", KvLayout::llama3_8b(16), "", b"tenant-a".to_vec())?;
+//! let client = Client::connect("/run/kvtier/kvtierd.sock")?;
+//! let h = client.namespace(&ns);
+//! let prompt_tokens: Vec<u32> = (0..64).collect();
+//! let keys = h.hash_chain(&prompt_tokens); // one key per full 16-token block
+//! let cached = h.lookup(&keys).prefix_len(); // leading blocks stored somewhere
+//! // Onboard the cached prefix into the engine's buffers (a miss means: recompute).
+//! let block_bytes = ns.layout.block_bytes() as usize;
+//! let mut bufs: Vec<Vec<u8>> = vec![vec![0; block_bytes]; cached];
+//! let mut views: Vec<&mut [u8]> = bufs.iter_mut().map(|b| b.as_mut_slice()).collect();
+//! let _onboarded = h.onboard_into(&keys[..cached], &mut views);
+//! // Offload the blocks computed for the rest of the prompt.
+//! let new_kv: Vec<Vec<u8>> = vec![vec![0; block_bytes]; keys.len() - cached];
+//! let payloads: Vec<&[u8]> = new_kv.iter().map(|b| b.as_slice()).collect();
+//! let parent = cached.checked_sub(1).map(|i| keys[i]);
+//! h.offload_chain(parent, &keys[cached..], &payloads, Hints::default());
+//! # Ok(())
+//! # }
+//! ```
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used))]
 
 pub mod block;
