@@ -10,4 +10,6 @@ cargo fmt --all -- --check
 echo "== cargo clippy"
 cargo clippy --workspace --all-targets -- -D warnings
 echo "== cargo test"
-cargo test --workspace --no-fail-fast -- --test-threads=2
+# The workspace test build also builds kvtierd and kvtier; the end-to-end
+# suites use those binaries instead of rebuilding them with other features.
+KVTIER_TEST_PREBUILT_BINS=1 cargo test --workspace --no-fail-fast -- --test-threads=2
