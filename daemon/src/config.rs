@@ -187,8 +187,9 @@ pub struct G3Section {
     pub engine: String,
 }
 
-/// `[g4]`: the G4 tier's own settings plus admission.
-#[derive(Debug, Clone, Deserialize)]
+/// `[g4]`: the G4 tier's own settings plus admission. Its `Debug` redacts
+/// the credentials, so a logged config never carries them.
+#[derive(Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct G4Section {
     /// Store URL; `None`: `file://<g3.dir>/../g4`; `""`: G4 off.
@@ -217,6 +218,27 @@ pub struct G4Section {
     pub upload_concurrency: Option<usize>,
     /// `all` or `after-first-reuse`.
     pub admission: String,
+}
+
+impl std::fmt::Debug for G4Section {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let redact = |v: &Option<String>| v.as_ref().map(|_| "<redacted>");
+        f.debug_struct("G4Section")
+            .field("url", &self.url)
+            .field("endpoint", &self.endpoint)
+            .field("region", &self.region)
+            .field("allow_http", &self.allow_http)
+            .field("path_style", &self.path_style)
+            .field("access_key_id", &redact(&self.access_key_id))
+            .field("secret_access_key", &redact(&self.secret_access_key))
+            .field("session_token", &redact(&self.session_token))
+            .field("capacity_bytes", &self.capacity_bytes)
+            .field("ttl_ms", &self.ttl_ms)
+            .field("upload_queue_max", &self.upload_queue_max)
+            .field("upload_concurrency", &self.upload_concurrency)
+            .field("admission", &self.admission)
+            .finish()
+    }
 }
 
 impl Default for G4Section {
@@ -594,6 +616,22 @@ impl Config {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn g4_section_debug_redacts_credentials() {
+        let g = G4Section {
+            access_key_id: Some("AKIDSECRETVALUE".into()),
+            secret_access_key: Some("very-secret-key".into()),
+            session_token: Some("token-value".into()),
+            ..G4Section::default()
+        };
+        let d = format!("{g:?}");
+        for secret in ["AKIDSECRETVALUE", "very-secret-key", "token-value"] {
+            assert!(!d.contains(secret), "{secret} leaked into {d}");
+        }
+        assert!(d.contains("<redacted>"));
+    }
+
     use super::*;
 
     #[test]
