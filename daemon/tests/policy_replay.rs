@@ -247,16 +247,9 @@ fn default_beats_lru_on_mooncake_trace() {
             def - lru
         );
         assert!(def >= lru - 0.003, "at {f}: default {def} < lru {lru}");
-        // Issue targets: +0.02 at 5% and at 10%. Measured +0.0258 at 5%
-        // but +0.0145 at 10% (docs/BENCHMARKS.md): 10% guards the measured
-        // gain, not the unmet target.
-        let min_gain = if f == 0.05 {
-            0.02
-        } else if f == 0.1 {
-            0.012
-        } else {
-            0.0
-        };
+        // Issue targets: +0.02 at 5% and at 10% (measured +0.0283 and
+        // +0.0211, docs/BENCHMARKS.md).
+        let min_gain = if f == 0.05 || f == 0.1 { 0.02 } else { 0.0 };
         assert!(
             def >= lru + min_gain,
             "at {f}: default {def} not +{min_gain} over lru {lru}"

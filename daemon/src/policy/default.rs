@@ -35,6 +35,13 @@
 //!   A returning block counts as hit once (it proved a reuse).
 //! - **Prefix-aware**: only leaves (blocks with no cached child) are
 //!   eviction candidates, so a parent can never go before its children.
+//! - **Scale, by set dueling**: the shifts are in units of the mean reuse
+//!   age, which is only a proxy for how fast reuse decays at the ages
+//!   where eviction happens. Two shadows of this policy (scale 1 and 2)
+//!   replay the references of one chain in 16 at that sample's share of
+//!   the capacity, and the tier uses the scale whose shadow hits more.
+//!   Sampling is by chain (the depth-1 block's fingerprint), so shadows see
+//!   whole conversations; they cost about 1/8 of the entries again.
 //! - **Hints**: ephemeral blocks form a band evicted before any other; each
 //!   priority step adds a lifetime of credit; pinned blocks are never
 //!   candidates while pinned, up to a pin budget (pins beyond it are treated
@@ -84,6 +91,10 @@ fn fingerprint(id: u64) -> u32 {
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     (z ^ (z >> 31)) as u32
+}
+
+fn duel_samples(id: u64) -> bool {
+    fingerprint(id).is_multiple_of(DUEL_SAMPLE)
 }
 
 fn hit_bucket(hits: u8) -> usize {
@@ -158,7 +169,7 @@ impl Learner {
         (self.reuses[class] + PRIOR_REUSES) / (self.stages[class] + PRIOR_STAGES)
     }
 
-    fn recompute(&mut self, lifetime: f64) {
+    fn recompute(&mut self, lifetime: f64, scale: f64) {
         let mean_age = if self.reuse_count >= 1.0 {
             self.reuse_age_sum / self.reuse_count
         } else {
@@ -169,7 +180,7 @@ impl Learner {
             .fold(P_FLOOR, f64::max);
         for c in 0..CLASSES {
             let p = self.probability(c).max(P_FLOOR);
-            self.shift[c] = (p / p_max).ln() * mean_age;
+            self.shift[c] = (p / p_max).ln() * mean_age * scale;
         }
     }
 
@@ -179,6 +190,104 @@ impl Learner {
         }
         self.reuse_age_sum *= DECAY;
         self.reuse_count *= DECAY;
+    }
+}
+
+/// One chain in this many (by the fingerprint of its depth-1 block) feeds
+/// the duel's shadows.
+const DUEL_SAMPLE: u32 = 16;
+/// The shift scales the duel compares: the mean reuse age measured on all
+/// reuses is only a proxy for how fast reuse decays at the ages where
+/// eviction happens, and that relation depends on the traffic.
+const DUEL_SCALES: [f64; 2] = [1.0, 2.0];
+/// A challenger must beat the current scale's shadow by this fraction of
+/// its hits to take over (hysteresis against sampling noise).
+const DUEL_MARGIN: f64 = 0.02;
+/// Shadow references between two decisions (and decays) of the duel.
+const DUEL_EVERY: u64 = 2048;
+
+/// Set dueling over the shift scale: shadows of this policy, one per
+/// candidate scale, replay the references of a sample of chains at the
+/// sample's share of the capacity; the tier uses the scale whose shadow
+/// hits most. Measured online, so nothing is fitted to a trace.
+#[derive(Debug)]
+struct Duel {
+    shadows: Vec<Shadow>,
+    references: u64,
+    sampled: u64,
+    current: usize,
+}
+
+#[derive(Debug)]
+struct Shadow {
+    policy: DefaultPolicy,
+    hits: f64,
+}
+
+impl Duel {
+    fn new() -> Self {
+        let shadows = DUEL_SCALES
+            .iter()
+            .map(|&scale| Shadow {
+                policy: DefaultPolicy {
+                    scale,
+                    duel: None,
+                    ..DefaultPolicy::bare()
+                },
+                hits: 0.0,
+            })
+            .collect();
+        Self {
+            shadows,
+            references: 0,
+            sampled: 0,
+            current: 0,
+        }
+    }
+
+    /// Replays one reference in every shadow; `Some(scale)` when the duel
+    /// changes its choice.
+    fn reference(&mut self, id: u64, meta: BlockMeta, capacity: usize) -> Option<f64> {
+        for s in &mut self.shadows {
+            let p = &mut s.policy;
+            if p.entries.contains_key(&id) {
+                s.hits += 1.0;
+                p.on_access(id);
+                continue;
+            }
+            let parent = meta.parent.filter(|q| p.entries.contains_key(q));
+            p.on_insert(id, BlockMeta { parent, ..meta });
+            while p.len() > capacity {
+                let Some(v) = p.victim(&mut |_| true) else {
+                    break;
+                };
+                p.on_remove(v);
+            }
+        }
+        if self.sampled.is_multiple_of(DUEL_EVERY) {
+            self.decide()
+        } else {
+            None
+        }
+    }
+
+    /// Picks the shadow with the most (decayed) hits, with hysteresis.
+    fn decide(&mut self) -> Option<f64> {
+        let cur = self.shadows[self.current].hits;
+        let (best, best_hits) = self
+            .shadows
+            .iter()
+            .enumerate()
+            .map(|(i, s)| (i, s.hits))
+            .fold((self.current, cur), |a, b| if b.1 > a.1 { b } else { a });
+        for s in &mut self.shadows {
+            s.hits *= DECAY;
+        }
+        if best != self.current && best_hits > cur * (1.0 + DUEL_MARGIN) {
+            self.current = best;
+            return Some(self.shadows[best].policy.scale);
+        }
+        None
     }
 }
 
@@ -201,17 +310,35 @@ struct Entry {
     gen: u8,
     /// Burst-length bucket, 0 while the burst is open.
     burst: u8,
-    /// Ended its burst.
-    tail: bool,
-    /// Counted against the pin budget (only honoured pins).
-    pinned: bool,
     class: u8,
+    /// [`TAIL`], [`PINNED`], [`SAMPLED`]: one byte keeps the entry at 56.
+    flags: u8,
 }
 
+/// Ended its burst.
+const TAIL: u8 = 1;
+/// Counted against the pin budget (only honoured pins).
+const PINNED: u8 = 2;
+/// Its chain feeds the duel: decided by the fingerprint of the chain's
+/// depth-1 block, so whole conversations are sampled together.
+const SAMPLED: u8 = 4;
+
 impl Entry {
+    fn has(&self, flag: u8) -> bool {
+        self.flags & flag != 0
+    }
+
+    fn set(&mut self, flag: u8, on: bool) {
+        if on {
+            self.flags |= flag;
+        } else {
+            self.flags &= !flag;
+        }
+    }
+
     fn class(&self) -> u8 {
         let c = ((hit_bucket(self.hits) * GEN_BUCKETS + usize::from(self.gen)) * 2
-            + usize::from(self.tail))
+            + usize::from(self.has(TAIL)))
             * BURST_BUCKETS
             + usize::from(self.burst);
         c as u8
@@ -242,6 +369,9 @@ pub struct DefaultPolicy {
     /// Blocks of the open burst (up to [`BURST_SATURATED`]).
     burst_ids: Vec<u64>,
     burst_len: u32,
+    /// Multiplier of the mean reuse age in the class shifts (see [`Duel`]).
+    scale: f64,
+    duel: Option<Box<Duel>>,
 }
 
 impl Default for DefaultPolicy {
@@ -254,6 +384,16 @@ impl DefaultPolicy {
     /// An empty policy whose pin budget is [`PIN_BUDGET_FRACTION`] of the
     /// blocks tracked.
     pub fn new() -> Self {
+        let duel = Box::new(Duel::new());
+        Self {
+            scale: duel.shadows[0].policy.scale,
+            duel: Some(duel),
+            ..Self::bare()
+        }
+    }
+
+    /// A policy without a duel (the duel's shadows are these).
+    fn bare() -> Self {
         Self {
             clock: 0,
             entries: HashMap::new(),
@@ -266,6 +406,8 @@ impl DefaultPolicy {
             open_tail: None,
             burst_ids: Vec::with_capacity(BURST_SATURATED as usize),
             burst_len: 0,
+            scale: 1.0,
+            duel: None,
         }
     }
 
@@ -306,7 +448,7 @@ impl DefaultPolicy {
         self.clock += 1;
         if self.clock.is_multiple_of(SHIFT_EVERY_EVENTS) {
             let lifetime = self.lifetime();
-            self.learner.recompute(lifetime);
+            self.learner.recompute(lifetime, self.scale);
         }
         if self.clock.is_multiple_of(DECAY_EVERY_EVENTS) {
             self.learner.decay();
@@ -317,7 +459,7 @@ impl DefaultPolicy {
     fn score(&self, e: &Entry) -> i64 {
         let prio = f64::from(e.hints.priority);
         // A pin refused for budget still counts as the highest priority.
-        let prio = if e.hints.pinned && !e.pinned {
+        let prio = if e.hints.pinned && !e.has(PINNED) {
             prio.max(f64::from(u8::MAX))
         } else {
             prio
@@ -327,7 +469,7 @@ impl DefaultPolicy {
     }
 
     fn is_candidate(e: &Entry) -> bool {
-        e.children == 0 && !e.pinned
+        e.children == 0 && !e.has(PINNED)
     }
 
     fn unlist(&mut self, id: u64) {
@@ -373,18 +515,38 @@ impl DefaultPolicy {
         for &id in &ids {
             if let Some(e) = self.entries.get_mut(&id) {
                 e.burst = bucket;
-                e.tail |= id == tail;
+                if id == tail {
+                    e.set(TAIL, true);
+                }
             }
             self.refresh(id);
         }
         if let Some(e) = self.entries.get_mut(&tail) {
             e.burst = bucket;
-            e.tail = true;
+            e.set(TAIL, true);
         }
         self.refresh(tail);
         self.burst_ids = ids;
         self.burst_ids.clear();
         self.burst_len = 0;
+    }
+
+    /// Feeds a reference of a sampled chain to the duel's shadows, and
+    /// adopts the best shadow's scale.
+    fn referenced(&mut self, id: u64, sampled: bool, meta: BlockMeta) {
+        let Some(duel) = self.duel.as_mut() else {
+            return;
+        };
+        duel.references += 1;
+        if !sampled {
+            return;
+        }
+        duel.sampled += 1;
+        let share = duel.sampled as f64 / duel.references as f64;
+        let capacity = ((self.peak_len as f64) * share).ceil().max(1.0) as usize;
+        if let Some(scale) = duel.reference(id, meta, capacity) {
+            self.scale = scale;
+        }
     }
 
     fn apply_hints(&mut self, id: u64, hints: Hints) {
@@ -394,11 +556,11 @@ impl DefaultPolicy {
             return;
         };
         let want_pin = hints.pinned;
-        if want_pin && !e.pinned && self.pinned_blocks < budget {
-            e.pinned = true;
+        if want_pin && !e.has(PINNED) && self.pinned_blocks < budget {
+            e.set(PINNED, true);
             self.pinned_blocks += 1;
-        } else if !want_pin && e.pinned {
-            e.pinned = false;
+        } else if !want_pin && e.has(PINNED) {
+            e.set(PINNED, false);
             self.pinned_blocks -= 1;
         }
         e.hints = hints;
@@ -430,12 +592,19 @@ impl EvictionPolicy for DefaultPolicy {
             }
             None => 0,
         };
-        let (gen, parent_born) = parent
-            .and_then(|p| self.entries.get(&p))
-            .map_or((0, 0), |pe| {
-                let gen = if same_burst { pe.gen } else { pe.gen + 1 };
-                (gen.min(GEN_BUCKETS as u8 - 1), pe.born)
-            });
+        let (gen, parent_born, sampled) =
+            parent
+                .and_then(|p| self.entries.get(&p))
+                .map_or((0, 0, duel_samples(id)), |pe| {
+                    let gen = if same_burst { pe.gen } else { pe.gen + 1 };
+                    // A root's children start chains; deeper blocks inherit.
+                    let sampled = if pe.parent.is_none() {
+                        duel_samples(id)
+                    } else {
+                        pe.has(SAMPLED)
+                    };
+                    (gen.min(GEN_BUCKETS as u8 - 1), pe.born, sampled)
+                });
         self.burst_len = self.burst_len.saturating_add(1);
         let burst = if self.burst_len > BURST_SATURATED {
             burst_bucket(self.burst_len)
@@ -454,9 +623,8 @@ impl EvictionPolicy for DefaultPolicy {
             hits,
             gen,
             burst,
-            tail: false,
-            pinned: false,
             class: 0,
+            flags: if sampled { SAMPLED } else { 0 },
         };
         entry.class = entry.class();
         self.learner.stages[usize::from(entry.class)] += 1.0;
@@ -471,6 +639,7 @@ impl EvictionPolicy for DefaultPolicy {
         self.open_tail = Some(id);
         self.apply_hints(id, meta.hints);
         self.refresh(id);
+        self.referenced(id, sampled, BlockMeta { parent, ..meta });
     }
 
     fn on_access(&mut self, id: u64) {
@@ -491,6 +660,14 @@ impl EvictionPolicy for DefaultPolicy {
             self.learner.stages[usize::from(class)] += 1.0;
         }
         self.refresh(id);
+        if let Some(e) = self.entries.get(&id).copied() {
+            let meta = BlockMeta {
+                parent: e.parent,
+                size_bytes: 0,
+                hints: e.hints,
+            };
+            self.referenced(id, e.has(SAMPLED), meta);
+        }
     }
 
     fn on_remove(&mut self, id: u64) {
@@ -498,7 +675,7 @@ impl EvictionPolicy for DefaultPolicy {
         let Some(e) = self.entries.remove(&id) else {
             return;
         };
-        if e.pinned {
+        if e.has(PINNED) {
             self.pinned_blocks -= 1;
         }
         if self.open_tail == Some(id) {
@@ -576,6 +753,55 @@ mod tests {
         assert_eq!(p.victim(&mut |_| true), Some(3));
         p.on_remove(3);
         assert_eq!(p.victim(&mut |_| true), Some(2));
+    }
+
+    #[test]
+    fn duel_switches_scale_only_on_a_clear_win() {
+        let mut d = Duel::new();
+        d.shadows[0].hits = 100.0;
+        d.shadows[1].hits = 101.0;
+        assert_eq!(d.decide(), None, "within the margin");
+        d.shadows[0].hits = 100.0;
+        d.shadows[1].hits = 200.0;
+        assert_eq!(d.decide(), Some(DUEL_SCALES[1]));
+        assert_eq!(d.decide(), None, "already chosen");
+        d.shadows[0].hits = 300.0;
+        assert_eq!(d.decide(), Some(DUEL_SCALES[0]));
+    }
+
+    #[test]
+    fn duel_shadows_are_bounded_by_their_sample_share() {
+        // A full tier of 2000 blocks under a stream of one-shot chains off
+        // one shared root: the shadows see about one chain in 16 and hold
+        // at most their share of the capacity.
+        let cap = 2000;
+        let mut p = DefaultPolicy::new();
+        let mut next = 1u64;
+        p.on_insert(0, meta(None));
+        for _ in 0..4000 {
+            p.on_access(0);
+            let mut parent = Some(0);
+            for _ in 0..5 {
+                p.on_insert(next, meta(parent));
+                parent = Some(next);
+                next += 1;
+                while p.len() > cap {
+                    let v = p.victim(&mut |_| true).unwrap();
+                    p.on_remove(v);
+                }
+            }
+        }
+        let duel = p.duel.as_ref().unwrap();
+        let share = duel.sampled as f64 / duel.references as f64;
+        assert!(share > 0.02 && share < 0.15, "share {share}");
+        for s in &duel.shadows {
+            assert!(!s.policy.is_empty(), "a shadow saw nothing");
+            assert!(
+                s.policy.len() as f64 <= (cap as f64 * share).ceil() + 1.0,
+                "shadow holds {} of {cap} at share {share}",
+                s.policy.len()
+            );
+        }
     }
 
     #[test]
@@ -673,7 +899,7 @@ mod tests {
         // A new request: its lookup closes the first burst.
         p.on_access(1);
         let e = |id| p.entries.get(&id).copied().unwrap();
-        assert!(e(3).tail && !e(2).tail);
+        assert!(e(3).has(TAIL) && !e(2).has(TAIL));
         assert_eq!(e(2).burst, burst_bucket(3));
         // Storing after a hit: the next generation of the chain.
         p.on_insert(4, meta(Some(2)));
