@@ -108,7 +108,12 @@ fn bench_io_runs_tiny_and_keeps_the_json_contract() {
     let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     // The real store (G4 off so write-through does not share the disk).
     assert_eq!(j["backend"], "g3");
-    for k in ["offload_gbps", "onboard_gbps"] {
+    for k in [
+        "offload_gbps",
+        "onboard_gbps",
+        "lookup64_p50_per_s",
+        "lookup64_p99_per_s",
+    ] {
         assert!(j[k].as_f64().unwrap() > 0.0);
         assert!(j[format!("{k}_baseline")].as_f64().unwrap() > 0.0);
         assert!(j[format!("{k}_vs_baseline")].is_number());
@@ -120,6 +125,7 @@ fn bench_io_runs_tiny_and_keeps_the_json_contract() {
         .filter(|k| k.contains("vs_baseline"))
         .collect();
     assert!(vs.iter().all(|k| k.ends_with("_vs_baseline")));
-    assert_eq!(vs.len(), 2, "only comparison quotients: {vs:?}");
+    assert_eq!(vs.len(), 4, "only comparison quotients: {vs:?}");
     assert!(j["lookup64_p99_us"].as_f64().unwrap() > 0.0);
+    assert!(j["lookup64_p99_us_socket_floor"].as_f64().unwrap() > 0.0);
 }
