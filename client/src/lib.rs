@@ -29,6 +29,7 @@
 //! ```
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used))]
 
+pub mod aligned;
 pub mod block;
 pub mod client;
 pub mod error;
@@ -39,6 +40,7 @@ pub mod proto;
 pub mod shm;
 pub mod types;
 
+pub use aligned::AlignedBuf;
 pub use block::{decode_block, encode_block, BlockHeader};
 pub use client::{
     Client, ClientConfig, EventStream, LookupResult, Miss, MissCause, NsHandle, OffloadBlock,

@@ -6,10 +6,10 @@
 //! [`MemoryKind`]; [`KvLayout`] says how the payload is cut across them.
 
 use crate::error::{Error, Result};
-use kvtier_client::{KvLayout, LayoutKind};
+use kvtier_client::{AlignedBuf, KvLayout, LayoutKind};
 
 /// Alignment of every bounce buffer and of O_DIRECT offsets and lengths.
-pub const PAGE_BYTES: usize = 4096;
+pub const PAGE_BYTES: usize = kvtier_client::aligned::ALIGN_BYTES;
 
 /// The kind of memory a block is moved into.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -44,74 +44,46 @@ impl MemoryKind {
 }
 
 /// A page-aligned, zeroed host buffer (for O_DIRECT and as the stand-in for
-/// pinned or device memory on machines without a GPU).
-pub struct HostBuf {
-    ptr: std::ptr::NonNull<u8>,
-    len: usize,
-}
-
-// SAFETY: the buffer is uniquely owned heap memory.
-unsafe impl Send for HostBuf {}
-// SAFETY: shared access only hands out `&[u8]`.
-unsafe impl Sync for HostBuf {}
+/// pinned or device memory on machines without a GPU): the client crate's
+/// [`AlignedBuf`] with this crate's error.
+pub struct HostBuf(AlignedBuf);
 
 impl HostBuf {
     /// `len` zeroed bytes aligned to [`PAGE_BYTES`] (at least one page is
     /// allocated; `len` itself is kept exact).
     pub fn new(len: usize) -> Result<Self> {
-        let layout = Self::layout(len)?;
-        // SAFETY: the layout has a non-zero size.
-        let raw = unsafe { std::alloc::alloc_zeroed(layout) };
-        let ptr = std::ptr::NonNull::new(raw).ok_or_else(|| Error::Config {
-            field: "buffer_bytes",
-            reason: format!("allocating {len} bytes failed"),
-        })?;
-        Ok(HostBuf { ptr, len })
-    }
-
-    fn layout(len: usize) -> Result<std::alloc::Layout> {
-        let cap = len.div_ceil(PAGE_BYTES).max(1) * PAGE_BYTES;
-        std::alloc::Layout::from_size_align(cap, PAGE_BYTES).map_err(|e| Error::Config {
-            field: "buffer_bytes",
-            reason: format!("{len} bytes: {e}"),
-        })
+        AlignedBuf::new(len)
+            .map(HostBuf)
+            .map_err(|e| Error::Config {
+                field: "buffer_bytes",
+                reason: format!("allocating {len} bytes: {e}"),
+            })
     }
 
     /// Length in bytes.
     pub fn len(&self) -> usize {
-        self.len
+        self.0.len()
     }
 
     /// True for a zero-length buffer.
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.0.is_empty()
     }
 
     /// The bytes.
     pub fn as_slice(&self) -> &[u8] {
-        // SAFETY: valid for len bytes for the life of self.
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+        self.0.as_slice()
     }
 
     /// The bytes, mutably.
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        // SAFETY: as above; &mut self makes the access unique.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
-    }
-}
-
-impl Drop for HostBuf {
-    fn drop(&mut self) {
-        if let Ok(layout) = Self::layout(self.len) {
-            // SAFETY: allocated with this layout in `new`.
-            unsafe { std::alloc::dealloc(self.ptr.as_ptr(), layout) };
-        }
+        self.0.as_mut_slice()
     }
 }
 
 impl std::fmt::Debug for HostBuf {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "HostBuf({} bytes)", self.len)
+        write!(f, "HostBuf({} bytes)", self.len())
     }
 }
 

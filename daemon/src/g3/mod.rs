@@ -297,7 +297,7 @@ impl BufferPool {
         let mut v = Vec::with_capacity(n);
         for _ in 0..n {
             v.push(
-                AlignedBuf::new(CHUNK_BYTES)
+                AlignedBuf::rounded(CHUNK_BYTES)
                     .map_err(|e| Error::io("allocating", "buffer pool", e))?,
             );
         }
@@ -1378,11 +1378,11 @@ impl G3Store {
         self.disk
             .for_each(|_, r| names.push((r.ns, r.key, r.file_len())))?;
         let mut rep = VerifyReport::default();
-        let mut buf = AlignedBuf::new(CHUNK_BYTES)
+        let mut buf = AlignedBuf::rounded(CHUNK_BYTES)
             .map_err(|e| Error::io("allocating", "verify buffer", e))?;
         for (ns, key, len) in names {
             if (buf.len() as u64) < len {
-                buf = AlignedBuf::new(len as usize)
+                buf = AlignedBuf::rounded(len as usize)
                     .map_err(|e| Error::io("allocating", "verify buffer", e))?;
             }
             rep.checked += 1;
@@ -1622,8 +1622,8 @@ impl BlockTier for G3Store {
             self.counters.misses.fetch_add(1, Ordering::Relaxed);
             return Ok(Lookup::Miss(MissReason::Absent));
         };
-        let mut buf =
-            AlignedBuf::new(len as usize).map_err(|e| Error::io("allocating", "read buffer", e))?;
+        let mut buf = AlignedBuf::rounded(len as usize)
+            .map_err(|e| Error::io("allocating", "read buffer", e))?;
         Ok(match self.read_into(ns, key, buf.as_mut_slice())? {
             Lookup::Hit(header) => {
                 let end = HEADER_BYTES + header.payload_len as usize;

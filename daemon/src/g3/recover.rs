@@ -285,7 +285,8 @@ impl G3Store {
         if size < 8192 || size > max || size % 4096 != 0 {
             return Err(format!("file of {size} bytes cannot be a block"));
         }
-        let mut buf = super::engine::AlignedBuf::new(size as usize).map_err(|e| e.to_string())?;
+        let mut buf =
+            super::engine::AlignedBuf::rounded(size as usize).map_err(|e| e.to_string())?;
         let mut v = Verifier::new(ns, key, size);
         let got = self
             .engine

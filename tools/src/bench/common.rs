@@ -59,45 +59,7 @@ pub fn emit(report: &Value, as_json: bool) -> Result<()> {
     Ok(())
 }
 
-/// A 4096-aligned heap buffer for O_DIRECT.
-pub struct AlignedBuf {
-    ptr: *mut u8,
-    len: usize,
-}
-
-// SAFETY: the buffer is uniquely owned heap memory.
-unsafe impl Send for AlignedBuf {}
-
-impl AlignedBuf {
-    /// Zeroed, 4096-aligned, `len` rounded up to 4096.
-    pub fn new(len: usize) -> Result<Self> {
-        let len = len.div_ceil(4096).max(1) * 4096;
-        let layout = std::alloc::Layout::from_size_align(len, 4096)?;
-        // SAFETY: layout has non-zero size.
-        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
-        anyhow::ensure!(!ptr.is_null(), "allocating {len} bytes failed");
-        Ok(AlignedBuf { ptr, len })
-    }
-    /// The bytes.
-    pub fn as_slice(&self) -> &[u8] {
-        // SAFETY: ptr is valid for len bytes for the life of self.
-        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
-    }
-    /// The bytes, mutably.
-    pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        // SAFETY: as above, and &mut self makes it unique.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
-    }
-}
-
-impl Drop for AlignedBuf {
-    fn drop(&mut self) {
-        if let Ok(layout) = std::alloc::Layout::from_size_align(self.len, 4096) {
-            // SAFETY: allocated with this layout in `new`.
-            unsafe { std::alloc::dealloc(self.ptr, layout) };
-        }
-    }
-}
+pub use kvtier_client::AlignedBuf;
 
 /// Raw baseline: one file of `blocks * block_bytes` under `dir`, written and
 /// read with O_DIRECT pwrite/pread by `depth` threads (each owning its own
@@ -158,7 +120,7 @@ impl RawFile {
             let mut hs = Vec::new();
             for _ in 0..depth {
                 hs.push(s.spawn(|| -> Result<()> {
-                    let mut buf = AlignedBuf::new(self.block_bytes)?;
+                    let mut buf = AlignedBuf::rounded(self.block_bytes)?;
                     buf.as_mut_slice().fill(0x5a);
                     let mut mine = Vec::new();
                     loop {

@@ -147,7 +147,7 @@ fn g3_round(
         let mut js = Vec::new();
         for _ in 0..depth {
             js.push(s.spawn(|| -> Result<()> {
-                let mut buf = AlignedBuf::new(file_len)?;
+                let mut buf = AlignedBuf::rounded(file_len)?;
                 let mut mine = Vec::new();
                 loop {
                     let i = next.fetch_add(1, Ordering::Relaxed);

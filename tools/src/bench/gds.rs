@@ -191,7 +191,7 @@ fn raw_all(b: &Blocks, chunk: usize, depth: usize) -> Result<f64> {
         let hs: Vec<_> = (0..depth.max(1))
             .map(|_| {
                 s.spawn(|| -> Result<()> {
-                    let mut buf = AlignedBuf::new(chunk)?;
+                    let mut buf = AlignedBuf::rounded(chunk)?;
                     while let Some(&(i, o, n)) = work.get(next.fetch_add(1, Ordering::Relaxed)) {
                         files[i].read_exact_at(
                             &mut buf.as_mut_slice()[..n],

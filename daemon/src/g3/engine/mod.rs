@@ -34,57 +34,9 @@ pub enum EngineKind {
     Pread,
 }
 
-/// A 4096-aligned heap buffer for O_DIRECT, allocated once at start-up.
-pub struct AlignedBuf {
-    ptr: std::ptr::NonNull<u8>,
-    len: usize,
-}
-
-// SAFETY: the buffer is uniquely owned heap memory.
-unsafe impl Send for AlignedBuf {}
-// SAFETY: shared access only reads.
-unsafe impl Sync for AlignedBuf {}
-
-impl AlignedBuf {
-    /// Zeroed, 4096-aligned, `len` rounded up to 4096 (at least 4096).
-    pub fn new(len: usize) -> io::Result<Self> {
-        let len = len.div_ceil(4096).max(1) * 4096;
-        let layout = std::alloc::Layout::from_size_align(len, 4096)
-            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
-        // SAFETY: layout has non-zero size.
-        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
-        let ptr = std::ptr::NonNull::new(ptr)
-            .ok_or_else(|| io::Error::new(io::ErrorKind::OutOfMemory, "aligned allocation"))?;
-        Ok(AlignedBuf { ptr, len })
-    }
-    /// Length in bytes.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-    /// Never empty; for clippy's sake.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-    /// The bytes.
-    pub fn as_slice(&self) -> &[u8] {
-        // SAFETY: ptr is valid for len bytes for the life of self.
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
-    }
-    /// The bytes, mutably.
-    pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        // SAFETY: as above, and &mut self makes it unique.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
-    }
-}
-
-impl Drop for AlignedBuf {
-    fn drop(&mut self) {
-        if let Ok(layout) = std::alloc::Layout::from_size_align(self.len, 4096) {
-            // SAFETY: allocated with this layout in `new`.
-            unsafe { std::alloc::dealloc(self.ptr.as_ptr(), layout) };
-        }
-    }
-}
+/// The 4096-aligned O_DIRECT buffer (shared with the GDS crate and the
+/// benches); the engine allocates its buffers once at start-up.
+pub use kvtier_client::AlignedBuf;
 
 /// Fills the chunk of the file that starts at the given offset.
 pub type FillFn<'a> = &'a mut dyn FnMut(u64, &mut [u8]);
