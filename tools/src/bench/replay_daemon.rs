@@ -63,6 +63,8 @@ const REGION_BYTES_MAX: u64 = 256 << 20;
 /// Raw baseline file at most this large (its reads are O_DIRECT, so a
 /// larger file would not be colder, only slower to write).
 const RAW_FILE_BYTES_MAX: u64 = 1 << 30;
+/// Baseline reads at most (as many as the dry run's hits, up to this).
+const RAW_READS_MAX: usize = 1 << 14;
 
 /// What the real-daemon replay needs beyond the trace.
 #[derive(Debug, Clone)]
@@ -559,7 +561,9 @@ pub fn run(
     let raw_path = daemon.data.path().join("raw-baseline.bin");
     // Writes: all of this file now (reads need it), a second file after.
     let mut raw_write_us = durable_writes(&raw_path, bs, raw_blocks)?;
-    let raw_reads = (dry.hit_blocks as usize).max(raw_blocks.min(64));
+    let raw_reads = (dry.hit_blocks as usize)
+        .min(RAW_READS_MAX)
+        .max(raw_blocks.min(64));
     let order: Vec<usize> = common::shuffled(raw_blocks, 11)
         .into_iter()
         .cycle()
