@@ -96,7 +96,7 @@ fn check_contract(v: &serde_json::Value, path: &str, siblings: bool) {
 fn real_daemon_replay_matches_the_dry_run_and_verifies_bytes() {
     let dir = tempfile::tempdir().unwrap();
     let trace = dir.path().join("trace.jsonl");
-    std::fs::write(&trace, synthetic_trace(200)).unwrap();
+    std::fs::write(&trace, synthetic_trace(150)).unwrap();
 
     let t = std::time::Instant::now();
     let j = replay(&trace, dir.path(), "lru");

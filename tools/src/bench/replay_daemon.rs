@@ -33,7 +33,8 @@
 //! index ids (first half of blake3(namespace, key)) instead of trace ids.
 //! LRU never looks at ids, so its hits equal the dry run's exactly. The
 //! default policy breaks ties of its integer score by id, so a tie can pick
-//! another victim (measured: 4 of 1271 hit blocks on the e2e test's trace).
+//! another victim (measured: 1267 instead of 1271 hit blocks on the
+//! synthetic trace of tests/e2e_replay.rs at 300 requests).
 //! The report therefore also has a dry run over the trace with every id
 //! replaced by its G3 index id (`hit_blocks_dry_run_g3_ids`), which the
 //! daemon must equal exactly whatever the policy (tested).
