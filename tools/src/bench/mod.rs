@@ -8,13 +8,15 @@ pub mod g4;
 pub mod gds;
 pub mod io;
 pub mod replay;
+pub mod replay_daemon;
 
 use clap::Subcommand;
 
 /// The benchmarks.
 #[derive(Debug, Subcommand)]
 pub enum BenchCmd {
-    /// Replay a Mooncake-format trace through an eviction policy (dry run).
+    /// Replay a Mooncake-format trace through an eviction policy (dry run;
+    /// with --block-size also through a real kvtierd).
     Replay(replay::ReplayArgs),
     /// Onboard block files into host, pinned or device memory (kvtier-gds).
     Gds(gds::GdsArgs),

@@ -1,8 +1,11 @@
 //! `kvtier bench replay`: a Mooncake-format trace through the policy code
 //! the daemon runs, beside LRU from the same invocation, with a modeled
-//! time-to-first-token report.
+//! time-to-first-token report. With `--block-size` (and without
+//! `--dry-run`) the trace is also replayed through a real kvtierd with real
+//! block bytes (`replay_daemon.rs`), beside the dry run as its baseline.
 
-use super::common::emit;
+use super::common::{self, emit};
+use super::replay_daemon::{self, DaemonReplayConfig};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use kvtier_daemon::policy::admission::G4Admission;
@@ -30,12 +33,25 @@ pub struct ReplayArgs {
     /// Policy: lru | default | belady (offline optimum).
     #[arg(long, default_value = "default")]
     policy: PolicyKind,
-    /// Replay without I/O (the default while no real target is given).
+    /// Replay without I/O only (the default without --block-size).
     #[arg(long)]
     dry_run: bool,
-    /// Block bytes for a replay against a real daemon (real I/O).
-    #[arg(long)]
+    /// Block size (e.g. 64KiB, 2MiB, or bytes): also replay through a real
+    /// kvtierd started here, with real block bytes (G3 only).
+    #[arg(long, value_parser = common::parse_size)]
     block_size: Option<u64>,
+    /// Replay only the first N requests (capacity fractions then refer to
+    /// the distinct blocks of that prefix).
+    #[arg(long)]
+    max_requests: Option<usize>,
+    /// Directory for the real daemon's data and the raw baseline file (on
+    /// the disk, not tmpfs; default: the current directory).
+    #[arg(long)]
+    dir: Option<PathBuf>,
+    /// The kvtierd binary for the real replay (default: next to this
+    /// executable, else on PATH).
+    #[arg(long)]
+    kvtierd: Option<PathBuf>,
     /// Tokens per trace block (Mooncake: 512).
     #[arg(long, default_value_t = 512)]
     block_tokens: u64,
@@ -70,15 +86,19 @@ pub fn run(a: ReplayArgs) -> Result<()> {
 
 /// Runs the replay; the report as one JSON value.
 pub fn report(a: &ReplayArgs) -> Result<Value> {
-    if a.block_size.is_some() && !a.dry_run {
-        bail!(
-            "--block-size asks for a replay against a real daemon with real block bytes, \
-             and no such target exists in this build yet; run with --dry-run (or without \
-             --block-size) for the policy-only replay"
-        );
+    let real_block_bytes = a.block_size.filter(|_| !a.dry_run);
+    if let Some(bs) = real_block_bytes {
+        replay_daemon::validate(a.policy, bs)?;
     }
-    let trace =
+    let mut trace =
         Trace::load(&a.trace).with_context(|| format!("loading trace {}", a.trace.display()))?;
+    let trace_requests = trace.requests.len();
+    if let Some(n) = a.max_requests {
+        if n == 0 {
+            bail!("--max-requests must be at least 1");
+        }
+        trace.requests.truncate(n);
+    }
     let distinct = trace.distinct_blocks();
     let capacity = match (a.capacity_blocks, a.capacity_fraction) {
         (Some(n), _) => n,
@@ -86,6 +106,9 @@ pub fn report(a: &ReplayArgs) -> Result<Value> {
         (None, Some(f)) => bail!("--capacity-fraction {f} must lie in 0..=1"),
         (None, None) => bail!("give --capacity-blocks N or --capacity-fraction F"),
     };
+    if let Some(bs) = real_block_bytes {
+        replay_daemon::validate_capacity(&trace, capacity, bs)?;
+    }
     let model = TtftModel {
         prefill_tokens_per_s: a.prefill_tokens_per_s,
         load_bytes_per_s: a.load_gbps * 1e9,
@@ -103,6 +126,7 @@ pub fn report(a: &ReplayArgs) -> Result<Value> {
     out.insert("target".into(), json!("dry-run"));
     out.insert("policy".into(), json!(a.policy.name()));
     out.insert("requests".into(), json!(trace.requests.len()));
+    out.insert("trace_requests".into(), json!(trace_requests));
     out.insert("distinct_blocks".into(), json!(distinct));
     out.insert("capacity_blocks".into(), json!(capacity));
     out.insert(
@@ -180,6 +204,25 @@ pub fn report(a: &ReplayArgs) -> Result<Value> {
             }),
         );
     }
+    if let Some(bs) = real_block_bytes {
+        let base_dir = match &a.dir {
+            Some(d) => d.clone(),
+            None => std::env::current_dir()?,
+        };
+        let cfg = DaemonReplayConfig {
+            block_bytes: bs,
+            capacity_blocks: capacity,
+            policy: a.policy,
+            base_dir,
+            kvtierd: a.kvtierd.clone(),
+        };
+        // The top level stays the dry run; `daemon` is the real run, with
+        // that dry run (same policy, same capacity) as its baseline.
+        out.insert(
+            "daemon".into(),
+            replay_daemon::run(&trace, &cfg, &stats, &model)?,
+        );
+    }
     Ok(Value::Object(out))
 }
 
@@ -250,11 +293,132 @@ mod tests {
         ))
         .unwrap();
         assert!(lru.get("hit_ratio_vs_baseline").is_none());
-        let err = report(&args(
-            &["--capacity-blocks", "10", "--block-size", "4096"],
+        // --dry-run wins over --block-size: no daemon, same report.
+        let dry = report(&args(
+            &[
+                "--capacity-blocks",
+                "10",
+                "--block-size",
+                "4096",
+                "--dry-run",
+            ],
             &trace,
         ))
-        .unwrap_err();
-        assert!(err.to_string().contains("no such target exists"), "{err}");
+        .unwrap();
+        assert!(dry.get("daemon").is_none());
+        assert_eq!(dry["hit_blocks"], lru["hit_blocks"]);
+    }
+
+    #[test]
+    fn block_size_units_and_max_requests() {
+        let dir = tempfile::tempdir().unwrap();
+        let trace = dir.path().join("t.jsonl");
+        let mut text = String::new();
+        for i in 0..20u64 {
+            text.push_str(&format!("{{\"hash_ids\": [0, {}, {}]}}\n", 10 + i, 100 + i));
+        }
+        std::fs::write(&trace, text).unwrap();
+        for (arg, bytes) in [("64KiB", 64u64 << 10), ("2MiB", 2 << 20), ("4096", 4096)] {
+            let a = args(&["--capacity-blocks", "10", "--block-size", arg], &trace);
+            assert_eq!(a.block_size, Some(bytes), "{arg}");
+        }
+        let bad = Cli::try_parse_from([
+            "x",
+            "--trace",
+            trace.to_str().unwrap(),
+            "--block-size",
+            "2XB",
+        ]);
+        assert!(bad.is_err());
+        // The capacity fraction refers to the replayed prefix.
+        let r = report(&args(
+            &[
+                "--capacity-fraction",
+                "0.5",
+                "--max-requests",
+                "5",
+                "--policy",
+                "lru",
+            ],
+            &trace,
+        ))
+        .unwrap();
+        assert_eq!(r["requests"], 5);
+        assert_eq!(r["trace_requests"], 20);
+        assert_eq!(r["distinct_blocks"], 11);
+        assert_eq!(r["capacity_blocks"], 5);
+        assert_eq!(r["requested_blocks"], 15);
+    }
+
+    #[test]
+    fn real_daemon_replay_refuses_what_it_cannot_run() {
+        let dir = tempfile::tempdir().unwrap();
+        let trace = dir.path().join("t.jsonl");
+        std::fs::write(&trace, "{\"hash_ids\": [1, 2, 3, 4, 5, 6, 7, 8]}\n").unwrap();
+        let err = |extra: &[&str]| report(&args(extra, &trace)).unwrap_err().to_string();
+        let e = err(&[
+            "--capacity-blocks",
+            "100",
+            "--block-size",
+            "64KiB",
+            "--policy",
+            "belady",
+        ]);
+        assert!(e.contains("belady") && e.contains("offline"), "{e}");
+        let e = err(&[
+            "--capacity-blocks",
+            "100",
+            "--block-size",
+            "0",
+            "--policy",
+            "lru",
+        ]);
+        assert!(e.contains("--block-size 0"), "{e}");
+        let e = err(&[
+            "--capacity-blocks",
+            "100",
+            "--block-size",
+            "100",
+            "--policy",
+            "lru",
+        ]);
+        assert!(e.contains("multiple of 32"), "{e}");
+        let e = err(&[
+            "--capacity-blocks",
+            "4",
+            "--block-size",
+            "64KiB",
+            "--policy",
+            "lru",
+        ]);
+        assert!(
+            e.contains("cannot hold one request") && e.contains(">= 8"),
+            "{e}"
+        );
+        let e = err(&[
+            "--capacity-blocks",
+            "10",
+            "--block-size",
+            "4KiB",
+            "--policy",
+            "lru",
+        ]);
+        assert!(e.contains("1 MiB"), "{e}");
+        let e = err(&["--capacity-blocks", "10", "--max-requests", "0"]);
+        assert!(e.contains("--max-requests"), "{e}");
+        // The same settings replay fine as a dry run.
+        assert!(report(&args(
+            &[
+                "--capacity-blocks",
+                "4",
+                "--block-size",
+                "0",
+                "--policy",
+                "belady",
+                "--dry-run"
+            ],
+            &trace,
+        ))
+        .is_ok());
     }
 }
