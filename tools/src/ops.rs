@@ -264,12 +264,13 @@ pub fn events(a: EventsArgs) -> Result<()> {
     Ok(())
 }
 
-/// A daemon this process started; SIGTERM on drop.
+/// A daemon this process started; SIGTERM on drop (then SIGKILL after 5 s).
 pub struct OwnedDaemon {
     child: Child,
     /// Its socket.
     pub socket: PathBuf,
-    _dir: tempfile::TempDir,
+    /// Directories that live as long as the daemon (its data, its socket).
+    _dirs: Vec<tempfile::TempDir>,
 }
 
 impl OwnedDaemon {
@@ -285,26 +286,47 @@ impl OwnedDaemon {
         } else {
             PathBuf::from("kvtierd")
         };
-        let child = Command::new(&bin)
-            .arg("--socket")
-            .arg(&socket)
-            .arg("--g3-dir")
-            .arg(dir.path().join("g3"))
-            .args(["--metrics-addr", ""])
-            .args(extra)
+        let mut args: Vec<std::ffi::OsString> = vec![
+            "--socket".into(),
+            socket.clone().into(),
+            "--g3-dir".into(),
+            dir.path().join("g3").into(),
+            "--metrics-addr".into(),
+            "".into(),
+        ];
+        args.extend(extra.iter().map(Into::into));
+        Self::spawn(&bin, &args, socket, vec![dir])
+    }
+
+    /// Starts `bin` with `args`, keeps `dirs` alive with it, and waits
+    /// (20 s at most) until it listens on `socket`.
+    pub fn spawn(
+        bin: &Path,
+        args: &[std::ffi::OsString],
+        socket: PathBuf,
+        dirs: Vec<tempfile::TempDir>,
+    ) -> Result<OwnedDaemon> {
+        let child = Command::new(bin)
+            .args(args)
             .env("RUST_LOG", "warn")
             .stdout(Stdio::null())
             .spawn()
             .with_context(|| format!("starting {}", bin.display()))?;
-        let d = OwnedDaemon {
+        let mut d = OwnedDaemon {
             child,
             socket,
-            _dir: dir,
+            _dirs: dirs,
         };
         let t = Instant::now();
         while std::os::unix::net::UnixStream::connect(&d.socket).is_err() {
+            if let Ok(Some(st)) = d.child.try_wait() {
+                bail!(
+                    "{} exited at start ({st}); see its stderr above",
+                    bin.display()
+                );
+            }
             if t.elapsed() > Duration::from_secs(20) {
-                bail!("kvtierd did not start within 20 s");
+                bail!("{} did not listen within 20 s", bin.display());
             }
             std::thread::sleep(Duration::from_millis(20));
         }

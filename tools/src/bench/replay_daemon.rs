@@ -40,6 +40,7 @@
 //! daemon must equal exactly whatever the policy (tested).
 
 use super::common::{self, RawFile};
+use crate::ops::OwnedDaemon;
 use anyhow::{bail, Context, Result};
 use kvtier_client::block::{padded_len, HEADER_BYTES};
 use kvtier_client::{
@@ -54,8 +55,7 @@ use kvtier_daemon::policy::replay::{
 use kvtier_daemon::policy::trace::Trace;
 use serde_json::{json, Map, Value};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 /// kvtierd's smallest `g3.capacity`.
 pub const G3_CAPACITY_MIN_BYTES: u64 = 1 << 20;
@@ -180,12 +180,9 @@ pub fn payload_matches(id: u64, buf: &[u8]) -> bool {
 /// A kvtierd started by the bench: G3 only (no G4, no peers, no metrics
 /// endpoint) in a temp dir on the disk, its own socket; killed on drop.
 pub struct ReplayDaemon {
-    child: Child,
-    /// Its socket.
-    pub socket: PathBuf,
-    /// Its data directory (G3 under `g3/`).
-    pub data: tempfile::TempDir,
-    _sock_dir: tempfile::TempDir,
+    daemon: OwnedDaemon,
+    /// Its data directory (G3 under `g3/`), removed with the daemon.
+    pub data: PathBuf,
 }
 
 impl ReplayDaemon {
@@ -220,49 +217,17 @@ impl ReplayDaemon {
         );
         let cfg = data.path().join("kvtierd.toml");
         std::fs::write(&cfg, toml).with_context(|| format!("writing {}", cfg.display()))?;
-        let child = Command::new(bin)
-            .arg("--config")
-            .arg(&cfg)
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::null())
-            .spawn()
-            .with_context(|| format!("starting {}", bin.display()))?;
-        let mut d = ReplayDaemon {
-            child,
+        let data_path = data.path().to_path_buf();
+        let daemon = OwnedDaemon::spawn(
+            bin,
+            &["--config".into(), cfg.into()],
             socket,
-            data,
-            _sock_dir: sock_dir,
-        };
-        let t = Instant::now();
-        while std::os::unix::net::UnixStream::connect(&d.socket).is_err() {
-            if let Ok(Some(st)) = d.child.try_wait() {
-                bail!(
-                    "{} exited at start ({st}); see its stderr above",
-                    bin.display()
-                );
-            }
-            if t.elapsed() > Duration::from_secs(20) {
-                bail!("{} did not listen within 20 s", bin.display());
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        Ok(d)
-    }
-}
-
-impl Drop for ReplayDaemon {
-    fn drop(&mut self) {
-        // SAFETY: signalling our own child.
-        unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM) };
-        let t = Instant::now();
-        while t.elapsed() < Duration::from_secs(5) {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+            vec![data, sock_dir],
+        )?;
+        Ok(ReplayDaemon {
+            daemon,
+            data: data_path,
+        })
     }
 }
 
@@ -543,13 +508,13 @@ pub fn run(
     let batch_blocks = longest
         .min((REGION_BYTES_MAX / slot).max(1) as usize)
         .min(kvtier_client::proto::KEYS_MAX);
-    let mut cc = ClientConfig::new(&daemon.socket);
+    let mut cc = ClientConfig::new(&daemon.daemon.socket);
     cc.region_bytes = slot * batch_blocks as u64;
     cc.timeout_ms = 120_000;
     let client = Client::with_config(cc);
     client
         .ensure_connected()
-        .with_context(|| format!("connecting to {}", daemon.socket.display()))?;
+        .with_context(|| format!("connecting to {}", daemon.daemon.socket.display()))?;
     let layout = KvLayout::with_block_bytes(cfg.block_bytes)?;
     let ns = Namespace::new("kvtier-bench-replay", layout, "", "")?;
 
@@ -558,8 +523,8 @@ pub fn run(
     let raw_blocks =
         cfg.capacity_blocks
             .min((RAW_FILE_BYTES_MAX / padded_len(cfg.block_bytes)).max(1)) as usize;
-    let raw = RawFile::create(daemon.data.path(), bs, raw_blocks)?;
-    let raw_path = daemon.data.path().join("raw-baseline.bin");
+    let raw = RawFile::create(daemon.data.as_path(), bs, raw_blocks)?;
+    let raw_path = daemon.data.as_path().join("raw-baseline.bin");
     // Writes: all of this file now (reads need it), a second file after.
     let mut raw_write_us = durable_writes(&raw_path, bs, raw_blocks)?;
     let raw_reads = (dry.hit_blocks as usize)
@@ -589,7 +554,7 @@ pub fn run(
     target.m.stats_s = stats_s;
     let m = target.m.clone();
 
-    let second_file = daemon.data.path().join("raw-baseline-2.bin");
+    let second_file = daemon.data.as_path().join("raw-baseline-2.bin");
     raw_write_us.extend(durable_writes(&second_file, bs, raw_blocks)?);
     let _ = std::fs::remove_file(&second_file);
     let t = Instant::now();
@@ -623,7 +588,7 @@ pub fn run(
     out.insert("capacity_blocks".into(), json!(cfg.capacity_blocks));
     out.insert(
         "data_dir".into(),
-        json!(daemon.data.path().display().to_string()),
+        json!(daemon.data.as_path().display().to_string()),
     );
     out.insert("requested_blocks".into(), json!(stats.requested_blocks));
     out.insert("hit_blocks".into(), json!(stats.hit_blocks));
