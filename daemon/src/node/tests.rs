@@ -405,3 +405,29 @@ fn a_batched_onboard_fetches_concurrently_and_falls_back_per_block() {
     let known = b.prepare_onboard(&id, &[absent.key, BlockKey::from_u64(999)]);
     assert!(known.iter().all(|k| k.is_some()), "{known:?}");
 }
+
+#[test]
+fn a_batch_past_a_full_queue_is_held_for_its_reads_only() {
+    let (da, db) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let (a, b) = peer_pair(da.path(), db.path(), None, |c| c.promote_queue_max = 0);
+    let id = ns().id();
+    let blocks: Vec<_> = (50..53).map(block).collect();
+    for (h, p) in &blocks {
+        a.offload(&id, h, p, None, Hints::default()).unwrap();
+    }
+    let keys: Vec<BlockKey> = blocks.iter().map(|(h, _)| h.key).collect();
+    assert_eq!(b.prepare_onboard(&id, &keys), vec![None; 3]);
+    for (h, p) in &blocks {
+        assert!(matches!(read(&b, &h.key), Lookup::Hit((_, Tier::Peer, ref x)) if x == p));
+    }
+    // Served from what the batch fetched (no second fetch), never promoted,
+    // and not kept after its read.
+    assert_eq!(b.figures().peer.unwrap().hits, 3);
+    assert!(b.wait_promotions(Duration::from_secs(5)));
+    let f = b.figures().promoted_from_peer;
+    assert_eq!((f.count, f.skipped), (0, 3));
+    for k in &keys {
+        assert!(b.g3().stat(&id, k).is_none());
+        assert!(!b.staging.contains(&id, k));
+    }
+}
