@@ -128,15 +128,17 @@ impl Node {
         key: &BlockKey,
         defer: bool,
     ) -> Result<Lookup<Local>> {
-        if self.on_g3(ns, key) {
-            return Ok(Lookup::Hit(Local::OnG3));
-        }
+        // Staging first: a batch's block promoted before its read is on G3
+        // and staged, and its read must still report where it came from.
         if let Some((block, from, report)) = self.staging.get(ns, key) {
             return Ok(Lookup::Hit(Local::Staged {
                 block,
                 from,
                 report,
             }));
+        }
+        if self.on_g3(ns, key) {
+            return Ok(Lookup::Hit(Local::OnG3));
         }
         if !self.remote() {
             return Ok(Lookup::Miss(MissReason::Absent));

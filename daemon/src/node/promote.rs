@@ -93,7 +93,8 @@ pub(super) enum Staged {
 struct Entry {
     block: Arc<Block>,
     from: Tier,
-    /// Queued or being written (else held only for one read).
+    /// Queued or being written (else held only for one read: not to be
+    /// promoted, or already promoted before it was read).
     promote: bool,
     writing: bool,
     /// Whether a read already reported `from` (later reads report G3).
@@ -196,8 +197,19 @@ impl Shared {
             }
             let mut st = self.lock();
             st.writing -= 1;
-            if let Some(e) = st.map.remove(&(ns, key)) {
-                st.bytes = st.bytes.saturating_sub(e.block.payload.len() as u64);
+            let k = (ns, key);
+            // Written before its first read (a batch's later block): kept,
+            // as a held block, so that read still reports the tier that
+            // delivered it and is served without reading G3 back.
+            let keep = st.map.get_mut(&k).is_some_and(|e| {
+                e.writing = false;
+                e.promote = false;
+                !e.reported
+            });
+            if !keep {
+                if let Some(e) = st.map.remove(&k) {
+                    st.bytes = st.bytes.saturating_sub(e.block.payload.len() as u64);
+                }
             }
             drop(st);
             self.cv.notify_all();

@@ -381,6 +381,9 @@ fn a_batched_onboard_fetches_concurrently_and_falls_back_per_block() {
     let keys: Vec<BlockKey> = blocks.iter().map(|(h, _)| h.key).collect();
     let known = b.prepare_onboard(&id, &keys);
     assert_eq!(known, vec![None; 4]);
+    // Promoted before they are read: the reads still report the tier that
+    // delivered each block.
+    assert!(b.wait_promotions(Duration::from_secs(5)));
     let mut tiers = Vec::new();
     for (h, p) in &blocks {
         match read(&b, &h.key) {

@@ -175,7 +175,10 @@ fn onboard_all(
         for (i, d) in ds.iter().enumerate() {
             match r.get(i) {
                 Some(Onboarded::Hit { tier, .. }) if *tier == want => {}
-                other => bail!("onboard via {want:?} got {other:?}"),
+                other => bail!(
+                    "onboard via {want:?} of block {} ({per_request} per request) got {other:?}",
+                    i
+                ),
             }
             if bufs[i] != *d {
                 bail!("onboarded bytes differ");
@@ -335,8 +338,15 @@ pub fn run(a: CrossnodeArgs) -> Result<()> {
         (0.0, 0.0, 0.0, 0.0);
     let (mut settled_b, mut settled_c, mut drain_s) = (0.0, 0.0, Vec::new());
     let n = a.blocks as f64;
+    // Each phase must fetch again: nothing of the previous one may stay.
     let evict = |node: &Node| -> Result<()> {
-        client(node, a.block_size, 4).namespace(&ns).evict(&keys)?;
+        let h = client(node, a.block_size, 4);
+        let h = h.namespace(&ns);
+        let st = h.evict(&keys)?;
+        let left = h.stat(&keys)?.iter().filter(|s| s.is_some()).count();
+        if left > 0 {
+            bail!("{left} blocks still on the node after evict: {st:?}");
+        }
         Ok(())
     };
     for _ in 0..a.rounds {
