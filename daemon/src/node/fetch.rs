@@ -13,7 +13,7 @@
 //! the same block race harmlessly (`put_block` is create-once, the second
 //! is `AlreadyPresent`).
 
-use super::promote::Staged;
+use super::promote::{Activity, Staged};
 use super::Node;
 use crate::error::Result;
 use crate::g4::G4Store;
@@ -61,10 +61,13 @@ async fn fetch_remote(
     peers: Option<Arc<PeerSet>>,
     g4: Option<Arc<G4Store>>,
     permits: Arc<Semaphore>,
+    activity: Arc<Activity>,
     ns: NamespaceId,
     key: BlockKey,
     deadline: Instant,
 ) -> Fetched {
+    // Background promotions yield while this runs.
+    let _busy = activity.fetching();
     // Closed only if the node is going away; then fetch anyway, bounded by
     // the deadline.
     let _permit = permits.acquire_owned().await.ok();
@@ -148,6 +151,7 @@ impl Node {
             self.peers.clone(),
             self.g4.clone(),
             self.fetch_permits.clone(),
+            self.activity.clone(),
             *ns,
             *key,
             deadline,
@@ -216,10 +220,11 @@ impl Node {
             return out;
         }
         let deadline = Instant::now() + self.fetch_deadline;
-        let (peers, g4, permits, ns2) = (
+        let (peers, g4, permits, activity, ns2) = (
             self.peers.clone(),
             self.g4.clone(),
             self.fetch_permits.clone(),
+            self.activity.clone(),
             *ns,
         );
         let got = self.run_async(async move {
@@ -228,8 +233,15 @@ impl Node {
             // in flight for this request.
             futures::stream::iter(todo)
                 .map(move |(i, k)| {
-                    let f =
-                        fetch_remote(peers.clone(), g4.clone(), permits.clone(), ns2, k, deadline);
+                    let f = fetch_remote(
+                        peers.clone(),
+                        g4.clone(),
+                        permits.clone(),
+                        activity.clone(),
+                        ns2,
+                        k,
+                        deadline,
+                    );
                     async move { (i, f.await) }
                 })
                 .buffered(FETCH_PARALLEL_PER_REQUEST)

@@ -178,6 +178,8 @@ pub struct Node {
     pins: Mutex<HashMap<(NamespaceId, BlockKey), Instant>>,
     /// Fetched blocks waiting for (or being written by) their promotion.
     staging: promote::Staging,
+    /// Remote fetches in flight now (promotions yield to them).
+    activity: Arc<promote::Activity>,
     /// Remote fetches in flight at most (`fetch::FETCH_PARALLEL_MAX`).
     fetch_permits: Arc<tokio::sync::Semaphore>,
     g4_enqueued: Arc<AtomicU64>,
@@ -247,6 +249,7 @@ impl Node {
             peer_server = Some(started.server);
             heartbeat = started.heartbeat;
         }
+        let activity = promote::Activity::new();
         let staging = promote::Staging::start(
             g3.clone(),
             events.clone(),
@@ -254,6 +257,7 @@ impl Node {
                 staged_bytes_max: cfg.staged_bytes_max,
                 queue_max: cfg.promote_queue_max,
             },
+            activity.clone(),
         )?;
         let node = Arc::new(Node {
             g3,
@@ -270,6 +274,7 @@ impl Node {
             leases: Mutex::new(HashMap::new()),
             pins: Mutex::new(HashMap::new()),
             staging,
+            activity,
             fetch_permits: Arc::new(tokio::sync::Semaphore::new(fetch::FETCH_PARALLEL_MAX)),
             g4_enqueued,
             evicted_by_request: AtomicU64::new(0),

@@ -23,10 +23,61 @@ use crate::g3::{G3Store, PutMeta};
 use crate::tier::{Block, PutOutcome};
 use kvtier_client::{BlockKey, Hints, NamespaceId, Tier};
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
+
+/// A queued promotion waits while the node is fetching (or fetched less
+/// than this long ago), so that its G3 write does not compete with the
+/// onboards in flight for the disk and the cores...
+const QUIET_US: u64 = 5_000;
+/// ...but never longer than this, and not at all once the queue is half
+/// full (sustained onboards still promote, up to the queue's bound).
+const DEFER_MAX: Duration = Duration::from_millis(1_000);
+
+/// Remote fetches in flight on the node, for the promotion workers to
+/// yield to.
+#[derive(Debug)]
+pub(super) struct Activity {
+    in_flight: AtomicUsize,
+    last_end_us: AtomicU64,
+    epoch: Instant,
+}
+
+impl Activity {
+    pub(super) fn new() -> Arc<Activity> {
+        Arc::new(Activity {
+            in_flight: AtomicUsize::new(0),
+            last_end_us: AtomicU64::new(0),
+            epoch: Instant::now(),
+        })
+    }
+
+    /// Counts a fetch as in flight until the guard drops.
+    pub(super) fn fetching(self: &Arc<Self>) -> FetchGuard {
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
+        FetchGuard(self.clone())
+    }
+
+    fn busy(&self) -> bool {
+        let now_us = self.epoch.elapsed().as_micros() as u64;
+        self.in_flight.load(Ordering::Relaxed) > 0
+            || now_us.saturating_sub(self.last_end_us.load(Ordering::Relaxed)) < QUIET_US
+    }
+}
+
+/// See [`Activity::fetching`].
+pub(super) struct FetchGuard(Arc<Activity>);
+
+impl Drop for FetchGuard {
+    fn drop(&mut self) {
+        let a = &self.0;
+        a.last_end_us
+            .store(a.epoch.elapsed().as_micros() as u64, Ordering::Relaxed);
+        a.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+}
 
 /// Threads writing promotions into G3. Two, so that one block's fsync
 /// overlaps the next one's write (G3 groups directory fsyncs of writers
@@ -105,7 +156,8 @@ struct Entry {
 struct State {
     map: HashMap<(NamespaceId, BlockKey), Entry>,
     bytes: u64,
-    queue: VecDeque<(NamespaceId, BlockKey)>,
+    /// Keys waiting for a worker, with the time they were queued.
+    queue: VecDeque<((NamespaceId, BlockKey), Instant)>,
     writing: usize,
     paused: bool,
     closed: bool,
@@ -121,9 +173,23 @@ struct Shared {
     from_peer: PromoteCounters,
     from_g4: PromoteCounters,
     limits: StagingLimits,
+    activity: Arc<Activity>,
 }
 
 impl Shared {
+    /// How long the first queued promotion should still wait (see
+    /// `QUIET_US`), `None` to write it now.
+    fn defer(&self, st: &State) -> Option<Duration> {
+        let (_, queued) = st.queue.front()?;
+        if st.queue.len() * 2 >= self.limits.queue_max
+            || queued.elapsed() >= DEFER_MAX
+            || !self.activity.busy()
+        {
+            return None;
+        }
+        Some(Duration::from_micros(QUIET_US))
+    }
+
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -175,7 +241,14 @@ impl Shared {
                     return;
                 }
                 if !st.paused {
-                    if let Some(k) = st.queue.pop_front() {
+                    if let Some(d) = self.defer(&st) {
+                        st = match self.cv.wait_timeout(st, d) {
+                            Ok((g, _)) => g,
+                            Err(p) => p.into_inner().0,
+                        };
+                        continue;
+                    }
+                    if let Some((k, _)) = st.queue.pop_front() {
                         // Cancelled (evicted, or promoted by a caller that
                         // needed the G3 copy) while queued: nothing to do.
                         if let Some(e) = st.map.get_mut(&k) {
@@ -229,6 +302,7 @@ impl Staging {
         g3: Arc<G3Store>,
         events: events::Slot,
         limits: StagingLimits,
+        activity: Arc<Activity>,
     ) -> Result<Staging> {
         let shared = Arc::new(Shared {
             state: Mutex::new(State::default()),
@@ -238,6 +312,7 @@ impl Staging {
             from_peer: PromoteCounters::default(),
             from_g4: PromoteCounters::default(),
             limits,
+            activity,
         });
         let mut workers = Vec::with_capacity(WORKERS);
         for i in 0..WORKERS {
@@ -335,7 +410,7 @@ impl Staging {
             },
         );
         if queue {
-            st.queue.push_back(key);
+            st.queue.push_back((key, Instant::now()));
             drop(st);
             self.shared.cv.notify_all();
         }
@@ -381,7 +456,7 @@ impl Staging {
                     if let Some(e) = st.map.remove(&k) {
                         st.bytes = st.bytes.saturating_sub(e.block.payload.len() as u64);
                     }
-                    st.queue.retain(|q| *q != k);
+                    st.queue.retain(|(q, _)| *q != k);
                     return true;
                 }
             }

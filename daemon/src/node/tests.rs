@@ -434,3 +434,23 @@ fn a_batch_past_a_full_queue_is_held_for_its_reads_only() {
         assert!(!b.staging.contains(&id, k));
     }
 }
+
+#[test]
+fn promotions_yield_to_fetches_in_flight() {
+    let (da, db) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let (a, b) = peer_pair(da.path(), db.path(), None, |_| {});
+    let id = ns().id();
+    let (h, p) = block(60);
+    a.offload(&id, &h, &p, None, Hints::default()).unwrap();
+    // Another onboard's fetch in flight: the promotion waits (up to 1 s).
+    let busy = b.activity.fetching();
+    assert!(matches!(read(&b, &h.key), Lookup::Hit((_, Tier::Peer, ref x)) if *x == p));
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(
+        b.g3().stat(&id, &h.key).is_none(),
+        "promoted during a fetch"
+    );
+    drop(busy);
+    assert!(b.wait_promotions(Duration::from_secs(5)));
+    assert!(b.g3().stat(&id, &h.key).is_some());
+}
