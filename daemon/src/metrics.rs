@@ -51,6 +51,7 @@ pub struct Metrics {
     peer_served: IntGaugeVec,
     promotions: IntGaugeVec,
     promote_us: IntGaugeVec,
+    promotions_skipped: IntGaugeVec,
     figures: Arc<RwLock<Option<FiguresFn>>>,
 }
 
@@ -184,6 +185,14 @@ impl Metrics {
                     &["source", "stage"],
                 )?,
             ),
+            promotions_skipped: reg(
+                &r,
+                gv(
+                    "kvtier_promotions_skipped_total",
+                    "Fetched blocks served but not promoted into G3 (promotion queue full or no room), by source tier",
+                    &["source"],
+                )?,
+            ),
             figures: Arc::new(RwLock::new(None)),
             registry: r,
         })
@@ -280,6 +289,7 @@ impl Metrics {
             set(&self.promotions, &[src], p.count);
             set(&self.promote_us, &[src, "fetch"], p.fetch_us);
             set(&self.promote_us, &[src, "store"], p.store_us);
+            set(&self.promotions_skipped, &[src], p.skipped);
         }
     }
 }

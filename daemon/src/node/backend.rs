@@ -1,6 +1,7 @@
 //! The server's view of the node: [`Backend`] over G3 + peers + G4.
 
-use super::Node;
+use super::fetch::Local;
+use super::{Node, Promoted};
 use crate::error::{Error, Result};
 use crate::events::EventBus;
 use crate::g3::{LeaseId as G3Lease, PutMeta};
@@ -56,6 +57,35 @@ impl Node {
     }
 }
 
+impl Node {
+    /// A verified read from G3; `promoted`: the tier a just-promoted block
+    /// came from (reported instead of G3).
+    fn read_g3(
+        &self,
+        ns: &NamespaceId,
+        key: &BlockKey,
+        dst: &mut [u8],
+        promoted: Option<Tier>,
+    ) -> Result<Lookup<(BlockHeader, Tier)>> {
+        // A block larger than the caller's buffer is a miss (contract).
+        if let Some(info) = self.g3.stat(ns, key) {
+            if (dst.len() as u64) < info.file_len {
+                return Ok(Lookup::Miss(MissReason::Absent));
+            }
+        }
+        match self.g3.read_into(ns, key, dst)? {
+            Lookup::Hit(h) => {
+                let tier = promoted.unwrap_or(Tier::G3);
+                if tier == Tier::G3 {
+                    self.on_g3_hit(ns, key);
+                }
+                Ok(Lookup::Hit((h, tier)))
+            }
+            Lookup::Miss(r) => Ok(Lookup::Miss(r)),
+        }
+    }
+}
+
 impl Backend for Node {
     fn name(&self) -> &'static str {
         match (self.g4.is_some(), self.peers.is_some()) {
@@ -94,49 +124,42 @@ impl Backend for Node {
         key: &BlockKey,
         dst: &mut [u8],
     ) -> Result<Lookup<(BlockHeader, Tier)>> {
-        let from = match self.ensure_local(ns, key)? {
-            Lookup::Hit(t) => t,
+        // A fetched block is served from the bytes the fetcher verified
+        // while its promotion into G3 runs in the background.
+        let (block, tier) = match self.ensure_available(ns, key, true)? {
             Lookup::Miss(r) => return Ok(Lookup::Miss(r)),
-        };
-        let promoted = self.take_promoted(ns, key);
-        // Just promoted: serve the bytes the fetcher verified, instead of
-        // reading the fresh G3 copy back.
-        if let Some(block) = promoted.as_ref().and_then(|p| p.block.clone()) {
-            let len = block.payload.len();
-            if dst.len() < HEADER_BYTES + len {
-                return Ok(Lookup::Miss(MissReason::Absent));
-            }
-            block
-                .header
-                .encode_into((&mut dst[..HEADER_BYTES]).try_into().map_err(|_| {
-                    Error::InvalidInput {
-                        what: "read buffer",
-                        reason: "shorter than a block header".into(),
-                    }
-                })?);
-            dst[HEADER_BYTES..HEADER_BYTES + len].copy_from_slice(&block.payload);
-            let tier = promoted.map(|p| p.tier).unwrap_or(from);
-            return Ok(Lookup::Hit((block.header.clone(), tier)));
-        }
-        // A block larger than the caller's buffer is a miss (contract).
-        if let Some(info) = self.g3.stat(ns, key) {
-            if (dst.len() as u64) < info.file_len {
-                return Ok(Lookup::Miss(MissReason::Absent));
-            }
-        }
-        match self.g3.read_into(ns, key, dst)? {
-            Lookup::Hit(h) => {
-                let tier = match promoted {
-                    Some(p) => p.tier,
-                    None => from,
-                };
-                if tier == Tier::G3 {
-                    self.on_g3_hit(ns, key);
+            Lookup::Hit(Local::Staged { block, report, .. }) => (block, report),
+            Lookup::Hit(Local::OnG3) => {
+                let promoted = self.take_promoted(ns, key);
+                match promoted {
+                    // Just promoted by a lease: serve the bytes the fetcher
+                    // verified instead of reading the fresh G3 copy back.
+                    Some(Promoted {
+                        tier,
+                        block: Some(block),
+                    }) => (block, tier),
+                    other => return self.read_g3(ns, key, dst, other.map(|p| p.tier)),
                 }
-                Ok(Lookup::Hit((h, tier)))
             }
-            Lookup::Miss(r) => Ok(Lookup::Miss(r)),
+        };
+        let len = block.payload.len();
+        if dst.len() < HEADER_BYTES + len {
+            return Ok(Lookup::Miss(MissReason::Absent));
         }
+        block
+            .header
+            .encode_into((&mut dst[..HEADER_BYTES]).try_into().map_err(|_| {
+                Error::InvalidInput {
+                    what: "read buffer",
+                    reason: "shorter than a block header".into(),
+                }
+            })?);
+        dst[HEADER_BYTES..HEADER_BYTES + len].copy_from_slice(&block.payload);
+        Ok(Lookup::Hit((block.header.clone(), tier)))
+    }
+
+    fn prepare_onboard(&self, ns: &NamespaceId, keys: &[BlockKey]) -> Vec<Option<MissReason>> {
+        self.prepare(ns, keys)
     }
 
     fn open_for_read(&self, ns: &NamespaceId, key: &BlockKey) -> Result<Lookup<ReadFile>> {
@@ -247,8 +270,15 @@ impl Backend for Node {
     }
 
     fn evict(&self, ns: &NamespaceId, key: &BlockKey) -> Result<EvictOutcome> {
+        // A staged copy is the node's too: dropped (or, when being written,
+        // waited for and then deleted below).
+        let was_staged = self.staging.cancel(ns, key);
         let Some(info) = self.g3.stat(ns, key) else {
-            return Ok(EvictOutcome::Absent);
+            return Ok(if was_staged {
+                EvictOutcome::Evicted
+            } else {
+                EvictOutcome::Absent
+            });
         };
         if info.leases > 0 || info.pinned {
             return Ok(EvictOutcome::Busy);

@@ -23,7 +23,12 @@ const LOOKUP_PARALLEL: usize = 16;
 
 impl Node {
     pub(super) fn locate(&self, ns: &NamespaceId, chain: &[BlockKey]) -> Result<Vec<Tier>> {
-        let n = self.g3.lookup_prefix(ns, chain);
+        // Staged blocks (fetched, promotion pending) are local too.
+        let mut n = self.g3.lookup_prefix(ns, chain);
+        while n < chain.len() && self.staging.contains(ns, &chain[n]) {
+            n += 1;
+            n += self.g3.lookup_prefix(ns, &chain[n..]);
+        }
         let mut tiers = vec![Tier::G3; n];
         if n == chain.len() || (self.peers.is_none() && self.g4.is_none()) {
             return Ok(tiers);

@@ -4,8 +4,10 @@
 //! Roles, one file each:
 //! - `backend`: the [`crate::server::Backend`] implementation (the server's
 //!   view: lookup, offload, onboard, leases, pins, stats).
-//! - `fetch`: the onboard fall-through (peer, then G4), verified, promoted
-//!   into G3 before anything is served.
+//! - `fetch`: the onboard fall-through (peer, then G4), verified on
+//!   arrival; a batched onboard fetches its missing blocks concurrently.
+//! - `promote`: fetched blocks staged in memory and promoted into G3 by
+//!   background workers (bounded; a cache fill, not an acknowledged write).
 //! - `locate`: lookup across tiers (G3 index, peer header probes, G4
 //!   existence cache then HEAD), within a small deadline.
 //! - `uplink`: the G4 write-through (admission, the uploader's block
@@ -22,10 +24,12 @@
 //! - Bytes reach a client only verified: from G3 (`G3Store::read_into`
 //!   verifies them, or the client verifies a direct read against the
 //!   header), or, for the read right after a promotion, from the block the
-//!   fetcher verified (kept in a bounded memo). A block found on a peer or in
-//!   G4 is fetched, verified, and promoted into G3 before anything is
-//!   served. A G4-only or peer-only read is byte-identical to what was
-//!   stored, or a miss.
+//!   fetcher verified (staged for promotion, or kept in a bounded memo). A
+//!   block found on a peer or in G4 is fetched and verified before anything
+//!   is served; a read answers from the verified bytes while G3 is written
+//!   in the background, a lease, pin or direct read waits for the G3 copy.
+//!   A G4-only or peer-only read is byte-identical to what was stored, or a
+//!   miss.
 //! - A lookup never reports a block the node cannot then try to serve:
 //!   `Peer` means a peer's header probe named this namespace and key, `G4`
 //!   means G4's existence cache or a HEAD said present. Both are hints: a
@@ -37,6 +41,7 @@ mod events;
 mod fetch;
 mod locate;
 mod peers;
+mod promote;
 mod uplink;
 
 use crate::error::{Error, Result};
@@ -54,6 +59,7 @@ use std::time::{Duration, Instant};
 use tokio::runtime::{Handle, Runtime};
 
 pub use peers::PeerSetup;
+pub use promote::PromoteFigures;
 
 /// Entries of the "promoted from" memo at most (see [`Node`]).
 const PROMOTED_MEMO_MAX: usize = 4096;
@@ -91,6 +97,12 @@ pub struct NodeConfig {
     pub lookup_remote_deadline_ms: u64,
     /// Time an onboard may spend fetching one block from peers and G4.
     pub fetch_deadline_ms: u64,
+    /// Bytes of fetched blocks staged in memory at most (waiting for their
+    /// background promotion into G3, or for the read of a batched onboard).
+    pub staged_bytes_max: u64,
+    /// Promotions waiting for a worker at most; a fetched block that finds
+    /// the queue full is served but not promoted (0: never promote reads).
+    pub promote_queue_max: usize,
     /// Pins held at once.
     pub pins_max: usize,
     /// Longest pin.
@@ -108,38 +120,10 @@ impl NodeConfig {
             peer: None,
             lookup_remote_deadline_ms: 200,
             fetch_deadline_ms: 10_000,
+            staged_bytes_max: 256 << 20,
+            promote_queue_max: 64,
             pins_max: 65536,
             pin_ttl_max_ms: 3_600_000,
-        }
-    }
-}
-
-/// Promotions into G3 from one source, for metrics and benches.
-#[derive(Debug, Default)]
-struct PromoteCounters {
-    count: AtomicU64,
-    fetch_us: AtomicU64,
-    store_us: AtomicU64,
-}
-
-/// Promotions from one source: how many, and time spent fetching
-/// (transfer + verification) and storing into G3.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct PromoteFigures {
-    /// Blocks promoted.
-    pub count: u64,
-    /// Total microseconds fetching and verifying.
-    pub fetch_us: u64,
-    /// Total microseconds writing into G3.
-    pub store_us: u64,
-}
-
-impl PromoteCounters {
-    fn snapshot(&self) -> PromoteFigures {
-        PromoteFigures {
-            count: self.count.load(Ordering::Relaxed),
-            fetch_us: self.fetch_us.load(Ordering::Relaxed),
-            store_us: self.store_us.load(Ordering::Relaxed),
         }
     }
 }
@@ -192,8 +176,12 @@ pub struct Node {
     promoted: Mutex<(PromotedMemo, u64)>,
     leases: Mutex<HashMap<u64, Instant>>,
     pins: Mutex<HashMap<(NamespaceId, BlockKey), Instant>>,
-    from_peer: PromoteCounters,
-    from_g4: PromoteCounters,
+    /// Fetched blocks waiting for (or being written by) their promotion.
+    staging: promote::Staging,
+    /// Remote fetches in flight now (promotions yield to them).
+    activity: Arc<promote::Activity>,
+    /// Remote fetches in flight at most (`fetch::FETCH_PARALLEL_MAX`).
+    fetch_permits: Arc<tokio::sync::Semaphore>,
     g4_enqueued: Arc<AtomicU64>,
     /// Blocks removed by `evict` requests (G3 counts only its own).
     evicted_by_request: AtomicU64,
@@ -261,6 +249,16 @@ impl Node {
             peer_server = Some(started.server);
             heartbeat = started.heartbeat;
         }
+        let activity = promote::Activity::new();
+        let staging = promote::Staging::start(
+            g3.clone(),
+            events.clone(),
+            promote::StagingLimits {
+                staged_bytes_max: cfg.staged_bytes_max,
+                queue_max: cfg.promote_queue_max,
+            },
+            activity.clone(),
+        )?;
         let node = Arc::new(Node {
             g3,
             g4: g4_store,
@@ -275,8 +273,9 @@ impl Node {
             promoted: Mutex::new((HashMap::new(), 0)),
             leases: Mutex::new(HashMap::new()),
             pins: Mutex::new(HashMap::new()),
-            from_peer: PromoteCounters::default(),
-            from_g4: PromoteCounters::default(),
+            staging,
+            activity,
+            fetch_permits: Arc::new(tokio::sync::Semaphore::new(fetch::FETCH_PARALLEL_MAX)),
             g4_enqueued,
             evicted_by_request: AtomicU64::new(0),
             lookup_remote_deadline: Duration::from_millis(cfg.lookup_remote_deadline_ms),
@@ -347,8 +346,8 @@ impl Node {
                     rejected: m.rejected.load(Ordering::Relaxed),
                 }
             }),
-            promoted_from_peer: self.from_peer.snapshot(),
-            promoted_from_g4: self.from_g4.snapshot(),
+            promoted_from_peer: self.staging.figures(Tier::Peer),
+            promoted_from_g4: self.staging.figures(Tier::G4),
             g4_enqueued: self.g4_enqueued.load(Ordering::Relaxed),
         }
     }
@@ -401,11 +400,22 @@ impl Node {
         Some(p)
     }
 
-    /// Stops heartbeats, waits (bounded) for G4 uploads, closes G3.
+    /// Waits until every background promotion queued so far is written
+    /// into G3 (or has failed); `false` on timeout.
+    pub fn wait_promotions(&self, timeout: Duration) -> bool {
+        self.staging.wait_idle(timeout)
+    }
+
+    /// Stops heartbeats, waits (bounded) for promotions and G4 uploads,
+    /// closes G3.
     pub fn shutdown(&self, g4_flush_timeout: Duration) -> Result<()> {
         if let Ok(mut h) = self.heartbeat.lock() {
             h.take();
         }
+        if !self.staging.wait_idle(g4_flush_timeout) {
+            tracing::warn!("promotions still pending at shutdown; dropped (cache fills only)");
+        }
+        self.staging.close();
         if let Some(g4) = &self.g4 {
             if !g4.flush(g4_flush_timeout) {
                 tracing::warn!(

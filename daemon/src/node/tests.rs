@@ -55,6 +55,51 @@ fn wait_in_g4(n: &Node, key: &BlockKey) {
     }
 }
 
+const SECRET: &[u8] = b"unit-peer-secret-0123456789";
+
+fn peer_setup(id: &str, peers: Vec<PeerInfo>) -> PeerSetup {
+    PeerSetup {
+        cfg: crate::peer::PeerConfig {
+            enabled: true,
+            bind: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+            peers,
+            discovery: false,
+            // Validation wants the file named; the secret itself is passed.
+            secret_file: Some("/nonexistent/peer.secret".into()),
+            ..Default::default()
+        },
+        node_id: id.into(),
+        secret: SECRET.to_vec(),
+        corrupt_responses_for_tests: false,
+    }
+}
+
+/// Node A (no peers) and node B (A as its static peer), both on the G4 at
+/// `g4_url` when given; `tweak` adjusts B's config.
+fn peer_pair(
+    da: &std::path::Path,
+    db: &std::path::Path,
+    g4_url: Option<&str>,
+    tweak: impl Fn(&mut NodeConfig),
+) -> (Arc<Node>, Arc<Node>) {
+    let open = |dir: &std::path::Path, peer: PeerSetup, tweak: &dyn Fn(&mut NodeConfig)| {
+        let mut c = NodeConfig::new(G3Config::new(dir.join("g3"), 64 << 20));
+        c.g4 = g4_url.map(G4Config::new);
+        c.peer = Some(peer);
+        c.fetch_deadline_ms = 5_000;
+        tweak(&mut c);
+        Node::open(c).unwrap()
+    };
+    let a = open(da, peer_setup("a", vec![]), &|_| {});
+    let a_addr = a.peer_addr().unwrap().to_string();
+    let b = open(
+        db,
+        peer_setup("b", vec![PeerInfo::new("a", a_addr).unwrap()]),
+        &tweak,
+    );
+    (a, b)
+}
+
 #[test]
 fn write_through_then_fall_through_from_g4() {
     let dir = tempfile::tempdir().unwrap();
@@ -106,9 +151,10 @@ fn write_through_then_fall_through_from_g4() {
         }
         Lookup::Miss(r) => panic!("{r:?}"),
     }
-    // Promoted: now a G3 hit, and never uploaded again.
+    // Promoted (in the background): now a G3 hit, and never uploaded again.
     assert_eq!(n.lookup(&id, &[h0.key]).unwrap(), vec![Tier::G3]);
     assert!(matches!(read(&n, &h0.key), Lookup::Hit((_, Tier::G3, _))));
+    assert!(n.wait_promotions(Duration::from_secs(5)));
     assert!(n.g3().stat(&id, &h0.key).unwrap().in_g4);
     // The ephemeral block never reached G4: a miss, not wrong bytes.
     assert!(matches!(read(&n, &h1.key), Lookup::Miss(_)));
@@ -136,39 +182,8 @@ fn a_lease_promotes_and_protects() {
 
 #[test]
 fn peer_lookup_and_fetch_in_process() {
-    let secret = b"unit-peer-secret-0123456789".to_vec();
-    let port_b = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let setup = |id: &str, bind: u16, peers: Vec<PeerInfo>| PeerSetup {
-        cfg: crate::peer::PeerConfig {
-            enabled: true,
-            bind: std::net::SocketAddr::from(([127, 0, 0, 1], bind)),
-            peers,
-            discovery: false,
-            // Validation wants the file named; the secret itself is passed.
-            secret_file: Some("/nonexistent/peer.secret".into()),
-            ..Default::default()
-        },
-        node_id: id.into(),
-        secret: secret.clone(),
-        corrupt_responses_for_tests: false,
-    };
-    let da = tempfile::tempdir().unwrap();
-    let db = tempfile::tempdir().unwrap();
-    let a = node(da.path(), false, Some(setup("a", 0, vec![])));
-    let a_addr = a.peer_addr().unwrap().to_string();
-    let b = node(
-        db.path(),
-        false,
-        Some(setup(
-            "b",
-            port_b,
-            vec![PeerInfo::new("a", a_addr).unwrap()],
-        )),
-    );
+    let (da, db) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let (a, b) = peer_pair(da.path(), db.path(), None, |_| {});
     let id = ns().id();
     let (h, p) = block(9);
     let (absent, _) = block(10);
@@ -185,6 +200,7 @@ fn peer_lookup_and_fetch_in_process() {
         Lookup::Miss(r) => panic!("{r:?}"),
     }
     assert_eq!(b.lookup(&id, &[h.key]).unwrap(), vec![Tier::G3]);
+    assert!(b.wait_promotions(Duration::from_secs(5)));
     let f = b.figures();
     assert_eq!(f.promoted_from_peer.count, 1);
     assert_eq!(f.peer.unwrap().hits, 1);
@@ -233,4 +249,208 @@ fn peers_found_through_g4_heartbeats() {
         }
         Lookup::Miss(r) => panic!("{r:?}"),
     }
+}
+
+#[test]
+fn a_read_is_served_while_its_promotion_is_deferred() {
+    let (da, db) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let (a, b) = peer_pair(da.path(), db.path(), None, |_| {});
+    let bus = EventBus::new();
+    let sub = bus.subscribe().unwrap();
+    b.attach_events(bus);
+    let id = ns().id();
+    let (h, p) = block(20);
+    a.offload(&id, &h, &p, None, Hints::default()).unwrap();
+    b.staging.pause(true);
+    match read(&b, &h.key) {
+        Lookup::Hit((got, t, bytes)) => {
+            assert_eq!(t, Tier::Peer);
+            assert_eq!(got.key, h.key);
+            assert_eq!(bytes, p);
+        }
+        Lookup::Miss(r) => panic!("{r:?}"),
+    }
+    // Answered before the G3 write: not on G3, no Stored event yet, but
+    // local for lookups and reads.
+    assert!(b.g3().stat(&id, &h.key).is_none());
+    assert_eq!(sub.rx.try_iter().count(), 0);
+    assert_eq!(b.lookup(&id, &[h.key]).unwrap(), vec![Tier::G3]);
+    assert!(matches!(read(&b, &h.key), Lookup::Hit((_, Tier::G3, ref x)) if *x == p));
+    assert_eq!(
+        b.figures().peer.unwrap().hits,
+        1,
+        "the second read refetched"
+    );
+    assert!(!b.wait_promotions(Duration::from_millis(50)));
+    // Released: the block lands on G3 (the normal durable path), the
+    // Stored event follows, and G3 serves it verified.
+    b.staging.pause(false);
+    assert!(b.wait_promotions(Duration::from_secs(5)));
+    let info = b.g3().stat(&id, &h.key).expect("promoted into G3");
+    assert_eq!(info.payload_blake3, h.payload_blake3);
+    let evs: Vec<_> = sub.rx.try_iter().collect();
+    assert!(
+        evs.iter().any(|e| e.storage_tier == StorageTier::Disk
+            && matches!(&e.data, KvEventData::Stored { blocks, .. } if blocks[0].block_hash == h.key)),
+        "{evs:?}"
+    );
+    let mut buf = vec![0u8; (BLOCK + 8192) as usize];
+    assert!(matches!(
+        b.g3().read_into(&id, &h.key, &mut buf).unwrap(),
+        Lookup::Hit(_)
+    ));
+    assert!(buf[4096..4096 + BLOCK as usize] == p[..]);
+    let f = b.figures().promoted_from_peer;
+    assert_eq!((f.count, f.skipped), (1, 0));
+}
+
+#[test]
+fn a_full_promotion_queue_skips_the_promotion_not_the_read() {
+    let (da, db) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let (a, b) = peer_pair(da.path(), db.path(), None, |c| c.promote_queue_max = 1);
+    let id = ns().id();
+    let (h1, p1) = block(21);
+    let (h2, p2) = block(22);
+    a.offload(&id, &h1, &p1, None, Hints::default()).unwrap();
+    a.offload(&id, &h2, &p2, None, Hints::default()).unwrap();
+    b.staging.pause(true);
+    // The first fills the queue; the second finds it full and is still
+    // served, byte-identical.
+    assert!(matches!(read(&b, &h1.key), Lookup::Hit((_, Tier::Peer, ref x)) if *x == p1));
+    assert!(matches!(read(&b, &h2.key), Lookup::Hit((_, Tier::Peer, ref x)) if *x == p2));
+    b.staging.pause(false);
+    assert!(b.wait_promotions(Duration::from_secs(5)));
+    assert!(b.g3().stat(&id, &h1.key).is_some());
+    assert!(
+        b.g3().stat(&id, &h2.key).is_none(),
+        "promoted past a full queue"
+    );
+    let f = b.figures().promoted_from_peer;
+    assert_eq!((f.count, f.skipped), (1, 1));
+    // Not kept anywhere: the next read fetches it again.
+    assert!(matches!(read(&b, &h2.key), Lookup::Hit((_, Tier::Peer, ref x)) if *x == p2));
+}
+
+#[test]
+fn evicting_a_staged_block_cancels_its_promotion() {
+    let (da, db) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let (a, b) = peer_pair(da.path(), db.path(), None, |_| {});
+    let id = ns().id();
+    let (h, p) = block(23);
+    a.offload(&id, &h, &p, None, Hints::default()).unwrap();
+    b.staging.pause(true);
+    assert!(matches!(read(&b, &h.key), Lookup::Hit((_, Tier::Peer, _))));
+    assert_eq!(b.evict(&id, &h.key).unwrap(), EvictOutcome::Evicted);
+    b.staging.pause(false);
+    assert!(b.wait_promotions(Duration::from_secs(5)));
+    assert!(b.g3().stat(&id, &h.key).is_none());
+    assert!(matches!(read(&b, &h.key), Lookup::Hit((_, Tier::Peer, _))));
+}
+
+#[test]
+fn a_batched_onboard_fetches_concurrently_and_falls_back_per_block() {
+    let shared = tempfile::tempdir().unwrap();
+    let url = format!("file://{}", shared.path().display());
+    let (da, db) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let (a, b) = peer_pair(da.path(), db.path(), Some(&url), |c| {
+        // A lying peer is normally skipped for a while; here every block
+        // asks it, so that exactly one block sees corrupt bytes.
+        if let Some(p) = c.peer.as_mut() {
+            p.cfg.corrupt_quarantine_ms = 0;
+        }
+    });
+    let id = ns().id();
+    let blocks: Vec<_> = (30..34).map(block).collect();
+    for (h, p) in &blocks {
+        a.offload(&id, h, p, None, Hints::default()).unwrap();
+    }
+    assert!(a.g4().unwrap().flush(Duration::from_secs(10)));
+    for (h, _) in &blocks {
+        wait_in_g4(&a, &h.key);
+    }
+    // A's copy of block 2 goes bad on disk after its upload: A serves the
+    // file as it is, B must reject it and take G4's copy.
+    let bad = da
+        .path()
+        .join("g3/blocks")
+        .join(kvtier_client::block_path(&id, &blocks[2].0.key));
+    let mut bytes = std::fs::read(&bad).unwrap();
+    bytes[4096 + 10] ^= 0xff;
+    std::fs::write(&bad, &bytes).unwrap();
+
+    let keys: Vec<BlockKey> = blocks.iter().map(|(h, _)| h.key).collect();
+    let known = b.prepare_onboard(&id, &keys);
+    assert_eq!(known, vec![None; 4]);
+    // Promoted before they are read: the reads still report the tier that
+    // delivered each block.
+    assert!(b.wait_promotions(Duration::from_secs(5)));
+    let mut tiers = Vec::new();
+    for (h, p) in &blocks {
+        match read(&b, &h.key) {
+            Lookup::Hit((_, t, got)) => {
+                assert!(got == *p, "block {:?} differs", h.key);
+                tiers.push(t);
+            }
+            Lookup::Miss(r) => panic!("{r:?}"),
+        }
+    }
+    assert_eq!(tiers, vec![Tier::Peer, Tier::Peer, Tier::G4, Tier::Peer]);
+    // Fetched once each, by the batch step: the reads did not fetch again.
+    let m = b.figures().peer.unwrap();
+    assert_eq!((m.hits, m.corrupt), (3, 1));
+    assert!(b.wait_promotions(Duration::from_secs(5)));
+    for (h, _) in &blocks {
+        assert!(b.g3().stat(&id, &h.key).is_some());
+    }
+    assert!(b.g3().stat(&id, &blocks[2].0.key).unwrap().in_g4);
+    // A block nobody has is reported missing by the batch step itself.
+    let (absent, _) = block(40);
+    let known = b.prepare_onboard(&id, &[absent.key, BlockKey::from_u64(999)]);
+    assert!(known.iter().all(|k| k.is_some()), "{known:?}");
+}
+
+#[test]
+fn a_batch_past_a_full_queue_is_held_for_its_reads_only() {
+    let (da, db) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let (a, b) = peer_pair(da.path(), db.path(), None, |c| c.promote_queue_max = 0);
+    let id = ns().id();
+    let blocks: Vec<_> = (50..53).map(block).collect();
+    for (h, p) in &blocks {
+        a.offload(&id, h, p, None, Hints::default()).unwrap();
+    }
+    let keys: Vec<BlockKey> = blocks.iter().map(|(h, _)| h.key).collect();
+    assert_eq!(b.prepare_onboard(&id, &keys), vec![None; 3]);
+    for (h, p) in &blocks {
+        assert!(matches!(read(&b, &h.key), Lookup::Hit((_, Tier::Peer, ref x)) if x == p));
+    }
+    // Served from what the batch fetched (no second fetch), never promoted,
+    // and not kept after its read.
+    assert_eq!(b.figures().peer.unwrap().hits, 3);
+    assert!(b.wait_promotions(Duration::from_secs(5)));
+    let f = b.figures().promoted_from_peer;
+    assert_eq!((f.count, f.skipped), (0, 3));
+    for k in &keys {
+        assert!(b.g3().stat(&id, k).is_none());
+        assert!(!b.staging.contains(&id, k));
+    }
+}
+
+#[test]
+fn promotions_yield_to_fetches_in_flight() {
+    let (da, db) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let (a, b) = peer_pair(da.path(), db.path(), None, |_| {});
+    let id = ns().id();
+    let (h, p) = block(60);
+    a.offload(&id, &h, &p, None, Hints::default()).unwrap();
+    // Another onboard's fetch in flight: the promotion waits (up to 1 s).
+    let busy = b.activity.fetching();
+    assert!(matches!(read(&b, &h.key), Lookup::Hit((_, Tier::Peer, ref x)) if *x == p));
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(
+        b.g3().stat(&id, &h.key).is_none(),
+        "promoted during a fetch"
+    );
+    drop(busy);
+    assert!(b.wait_promotions(Duration::from_secs(5)));
+    assert!(b.g3().stat(&id, &h.key).is_some());
 }

@@ -26,7 +26,7 @@
 
 use crate::error::Result;
 use crate::events::EventBus;
-use crate::tier::{Lookup, PutOutcome};
+use crate::tier::{Lookup, MissReason, PutOutcome};
 use kvtier_client::proto::{BlockStat, ListEntry};
 use kvtier_client::{BlockHeader, BlockKey, Hints, NamespaceId, Tier};
 
@@ -113,6 +113,15 @@ pub trait Backend: Send + Sync + 'static {
         key: &BlockKey,
         dst: &mut [u8],
     ) -> Result<Lookup<(BlockHeader, Tier)>>;
+
+    /// The first step of an onboard of several blocks, before they are
+    /// leased and read one by one: a backend may bring missing blocks close
+    /// concurrently (the node fetches them from peers and G4). Per key,
+    /// `Some(reason)` when the block is known missing now, so the read
+    /// would miss the same way; `None` otherwise. Default: nothing known.
+    fn prepare_onboard(&self, _ns: &NamespaceId, keys: &[BlockKey]) -> Vec<Option<MissReason>> {
+        vec![None; keys.len()]
+    }
 
     /// Opens a block for a direct read by the client.
     fn open_for_read(&self, ns: &NamespaceId, key: &BlockKey) -> Result<Lookup<ReadFile>>;

@@ -10,7 +10,7 @@ use kvtier_client::proto::{
     self, code, ItemStatus, OnboardMode, OnboardResult, RecvError, Request, Response, KEYS_MAX,
 };
 use kvtier_client::shm::Region;
-use kvtier_client::{BlockHeader, NamespaceId, Tier};
+use kvtier_client::{BlockHeader, BlockKey, NamespaceId, Tier};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::Ordering;
@@ -465,7 +465,9 @@ impl Conn<'_> {
         }
         let mut files = Vec::new();
         let mut out = Vec::with_capacity(items.len());
-        for it in items {
+        let keys: Vec<BlockKey> = items.iter().map(|it| it.key).collect();
+        let known = b.prepare_onboard(&ns, &keys);
+        for (i, it) in items.into_iter().enumerate() {
             let mut r = OnboardResult {
                 status: ItemStatus::Absent,
                 tier: Tier::G3,
@@ -475,6 +477,12 @@ impl Conn<'_> {
                 fd_index: u32::MAX,
                 file_offset: 0,
             };
+            if let Some(reason) = known.get(i).copied().flatten() {
+                m.misses.with_label_values(&[reason_name(reason)]).inc();
+                r.status = miss_status(reason);
+                out.push(r);
+                continue;
+            }
             // Lease first so the block cannot go away between the read and
             // the client's use of it.
             if lease_ttl_ms > 0 {
