@@ -62,6 +62,9 @@ engine = "auto"
 # access_key_id / secret_access_key here (never logged).
 # Which blocks are written through: "all" or "after-first-reuse".
 admission = "all"
+# Every other G4 setting may be set here too (docs/OPERATIONS.md lists
+# them), e.g. capacity_bytes, ttl_ms, upload_queue_max, upload_retries,
+# request_timeout_ms, fetch_inflight_max, exists_ttl_ms.
 
 [peer]
 # Serve blocks to, and fetch from, other kvtierd nodes (off by default).
@@ -71,6 +74,17 @@ enabled = false
 # secret_file = "/etc/kvtier/peer.secret"
 # peers = [{ id = "gpu-node-08", address = "10.0.0.8:7401" }]
 # discovery = true                     # heartbeats under <g4>/nodes/
+
+[node]
+# How long a lookup may ask peers and G4 about blocks past the local prefix.
+lookup_remote_deadline_ms = 200
+# How long an onboard may spend fetching one block from peers and G4.
+fetch_deadline_ms = 10000
+# Fetched blocks are served at once and kept in G3 in the background: bytes
+# waiting at most, and promotions queued at most (a full queue serves the
+# block without keeping it; 0 never keeps fetched blocks).
+staged_bytes_max = "256MiB"
+promote_queue_max = 64
 
 [metrics]
 # Prometheus /metrics and /healthz; "" disables the endpoint.
@@ -187,77 +201,56 @@ pub struct G3Section {
     pub engine: String,
 }
 
-/// `[g4]`: the G4 tier's own settings plus admission. Its `Debug` redacts
-/// the credentials, so a logged config never carries them.
-#[derive(Clone, Deserialize)]
-#[serde(deny_unknown_fields, default)]
+/// `[g4]`: every key of [`G4Config`](crate::g4::G4Config) (one source for
+/// names and defaults: sweeper, retries, timeouts, caches), plus how `url`
+/// is read here and the admission rule. `Debug` redacts the credentials
+/// (through `G4Config`'s), so a logged config never carries them.
+#[derive(Clone, Debug)]
 pub struct G4Section {
     /// Store URL; `None`: `file://<g3.dir>/../g4`; `""`: G4 off.
     pub url: Option<String>,
-    /// S3 endpoint for non-AWS stores.
-    pub endpoint: Option<String>,
-    /// S3 region.
-    pub region: Option<String>,
-    /// Allow plain HTTP.
-    pub allow_http: bool,
-    /// Path-style requests.
-    pub path_style: bool,
-    /// Access key id (else `AWS_ACCESS_KEY_ID`).
-    pub access_key_id: Option<String>,
-    /// Secret key (else `AWS_SECRET_ACCESS_KEY`).
-    pub secret_access_key: Option<String>,
-    /// Session token.
-    pub session_token: Option<String>,
-    /// Bytes G4 may hold before the sweeper deletes oldest first.
-    pub capacity_bytes: Option<u64>,
-    /// Age after which the sweeper deletes a block.
-    pub ttl_ms: Option<u64>,
-    /// Upload jobs waiting at most.
-    pub upload_queue_max: Option<usize>,
-    /// Uploads in flight at most.
-    pub upload_concurrency: Option<usize>,
+    /// The rest of the tier's settings (its own `url` is replaced by the
+    /// one above).
+    pub store: crate::g4::G4Config,
     /// `all` or `after-first-reuse`.
     pub admission: String,
-}
-
-impl std::fmt::Debug for G4Section {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let redact = |v: &Option<String>| v.as_ref().map(|_| "<redacted>");
-        f.debug_struct("G4Section")
-            .field("url", &self.url)
-            .field("endpoint", &self.endpoint)
-            .field("region", &self.region)
-            .field("allow_http", &self.allow_http)
-            .field("path_style", &self.path_style)
-            .field("access_key_id", &redact(&self.access_key_id))
-            .field("secret_access_key", &redact(&self.secret_access_key))
-            .field("session_token", &redact(&self.session_token))
-            .field("capacity_bytes", &self.capacity_bytes)
-            .field("ttl_ms", &self.ttl_ms)
-            .field("upload_queue_max", &self.upload_queue_max)
-            .field("upload_concurrency", &self.upload_concurrency)
-            .field("admission", &self.admission)
-            .finish()
-    }
 }
 
 impl Default for G4Section {
     fn default() -> Self {
         G4Section {
             url: None,
-            endpoint: None,
-            region: None,
-            allow_http: false,
-            path_style: false,
-            access_key_id: None,
-            secret_access_key: None,
-            session_token: None,
-            capacity_bytes: None,
-            ttl_ms: None,
-            upload_queue_max: None,
-            upload_concurrency: None,
+            store: crate::g4::G4Config::default(),
             admission: "all".into(),
         }
+    }
+}
+
+// serde's `flatten` cannot be combined with `deny_unknown_fields`, so the
+// two keys of this section's own are taken out of the table by hand and the
+// rest goes to `G4Config`, whose `deny_unknown_fields` refuses typos.
+impl<'de> Deserialize<'de> for G4Section {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        use serde::de::Error as _;
+        let mut table = toml::Table::deserialize(d)?;
+        let mut text = |key: &str| match table.remove(key) {
+            None => Ok(None),
+            Some(toml::Value::String(s)) => Ok(Some(s)),
+            Some(v) => Err(D::Error::custom(format!(
+                "`g4.{key}` must be a string, not a {}",
+                v.type_str()
+            ))),
+        };
+        let url = text("url")?;
+        let admission = text("admission")?.unwrap_or_else(|| "all".into());
+        let store = toml::Value::Table(table)
+            .try_into()
+            .map_err(|e| D::Error::custom(format!("[g4]: {e}")))?;
+        Ok(G4Section {
+            url,
+            store,
+            admission,
+        })
     }
 }
 
@@ -274,23 +267,40 @@ impl G4Section {
                 format!("file://{}", abs.display())
             }
         };
-        let mut c = crate::g4::G4Config::new(url);
-        c.endpoint = self.endpoint.clone();
-        c.region = self.region.clone();
-        c.allow_http = self.allow_http;
-        c.path_style = self.path_style;
-        c.access_key_id = self.access_key_id.clone();
-        c.secret_access_key = self.secret_access_key.clone();
-        c.session_token = self.session_token.clone();
-        c.capacity_bytes = self.capacity_bytes;
-        c.ttl_ms = self.ttl_ms;
-        if let Some(q) = self.upload_queue_max {
-            c.upload_queue_max = q;
+        Some(crate::g4::G4Config {
+            url,
+            ..self.store.clone()
+        })
+    }
+}
+
+/// `[node]`: how a node reaches past its own G3 (peers, then G4).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct NodeSection {
+    /// Time a lookup may spend asking peers and G4 about blocks past the
+    /// local prefix.
+    pub lookup_remote_deadline_ms: u64,
+    /// Time an onboard may spend fetching one block from peers and G4.
+    pub fetch_deadline_ms: u64,
+    /// Bytes of fetched blocks held in memory at most while they wait for
+    /// their background promotion into G3.
+    #[serde(deserialize_with = "de_size")]
+    pub staged_bytes_max: u64,
+    /// Promotions waiting at most; a fetched block that finds the queue
+    /// full is served but not kept in G3 (0: never keep fetched blocks).
+    pub promote_queue_max: usize,
+}
+
+impl Default for NodeSection {
+    fn default() -> Self {
+        let n = crate::node::NodeConfig::new(crate::g3::G3Config::new(PathBuf::new(), 0));
+        NodeSection {
+            lookup_remote_deadline_ms: n.lookup_remote_deadline_ms,
+            fetch_deadline_ms: n.fetch_deadline_ms,
+            staged_bytes_max: n.staged_bytes_max,
+            promote_queue_max: n.promote_queue_max,
         }
-        if let Some(q) = self.upload_concurrency {
-            c.upload_concurrency = q;
-        }
-        Some(c)
     }
 }
 
@@ -320,6 +330,8 @@ pub struct Config {
     pub g3: G3Section,
     /// `[g4]`.
     pub g4: G4Section,
+    /// `[node]`.
+    pub node: NodeSection,
     /// `[peer]`.
     pub peer: crate::peer::PeerConfig,
     /// `[metrics]`.
@@ -619,12 +631,12 @@ mod tests {
 
     #[test]
     fn g4_section_debug_redacts_credentials() {
-        let g = G4Section {
-            access_key_id: Some("AKIDSECRETVALUE".into()),
-            secret_access_key: Some("very-secret-key".into()),
-            session_token: Some("token-value".into()),
-            ..G4Section::default()
-        };
+        let g = Config::from_toml(
+            "[g4]\naccess_key_id = \"AKIDSECRETVALUE\"\n\
+             secret_access_key = \"very-secret-key\"\nsession_token = \"token-value\"\n",
+        )
+        .unwrap()
+        .g4;
         let d = format!("{g:?}");
         for secret in ["AKIDSECRETVALUE", "very-secret-key", "token-value"] {
             assert!(!d.contains(secret), "{secret} leaked into {d}");
@@ -640,6 +652,16 @@ mod tests {
         c.validate().unwrap();
         assert_eq!(c.g3.capacity, 4 << 30);
         assert_eq!(c.socket_mode().unwrap(), 0o660);
+        // The annotated file says what the code defaults to.
+        let d = NodeSection::default();
+        assert_eq!(
+            (c.node.staged_bytes_max, c.node.promote_queue_max),
+            (d.staged_bytes_max, d.promote_queue_max)
+        );
+        assert_eq!(
+            (c.node.lookup_remote_deadline_ms, c.node.fetch_deadline_ms),
+            (d.lookup_remote_deadline_ms, d.fetch_deadline_ms)
+        );
     }
 
     #[test]
@@ -652,6 +674,21 @@ mod tests {
         let c = Config::from_toml("[g4]\nurl = \"s3://b/p\"\npath_style = true\n").unwrap();
         let g4 = c.g4.to_g4_config(&c.g3.dir).unwrap();
         assert!(g4.path_style && g4.url == "s3://b/p");
+        // Every G4Config key is a [g4] key; typos are refused by name.
+        let c = Config::from_toml("[g4]\nupload_retries = 9\nsweep_interval_ms = 5\n").unwrap();
+        let g4 = c.g4.to_g4_config(&c.g3.dir).unwrap();
+        assert_eq!((g4.upload_retries, g4.sweep_interval_ms), (9, 5));
+        let e = Config::from_toml("[g4]\nupload_retires = 9\n").unwrap_err();
+        assert!(e.to_string().contains("upload_retires"), "{e}");
+        let e = Config::from_toml("[g4]\nurl = 5\n").unwrap_err();
+        assert!(e.to_string().contains("g4.url"), "{e}");
+        let c = Config::from_toml("[node]\nstaged_bytes_max = \"64MiB\"\npromote_queue_max = 0\n")
+            .unwrap();
+        assert_eq!(
+            (c.node.staged_bytes_max, c.node.promote_queue_max),
+            (64 << 20, 0)
+        );
+        assert_eq!(Config::default().node.fetch_deadline_ms, 10_000);
         for (text, key) in [
             ("[g4]\nadmission = \"sometimes\"\n", "g4.admission"),
             ("[g3]\npolicy = \"belady\"\n", "g3.policy"),

@@ -249,6 +249,10 @@ fn node_config(cfg: &Config) -> Result<NodeConfig> {
         .admission
         .parse::<G4Admission>()
         .map_err(|e| anyhow::anyhow!("config: `g4.admission`: {e}"))?;
+    n.lookup_remote_deadline_ms = cfg.node.lookup_remote_deadline_ms;
+    n.fetch_deadline_ms = cfg.node.fetch_deadline_ms;
+    n.staged_bytes_max = cfg.node.staged_bytes_max;
+    n.promote_queue_max = cfg.node.promote_queue_max;
     n.pins_max = cfg.server.pins_max;
     n.pin_ttl_max_ms = cfg.server.pin_ttl_max_ms;
     if cfg.peer.enabled {
