@@ -274,6 +274,8 @@ fn sweeper_enforces_capacity_and_ttl_but_not_on_young_objects() {
     }
     let rep = g4.sweep_once().unwrap();
     assert_eq!((rep.listed, rep.deleted), (6, 3));
+    // What the node reports as G4's size: the survivors of the last sweep.
+    assert_eq!(g4.stats().sweep_last_total_blocks, 3);
     for (i, k) in keys.iter().enumerate() {
         assert_eq!(
             g4.fetch(&ns.id(), k, Duration::from_secs(5))

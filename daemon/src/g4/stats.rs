@@ -73,6 +73,8 @@ stats! {
     sweep_deleted_bytes,
     /// Gauge: bytes of blocks in G4 at the last sweep.
     sweep_last_total_bytes,
+    /// Gauge: blocks in G4 at the last sweep.
+    sweep_last_total_blocks,
 }
 
 pub(crate) fn inc(c: &AtomicU64) {

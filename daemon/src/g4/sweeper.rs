@@ -114,6 +114,10 @@ pub(crate) async fn sweep_once(inner: &Inner) -> Result<SweepReport> {
         rep.listed_bytes - rep.deleted_bytes.min(rep.listed_bytes),
         Relaxed,
     );
+    inner
+        .stats
+        .sweep_last_total_blocks
+        .store(rep.listed - rep.deleted.min(rep.listed), Relaxed);
     Ok(rep)
 }
 

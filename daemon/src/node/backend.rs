@@ -343,8 +343,9 @@ impl Backend for Node {
             let g = g4.stats();
             tiers.push(TierStats {
                 tier: Tier::G4,
-                // Known only from the sweeper's last listing (0 without one).
-                blocks: 0,
+                // Known only from the sweeper's last listing (it runs when
+                // g4.capacity_bytes or g4.ttl_ms is set; 0 without one).
+                blocks: g.sweep_last_total_blocks,
                 bytes: g.sweep_last_total_bytes,
                 capacity_bytes: g4.config().capacity_bytes.unwrap_or(0),
             });
