@@ -220,6 +220,11 @@ impl G3Store {
                         continue;
                     }
                     let path = f.path();
+                    if mem.map.contains_key(&id) {
+                        // Adopting would replace another block's entry.
+                        tracing::warn!(path = %path.display(), "g3: unindexed file's index digest collides with an indexed block; left unindexed");
+                        continue;
+                    }
                     match self.verify_file(&path, &ns, &key) {
                         Ok(h) => {
                             let r = Record {
