@@ -157,6 +157,10 @@ pub struct MemIndex {
     pub used_bytes: u64,
     /// Blocks per namespace.
     pub ns_blocks: HashMap<NamespaceId, u64>,
+    /// The checks of `map`'s entries, for `lookup_prefix` (kept in step by
+    /// `insert` and the removals; do not insert into or remove from `map`
+    /// directly).
+    pub presence: super::presence::Presence,
 }
 
 impl MemIndex {
@@ -171,8 +175,8 @@ impl MemIndex {
 
     /// How many leading keys of `chain` are present. Memory only, no
     /// allocation: digests are computed into a stack buffer a batch at a
-    /// time, then the batch is probed (the probes' cache misses overlap
-    /// because they no longer wait on hashing in between).
+    /// time, then the batch is probed in [`MemIndex::presence`] (whose
+    /// cache misses overlap).
     pub fn lookup_prefix(&self, ns: &NamespaceId, chain: &[BlockKey]) -> usize {
         const BATCH: usize = 64;
         let mut ids = [(0u64, 0u64); BATCH];
@@ -190,12 +194,10 @@ impl MemIndex {
         found
     }
 
-    /// How many leading digests (from [`digests`]) are present. Digests are
-    /// computed first so that the probes' cache misses overlap.
+    /// How many leading digests (from [`digests`]) are present, by their
+    /// checks (see [`super::presence`] for what that costs in accuracy).
     pub fn count_present(&self, ids: &[(u64, u64)]) -> usize {
-        ids.iter()
-            .take_while(|(id, check)| self.map.get(id).is_some_and(|e| e.check == *check))
-            .count()
+        self.presence.count_leading(ids.iter().map(|d| d.1))
     }
 
     /// Bytes held by blocks pinned at `now_s` (pins are rare: a scan).
@@ -211,13 +213,32 @@ impl MemIndex {
     pub fn insert(&mut self, ns: NamespaceId, id: u64, e: Entry) {
         self.used_bytes += e.file_len();
         *self.ns_blocks.entry(ns).or_default() += 1;
-        self.map.insert(id, e);
+        self.presence.insert(e.check);
+        if let Some(old) = self.map.insert(id, e) {
+            self.presence.remove(old.check);
+        }
+    }
+
+    /// Makes room for `n` more entries.
+    pub fn reserve(&mut self, n: usize) {
+        self.map.reserve(n);
+        self.presence.reserve(self.map.len() + n);
+    }
+
+    /// Removes an entry whose namespace is unknown (its count per
+    /// namespace is left as is).
+    pub fn remove_id(&mut self, id: u64) -> Option<Entry> {
+        let e = self.map.remove(&id)?;
+        self.used_bytes = self.used_bytes.saturating_sub(e.file_len());
+        self.presence.remove(e.check);
+        Some(e)
     }
 
     /// Removes an entry and its bytes.
     pub fn remove(&mut self, ns: &NamespaceId, id: u64) -> Option<Entry> {
         let e = self.map.remove(&id)?;
         self.used_bytes = self.used_bytes.saturating_sub(e.file_len());
+        self.presence.remove(e.check);
         if let Some(n) = self.ns_blocks.get_mut(ns) {
             *n -= 1;
             if *n == 0 {

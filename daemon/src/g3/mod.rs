@@ -22,6 +22,7 @@ pub mod engine;
 pub mod fault;
 mod group;
 pub mod index;
+mod presence;
 pub mod reclaimer;
 pub mod recover;
 mod snapshot;

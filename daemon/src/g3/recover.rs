@@ -86,7 +86,7 @@ impl G3Store {
         };
         rep.from_snapshot = image.is_some();
         if let Some(image) = image {
-            mem.map.reserve(image.len());
+            mem.reserve(image.len());
             for (ns, id, e) in image {
                 order.push((
                     e.last_access_s.load(std::sync::atomic::Ordering::Relaxed),
