@@ -7,13 +7,16 @@
 //! file the index lost); a durable commit runs every second and at close.
 //!
 //! In memory a block is 8 bytes of map key plus a 32-byte [`Entry`], found
-//! by a 16-byte digest of (namespace, key): the first 8 bytes are the map
-//! key and the policy's id, the other 8 are checked on every lookup. The
-//! full key, checksum and timestamps stay in redb.
+//! by a 16-byte xxh3 digest of (namespace, key): the first 8 bytes are the
+//! map key, the policy's id and redb's `blocks` key, the other 8 are
+//! checked on every lookup. The full key, checksum and timestamps stay in
+//! redb.
 
 use crate::error::{Error, Result};
 use kvtier_client::{BlockKey, NamespaceId};
-use redb::{Database, Durability, ReadableDatabase, ReadableTable, TableDefinition};
+use redb::{
+    Database, Durability, ReadableDatabase, ReadableTable, ReadableTableMetadata, TableDefinition,
+};
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::path::{Path, PathBuf};
@@ -23,22 +26,61 @@ const BLOCKS: TableDefinition<u64, &[u8]> = TableDefinition::new("blocks");
 const NAMES: TableDefinition<&[u8], u64> = TableDefinition::new("names");
 const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
 const GENERATION: &str = "generation";
+const FORMAT: &str = "format";
 
-/// The (id, check) digest of a block's name.
+/// On-disk format of `index.redb` (META `format`). 1 (no key): ids were the
+/// first half of blake3(name); 2: xxh3-128. An index without the key is
+/// re-keyed at open ([`DiskIndex::open`]); a larger one is refused.
+pub const INDEX_FORMAT: u64 = 2;
+
+/// The (id, check) digest of a block's name: xxh3-128 of (namespace, key
+/// length, key), split in two halves. Not collision resistant against a
+/// chosen key (blake3 was, at 15-20x the cost per lookup): every path that
+/// acts on a found entry by name confirms it against the redb record
+/// (`G3Store::put_block`, `stat`, removals), and reads verify the file's
+/// header, so a collision costs a typed error or a false "present" from
+/// `lookup_prefix`, never a wrong block.
 pub fn digest(ns: &NamespaceId, key: &BlockKey) -> (u64, u64) {
+    #[cfg(test)]
+    if let Some(aliased) = test_alias::digest_of(ns, key) {
+        return aliased;
+    }
     // One-shot hashing of a stack buffer: the incremental Hasher costs
-    // more than the single compression these 17..81 bytes need.
+    // more than these 17..81 bytes need.
     let mut buf = [0u8; 16 + 1 + kvtier_client::key::KEY_BYTES_MAX];
     buf[..16].copy_from_slice(&ns.0);
     buf[16] = key.len() as u8;
     buf[17..17 + key.len()].copy_from_slice(key.as_bytes());
-    let d = blake3::hash(&buf[..17 + key.len()]);
-    let b = d.as_bytes();
-    let mut id = [0u8; 8];
-    let mut check = [0u8; 8];
-    id.copy_from_slice(&b[..8]);
-    check.copy_from_slice(&b[8..16]);
-    (u64::from_le_bytes(id), u64::from_le_bytes(check))
+    let d = xxhash_rust::xxh3::xxh3_128(&buf[..17 + key.len()]);
+    (d as u64, (d >> 64) as u64)
+}
+
+/// Test hook: makes one key digest as another on the calling thread, to
+/// force an index collision.
+#[cfg(test)]
+pub mod test_alias {
+    use kvtier_client::{BlockKey, NamespaceId};
+    use std::cell::RefCell;
+
+    thread_local! {
+        static ALIAS: RefCell<Option<(BlockKey, BlockKey)>> = const { RefCell::new(None) };
+    }
+
+    /// From now on (this thread), `from` digests as `to`; `None` clears.
+    pub fn set(alias: Option<(BlockKey, BlockKey)>) {
+        ALIAS.with(|a| *a.borrow_mut() = alias);
+    }
+
+    pub(super) fn digest_of(ns: &NamespaceId, key: &BlockKey) -> Option<(u64, u64)> {
+        let to = ALIAS.with(|a| match *a.borrow() {
+            Some((from, to)) if from == *key => Some(to),
+            _ => None,
+        })?;
+        let saved = ALIAS.with(|a| a.borrow_mut().take());
+        let d = super::digest(ns, &to);
+        ALIAS.with(|a| *a.borrow_mut() = saved);
+        Some(d)
+    }
 }
 
 /// [`digest`] of every key of a chain.
@@ -115,6 +157,10 @@ pub struct MemIndex {
     pub used_bytes: u64,
     /// Blocks per namespace.
     pub ns_blocks: HashMap<NamespaceId, u64>,
+    /// The checks of `map`'s entries, for `lookup_prefix` (kept in step by
+    /// `insert` and the removals; do not insert into or remove from `map`
+    /// directly).
+    pub presence: super::presence::Presence,
 }
 
 impl MemIndex {
@@ -129,8 +175,8 @@ impl MemIndex {
 
     /// How many leading keys of `chain` are present. Memory only, no
     /// allocation: digests are computed into a stack buffer a batch at a
-    /// time, then the batch is probed (the probes' cache misses overlap
-    /// because they no longer wait on hashing in between).
+    /// time, then the batch is probed in [`MemIndex::presence`] (whose
+    /// cache misses overlap).
     pub fn lookup_prefix(&self, ns: &NamespaceId, chain: &[BlockKey]) -> usize {
         const BATCH: usize = 64;
         let mut ids = [(0u64, 0u64); BATCH];
@@ -148,12 +194,10 @@ impl MemIndex {
         found
     }
 
-    /// How many leading digests (from [`digests`]) are present. Digests are
-    /// computed first so that the probes' cache misses overlap.
+    /// How many leading digests (from [`digests`]) are present, by their
+    /// checks (see [`super::presence`] for what that costs in accuracy).
     pub fn count_present(&self, ids: &[(u64, u64)]) -> usize {
-        ids.iter()
-            .take_while(|(id, check)| self.map.get(id).is_some_and(|e| e.check == *check))
-            .count()
+        self.presence.count_leading(ids.iter().map(|d| d.1))
     }
 
     /// Bytes held by blocks pinned at `now_s` (pins are rare: a scan).
@@ -169,13 +213,32 @@ impl MemIndex {
     pub fn insert(&mut self, ns: NamespaceId, id: u64, e: Entry) {
         self.used_bytes += e.file_len();
         *self.ns_blocks.entry(ns).or_default() += 1;
-        self.map.insert(id, e);
+        self.presence.insert(e.check);
+        if let Some(old) = self.map.insert(id, e) {
+            self.presence.remove(old.check);
+        }
+    }
+
+    /// Makes room for `n` more entries.
+    pub fn reserve(&mut self, n: usize) {
+        self.map.reserve(n);
+        self.presence.reserve(self.map.len() + n);
+    }
+
+    /// Removes an entry whose namespace is unknown (its count per
+    /// namespace is left as is).
+    pub fn remove_id(&mut self, id: u64) -> Option<Entry> {
+        let e = self.map.remove(&id)?;
+        self.used_bytes = self.used_bytes.saturating_sub(e.file_len());
+        self.presence.remove(e.check);
+        Some(e)
     }
 
     /// Removes an entry and its bytes.
     pub fn remove(&mut self, ns: &NamespaceId, id: u64) -> Option<Entry> {
         let e = self.map.remove(&id)?;
         self.used_bytes = self.used_bytes.saturating_sub(e.file_len());
+        self.presence.remove(e.check);
         if let Some(n) = self.ns_blocks.get_mut(ns) {
             *n -= 1;
             if *n == 0 {
@@ -300,13 +363,67 @@ impl DiskIndex {
         };
         // Non-durable: tables lost to a crash are created again, and the
         // files are the truth anyway; an fsync here costs every open.
-        me.write(Durability::None, |w| {
+        let format = me.write(Durability::None, |w| {
             w.open_table(BLOCKS)?;
             w.open_table(NAMES)?;
-            w.open_table(META)?;
+            let mut meta = w.open_table(META)?;
+            let format = meta.get(FORMAT)?.map(|g| g.value());
+            if format.is_none() && w.open_table(BLOCKS)?.is_empty()? {
+                meta.insert(FORMAT, INDEX_FORMAT)?;
+                return Ok(Some(INDEX_FORMAT));
+            }
+            Ok(format)
+        })?;
+        match format {
+            Some(INDEX_FORMAT) => {}
+            None => me.rekey_from_format_1()?,
+            Some(other) => {
+                return Err(fail(&format!(
+                    "index format {other} is newer than this build reads ({INDEX_FORMAT}); \
+                     run the matching kvtierd, or move index.redb, index.snap and clean \
+                     aside so the index is rebuilt from the block files"
+                )))
+            }
+        }
+        Ok(me)
+    }
+
+    /// Format 1 keyed records by a blake3-derived id: every record is moved
+    /// to its xxh3 id (records carry the full name) in one durable commit,
+    /// so a crash leaves either format whole. Two names whose new ids
+    /// collide keep the first; the other's file is no longer indexed (it
+    /// stays on disk, invisible, until deleted by hand).
+    fn rekey_from_format_1(&self) -> Result<()> {
+        let t = std::time::Instant::now();
+        let mut recs = Vec::new();
+        self.for_each(|_, r| recs.push(r))?;
+        let n = recs.len();
+        let mut dropped = 0u64;
+        self.write(Durability::Immediate, |w| {
+            w.delete_table(BLOCKS)?;
+            w.delete_table(NAMES)?;
+            let mut b = w.open_table(BLOCKS)?;
+            let mut names = w.open_table(NAMES)?;
+            for r in &recs {
+                let (id, _) = digest(&r.ns, &r.key);
+                if b.get(id)?.is_some() {
+                    dropped += 1;
+                    continue;
+                }
+                b.insert(id, r.encode().as_slice())?;
+                names.insert(name_key(&r.ns, &r.key).as_slice(), id)?;
+            }
+            w.open_table(META)?.insert(FORMAT, INDEX_FORMAT)?;
             Ok(())
         })?;
-        Ok(me)
+        tracing::warn!(
+            path = %self.path.display(),
+            records = n,
+            dropped_on_collision = dropped,
+            elapsed_ms = t.elapsed().as_millis() as u64,
+            "g3: index re-keyed from format 1 (blake3 ids) to {INDEX_FORMAT} (xxh3 ids)"
+        );
+        Ok(())
     }
 
     fn err(&self, e: impl std::fmt::Display) -> Error {
@@ -372,6 +489,12 @@ impl DiskIndex {
         let t = r.open_table(BLOCKS).map_err(|e| self.err(e))?;
         let v = t.get(id).map_err(|e| self.err(e))?;
         Ok(v.and_then(|g| Record::decode(g.value())))
+    }
+
+    /// The record of `id` when it names (`ns`, `key`): `None` for an absent
+    /// record and for another name whose digest collides.
+    pub fn get_named(&self, id: u64, ns: &NamespaceId, key: &BlockKey) -> Result<Option<Record>> {
+        Ok(self.get(id)?.filter(|r| r.ns == *ns && r.key == *key))
     }
 
     /// Visits every record (recovery).
@@ -464,6 +587,62 @@ pub fn merge_stats(rec: &mut Record, e: &Entry) {
     rec.pin_until_s = e.pin_until_s;
     rec.priority = e.priority;
     rec.flags = e.flags & (FLAG_EPHEMERAL | FLAG_IN_G4);
+}
+
+/// Test helper: rewrites an index as a format-1 build left it (records
+/// keyed by the first half of blake3(name), no `format` key).
+#[cfg(test)]
+pub fn write_format_1(path: &Path) -> std::result::Result<(), redb::Error> {
+    let db = Database::create(path)?;
+    let w = db.begin_write()?;
+    {
+        let mut recs = Vec::new();
+        for item in w.open_table(BLOCKS)?.iter()? {
+            let (_, v) = item?;
+            recs.extend(Record::decode(v.value()));
+        }
+        w.delete_table(BLOCKS)?;
+        w.delete_table(NAMES)?;
+        let mut b = w.open_table(BLOCKS)?;
+        let mut n = w.open_table(NAMES)?;
+        for r in &recs {
+            let mut buf = ns_key_bytes(&r.ns, &r.key);
+            buf.insert(16, r.key.len() as u8);
+            let d = blake3::hash(&buf);
+            let mut id = [0u8; 8];
+            id.copy_from_slice(&d.as_bytes()[..8]);
+            let id = u64::from_le_bytes(id);
+            b.insert(id, r.encode().as_slice())?;
+            n.insert(name_key(&r.ns, &r.key).as_slice(), id)?;
+        }
+        w.open_table(META)?.remove(FORMAT)?;
+    }
+    w.commit()?;
+    Ok(())
+}
+
+#[cfg(test)]
+fn ns_key_bytes(ns: &NamespaceId, key: &BlockKey) -> Vec<u8> {
+    name_key(ns, key)
+}
+
+/// Test helper: the `format` key of an index.
+#[cfg(test)]
+pub fn format_of(path: &Path) -> std::result::Result<Option<u64>, redb::Error> {
+    let db = Database::create(path)?;
+    let r = db.begin_read()?;
+    let v = r.open_table(META)?.get(FORMAT)?.map(|g| g.value());
+    Ok(v)
+}
+
+/// Test helper: sets the `format` key of an index.
+#[cfg(test)]
+pub fn set_format(path: &Path, format: u64) -> std::result::Result<(), redb::Error> {
+    let db = Database::create(path)?;
+    let w = db.begin_write()?;
+    w.open_table(META)?.insert(FORMAT, format)?;
+    w.commit()?;
+    Ok(())
 }
 
 #[cfg(test)]

@@ -22,9 +22,12 @@ pub mod engine;
 pub mod fault;
 mod group;
 pub mod index;
+mod presence;
 pub mod reclaimer;
 pub mod recover;
 mod snapshot;
+#[cfg(test)]
+mod tests;
 
 use crate::error::{Error, Result};
 use crate::policy::{BlockMeta, EvictionPolicy};
@@ -380,6 +383,15 @@ fn now_ms() -> u64 {
         .unwrap_or(0)
 }
 
+fn collision(key: &BlockKey) -> Error {
+    Error::InvalidInput {
+        what: "block key",
+        reason: format!(
+            "the index digest of {key} collides with another stored block; use another key"
+        ),
+    }
+}
+
 fn lock_err(what: &'static str) -> Error {
     Error::InvalidInput {
         what,
@@ -565,14 +577,20 @@ impl G3Store {
         let file_len = header.file_len();
         {
             let mem = self.mem.read().map_err(|_| lock_err("g3 index"))?;
-            if let Some(e) = mem.map.get(&id) {
-                if e.check == check {
-                    return Ok(PutOutcome::AlreadyPresent);
-                }
-                return Err(Error::InvalidInput {
-                    what: "block key",
-                    reason: format!("64-bit index digest of {key} collides with another block"),
-                });
+            let found = mem.map.get(&id).map(|e| e.check == check);
+            drop(mem);
+            match found {
+                None => {}
+                // The digest is not collision resistant: dedup only on the
+                // record's full name (an entry without a record, which a
+                // failed index commit can leave, keeps the old answer).
+                Some(true) => match self.disk.get(id)? {
+                    Some(r) if r.ns != *ns || r.key != key => {
+                        return Err(collision(&key));
+                    }
+                    _ => return Ok(PutOutcome::AlreadyPresent),
+                },
+                Some(false) => return Err(collision(&key)),
             }
         }
         self.make_room(file_len)?;
@@ -996,6 +1014,11 @@ impl G3Store {
     /// Drops a block from memory, policy and redb (not the file).
     fn forget(&self, ns: &NamespaceId, key: &BlockKey, id: u64) -> Result<bool> {
         let (_, check) = digest(ns, key);
+        // Another name whose digest collides keeps its entry (read before
+        // the lock: no I/O under it).
+        if matches!(self.disk.get(id), Ok(Some(r)) if r.ns != *ns || r.key != *key) {
+            return Ok(false);
+        }
         let removed = {
             let mut mem = self.mem.write().map_err(|_| lock_err("g3 index"))?;
             if mem.map.get(&id).is_none_or(|e| e.check != check) {
@@ -1101,7 +1124,7 @@ impl G3Store {
                 e.last_access_s.load(Ordering::Relaxed),
             )
         };
-        let rec = self.disk.get(id).ok()??;
+        let rec = self.disk.get_named(id, ns, key).ok()??;
         Some(BlockInfo {
             file_len: rec.file_len(),
             payload_len: rec.payload_len,

@@ -124,9 +124,7 @@ impl G3Store {
                         p.on_remove(id);
                     }
                     if let Ok(mut m) = self.mem.write() {
-                        if let Some(e) = m.map.remove(&id) {
-                            m.used_bytes = m.used_bytes.saturating_sub(e.file_len());
-                        }
+                        m.remove_id(id);
                     }
                 }
                 Err(e) => {

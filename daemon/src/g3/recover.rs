@@ -86,7 +86,7 @@ impl G3Store {
         };
         rep.from_snapshot = image.is_some();
         if let Some(image) = image {
-            mem.map.reserve(image.len());
+            mem.reserve(image.len());
             for (ns, id, e) in image {
                 order.push((
                     e.last_access_s.load(std::sync::atomic::Ordering::Relaxed),
@@ -220,6 +220,11 @@ impl G3Store {
                         continue;
                     }
                     let path = f.path();
+                    if mem.map.contains_key(&id) {
+                        // Adopting would replace another block's entry.
+                        tracing::warn!(path = %path.display(), "g3: unindexed file's index digest collides with an indexed block; left unindexed");
+                        continue;
+                    }
                     match self.verify_file(&path, &ns, &key) {
                         Ok(h) => {
                             let r = Record {

@@ -16,7 +16,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 /// File name under the store's root.
 pub const SNAPSHOT_FILE: &str = "index.snap";
-const MAGIC: &[u8; 8] = b"KVG3SNP1";
+// 2: ids are xxh3 digests (index format 2); a version-1 image is ignored.
+const MAGIC: &[u8; 8] = b"KVG3SNP2";
 const ENTRY_BYTES: usize = 16 + 8 + 8 + 4 * 4 + 2;
 
 /// Writes the image of `mem` for `generation` durably (the caller fsyncs

@@ -328,11 +328,20 @@ fn lookup_report(n: usize) -> Value {
         })
         .collect();
     let (mut lat, mut plat, mut blat) = (Vec::new(), Vec::new(), Vec::new());
+    let mut dlat = Vec::new();
     let mut chain: Vec<BlockKey> = Vec::with_capacity(64);
     for (i, &start) in starts.iter().enumerate() {
         chain.clear();
         chain.extend((start..start + 64).map(key_of));
         let digs = kvtier_daemon::g3::G3Store::chain_digests(&ns, &chain);
+        // The name digests alone (what the lookup adds to the probes).
+        let t = Instant::now();
+        let mut ids = [(0u64, 0u64); 64];
+        for (slot, k) in ids.iter_mut().zip(&chain) {
+            *slot = digest(&ns, k);
+        }
+        std::hint::black_box(&ids);
+        let d = t.elapsed().as_secs_f64() * 1e6;
         let t = Instant::now();
         let got = lock
             .read()
@@ -354,6 +363,7 @@ fn lookup_report(n: usize) -> Value {
             lat.push(a);
             plat.push(p);
             blat.push(b);
+            dlat.push(d);
         }
     }
     let mut m = Map::new();
@@ -375,6 +385,10 @@ fn lookup_report(n: usize) -> Value {
         m.insert(
             format!("lookup_precomputed_digests_{name}_us"),
             json!(percentile(&plat, q)),
+        );
+        m.insert(
+            format!("lookup_digests_alone_{name}_us"),
+            json!(percentile(&dlat, q)),
         );
     }
     m.insert(
