@@ -690,7 +690,16 @@ impl G3Store {
             write_some()
         } else {
             std::thread::scope(|sc| {
-                let hs: Vec<_> = (1..workers).map(|_| sc.spawn(write_some)).collect();
+                // A thread that cannot start leaves its share to the others
+                // (this one always runs).
+                let hs: Vec<_> = (1..workers)
+                    .filter_map(|_| {
+                        std::thread::Builder::new()
+                            .name("g3-batch-writer".into())
+                            .spawn_scoped(sc, write_some)
+                            .ok()
+                    })
+                    .collect();
                 let mut all = write_some();
                 for h in hs {
                     match h.join() {
