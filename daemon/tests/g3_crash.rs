@@ -1,7 +1,9 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 //! SIGKILL crash test: a child process (this test binary re-executed with
 //! KVTIER_G3_CRASH_CHILD set) writes blocks and prints `BEGIN key` before
-//! and `OK key` after each put returns Stored. The parent kills it at a
+//! and `OK key` after each put returns Stored (one block per put, or
+//! batches of 8 through `put_blocks`: all BEGIN lines, the batch, then the
+//! OK lines). The parent kills it at a
 //! random moment, reopens the store and checks: every OK key reads back and
 //! verifies, every visible key was at least begun (no phantoms), nothing is
 //! quarantined (nothing torn became visible), no temp files remain.
@@ -12,7 +14,7 @@ mod common;
 
 use kvtier_daemon::conformance::{block, namespace};
 use kvtier_daemon::g3::engine::EngineKind;
-use kvtier_daemon::g3::PutMeta;
+use kvtier_daemon::g3::{PutItem, PutMeta};
 use kvtier_daemon::tier::{BlockTier, Lookup};
 use rand::{Rng, SeedableRng};
 use std::collections::HashSet;
@@ -27,17 +29,46 @@ fn crash_child() {
     let mut it = spec.split(':');
     let root = std::path::PathBuf::from(it.next().unwrap());
     let iteration: u64 = it.next().unwrap().parse().unwrap();
+    let batch = it.next() == Some("batch");
     let s = common::open(&root, EngineKind::Auto);
     let ns = namespace(8192, "crash").unwrap();
     let out = std::io::stdout();
+    let say = |what: &str, key: &kvtier_client::BlockKey| {
+        writeln!(out.lock(), "{what} {}", key.to_hex()).unwrap();
+        out.lock().flush().unwrap();
+    };
     for i in 0.. {
+        if batch {
+            let blocks: Vec<_> = (0..8)
+                .map(|j| block(&ns, iteration * 1_000_000 + i * 8 + j))
+                .collect();
+            let items: Vec<PutItem<'_>> = blocks
+                .iter()
+                .enumerate()
+                .map(|(j, (_, h, p))| PutItem {
+                    header: h,
+                    payload: p,
+                    meta: PutMeta {
+                        parent: j.checked_sub(1).map(|k| blocks[k].0),
+                        ..PutMeta::default()
+                    },
+                })
+                .collect();
+            for (key, _, _) in &blocks {
+                say("BEGIN", key);
+            }
+            let res = s.put_blocks(&ns.id(), &items);
+            for ((key, _, _), r) in blocks.iter().zip(res) {
+                r.unwrap();
+                say("OK", key);
+            }
+            continue;
+        }
         let seed = iteration * 1_000_000 + i;
         let (key, h, p) = block(&ns, seed);
-        writeln!(out.lock(), "BEGIN {}", key.to_hex()).unwrap();
-        out.lock().flush().unwrap();
+        say("BEGIN", &key);
         s.put_block(&ns.id(), &h, &p, PutMeta::default()).unwrap();
-        writeln!(out.lock(), "OK {}", key.to_hex()).unwrap();
-        out.lock().flush().unwrap();
+        say("OK", &key);
     }
 }
 
@@ -54,6 +85,18 @@ fn sigkill_at_random_points_loses_nothing_reported() {
     if std::env::var(ENV).is_ok() {
         return;
     }
+    kill_and_check(false);
+}
+
+#[test]
+fn sigkill_during_batched_puts_loses_nothing_reported() {
+    if std::env::var(ENV).is_ok() {
+        return;
+    }
+    kill_and_check(true);
+}
+
+fn kill_and_check(batch: bool) {
     let long = std::env::var("KVTIER_LONG_TESTS").is_ok_and(|v| v == "1");
     let iterations = if long { 200 } else { 4 };
     let dir = tempfile::tempdir().unwrap();
@@ -67,7 +110,14 @@ fn sigkill_at_random_points_loses_nothing_reported() {
     for it in 0..iterations {
         let child = Command::new(&exe)
             .args(["--exact", "crash_child", "--nocapture", "--test-threads=1"])
-            .env(ENV, format!("{}:{it}", root.display()))
+            .env(
+                ENV,
+                format!(
+                    "{}:{it}:{}",
+                    root.display(),
+                    if batch { "batch" } else { "single" }
+                ),
+            )
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()

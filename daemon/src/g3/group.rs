@@ -9,13 +9,18 @@
 //! others wait. While a leader commits, new arrivals queue up and form the
 //! next group, so the group size follows the number of writers in flight.
 //!
-//! Architecture invariant: a participant returns only after its directory
-//! was fsynced and its record committed by the group that took it (or with
-//! that group's error). The queue holds at most one entry per blocked
-//! writer, so it is bounded by the writers in flight.
+//! A participant may bring several writes at once (the blocks of one
+//! offload request, `G3Store::put_blocks`): they join as one unit and are
+//! always committed by the same group.
+//!
+//! Architecture invariant: a participant returns only after every
+//! directory of its writes was fsynced and every record committed by the
+//! group that took them (or with that group's error). The queue holds at
+//! most one batch per blocked writer, each bounded by the request size, so
+//! it is bounded by the writers in flight.
 
 use super::index::Record;
-use crate::error::{Error, Result};
+use crate::error::Error;
 use std::path::PathBuf;
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 
@@ -39,7 +44,8 @@ pub enum Failure {
 }
 
 impl Failure {
-    fn to_error(&self, index_path: &std::path::Path) -> Error {
+    /// The error a participant reports for each of its writes.
+    pub fn to_error(&self, index_path: &std::path::Path) -> Error {
         match self {
             Failure::Dir { dir, errno, msg } => {
                 let e = match errno {
@@ -85,30 +91,27 @@ pub struct GroupCommit {
 }
 
 impl GroupCommit {
-    /// Queues `p` and returns once a group including it committed.
+    /// Queues the writes `ps` (one participant: they are committed by the
+    /// same group) and returns once a group including them committed.
     /// `commit` runs on the leader's thread without the queue lock; it gets
     /// the whole group and returns one result for all of it.
     pub fn join(
         &self,
-        p: Pending,
-        index_path: &std::path::Path,
+        ps: Vec<Pending>,
         commit: impl Fn(&[Pending]) -> std::result::Result<(), Failure>,
-    ) -> Result<()> {
+    ) -> std::result::Result<(), Failure> {
+        if ps.is_empty() {
+            return Ok(());
+        }
         let slot: Slot = Arc::new(OnceLock::new());
-        let mut st = self
-            .state
-            .lock()
-            .map_err(|_| Failure::Lock.to_error(index_path))?;
-        st.queue.push((p, slot.clone()));
+        let mut st = self.state.lock().map_err(|_| Failure::Lock)?;
+        st.queue.extend(ps.into_iter().map(|p| (p, slot.clone())));
         loop {
             if let Some(r) = slot.get() {
-                return r.clone().map_err(|f| f.to_error(index_path));
+                return r.clone();
             }
             if st.busy {
-                st = self
-                    .cv
-                    .wait(st)
-                    .map_err(|_| Failure::Lock.to_error(index_path))?;
+                st = self.cv.wait(st).map_err(|_| Failure::Lock)?;
                 continue;
             }
             st.busy = true;
@@ -121,12 +124,11 @@ impl GroupCommit {
             self.members
                 .fetch_add(items.len() as u64, std::sync::atomic::Ordering::Relaxed);
             for s in &slots {
+                // A batch has one slot per write: the first set wins, and
+                // all of them carry this group's result.
                 let _ = s.set(r.clone());
             }
-            st = match self.state.lock() {
-                Ok(s) => s,
-                Err(_) => return Err(Failure::Lock.to_error(index_path)),
-            };
+            st = self.state.lock().map_err(|_| Failure::Lock)?;
             st.busy = false;
             self.cv.notify_all();
         }

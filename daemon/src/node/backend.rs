@@ -4,9 +4,11 @@ use super::fetch::Local;
 use super::{Node, Promoted};
 use crate::error::{Error, Result};
 use crate::events::EventBus;
-use crate::g3::{LeaseId as G3Lease, PutMeta};
+use crate::g3::{LeaseId as G3Lease, PutItem, PutMeta};
 use crate::policy::admission::AdmissionEvent;
-use crate::server::backend::{Backend, BackendStats, EvictOutcome, LeaseId, ReadFile, TierStats};
+use crate::server::backend::{
+    Backend, BackendStats, EvictOutcome, LeaseId, OffloadBlock, ReadFile, TierStats,
+};
 use crate::tier::{Lookup, MissReason, PutOutcome};
 use kvtier_client::block::HEADER_BYTES;
 use kvtier_client::proto::{BlockStat, ListEntry};
@@ -116,6 +118,35 @@ impl Backend for Node {
             self.admit(ns, &header.key, AdmissionEvent::Stored, hints, false);
         }
         Ok(outcome)
+    }
+
+    /// One G3 batch: the files are written concurrently and made durable
+    /// together; events and admission follow in input order.
+    fn offload_batch(
+        &self,
+        ns: &NamespaceId,
+        blocks: &[OffloadBlock<'_>],
+    ) -> Vec<Result<PutOutcome>> {
+        let items: Vec<PutItem<'_>> = blocks
+            .iter()
+            .map(|b| PutItem {
+                header: &b.header,
+                payload: b.payload,
+                meta: PutMeta {
+                    parent: b.parent,
+                    hints: b.hints,
+                },
+            })
+            .collect();
+        let out = self.g3.put_blocks(ns, &items);
+        for (b, r) in blocks.iter().zip(&out) {
+            if matches!(r, Ok(PutOutcome::Stored)) {
+                let key = &b.header.key;
+                super::events::g3_stored(&self.events, ns, key, b.parent, b.header.payload_len);
+                self.admit(ns, key, AdmissionEvent::Stored, b.hints, false);
+            }
+        }
+        out
     }
 
     fn read_into(

@@ -46,6 +46,19 @@ pub struct ReadFile {
     pub tier: Tier,
 }
 
+/// One block of an offload request ([`Backend::offload_batch`]).
+#[derive(Debug, Clone)]
+pub struct OffloadBlock<'a> {
+    /// The validated header (its namespace is the request's).
+    pub header: BlockHeader,
+    /// The payload (shared memory).
+    pub payload: &'a [u8],
+    /// The block before this one in its chain.
+    pub parent: Option<BlockKey>,
+    /// Engine hints.
+    pub hints: Hints,
+}
+
 /// Outcome of an eviction request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum EvictOutcome {
@@ -103,6 +116,22 @@ pub trait Backend: Send + Sync + 'static {
         parent: Option<BlockKey>,
         hints: Hints,
     ) -> Result<PutOutcome>;
+
+    /// Stores the blocks of one offload request: one outcome per block, in
+    /// input order, each with [`Backend::offload`]'s meaning (a failed
+    /// block does not fail the others). Blocks of a chain come parent
+    /// first; a store that batches must keep that order wherever it is
+    /// visible (policy, events). The default stores them one at a time.
+    fn offload_batch(
+        &self,
+        ns: &NamespaceId,
+        blocks: &[OffloadBlock<'_>],
+    ) -> Vec<Result<PutOutcome>> {
+        blocks
+            .iter()
+            .map(|b| self.offload(ns, &b.header, b.payload, b.parent, b.hints))
+            .collect()
+    }
 
     /// Reads a verified block into `dst` (shared memory, 4096-aligned):
     /// header in `dst[..4096]`, payload from `dst[4096..]`. A block larger

@@ -1,7 +1,7 @@
 //! One client connection: handshake, then request/reply until the client
 //! leaves, errs, idles out, or subscribes (then it is an event stream).
 
-use super::Shared;
+use super::{OffloadBlock, Shared};
 use crate::error::Error;
 use crate::tier::{Lookup, MissReason, PutOutcome};
 use kvtier_client::block::HEADER_BYTES;
@@ -309,9 +309,32 @@ impl Conn<'_> {
                 let Some(region) = self.region.as_ref() else {
                     return (Self::no_region(), Vec::new());
                 };
+                // Invalid items are answered here; the valid ones go to
+                // the store as one batch, so their durable steps are
+                // shared (one directory fsync and index commit).
                 let mut status = Vec::with_capacity(items.len());
-                for it in items {
-                    status.push(self.offload_one(region, &ns, &it));
+                let mut batch = Vec::with_capacity(items.len());
+                let mut at = Vec::with_capacity(items.len());
+                for it in &items {
+                    match self.offload_item(region, &ns, it) {
+                        Ok(b) => {
+                            at.push(status.len());
+                            batch.push(b);
+                            status.push(ItemStatus::Ok);
+                        }
+                        Err(st) => status.push(st),
+                    }
+                }
+                let outcomes = self.sh.backend.offload_batch(&ns, &batch);
+                for ((i, b), r) in at.into_iter().zip(&batch).zip(outcomes) {
+                    status[i] = match r {
+                        Ok(PutOutcome::Stored) => {
+                            self.sh.metrics.offload_bytes.inc_by(b.header.payload_len);
+                            ItemStatus::Ok
+                        }
+                        Ok(PutOutcome::AlreadyPresent) => ItemStatus::AlreadyPresent,
+                        Err(e) => self.status_of(&e),
+                    };
                 }
                 Response::Items { status }
             }
@@ -400,49 +423,42 @@ impl Conn<'_> {
         (resp, Vec::new())
     }
 
-    fn offload_one(
+    /// Validates one offload item against the region: the block to store,
+    /// or the status to answer.
+    fn offload_item<'r>(
         &self,
-        region: &Region,
+        region: &'r Region,
         ns: &NamespaceId,
         it: &proto::OffloadItem,
-    ) -> ItemStatus {
+    ) -> std::result::Result<OffloadBlock<'r>, ItemStatus> {
         // Decode a private copy of the header: the client can rewrite the
         // region at any time.
         let mut hb = [0u8; HEADER_BYTES];
-        if !region.read(it.shm_offset, &mut hb) {
+        let invalid = || {
             self.error("invalid");
-            return ItemStatus::Invalid;
+            ItemStatus::Invalid
+        };
+        if !region.read(it.shm_offset, &mut hb) {
+            return Err(invalid());
         }
-        let header = match BlockHeader::decode(&hb) {
-            Ok(h) => h,
-            Err(_) => {
-                self.error("invalid");
-                return ItemStatus::Invalid;
-            }
+        let Ok(header) = BlockHeader::decode(&hb) else {
+            return Err(invalid());
         };
         if header.namespace_id() != *ns {
-            self.error("invalid");
-            return ItemStatus::Invalid;
+            return Err(invalid());
         }
         let Some(payload) = region.slice(
             it.shm_offset + HEADER_BYTES as u64,
             header.payload_len as usize,
         ) else {
-            self.error("invalid");
-            return ItemStatus::Invalid;
+            return Err(invalid());
         };
-        match self
-            .sh
-            .backend
-            .offload(ns, &header, payload, it.parent, it.hints)
-        {
-            Ok(PutOutcome::Stored) => {
-                self.sh.metrics.offload_bytes.inc_by(header.payload_len);
-                ItemStatus::Ok
-            }
-            Ok(PutOutcome::AlreadyPresent) => ItemStatus::AlreadyPresent,
-            Err(e) => self.status_of(&e),
-        }
+        Ok(OffloadBlock {
+            header,
+            payload,
+            parent: it.parent,
+            hints: it.hints,
+        })
     }
 
     fn onboard(

@@ -15,7 +15,9 @@ pub mod backend;
 mod conn;
 mod mem;
 
-pub use backend::{Backend, BackendStats, EvictOutcome, LeaseId, ReadFile, TierStats};
+pub use backend::{
+    Backend, BackendStats, EvictOutcome, LeaseId, OffloadBlock, ReadFile, TierStats,
+};
 pub use mem::{MemBackend, MemLimits};
 
 use crate::error::{Error, Result};

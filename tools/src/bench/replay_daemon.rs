@@ -703,7 +703,7 @@ fn durable_writes(path: &Path, block_bytes: usize, n: usize) -> Result<Vec<f64>>
         .open(path)
         .with_context(|| format!("opening {} with O_DIRECT|O_DSYNC", path.display()))?;
     let len = padded_len(block_bytes as u64) as usize;
-    let mut buf = common::AlignedBuf::new(len)?;
+    let mut buf = common::AlignedBuf::rounded(len)?;
     fill_payload(u64::MAX, buf.as_mut_slice());
     let mut lat = Vec::with_capacity(n);
     for i in 0..n {
