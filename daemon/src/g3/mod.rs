@@ -1496,20 +1496,25 @@ impl G3Store {
         true
     }
 
-    /// Records that a copy exists in G4.
-    pub fn mark_in_g4(&self, ns: &NamespaceId, key: &BlockKey) {
+    /// Records that a copy exists in G4. False only when it was recorded
+    /// already (a block no longer here changes nothing, and returns true).
+    pub fn mark_in_g4(&self, ns: &NamespaceId, key: &BlockKey) -> bool {
         let id = {
             let Ok(mut mem) = self.mem.write() else {
-                return;
+                return true;
             };
             let (id, check) = digest(ns, key);
             let Some(e) = mem.map.get_mut(&id).filter(|e| e.check == check) else {
-                return;
+                return true;
             };
+            if e.flags & FLAG_IN_G4 != 0 {
+                return false;
+            }
             e.flags |= FLAG_IN_G4;
             id
         };
         self.update_record(id, |r| r.flags |= FLAG_IN_G4);
+        true
     }
 
     fn update_record(&self, id: u64, f: impl FnOnce(&mut Record)) {

@@ -5,7 +5,7 @@ use super::*;
 use crate::peer::PeerInfo;
 use crate::server::backend::{Backend, EvictOutcome};
 use crate::tier::Lookup;
-use kvtier_client::events::{KvEventData, StorageTier};
+use kvtier_client::events::{KvEvent, KvEventData, StorageTier};
 use kvtier_client::{BlockHeader, Hints, KvLayout, Namespace};
 
 const BLOCK: u64 = 16 << 10;
@@ -123,8 +123,20 @@ fn write_through_then_fall_through_from_g4() {
         "ephemeral uploaded"
     );
 
-    // Disk events for both stores, External for the upload.
-    let evs: Vec<_> = sub.rx.try_iter().collect();
+    // Disk events for both stores, External for the upload (published just
+    // after the mark, from another thread: wait for it).
+    let mut evs: Vec<Arc<KvEvent>> = Vec::new();
+    let t = Instant::now();
+    while !evs.iter().any(|e| e.storage_tier == StorageTier::External) {
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "no External event: {evs:?}"
+        );
+        evs.extend(sub.rx.recv_timeout(Duration::from_millis(50)).ok());
+    }
+    // Any duplicate would follow at once (a re-queued upload of the block).
+    std::thread::sleep(Duration::from_millis(200));
+    evs.extend(sub.rx.try_iter());
     let disk = evs
         .iter()
         .filter(|e| e.storage_tier == StorageTier::Disk)

@@ -49,7 +49,11 @@ pub(super) fn start(g3: &Arc<G3Store>, g4: &Arc<G4Store>, slot: Slot) -> Result<
             let (g3, slot, ns, key) = (marker.clone(), slot.clone(), *ns, *key);
             // A redb write: off the G4 runtime's async workers.
             tokio::task::spawn_blocking(move || {
-                g3.mark_in_g4(&ns, &key);
+                // A block uploaded twice (a re-queue at start racing a
+                // fresh store) is announced once: by whoever marks it.
+                if !g3.mark_in_g4(&ns, &key) {
+                    return;
+                }
                 let payload_len = g3
                     .stat(&ns, &key)
                     .map(|i| i.payload_len)
