@@ -158,17 +158,23 @@ impl PolicyTarget {
         }
     }
 
-    fn insert(&mut self, id: u64, parent: Option<u64>) {
-        if self.cached.contains(&id) || self.capacity_blocks == 0 {
-            return;
-        }
-        while self.cached.len() as u64 >= self.capacity_blocks {
+    /// Evicts until `incoming` more blocks fit; false if the policy has
+    /// nothing left to give.
+    fn make_room(&mut self, incoming: u64) -> bool {
+        while self.cached.len() as u64 + incoming > self.capacity_blocks {
             let Some(v) = self.policy.victim(&mut |_| true) else {
-                return;
+                return false;
             };
             self.policy.on_remove(v);
             self.cached.remove(&v);
             self.evictions += 1;
+        }
+        true
+    }
+
+    fn insert(&mut self, id: u64, parent: Option<u64>) {
+        if self.cached.contains(&id) || self.capacity_blocks == 0 || !self.make_room(1) {
+            return;
         }
         self.cached.insert(id);
         self.policy.on_insert(
@@ -209,6 +215,20 @@ impl ReplayTarget for PolicyTarget {
         Ok(n)
     }
     fn store(&mut self, ids: &[u64], from: usize) -> Result<()> {
+        // kvtierd stores one request's new blocks as one batch: room for
+        // all of them first, then the inserts in order (`put_blocks`). So
+        // does the replay, so that its hits are the daemon's. A batch that
+        // cannot fit at all goes block by block.
+        let mut fresh: Vec<u64> = ids[from..]
+            .iter()
+            .copied()
+            .filter(|id| !self.cached.contains(id))
+            .collect();
+        fresh.sort_unstable();
+        fresh.dedup();
+        if (fresh.len() as u64) < self.capacity_blocks {
+            self.make_room(fresh.len() as u64);
+        }
         for i in from..ids.len() {
             let id = ids[i];
             if self.cached.contains(&id) {
