@@ -247,29 +247,11 @@ fn blocks_of_a_batch_survive_restart() {
     assert_eq!(s.lookup_prefix(&id, &chain), chain.len());
 }
 
-struct Mount(std::path::PathBuf);
-impl Drop for Mount {
-    fn drop(&mut self) {
-        let _ = nix::mount::umount2(&self.0, nix::mount::MntFlags::MNT_DETACH);
-    }
-}
-
 #[test]
 fn full_filesystem_mid_batch_stores_what_was_written() {
-    if !nix::unistd::geteuid().is_root() {
-        eprintln!("SKIP: mounting a small tmpfs needs root");
+    let Some(dir) = common::SmallTmpfs::mount("6m", "full_filesystem_mid_batch") else {
         return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    nix::mount::mount(
-        Some("tmpfs"),
-        dir.path(),
-        Some("tmpfs"),
-        nix::mount::MsFlags::empty(),
-        Some("size=6m"),
-    )
-    .unwrap();
-    let _m = Mount(dir.path().to_path_buf());
+    };
     let ns = namespace(256 << 10, "full-batch").unwrap();
     let id = ns.id();
     let bs = blocks(&ns, 0..40);

@@ -55,29 +55,11 @@ fn byte_flips_in_header_and_payload_are_misses_and_quarantined() {
     );
 }
 
-struct Mount(std::path::PathBuf);
-impl Drop for Mount {
-    fn drop(&mut self) {
-        let _ = nix::mount::umount2(&self.0, nix::mount::MntFlags::MNT_DETACH);
-    }
-}
-
 #[test]
 fn full_filesystem_is_typed_no_space_and_reads_continue() {
-    if !nix::unistd::geteuid().is_root() {
-        eprintln!("SKIP: mounting a small tmpfs needs root");
+    let Some(dir) = common::SmallTmpfs::mount("6m", "full_filesystem") else {
         return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    nix::mount::mount(
-        Some("tmpfs"),
-        dir.path(),
-        Some("tmpfs"),
-        nix::mount::MsFlags::empty(),
-        Some("size=6m"),
-    )
-    .unwrap();
-    let _m = Mount(dir.path().to_path_buf());
+    };
     let s = common::open(dir.path(), EngineKind::Auto);
     let ns = namespace(256 << 10, "full").unwrap();
     let mut stored = Vec::new();

@@ -56,3 +56,39 @@ pub fn temp_files(root: &std::path::Path) -> usize {
         .map(|d| d.count())
         .unwrap_or(0)
 }
+
+/// A tmpfs of `size` (e.g. `"6m"`) mounted on a temp dir, unmounted on
+/// drop: a disk that fills up. Needs root.
+pub struct SmallTmpfs {
+    pub dir: tempfile::TempDir,
+}
+
+impl SmallTmpfs {
+    /// `None` (after a visible SKIP line) when not root.
+    pub fn mount(size: &str, test: &str) -> Option<Self> {
+        if !nix::unistd::geteuid().is_root() {
+            eprintln!("SKIP: {test}: mounting a small tmpfs needs root");
+            return None;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        nix::mount::mount(
+            Some("tmpfs"),
+            dir.path(),
+            Some("tmpfs"),
+            nix::mount::MsFlags::empty(),
+            Some(format!("size={size}").as_str()),
+        )
+        .unwrap();
+        Some(SmallTmpfs { dir })
+    }
+
+    pub fn path(&self) -> &std::path::Path {
+        self.dir.path()
+    }
+}
+
+impl Drop for SmallTmpfs {
+    fn drop(&mut self) {
+        let _ = nix::mount::umount2(self.dir.path(), nix::mount::MntFlags::MNT_DETACH);
+    }
+}
