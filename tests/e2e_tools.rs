@@ -50,8 +50,17 @@ fn demo_ls_stat_verify_events_stats() {
     assert!(lines[0]["data"]["stored"]["blocks"][0]["block_hash"].is_string());
     assert_eq!(lines[0]["storage_tier"], "Disk");
 
-    let (ok, ls, _) = run(&["ls"], s);
-    assert!(ok);
+    // The demo ends with blocks fetched back from G4, which the daemon
+    // serves at once and writes into G3 in the background: wait for them.
+    let t = std::time::Instant::now();
+    let ls = loop {
+        let (ok, ls, _) = run(&["ls"], s);
+        assert!(ok);
+        if ls.lines().count() == 4 || t.elapsed() > std::time::Duration::from_secs(10) {
+            break ls;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
     assert_eq!(ls.lines().count(), 4, "{ls}");
     let first = ls
         .lines()
