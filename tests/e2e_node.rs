@@ -343,12 +343,7 @@ fn bench_crossnode_json_contract() {
         ])
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let j: serde_json::Value = support::json_stdout(&out);
     assert_eq!(j["bench"], "crossnode");
     for k in [
         "peer_gbps",

@@ -62,12 +62,7 @@ fn replay(trace: &std::path::Path, dir: &std::path::Path, policy: &str) -> serde
         .arg(dir)
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
+    support::json_stdout(&out)
 }
 
 /// Only quotients end in `_vs_baseline`; with `siblings`, each has its

@@ -109,12 +109,7 @@ fn bench_io_runs_tiny_and_keeps_the_json_contract() {
         .arg(dir.path())
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let j: serde_json::Value = support::json_stdout(&out);
     // The real store (G4 off so write-through does not share the disk).
     assert_eq!(j["backend"], "g3");
     for k in [

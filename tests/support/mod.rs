@@ -73,19 +73,7 @@ pub struct Daemon {
 impl Daemon {
     /// Starts a daemon in a fresh temp dir and waits until it serves.
     pub fn start() -> Daemon {
-        let dir = tempfile::tempdir().unwrap();
-        let socket = dir.path().join("kvtierd.sock");
-        let metrics_addr = format!("127.0.0.1:{}", free_port());
-        let mut d = Daemon {
-            dir,
-            socket,
-            metrics_addr,
-            child: None,
-            extra_args: Vec::new(),
-            envs: Vec::new(),
-        };
-        d.spawn();
-        d
+        Self::start_with(&[], &[])
     }
 
     /// Like [`Daemon::start`] with extra flags and environment.
@@ -308,4 +296,15 @@ pub fn wait_child(mut c: Child, within: Duration) -> (bool, String) {
 /// the workspace), as `kvtier_daemon::testkit::s3` finds it.
 pub fn find_weed_for_tests() -> Option<PathBuf> {
     kvtier_daemon::testkit::s3::find_weed()
+}
+
+/// The JSON document a `kvtier ... --json` run printed; panics with its
+/// stderr when it failed.
+pub fn json_stdout(out: &std::process::Output) -> serde_json::Value {
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
 }
