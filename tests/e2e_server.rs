@@ -414,7 +414,7 @@ fn three_hundred_connections_and_graceful_sigterm() {
     }
     // A stuck client (connected, silent) does not stall anyone.
     let _silent = UnixStream::connect(&d.socket).unwrap();
-    let keys = ns.hash_chain(kvtier_client::HashMode::Blake3, &tokens(5, 2));
+    let keys = ns.hash_chain(&tokens(5, 2));
     let t = Instant::now();
     for c in &clients {
         let l = c.namespace(&ns).lookup(&keys);

@@ -23,7 +23,7 @@
 use crate::block::{padded_len, BlockHeader, HEADER_BYTES};
 use crate::error::{Error, Result};
 use crate::events::KvEvent;
-use crate::key::{BlockKey, HashMode};
+use crate::key::BlockKey;
 use crate::namespace::{Namespace, NamespaceId};
 use crate::proto::{
     self, BlockStat, ItemStatus, ListEntry, OffloadItem, OnboardItem, OnboardMode, Request,
@@ -254,13 +254,12 @@ impl Client {
         &self.cfg
     }
 
-    /// A handle for one namespace (default hash mode: blake3).
+    /// A handle for one namespace.
     pub fn namespace(&self, ns: &Namespace) -> NsHandle<'_> {
         NsHandle {
             client: self,
             ns: ns.clone(),
             id: ns.id(),
-            mode: HashMode::Blake3,
         }
     }
 
@@ -670,7 +669,6 @@ pub struct NsHandle<'a> {
     client: &'a Client,
     ns: Namespace,
     id: NamespaceId,
-    mode: HashMode,
 }
 
 fn slot_bytes(payload_len: u64) -> u64 {
@@ -678,12 +676,6 @@ fn slot_bytes(payload_len: u64) -> u64 {
 }
 
 impl<'a> NsHandle<'a> {
-    /// Uses another sequence-hash scheme for [`NsHandle::hash_chain`].
-    pub fn with_hash_mode(mut self, mode: HashMode) -> Self {
-        self.mode = mode;
-        self
-    }
-
     /// The namespace.
     pub fn namespace(&self) -> &Namespace {
         &self.ns
@@ -696,7 +688,7 @@ impl<'a> NsHandle<'a> {
 
     /// Keys of every full block of `tokens`.
     pub fn hash_chain(&self, tokens: &[u32]) -> Vec<BlockKey> {
-        self.ns.hash_chain(self.mode, tokens)
+        self.ns.hash_chain(tokens)
     }
 
     /// Longest cached prefix of `chain`, with the tier of each block.

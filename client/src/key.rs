@@ -156,14 +156,57 @@ fn hex_prefix(b: &[u8]) -> String {
     b.iter().take(70).map(|x| format!("{x:02x}")).collect()
 }
 
-/// Which sequence-hash scheme a chain uses.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// How the keys of a namespace are made. Recorded in the namespace's
+/// identity (docs/FORMAT.md) unless it is the default, so a namespace of one
+/// scheme never names a block of another.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum HashMode {
     /// 256-bit blake3 chain bound to the namespace digest (the default).
+    #[default]
     Blake3,
-    /// Bit-exact with NVIDIA Dynamo's `dynamo-tokens` (64-bit xxh3).
+    /// NVIDIA Dynamo's 64-bit sequence hashes, computed by Dynamo's own
+    /// `dynamo-kv-hashing` crate at the version in [`DYNAMO_SCHEME`].
     Dynamo,
+    /// Keys chosen by the engine (e.g. vLLM's block hashes); kvtier computes
+    /// none and `hash_chain` returns no keys.
+    Opaque,
 }
+
+impl HashMode {
+    /// `blake3`, `dynamo` or `opaque`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            HashMode::Blake3 => "blake3",
+            HashMode::Dynamo => "dynamo",
+            HashMode::Opaque => "opaque",
+        }
+    }
+
+    /// Parses [`HashMode::as_str`]'s spellings.
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "blake3" => HashMode::Blake3,
+            "dynamo" => HashMode::Dynamo,
+            "opaque" => HashMode::Opaque,
+            _ => return None,
+        })
+    }
+
+    /// The scheme recorded in the namespace encoding; `None` for the default,
+    /// whose encoding predates the field and must not change.
+    pub fn scheme(self) -> Option<&'static str> {
+        match self {
+            HashMode::Blake3 => None,
+            HashMode::Dynamo => Some(DYNAMO_SCHEME),
+            HashMode::Opaque => Some("opaque"),
+        }
+    }
+}
+
+/// The Dynamo identity this build's dynamo mode follows, as recorded in a
+/// dynamo-mode namespace. A build pinned to another Dynamo version records
+/// another string, and so another namespace id: keys of two versions never mix.
+pub const DYNAMO_SCHEME: &str = "dynamo-kv-hashing/1.6.1";
 
 /// Default chain: key[i] = blake3(domain || namespace digest || key[i-1] ||
 /// tokens of block i as u32 LE), with key[-1] = 32 zero bytes. A trailing
@@ -190,39 +233,59 @@ pub fn blake3_chain(ns: &Namespace, tokens: &[u32]) -> Vec<BlockKey> {
     out
 }
 
-/// Dynamo's salt hash: xxh3_64(salt bytes, seed 0).
-pub fn dynamo_salt_hash(salt: &[u8]) -> u64 {
-    xxhash_rust::xxh3::xxh3_64_with_seed(salt, 0)
+/// One full block of a Dynamo chain.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DynamoBlock {
+    /// Dynamo's `SequenceHash`: the block's kvtier key (as [`BlockKey::from_u64`]).
+    pub sequence_hash: u64,
+    /// Dynamo's block hash of this block's tokens alone (the router's
+    /// `LocalBlockHash`, `tokens_hash` in its events).
+    pub tokens_hash: u64,
 }
 
-/// Dynamo chain, as `dynamo-tokens` computes it: block_hash[i] =
-/// xxh3_64_with_seed(tokens as u32 LE, salt_hash); seq[0] = block_hash[0];
-/// seq[i] = xxh3_64_with_seed(seq[i-1] LE || block_hash[i] LE, salt_hash).
-pub fn dynamo_chain(salt: &[u8], block_tokens: usize, tokens: &[u32]) -> Vec<u64> {
+/// Dynamo's salt hash for `(salt, lora)`; empty strings mean none, as in
+/// Dynamo.
+pub fn dynamo_salt_hash(salt: &str, lora: &str) -> Result<u64> {
+    dynamo_kv_hashing::compute_salt_hash(Some(salt), Some(lora)).map_err(dynamo_err)
+}
+
+fn dynamo_err(e: dynamo_kv_hashing::KvHashingError) -> Error {
+    Error::InvalidNamespace {
+        field: "dynamo",
+        reason: e.to_string(),
+    }
+}
+
+/// Every full block of `tokens` as Dynamo computes it: Dynamo's salt is
+/// `salt`, its LoRA name `lora` (empty meaning none). A trailing partial block
+/// is ignored.
+pub fn dynamo_blocks(
+    salt: &str,
+    lora: &str,
+    block_tokens: u32,
+    tokens: &[u32],
+) -> Result<Vec<DynamoBlock>> {
     if block_tokens == 0 {
-        return Vec::new();
+        return Err(Error::InvalidNamespace {
+            field: "tokens_per_block",
+            reason: "must be at least 1".into(),
+        });
     }
-    let seed = dynamo_salt_hash(salt);
-    let mut out: Vec<u64> = Vec::with_capacity(tokens.len() / block_tokens);
-    let mut buf = Vec::with_capacity(block_tokens * 4);
-    for block in tokens.chunks_exact(block_tokens) {
-        buf.clear();
-        for t in block {
-            buf.extend_from_slice(&t.to_le_bytes());
-        }
-        let bh = xxhash_rust::xxh3::xxh3_64_with_seed(&buf, seed);
-        let seq = match out.last() {
-            None => bh,
-            Some(prev) => {
-                let mut pair = [0u8; 16];
-                pair[..8].copy_from_slice(&prev.to_le_bytes());
-                pair[8..].copy_from_slice(&bh.to_le_bytes());
-                xxhash_rust::xxh3::xxh3_64_with_seed(&pair, seed)
-            }
-        };
-        out.push(seq);
-    }
-    out
+    let req = dynamo_kv_hashing::Request::builder()
+        .tokens(tokens.to_vec())
+        .salt(Some(salt.to_string()))
+        .lora_name(Some(lora.to_string()))
+        .build()
+        .map_err(dynamo_err)?;
+    Ok(req
+        .into_blocks(block_tokens)
+        .map_err(dynamo_err)?
+        .into_iter()
+        .map(|b| DynamoBlock {
+            sequence_hash: b.sequence_hash(),
+            tokens_hash: b.block_hash,
+        })
+        .collect())
 }
 
 #[cfg(test)]

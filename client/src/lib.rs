@@ -48,6 +48,6 @@ pub use client::{
 };
 pub use error::{Error, FormatFault, Result};
 pub use events::{KvEvent, KvEventData, StorageTier};
-pub use key::{BlockKey, HashMode};
+pub use key::{BlockKey, DynamoBlock, HashMode, DYNAMO_SCHEME};
 pub use namespace::{block_path, Dtype, KvLayout, LayoutKind, Namespace, NamespaceId};
 pub use types::{Hints, Tier};

@@ -7,7 +7,7 @@
 //! tenant's blocks.
 
 use crate::error::{Error, Result};
-use crate::key::{blake3_chain, dynamo_chain, BlockKey, HashMode};
+use crate::key::{blake3_chain, dynamo_blocks, BlockKey, DynamoBlock, HashMode};
 
 /// Longest model id, adapter id or tenant salt accepted, in bytes.
 pub const NAME_BYTES_MAX: usize = 256;
@@ -205,12 +205,25 @@ pub struct Namespace {
     pub layout: KvLayout,
     /// LoRA / adapter id; empty for the base model.
     pub adapter: String,
-    /// Tenant salt: different salts never share blocks.
+    /// Tenant salt: different salts never share blocks. In dynamo mode it
+    /// is also Dynamo's salt (`cache_namespace`), so it must be UTF-8.
     pub tenant_salt: Vec<u8>,
+    /// How keys are made. Part of the identity unless [`HashMode::Blake3`].
+    pub hash_mode: HashMode,
+    /// The engine's parallel rank (tensor/pipeline) whose slice of the KV
+    /// this namespace holds, when ranks store separate blocks. Part of the
+    /// identity when set; never part of the tenant salt.
+    pub rank: Option<u32>,
 }
 
 /// Domain separator of the namespace encoding.
 const NS_DOMAIN: &[u8; 16] = b"kvtier.ns.v1\0\0\0\0";
+
+/// Extension tags appended after the v1 fields (docs/FORMAT.md). A field at
+/// its default is not written, so namespaces that predate it keep their
+/// identity; tags are written in increasing order.
+const EXT_HASH_SCHEME: u8 = 1;
+const EXT_RANK: u8 = 2;
 
 impl Namespace {
     /// A namespace after validating its fields.
@@ -225,9 +238,26 @@ impl Namespace {
             layout,
             adapter: adapter.into(),
             tenant_salt: tenant_salt.into(),
+            hash_mode: HashMode::Blake3,
+            rank: None,
         };
         ns.validate()?;
         Ok(ns)
+    }
+
+    /// The same namespace with keys made by `mode`; a new identity unless
+    /// `mode` is the default. Dynamo mode needs a UTF-8 salt (Dynamo's salt
+    /// is a string); the adapter is Dynamo's LoRA name.
+    pub fn with_hash_mode(mut self, mode: HashMode) -> Result<Self> {
+        self.hash_mode = mode;
+        self.validate()?;
+        Ok(self)
+    }
+
+    /// The same namespace for one parallel rank: a new identity.
+    pub fn with_rank(mut self, rank: u32) -> Self {
+        self.rank = Some(rank);
+        self
     }
 
     /// Checks field lengths and the layout.
@@ -243,6 +273,13 @@ impl Namespace {
                     reason: format!("{len} bytes, at most {NAME_BYTES_MAX}"),
                 });
             }
+        }
+        if self.hash_mode == HashMode::Dynamo && std::str::from_utf8(&self.tenant_salt).is_err() {
+            return Err(Error::InvalidNamespace {
+                field: "tenant_salt",
+                reason: "dynamo mode uses the salt as Dynamo's string salt: it must be UTF-8"
+                    .into(),
+            });
         }
         if self.model.is_empty() {
             return Err(Error::InvalidNamespace {
@@ -266,6 +303,16 @@ impl Namespace {
         v.push(self.layout.kind as u8);
         put_str(&mut v, self.adapter.as_bytes());
         put_str(&mut v, &self.tenant_salt);
+        // The v1 fields are self-delimiting, so the extensions after them
+        // cannot make two namespaces encode alike.
+        if let Some(scheme) = self.hash_mode.scheme() {
+            v.push(EXT_HASH_SCHEME);
+            put_str(&mut v, scheme.as_bytes());
+        }
+        if let Some(rank) = self.rank {
+            v.push(EXT_RANK);
+            put_str(&mut v, &rank.to_le_bytes());
+        }
         v
     }
 
@@ -280,20 +327,40 @@ impl Namespace {
         NamespaceId::from_digest(&self.digest())
     }
 
-    /// Keys of every full block of `tokens` in the given mode. Dynamo mode
-    /// uses the tenant salt as Dynamo's salt.
-    pub fn hash_chain(&self, mode: HashMode, tokens: &[u32]) -> Vec<BlockKey> {
-        match mode {
+    /// Keys of every full block of `tokens` in the namespace's hash mode.
+    /// Opaque namespaces get none: their keys come from the engine.
+    pub fn hash_chain(&self, tokens: &[u32]) -> Vec<BlockKey> {
+        match self.hash_mode {
             HashMode::Blake3 => blake3_chain(self, tokens),
-            HashMode::Dynamo => dynamo_chain(
-                &self.tenant_salt,
-                self.layout.tokens_per_block as usize,
-                tokens,
-            )
-            .into_iter()
-            .map(BlockKey::from_u64)
-            .collect(),
+            HashMode::Dynamo => self
+                .dynamo_blocks(tokens)
+                .unwrap_or_default()
+                .into_iter()
+                .map(|b| BlockKey::from_u64(b.sequence_hash))
+                .collect(),
+            HashMode::Opaque => Vec::new(),
         }
+    }
+
+    /// Dynamo's view of every full block of `tokens`: sequence hash (the
+    /// key) and tokens hash, from Dynamo's own crate with this namespace's
+    /// salt and adapter as Dynamo's salt and LoRA name. Refused outside
+    /// dynamo mode.
+    pub fn dynamo_blocks(&self, tokens: &[u32]) -> Result<Vec<DynamoBlock>> {
+        if self.hash_mode != HashMode::Dynamo {
+            return Err(Error::InvalidNamespace {
+                field: "hash_mode",
+                reason: format!(
+                    "Dynamo block hashes need a dynamo-mode namespace, this one is {}",
+                    self.hash_mode.as_str()
+                ),
+            });
+        }
+        let salt = std::str::from_utf8(&self.tenant_salt).map_err(|_| Error::InvalidNamespace {
+            field: "tenant_salt",
+            reason: "dynamo mode needs a UTF-8 salt".into(),
+        })?;
+        dynamo_blocks(salt, &self.adapter, self.layout.tokens_per_block, tokens)
     }
 }
 
@@ -374,6 +441,35 @@ mod tests {
         l.kv_heads = u32::MAX;
         assert_eq!(l.block_bytes(), u64::MAX);
         assert!(l.validate().is_err());
+    }
+
+    /// The v1 encoding is frozen: a default namespace's id must never move,
+    /// or every stored block would become unreachable.
+    #[test]
+    fn default_namespace_identity_is_frozen() {
+        let n = Namespace::new("m", KvLayout::llama3_8b(16), "a", b"t".to_vec()).unwrap();
+        assert_eq!(n.id().to_hex(), V1_ID);
+        let d = n.clone().with_hash_mode(HashMode::Dynamo).unwrap();
+        let o = n.clone().with_hash_mode(HashMode::Opaque).unwrap();
+        let r = n.clone().with_rank(0);
+        let ids = [n.id(), d.id(), o.id(), r.id(), d.clone().with_rank(0).id()];
+        for (i, a) in ids.iter().enumerate() {
+            for b in &ids[i + 1..] {
+                assert_ne!(a, b);
+            }
+        }
+        assert_eq!(
+            n.with_hash_mode(HashMode::Blake3).unwrap().id().to_hex(),
+            V1_ID
+        );
+    }
+    /// Computed by the v1 encoder before the extension fields existed.
+    const V1_ID: &str = "50b82e751a3d293418cafa00f464c653";
+
+    #[test]
+    fn dynamo_mode_needs_a_utf8_salt() {
+        let n = Namespace::new("m", KvLayout::llama3_8b(16), "", vec![0xff]).unwrap();
+        assert!(n.with_hash_mode(HashMode::Dynamo).is_err());
     }
 
     #[test]

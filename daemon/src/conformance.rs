@@ -55,7 +55,7 @@ pub fn block(ns: &Namespace, seed: u64) -> (BlockKey, BlockHeader, Vec<u8>) {
     let tokens: Vec<u32> = (0..ns.layout.tokens_per_block)
         .map(|i| (seed as u32).wrapping_mul(31).wrapping_add(i))
         .collect();
-    let key = ns.hash_chain(kvtier_client::HashMode::Blake3, &tokens)[0];
+    let key = ns.hash_chain(&tokens)[0];
     let p = payload(ns.layout.block_bytes(), seed);
     let h = BlockHeader::for_payload(ns, key, &p, 1_700_000_000_000 + seed);
     (key, h, p)

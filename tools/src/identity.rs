@@ -1,19 +1,24 @@
 //! `kvtier hash` and `kvtier inspect`.
 
 use anyhow::{bail, Context, Result};
-use kvtier_client::{block, HashMode, KvLayout, Namespace};
+use kvtier_client::{block, HashMode, KvLayout, Namespace, DYNAMO_SCHEME};
 use std::path::PathBuf;
 
 /// Arguments of `kvtier hash`.
 #[derive(Debug, clap::Args)]
 pub struct HashArgs {
     /// `blake3` (default, 256-bit, bound to the namespace) or `dynamo`
-    /// (bit-exact with NVIDIA Dynamo's 64-bit sequence hashes).
+    /// (NVIDIA Dynamo's 64-bit sequence hashes, from Dynamo's own
+    /// dynamo-kv-hashing crate at the pinned version).
     #[arg(long, default_value = "blake3", value_parser = ["blake3", "dynamo"])]
     mode: String,
-    /// Tenant salt (Dynamo's salt in dynamo mode).
+    /// Tenant salt (Dynamo's salt in dynamo mode; empty means none).
     #[arg(long, default_value = "")]
     salt: String,
+    /// Dynamo's LoRA name (dynamo mode only; empty means none). In a
+    /// namespace it is the adapter id.
+    #[arg(long)]
+    lora: Option<String>,
     /// Tokens per block.
     #[arg(long, default_value_t = 16)]
     block_tokens: u32,
@@ -23,7 +28,8 @@ pub struct HashArgs {
     /// Model id (blake3 mode: part of the namespace).
     #[arg(long, default_value = "default")]
     model: String,
-    /// Print JSON instead of one key per line.
+    /// Print JSON instead of one key per line (dynamo mode adds each block's
+    /// tokens_hash, the router's LocalBlockHash).
     #[arg(long)]
     json: bool,
 }
@@ -33,19 +39,43 @@ pub fn hash(a: HashArgs) -> Result<()> {
     if a.block_tokens == 0 {
         bail!("--block-tokens must be at least 1");
     }
+    let mode = HashMode::parse(&a.mode).unwrap_or_default();
+    if a.lora.is_some() && mode != HashMode::Dynamo {
+        bail!("--lora is Dynamo's LoRA name and only applies with --mode dynamo");
+    }
     let ns = Namespace::new(
         a.model,
         KvLayout::llama3_8b(a.block_tokens),
-        "",
+        a.lora.unwrap_or_default(),
         a.salt.into_bytes(),
-    )?;
-    let mode = if a.mode == "dynamo" {
-        HashMode::Dynamo
-    } else {
-        HashMode::Blake3
-    };
+    )?
+    .with_hash_mode(mode)?;
+    if mode == HashMode::Dynamo {
+        let blocks = ns.dynamo_blocks(&a.tokens)?;
+        if a.json {
+            let list: Vec<_> = blocks
+                .iter()
+                .map(|b| {
+                    serde_json::json!({
+                        "sequence_hash": format!("{:016x}", b.sequence_hash),
+                        "sequence_hash_u64": b.sequence_hash,
+                        "tokens_hash": b.tokens_hash,
+                    })
+                })
+                .collect();
+            println!(
+                "{}",
+                serde_json::json!({ "mode": a.mode, "scheme": DYNAMO_SCHEME, "blocks": list })
+            );
+        } else {
+            for b in blocks {
+                println!("{:016x}", b.sequence_hash);
+            }
+        }
+        return Ok(());
+    }
     let keys: Vec<String> = ns
-        .hash_chain(mode, &a.tokens)
+        .hash_chain(&a.tokens)
         .iter()
         .map(|k| k.to_hex())
         .collect();
