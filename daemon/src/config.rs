@@ -93,6 +93,8 @@ addr = "127.0.0.1:9477"
 [log]
 # tracing filter (RUST_LOG syntax); RUST_LOG overrides it.
 level = "info"
+# "text" (colour only on a terminal) or "json" (one object per line).
+format = "text"
 
 [mount]
 # FUSE view of the store (docs/FS.md); "" = not mounted. --mount DIR overrides.
@@ -363,6 +365,8 @@ pub struct MetricsSection {
 pub struct LogSection {
     /// tracing filter.
     pub level: String,
+    /// `text` or `json`.
+    pub format: String,
 }
 
 /// The whole configuration.
@@ -442,6 +446,7 @@ impl Default for LogSection {
     fn default() -> Self {
         LogSection {
             level: "info".into(),
+            format: "text".into(),
         }
     }
 }
@@ -631,6 +636,12 @@ impl Config {
             ));
         }
         self.socket_mode()?;
+        if !matches!(self.log.format.as_str(), "text" | "json") {
+            return Err(bad(
+                "log.format",
+                format!("{:?}: use \"text\" or \"json\"", self.log.format),
+            ));
+        }
         if !(1..=65536).contains(&s.max_connections) {
             return Err(bad("server.max_connections", "must be 1..=65536"));
         }
