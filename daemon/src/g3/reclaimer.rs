@@ -2,7 +2,9 @@
 //! module asks it only for blocks that are neither leased nor pinned, and
 //! runs in the background once usage passes the high watermark, down to
 //! the low one. It also expires leases and makes the index durable once a
-//! second.
+//! second. Capacity on the write path lives here too: `make_room` evicts
+//! synchronously before a batch would pass `capacity_bytes`, and
+//! `maybe_reclaim` wakes the thread above the high watermark.
 
 use super::{lock_err, now_s, G3Store, RemoveReason};
 use crate::error::{Error, Result};
