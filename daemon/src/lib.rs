@@ -12,6 +12,7 @@ pub mod error;
 pub mod events;
 pub mod g3;
 pub mod g4;
+pub mod log_limit;
 pub mod metrics;
 pub mod mount;
 pub mod node;

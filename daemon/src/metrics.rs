@@ -294,6 +294,11 @@ impl Metrics {
     }
 }
 
+/// Connections the metrics endpoint serves at once.
+pub const METRICS_CONNECTIONS_MAX: usize = 64;
+
+static ACCEPT_WARN: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new(1000);
+
 /// Serves `/metrics` and `/healthz` on `listener` until `shutdown` fires.
 pub async fn serve(
     listener: tokio::net::TcpListener,
@@ -304,15 +309,32 @@ pub async fn serve(
     use http_body_util::Full;
     use hyper::body::Bytes;
     use hyper::{Response, StatusCode};
+    let conns = Arc::new(tokio::sync::Semaphore::new(METRICS_CONNECTIONS_MAX));
     loop {
         let accepted = tokio::select! {
             a = listener.accept() => a,
             _ = shutdown.changed() => return,
         };
-        let Ok((stream, _)) = accepted else { continue };
+        let stream = match accepted {
+            Ok((stream, _)) => stream,
+            Err(e) => {
+                // EMFILE and friends: back off instead of spinning on a
+                // listener that stays readable, and say so once a second.
+                crate::warn_limited!(ACCEPT_WARN, "metrics accept failed: {e}");
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        // A scraper or a flood holds at most this many connections; the
+        // rest are closed at once, so fds stay bounded.
+        let Ok(permit) = conns.clone().try_acquire_owned() else {
+            drop(stream);
+            continue;
+        };
         let metrics = metrics.clone();
         let backend = backend.clone();
         tokio::spawn(async move {
+            let _permit = permit;
             let svc =
                 hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
                     let metrics = metrics.clone();

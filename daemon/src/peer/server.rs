@@ -213,6 +213,8 @@ impl Drop for PeerServer {
     }
 }
 
+static ACCEPT_WARN: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new(1000);
+
 async fn accept_loop(listener: TcpListener, state: Arc<State>, shutdown: watch::Receiver<bool>) {
     let conns = Arc::new(Semaphore::new(state.cfg.connections_max));
     loop {
@@ -220,7 +222,7 @@ async fn accept_loop(listener: TcpListener, state: Arc<State>, shutdown: watch::
             Ok(s) => s,
             Err(e) => {
                 // EMFILE and friends: back off instead of spinning.
-                tracing::warn!("peer server accept failed: {e}");
+                crate::warn_limited!(ACCEPT_WARN, "peer server accept failed: {e}");
                 tokio::time::sleep(Duration::from_millis(50)).await;
                 continue;
             }

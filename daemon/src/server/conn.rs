@@ -348,8 +348,13 @@ impl Conn<'_> {
                 let status = leases
                     .iter()
                     .map(|l| {
+                        // Only this connection's leases: ids are sequential,
+                        // so releasing another client's would be a guess away.
+                        let before = self.leases.len();
                         self.leases.retain(|x| x != l);
-                        if b.release(*l) {
+                        if self.leases.len() == before {
+                            ItemStatus::Absent
+                        } else if b.release(*l) {
                             ItemStatus::Ok
                         } else {
                             ItemStatus::Absent

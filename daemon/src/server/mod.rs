@@ -115,6 +115,8 @@ pub struct SocketOptions {
     pub group: Option<String>,
 }
 
+static ACCEPT_WARN: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new(1000);
+
 impl Server {
     /// Binds the socket (replacing a stale one, refusing a live one).
     pub fn bind(
@@ -125,7 +127,19 @@ impl Server {
         limits: ServerLimits,
     ) -> Result<Server> {
         let path = &sock.path;
-        if path.exists() {
+        if let Ok(meta) = std::fs::symlink_metadata(path) {
+            use std::os::unix::fs::FileTypeExt;
+            if !meta.file_type().is_socket() {
+                // Never delete what is not ours to delete: a config typo
+                // pointing at a real file must not destroy it.
+                return Err(Error::Config {
+                    key: "server.socket".into(),
+                    problem: format!(
+                        "{} exists and is not a socket; remove it or choose another path",
+                        path.display()
+                    ),
+                });
+            }
             if UnixStream::connect(path).is_ok() {
                 return Err(Error::Config {
                     key: "server.socket".into(),
@@ -197,7 +211,11 @@ impl Server {
                     Ok((s, _)) => self.spawn(s),
                     Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
                     Err(e) => {
-                        tracing::warn!(error = %e, "accept failed");
+                        // EMFILE/ENFILE leave the listener readable: poll
+                        // would return at once and the loop would spin and
+                        // flood the log. Back off and warn once a second.
+                        crate::warn_limited!(ACCEPT_WARN, "accept failed: {e}");
+                        std::thread::sleep(Duration::from_millis(50));
                         break;
                     }
                 }
