@@ -222,13 +222,7 @@ impl Shared {
             self.g3.mark_in_g4(ns, &block.header.key);
         }
         if outcome == PutOutcome::Stored {
-            events::g3_stored(
-                &self.events,
-                ns,
-                &block.header.key,
-                None,
-                block.header.payload_len,
-            );
+            events::g3_stored(&self.events, ns, &block.header, None);
         }
         Ok(())
     }

@@ -22,12 +22,17 @@ use crate::error::Result;
 use crate::g3::G3Store;
 use crate::g4::{EnqueueOutcome, G4Store, UploadOutcome};
 use crate::policy::admission::AdmissionEvent;
-use kvtier_client::{BlockKey, Hints, NamespaceId};
+use kvtier_client::{BlockHeader, BlockKey, Hints, NamespaceId};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 /// Starts G4's upload workers over `g3`.
 pub(super) fn start(g3: &Arc<G3Store>, g4: &Arc<G4Store>, slot: Slot) -> Result<()> {
+    // The sweeper's TTL and capacity deletions are `Removed` in External.
+    let removed_slot = slot.clone();
+    g4.set_on_deleted(Arc::new(move |ns: NamespaceId, keys: Vec<BlockKey>| {
+        events::g4_removed(&removed_slot, &ns, keys)
+    }));
     let src = g3.clone();
     let source = move |ns: &NamespaceId, key: &BlockKey| -> Option<Vec<u8>> {
         let info = src.stat(ns, key)?;
@@ -54,15 +59,25 @@ pub(super) fn start(g3: &Arc<G3Store>, g4: &Arc<G4Store>, slot: Slot) -> Result<
                 if !g3.mark_in_g4(&ns, &key) {
                     return;
                 }
-                let payload_len = g3
-                    .stat(&ns, &key)
-                    .map(|i| i.payload_len)
-                    .unwrap_or_default();
-                events::g4_stored(&slot, &ns, &key, payload_len);
+                // The header holds the routing facts (parent,
+                // tokens_hash, token ids) the External event carries.
+                if let Some(h) = read_header(&g3, &ns, &key) {
+                    events::g4_stored(&slot, &ns, &h);
+                }
             });
         },
     );
     g4.start_uploader(Arc::new(source), Some(on_uploaded))
+}
+
+/// A G3 block's header, checksum-verified (a buffered 4 KiB read; the
+/// block may have been evicted meanwhile: then `None`).
+pub(super) fn read_header(g3: &G3Store, ns: &NamespaceId, key: &BlockKey) -> Option<BlockHeader> {
+    use std::io::Read;
+    let mut f = std::fs::File::open(g3.block_file_path(ns, key)).ok()?;
+    let mut hb = vec![0u8; kvtier_client::block::HEADER_BYTES];
+    f.read_exact(&mut hb).ok()?;
+    BlockHeader::decode(&hb).ok().filter(|h| h.key == *key)
 }
 
 impl Node {
