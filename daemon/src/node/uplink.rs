@@ -42,7 +42,7 @@ pub(super) fn start(g3: &Arc<G3Store>, g4: &Arc<G4Store>, slot: Slot) -> Result<
             _ => None,
         }
     };
-    let marker = g3.clone();
+    let order = Arc::new(super::g4_order::G4Order::new(g3.clone(), slot));
     let on_uploaded = Arc::new(
         move |ns: &NamespaceId, key: &BlockKey, outcome: UploadOutcome| {
             if !outcome.is_safe_in_g4() {
@@ -51,20 +51,12 @@ pub(super) fn start(g3: &Arc<G3Store>, g4: &Arc<G4Store>, slot: Slot) -> Result<
                 }
                 return;
             }
-            let (g3, slot, ns, key) = (marker.clone(), slot.clone(), *ns, *key);
-            // A redb write: off the G4 runtime's async workers.
-            tokio::task::spawn_blocking(move || {
-                // A block uploaded twice (a re-queue at start racing a
-                // fresh store) is announced once: by whoever marks it.
-                if !g3.mark_in_g4(&ns, &key) {
-                    return;
-                }
-                // The header holds the routing facts (parent,
-                // tokens_hash, token ids) the External event carries.
-                if let Some(h) = read_header(&g3, &ns, &key) {
-                    events::g4_stored(&slot, &ns, &h);
-                }
-            });
+            let (order, ns, key) = (order.clone(), *ns, *key);
+            // A redb write and a header read: off the G4 runtime's async
+            // workers. The header holds the routing facts (parent,
+            // tokens_hash, token ids) the External event carries; events
+            // go out in chain order (g4_order).
+            tokio::task::spawn_blocking(move || order.uploaded(&ns, &key));
         },
     );
     g4.start_uploader(Arc::new(source), Some(on_uploaded))
