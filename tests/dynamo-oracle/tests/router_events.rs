@@ -254,8 +254,6 @@ fn dynamo_router_learns_what_kvtier_holds() {
         .collect();
     let more = payloads(8, 5);
     let refs: Vec<&[u8]> = more.iter().map(|p| &p[..]).collect();
-    let tail = &longer[6 * BLOCK_TOKENS as usize..];
-    let _ = tail;
     let (all_keys, out) = h.offload_tokens(None, &longer, &refs, Hints::default());
     assert_eq!(
         out.iter()
