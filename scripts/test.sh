@@ -13,5 +13,10 @@ echo "== cargo test"
 # The workspace test build also builds kvtierd and kvtier; the end-to-end
 # suites use those binaries instead of rebuilding them with other features.
 KVTIER_TEST_PREBUILT_BINS=1 cargo test --workspace --no-fail-fast -- --test-threads=2
+echo "== Dynamo oracle (tests/dynamo-oracle: Dynamo's own crates, own lock file and target dir)"
+# Outside the workspace: dynamo-kv-router pins tokio =1.52.4. Its tests run
+# the kvtier and kvtierd binaries the workspace test build just made.
+cargo fmt --manifest-path tests/dynamo-oracle/Cargo.toml --all -- --check
+KVTIER_BIN_DIR="$PWD/target/debug" cargo test --manifest-path tests/dynamo-oracle/Cargo.toml -- --test-threads=2
 echo "== deployment artefacts (systemd unit, container build file, Kubernetes manifest)"
 ./scripts/check-deploy.sh target/debug/kvtierd

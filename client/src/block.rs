@@ -32,7 +32,34 @@ const OFF_PAYLOAD_LEN: usize = 144;
 const OFF_PAYLOAD_SUM: usize = 152;
 const OFF_CREATED: usize = 184;
 const OFF_RESERVED: usize = 192;
+// The Dynamo routing extension (tag byte at OFF_RESERVED; docs/FORMAT.md).
+const OFF_DYN_TAG: usize = OFF_RESERVED;
+const OFF_DYN_HAS_PARENT: usize = OFF_RESERVED + 1;
+const OFF_DYN_PARENT: usize = OFF_RESERVED + 8;
+const OFF_DYN_TOKENS_HASH: usize = OFF_RESERVED + 16;
+const OFF_DYN_TOKEN_COUNT: usize = OFF_RESERVED + 24;
+const OFF_DYN_TOKENS: usize = OFF_RESERVED + 32;
+const DYN_TAG: u8 = 1;
 const OFF_HEADER_SUM: usize = HEADER_BYTES - 32;
+
+/// Most token ids a header carries (the room between the routing
+/// extension's fixed fields and the header checksum).
+pub const DYNAMO_TOKENS_MAX: usize = (OFF_HEADER_SUM - OFF_DYN_TOKENS) / 4;
+
+/// What a Dynamo router needs about a block of a dynamo-mode namespace,
+/// kept in the block's header so that events after a restart or from G4
+/// carry it too. Token ids are as sensitive as the KV itself: they live
+/// where the payload lives and travel only where events do.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct DynamoMeta {
+    /// The previous block's sequence hash, if any.
+    pub parent: Option<u64>,
+    /// Dynamo's `tokens_hash` (LocalBlockHash) of this block.
+    pub tokens_hash: u64,
+    /// The block's token ids (empty when not sent; at most
+    /// [`DYNAMO_TOKENS_MAX`]).
+    pub token_ids: Vec<u32>,
+}
 
 /// The decoded header of a block file.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -49,6 +76,9 @@ pub struct BlockHeader {
     pub payload_blake3: [u8; 32],
     /// When the block was first stored, ms since the Unix epoch.
     pub created_unix_ms: u64,
+    /// Dynamo routing facts (dynamo-mode namespaces, when the client sent
+    /// them); `None` in older blocks.
+    pub dynamo: Option<DynamoMeta>,
 }
 
 impl BlockHeader {
@@ -66,7 +96,19 @@ impl BlockHeader {
             payload_len: payload.len() as u64,
             payload_blake3: *blake3::hash(payload).as_bytes(),
             created_unix_ms,
+            dynamo: None,
         }
+    }
+
+    /// The same header with Dynamo routing facts (token ids beyond
+    /// [`DYNAMO_TOKENS_MAX`] are dropped: the router then learns the block
+    /// from its tokens_hash alone).
+    pub fn with_dynamo(mut self, mut meta: DynamoMeta) -> Self {
+        if meta.token_ids.len() > DYNAMO_TOKENS_MAX {
+            meta.token_ids.clear();
+        }
+        self.dynamo = Some(meta);
+        self
     }
 
     /// The short namespace id this header belongs to.
@@ -101,6 +143,25 @@ impl BlockHeader {
         out[OFF_PAYLOAD_LEN..OFF_PAYLOAD_LEN + 8].copy_from_slice(&self.payload_len.to_le_bytes());
         out[OFF_PAYLOAD_SUM..OFF_PAYLOAD_SUM + 32].copy_from_slice(&self.payload_blake3);
         out[OFF_CREATED..OFF_CREATED + 8].copy_from_slice(&self.created_unix_ms.to_le_bytes());
+        if let Some(d) = &self.dynamo {
+            let tokens = if d.token_ids.len() <= DYNAMO_TOKENS_MAX {
+                &d.token_ids[..]
+            } else {
+                &[]
+            };
+            out[OFF_DYN_TAG] = DYN_TAG;
+            out[OFF_DYN_HAS_PARENT] = d.parent.is_some() as u8;
+            out[OFF_DYN_PARENT..OFF_DYN_PARENT + 8]
+                .copy_from_slice(&d.parent.unwrap_or(0).to_le_bytes());
+            out[OFF_DYN_TOKENS_HASH..OFF_DYN_TOKENS_HASH + 8]
+                .copy_from_slice(&d.tokens_hash.to_le_bytes());
+            out[OFF_DYN_TOKEN_COUNT..OFF_DYN_TOKEN_COUNT + 2]
+                .copy_from_slice(&(tokens.len() as u16).to_le_bytes());
+            for (i, t) in tokens.iter().enumerate() {
+                let o = OFF_DYN_TOKENS + 4 * i;
+                out[o..o + 4].copy_from_slice(&t.to_le_bytes());
+            }
+        }
         let sum = blake3::hash(&out[..OFF_HEADER_SUM]);
         out[OFF_HEADER_SUM..].copy_from_slice(sum.as_bytes());
     }
@@ -155,10 +216,11 @@ impl BlockHeader {
             return Err(malformed(format!("key length {key_len}")));
         }
         let nonzero = |r: std::ops::Range<usize>| h[r].iter().any(|&b| b != 0);
+        let (dynamo, reserved_from) = decode_dynamo(h)?;
         if nonzero(OFF_KEY_LEN + 1..OFF_KEY)
             || nonzero(OFF_KEY + key_len..OFF_KEY + KEY_BYTES_MAX)
             || nonzero(OFF_LAYOUT + 18..OFF_PAYLOAD_LEN)
-            || nonzero(OFF_RESERVED..OFF_HEADER_SUM)
+            || nonzero(reserved_from..OFF_HEADER_SUM)
         {
             return Err(malformed("reserved bytes are not zero".into()));
         }
@@ -202,6 +264,7 @@ impl BlockHeader {
             payload_len,
             payload_blake3,
             created_unix_ms: u64_at(h, OFF_CREATED),
+            dynamo,
         })
     }
 
@@ -272,6 +335,45 @@ pub fn decode_block(file: &[u8]) -> Result<(BlockHeader, &[u8])> {
     Ok((header, payload))
 }
 
+/// The routing extension of a checksummed header, and where the zero
+/// reserved bytes start after it.
+fn decode_dynamo(h: &[u8]) -> Result<(Option<DynamoMeta>, usize)> {
+    let malformed = |what: String| Error::format(FormatFault::Malformed, what);
+    match h[OFF_DYN_TAG] {
+        0 => Ok((None, OFF_RESERVED)),
+        DYN_TAG => {
+            let has_parent = h[OFF_DYN_HAS_PARENT];
+            if has_parent > 1
+                || h[OFF_DYN_HAS_PARENT + 1..OFF_DYN_PARENT]
+                    .iter()
+                    .any(|&b| b != 0)
+            {
+                return Err(malformed("dynamo extension: bad parent flag".into()));
+            }
+            let parent = u64_at(h, OFF_DYN_PARENT);
+            if has_parent == 0 && parent != 0 {
+                return Err(malformed("dynamo extension: parent without flag".into()));
+            }
+            let n = u16_at(h, OFF_DYN_TOKEN_COUNT) as usize;
+            if n > DYNAMO_TOKENS_MAX
+                || h[OFF_DYN_TOKEN_COUNT + 2..OFF_DYN_TOKENS]
+                    .iter()
+                    .any(|&b| b != 0)
+            {
+                return Err(malformed(format!("dynamo extension: {n} token ids")));
+            }
+            let token_ids = (0..n).map(|i| u32_at(h, OFF_DYN_TOKENS + 4 * i)).collect();
+            let meta = DynamoMeta {
+                parent: (has_parent == 1).then_some(parent),
+                tokens_hash: u64_at(h, OFF_DYN_TOKENS_HASH),
+                token_ids,
+            };
+            Ok((Some(meta), OFF_DYN_TOKENS + 4 * n))
+        }
+        t => Err(malformed(format!("header extension tag {t}"))),
+    }
+}
+
 fn u16_at(b: &[u8], o: usize) -> u16 {
     u16::from_le_bytes([b[o], b[o + 1]])
 }
@@ -319,6 +421,60 @@ mod tests {
 
     fn fault(f: &[u8]) -> FormatFault {
         decode_block(f).unwrap_err().format_fault().unwrap()
+    }
+
+    #[test]
+    fn dynamo_extension_round_trips_and_old_headers_have_none() {
+        let (h, p) = sample(4096);
+        assert_eq!(decode_block(&encode_block(&h, &p)).unwrap().0.dynamo, None);
+        let meta = DynamoMeta {
+            parent: Some(u64::MAX),
+            tokens_hash: 0x1234_5678_9abc_def0,
+            token_ids: (0..DYNAMO_TOKENS_MAX as u32)
+                .map(|t| t * 3 + u32::MAX / 2)
+                .collect(),
+        };
+        let h2 = h.clone().with_dynamo(meta.clone());
+        let f = encode_block(&h2, &p);
+        assert_eq!(decode_block(&f).unwrap().0.dynamo, Some(meta));
+        let root = DynamoMeta {
+            parent: None,
+            tokens_hash: 5,
+            token_ids: vec![],
+        };
+        let f = encode_block(&h.clone().with_dynamo(root.clone()), &p);
+        assert_eq!(decode_block(&f).unwrap().0.dynamo, Some(root));
+        // Too many token ids: the header keeps the tokens_hash only.
+        let many = DynamoMeta {
+            parent: None,
+            tokens_hash: 9,
+            token_ids: vec![1; DYNAMO_TOKENS_MAX + 1],
+        };
+        let f = encode_block(&h.clone().with_dynamo(many), &p);
+        let got = decode_block(&f).unwrap().0.dynamo.unwrap();
+        assert!(got.token_ids.is_empty());
+        assert_eq!(got.tokens_hash, 9);
+        // A token count past the room, an unknown tag, stray bytes after
+        // the token ids: typed as malformed.
+        let good = encode_block(
+            &h.clone().with_dynamo(DynamoMeta {
+                parent: Some(1),
+                tokens_hash: 2,
+                token_ids: vec![7, 8],
+            }),
+            &p,
+        );
+        for (off, v) in [
+            (OFF_DYN_TOKEN_COUNT + 1, 0xffu8),
+            (OFF_DYN_TAG, 2),
+            (OFF_DYN_TOKENS + 8, 1),
+            (OFF_DYN_HAS_PARENT, 2),
+        ] {
+            let mut m = good.clone();
+            m[off] = v;
+            reseal_header(&mut m);
+            assert_eq!(fault(&m), FormatFault::Malformed, "offset {off}");
+        }
     }
 
     #[test]

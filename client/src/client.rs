@@ -729,6 +729,62 @@ impl<'a> NsHandle<'a> {
     /// Offloads blocks (batched through the shared region). Never fails as a
     /// whole: each block gets its outcome.
     pub fn offload(&self, blocks: &[OffloadBlock<'_>]) -> Vec<OffloadOutcome> {
+        self.offload_with(blocks, &[])
+    }
+
+    /// Offloads the full blocks of `tokens` (keys from the namespace's hash
+    /// chain, block i's parent is block i-1, `first_parent` for the first),
+    /// `payloads[i]` being block i's KV. In a dynamo-mode namespace each
+    /// block's header also carries its Dynamo routing facts (parent,
+    /// tokens_hash, token ids), so the daemon can announce it to a Dynamo
+    /// router, now, after a restart and from G4. Returns the keys and the
+    /// outcomes (one per full block with a payload).
+    pub fn offload_tokens(
+        &self,
+        first_parent: Option<BlockKey>,
+        tokens: &[u32],
+        payloads: &[&[u8]],
+        hints: Hints,
+    ) -> (Vec<BlockKey>, Vec<OffloadOutcome>) {
+        let keys = self.ns.hash_chain(tokens);
+        let n = keys.len().min(payloads.len());
+        let mut metas = Vec::with_capacity(n);
+        if self.ns.hash_mode == crate::HashMode::Dynamo {
+            let bt = self.ns.layout.tokens_per_block as usize;
+            if let Ok(blocks) = self.ns.dynamo_blocks(tokens) {
+                let mut parent = first_parent.and_then(|k| k.as_u64());
+                for (i, b) in blocks.iter().take(n).enumerate() {
+                    metas.push(Some(crate::block::DynamoMeta {
+                        parent,
+                        tokens_hash: b.tokens_hash,
+                        token_ids: tokens[i * bt..(i + 1) * bt].to_vec(),
+                    }));
+                    parent = Some(b.sequence_hash);
+                }
+            }
+        }
+        let mut parent = first_parent;
+        let mut blocks = Vec::with_capacity(n);
+        for (k, p) in keys.iter().zip(payloads).take(n) {
+            blocks.push(OffloadBlock {
+                key: *k,
+                parent,
+                payload: p,
+                hints,
+            });
+            parent = Some(*k);
+        }
+        let out = self.offload_with(&blocks, &metas);
+        (keys[..n].to_vec(), out)
+    }
+
+    /// [`Self::offload`] with block i's header carrying `dynamo[i]` when
+    /// given.
+    fn offload_with(
+        &self,
+        blocks: &[OffloadBlock<'_>],
+        dynamo: &[Option<crate::block::DynamoMeta>],
+    ) -> Vec<OffloadOutcome> {
         let mut out = Vec::with_capacity(blocks.len());
         let region_len = self.client.cfg.region_bytes.div_ceil(4096) * 4096;
         let mut i = 0;
@@ -761,8 +817,11 @@ impl<'a> NsHandle<'a> {
                     let mut items = Vec::with_capacity(batch.len());
                     let mut off = 0u64;
                     let created = now_ms();
-                    for b in batch {
-                        let h = BlockHeader::for_payload(&self.ns, b.key, b.payload, created);
+                    for (j, b) in batch.iter().enumerate() {
+                        let mut h = BlockHeader::for_payload(&self.ns, b.key, b.payload, created);
+                        if let Some(Some(m)) = dynamo.get(i + j) {
+                            h = h.with_dynamo(m.clone());
+                        }
                         let mut hb = [0u8; HEADER_BYTES];
                         h.encode_into(&mut hb);
                         region.write(off, &hb);

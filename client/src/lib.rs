@@ -41,7 +41,7 @@ pub mod shm;
 pub mod types;
 
 pub use aligned::AlignedBuf;
-pub use block::{decode_block, encode_block, BlockHeader};
+pub use block::{decode_block, encode_block, BlockHeader, DynamoMeta};
 pub use client::{
     Client, ClientConfig, EventStream, LookupResult, Miss, MissCause, NsHandle, OffloadBlock,
     OffloadOutcome, Onboarded,

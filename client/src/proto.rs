@@ -468,6 +468,12 @@ impl<'a> Reader<'a> {
         let c = self.u8()?;
         Tier::from_code(c).ok_or_else(|| proto(format!("tier code {c}")))
     }
+
+    /// Bytes not read yet.
+    pub fn remaining(&self) -> usize {
+        self.buf.len() - self.pos
+    }
+
     /// Fails unless every byte was consumed.
     pub fn finish(&self) -> Result<()> {
         if self.pos != self.buf.len() {

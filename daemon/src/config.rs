@@ -86,6 +86,12 @@ fetch_deadline_ms = 10000
 staged_bytes_max = "256MiB"
 promote_queue_max = 64
 
+[events]
+# The NVIDIA Dynamo worker id this node's events carry in Dynamo's form
+# (`kvtier events --format dynamo`; docs/OPERATIONS.md). Unset: derived
+# stably from the node id (peer.node_id, else the hostname). 0 is refused.
+# dynamo_worker_id = 1001
+
 [metrics]
 # Prometheus /metrics and /healthz; "" disables the endpoint.
 addr = "127.0.0.1:9477"
@@ -351,6 +357,27 @@ impl Default for NodeSection {
     }
 }
 
+/// `[events]`: the KV event stream's Dynamo identity.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EventsSection {
+    /// Dynamo worker id; `None`: derived from the node id.
+    pub dynamo_worker_id: Option<u64>,
+}
+
+impl EventsSection {
+    /// The worker id to announce: the configured one, else a stable hash
+    /// of `node_id` (never 0, which means "none").
+    pub fn worker_id(&self, node_id: &str) -> u64 {
+        self.dynamo_worker_id.unwrap_or_else(|| {
+            let h = xxhash_rust::xxh3::xxh3_64(format!("kvtier-node:{node_id}").as_bytes());
+            // Dynamo's Python side reads ids as signed 64-bit too: keep
+            // them positive.
+            (h & (i64::MAX as u64)).max(1)
+        })
+    }
+}
+
 /// `[metrics]`.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -383,6 +410,8 @@ pub struct Config {
     pub node: NodeSection,
     /// `[peer]`.
     pub peer: crate::peer::PeerConfig,
+    /// `[events]`.
+    pub events: EventsSection,
     /// `[metrics]`.
     pub metrics: MetricsSection,
     /// `[log]`.
@@ -625,6 +654,12 @@ impl Config {
 
     /// Checks every value.
     pub fn validate(&self) -> Result<()> {
+        if self.events.dynamo_worker_id == Some(0) {
+            return Err(bad(
+                "events.dynamo_worker_id",
+                "0 means no worker; pick another id or leave it unset",
+            ));
+        }
         let s = &self.server;
         if s.socket.as_os_str().is_empty() {
             return Err(bad("server.socket", "must not be empty"));

@@ -5,9 +5,22 @@
 //! queue of [`QUEUE_DEPTH`] events. A subscriber that falls behind loses
 //! events instead of slowing the store down; it is told how many with a
 //! `Lagged` event before the next one it receives.
+//!
+//! Event ids are monotonic across restarts without a persisted mark: each
+//! run starts counting at its start time in microseconds since the Unix
+//! epoch, above every id of an earlier run unless that run averaged more
+//! than a million events a second (or the clock went back).
+//!
+//! Dynamo: once a worker id is set ([`EventBus::set_dynamo_worker`]), an
+//! event of a dynamo-mode namespace (learned from its `Stored` blocks,
+//! which carry tokens_hash) is stamped with it, so it renders in Dynamo's
+//! `RouterEvent` form too; stored blocks of other namespaces, or sent
+//! without tokens_hash, stay in kvtier's own form and are counted.
 
-use kvtier_client::events::{KvEvent, KvEventData, StorageTier};
+use kvtier_client::events::{KvEvent, KvEventData, StorageTier, StoredBlock};
+use kvtier_client::BlockHeader;
 use kvtier_client::NamespaceId;
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex};
@@ -16,23 +29,59 @@ use std::sync::{Arc, Mutex};
 pub const SUBSCRIBERS_MAX: usize = 64;
 /// Events queued per subscriber before it starts losing them.
 pub const QUEUE_DEPTH: usize = 4096;
+/// Dynamo-mode namespaces remembered (past it, new ones are not stamped).
+pub const DYNAMO_NAMESPACES_MAX: usize = 4096;
+
+/// The event form of a stored block, with the routing facts its header
+/// carries.
+pub fn stored_block(header: &BlockHeader) -> StoredBlock {
+    let mut b = StoredBlock::new(header.key, header.payload_len);
+    if let Some(d) = &header.dynamo {
+        b.tokens_hash = Some(d.tokens_hash);
+        b.token_ids = d.token_ids.clone();
+    }
+    b
+}
 
 struct Sub {
     tx: SyncSender<Arc<KvEvent>>,
     dropped: Arc<AtomicU64>,
 }
 
-#[derive(Default)]
 struct Inner {
     next_id: AtomicU64,
     subs: Mutex<Vec<Sub>>,
     published: AtomicU64,
+    /// The Dynamo worker id (0: none set).
+    dynamo_worker: AtomicU64,
+    dynamo_namespaces: Mutex<HashSet<NamespaceId>>,
+    /// Stored blocks without routing facts (kvtier's form only).
+    dynamo_skipped_blocks: AtomicU64,
 }
 
 /// A cloneable handle to the bus.
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub struct EventBus {
     inner: Arc<Inner>,
+}
+
+impl Default for EventBus {
+    fn default() -> Self {
+        let start_us = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_micros() as u64)
+            .unwrap_or(0);
+        EventBus {
+            inner: Arc::new(Inner {
+                next_id: AtomicU64::new(start_us),
+                subs: Mutex::new(Vec::new()),
+                published: AtomicU64::new(0),
+                dynamo_worker: AtomicU64::new(0),
+                dynamo_namespaces: Mutex::new(HashSet::new()),
+                dynamo_skipped_blocks: AtomicU64::new(0),
+            }),
+        }
+    }
 }
 
 impl std::fmt::Debug for EventBus {
@@ -63,13 +112,70 @@ impl EventBus {
         Self::default()
     }
 
+    /// Announces events of dynamo-mode namespaces as Dynamo worker `id`
+    /// (0 turns the stamping off).
+    pub fn set_dynamo_worker(&self, id: u64) {
+        self.inner.dynamo_worker.store(id, Ordering::Relaxed);
+    }
+
+    /// The Dynamo worker id, if set.
+    pub fn dynamo_worker(&self) -> Option<u64> {
+        Some(self.inner.dynamo_worker.load(Ordering::Relaxed)).filter(|&w| w != 0)
+    }
+
+    /// Stored blocks published without Dynamo routing facts.
+    pub fn dynamo_skipped_blocks(&self) -> u64 {
+        self.inner.dynamo_skipped_blocks.load(Ordering::Relaxed)
+    }
+
+    /// Whether `ns` is known as a dynamo-mode namespace.
+    pub fn is_dynamo_namespace(&self, ns: &NamespaceId) -> bool {
+        self.inner
+            .dynamo_namespaces
+            .lock()
+            .map(|s| s.contains(ns))
+            .unwrap_or(false)
+    }
+
+    /// The worker id to stamp on an event of `ns` (learning dynamo-mode
+    /// namespaces from stored blocks with tokens_hash and Dynamo keys).
+    fn stamp(&self, ns: &NamespaceId, data: &KvEventData) -> Option<u64> {
+        let worker = self.dynamo_worker();
+        let Ok(mut known) = self.inner.dynamo_namespaces.lock() else {
+            return None;
+        };
+        match data {
+            KvEventData::Stored { blocks, .. } => {
+                let routed = blocks
+                    .iter()
+                    .all(|b| b.tokens_hash.is_some() && b.block_hash.as_u64().is_some());
+                if !routed {
+                    self.inner
+                        .dynamo_skipped_blocks
+                        .fetch_add(blocks.len() as u64, Ordering::Relaxed);
+                    return None;
+                }
+                if !known.contains(ns) && known.len() < DYNAMO_NAMESPACES_MAX {
+                    known.insert(*ns);
+                }
+                worker.filter(|_| known.contains(ns))
+            }
+            KvEventData::Removed { .. } | KvEventData::Cleared => {
+                worker.filter(|_| known.contains(ns))
+            }
+            KvEventData::Lagged { .. } => None,
+        }
+    }
+
     /// Publishes an event to every subscriber without blocking.
     pub fn publish(&self, namespace: NamespaceId, storage_tier: StorageTier, data: KvEventData) {
+        let dynamo_worker = self.stamp(&namespace, &data);
         let ev = Arc::new(KvEvent {
             event_id: self.inner.next_id.fetch_add(1, Ordering::Relaxed) + 1,
             namespace,
             storage_tier,
             data,
+            dynamo_worker,
         });
         self.inner.published.fetch_add(1, Ordering::Relaxed);
         if let Ok(mut subs) = self.inner.subs.lock() {
@@ -137,5 +243,43 @@ mod tests {
             KvEventData::Lagged { dropped: 0 },
         );
         assert_eq!(bus.subscribers(), 0);
+    }
+
+    #[test]
+    fn dynamo_namespaces_are_stamped_others_counted_ids_start_at_the_clock() {
+        let bus = EventBus::new();
+        bus.set_dynamo_worker(7);
+        let s = bus.subscribe().unwrap();
+        let (dyn_ns, other) = (NamespaceId([1; 16]), NamespaceId([2; 16]));
+        let mut routed = kvtier_client::events::StoredBlock::new(BlockKey::from_u64(3), 1);
+        routed.tokens_hash = Some(4);
+        let plain = kvtier_client::events::StoredBlock::new(BlockKey::from_u64(5), 1);
+        let stored = |b| KvEventData::Stored {
+            parent_hash: None,
+            blocks: vec![b],
+        };
+        let removed = KvEventData::Removed {
+            block_hashes: vec![BlockKey::from_u64(3)],
+        };
+        bus.publish(dyn_ns, StorageTier::Disk, stored(routed));
+        bus.publish(other, StorageTier::Disk, stored(plain));
+        bus.publish(dyn_ns, StorageTier::External, removed.clone());
+        bus.publish(other, StorageTier::Disk, removed);
+        let got: Vec<_> = s.rx.try_iter().collect();
+        let stamps: Vec<_> = got.iter().map(|e| e.dynamo_worker).collect();
+        assert_eq!(stamps, [Some(7), None, Some(7), None]);
+        assert_eq!(bus.dynamo_skipped_blocks(), 1);
+        // Ids: increasing, and above any id of a run that started earlier.
+        let now_us = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_micros() as u64;
+        assert!(got.windows(2).all(|w| w[1].event_id > w[0].event_id));
+        assert!(got[0].event_id <= now_us && got[0].event_id > now_us - 60_000_000);
+        std::thread::sleep(std::time::Duration::from_millis(1));
+        let later = EventBus::new();
+        let s2 = later.subscribe().unwrap();
+        later.publish(other, StorageTier::Disk, KvEventData::Cleared);
+        assert!(s2.rx.try_recv().unwrap().event_id > got[3].event_id);
     }
 }

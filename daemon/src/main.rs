@@ -48,6 +48,10 @@ struct Args {
     /// Static peers: id=host:port,id=host:port (replaces peer.peers).
     #[arg(long)]
     peers: Option<String>,
+    /// Dynamo worker id of this node's events (overrides
+    /// events.dynamo_worker_id).
+    #[arg(long)]
+    dynamo_worker_id: Option<u64>,
     /// This node's id (overrides peer.node_id; default: the hostname).
     #[arg(long)]
     node_id: Option<String>,
@@ -121,6 +125,9 @@ fn run() -> Result<()> {
     if let Some(f) = args.log_format {
         cfg.log.format = f;
     }
+    if let Some(w) = args.dynamo_worker_id {
+        cfg.events.dynamo_worker_id = Some(w);
+    }
     cfg.validate()?;
     if args.check_config {
         println!("kvtierd: configuration is valid");
@@ -151,6 +158,10 @@ fn run() -> Result<()> {
         let n = node.clone();
         metrics.set_figures(Arc::new(move || n.figures()));
     }
+    let bus = EventBus::new();
+    let worker_id = cfg.events.worker_id(&node_id_or_hostname(&cfg));
+    bus.set_dynamo_worker(worker_id);
+    tracing::info!(dynamo_worker_id = worker_id, "events: Dynamo worker id");
     let server = Server::bind(
         &SocketOptions {
             path: cfg.server.socket.clone(),
@@ -159,7 +170,7 @@ fn run() -> Result<()> {
         },
         backend.clone(),
         metrics.clone(),
-        EventBus::new(),
+        bus,
         ServerLimits {
             max_connections: cfg.server.max_connections,
             idle_timeout_ms: cfg.server.idle_timeout_ms,
@@ -255,6 +266,19 @@ fn parse_peers(s: &str) -> Result<Vec<PeerInfo>> {
         .collect()
 }
 
+/// `peer.node_id`, else the hostname (when a valid node id), else
+/// `kvtier-node`.
+fn node_id_or_hostname(cfg: &Config) -> String {
+    match &cfg.peer.node_id {
+        Some(id) => id.clone(),
+        None => std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|h| h.trim().to_string())
+            .ok()
+            .filter(|h| kvtier_daemon::peer::validate_node_id(h).is_ok())
+            .unwrap_or_else(|| "kvtier-node".into()),
+    }
+}
+
 /// The node's configuration from the daemon's.
 fn node_config(cfg: &Config) -> Result<NodeConfig> {
     let mut g3 = G3Config::new(cfg.g3.dir.clone(), cfg.g3.capacity);
@@ -278,14 +302,7 @@ fn node_config(cfg: &Config) -> Result<NodeConfig> {
     n.pins_max = cfg.server.pins_max;
     n.pin_ttl_max_ms = cfg.server.pin_ttl_max_ms;
     if cfg.peer.enabled {
-        let node_id = match &cfg.peer.node_id {
-            Some(id) => id.clone(),
-            None => std::fs::read_to_string("/proc/sys/kernel/hostname")
-                .map(|h| h.trim().to_string())
-                .ok()
-                .filter(|h| kvtier_daemon::peer::validate_node_id(h).is_ok())
-                .unwrap_or_else(|| "kvtier-node".into()),
-        };
+        let node_id = node_id_or_hostname(cfg);
         let secret = cfg.peer.read_secret()?;
         n.peer = Some(PeerSetup {
             cfg: cfg.peer.clone(),

@@ -4,8 +4,8 @@
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use kvtier_client::{
-    BlockKey, Client, ClientConfig, Hints, KvLayout, Namespace, NamespaceId, OffloadOutcome,
-    Onboarded, Tier,
+    BlockKey, Client, ClientConfig, HashMode, Hints, KvLayout, Namespace, NamespaceId,
+    OffloadOutcome, Onboarded, Tier,
 };
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -88,9 +88,14 @@ pub struct VerifyArgs {
 pub struct EventsArgs {
     #[command(flatten)]
     sock: SocketArg,
-    /// Exit after this many events.
+    /// Exit after this many events (printed ones).
     #[arg(long)]
     count: Option<u64>,
+    /// `kvtier` (kvtier's own form, every event) or `dynamo` (NVIDIA
+    /// Dynamo 1.6.1's RouterEvent JSON, events of dynamo-mode namespaces
+    /// only; a lagged marker goes to stderr: resync the router).
+    #[arg(long, default_value = "kvtier", value_parser = ["kvtier", "dynamo"])]
+    format: String,
 }
 
 /// `kvtier demo`.
@@ -98,6 +103,11 @@ pub struct EventsArgs {
 pub struct DemoArgs {
     #[command(flatten)]
     sock: SocketArg,
+    /// Namespace hash mode: `blake3` or `dynamo` (Dynamo's sequence hashes,
+    /// token ids sent along, so `kvtier events --format dynamo` shows what
+    /// a Dynamo router learns).
+    #[arg(long, default_value = "blake3", value_parser = ["blake3", "dynamo"])]
+    mode: String,
 }
 
 fn parse_ns(s: &str) -> Result<NamespaceId> {
@@ -255,10 +265,19 @@ pub fn events(a: EventsArgs) -> Result<()> {
     let c = a.sock.client()?;
     let mut s = c.subscribe_events()?;
     let mut n = 0u64;
+    let dynamo = a.format == "dynamo";
     while a.count.is_none_or(|max| n < max) {
-        if let Some(e) = s.next_timeout(Duration::from_secs(1))? {
+        let Some(e) = s.next_timeout(Duration::from_secs(1))? else {
+            continue;
+        };
+        if !dynamo {
             println!("{}", e.to_json());
             n += 1;
+        } else if let Some(j) = e.to_dynamo_json() {
+            println!("{j}");
+            n += 1;
+        } else if let kvtier_client::KvEventData::Lagged { dropped } = e.data {
+            eprintln!("lagged: {dropped} events lost; resync the router (kvtier ls)");
         }
     }
     Ok(())
@@ -373,20 +392,22 @@ pub fn demo(a: DemoArgs) -> Result<()> {
         _owned = d;
         s
     };
-    round_trip(&socket)?;
+    let mode = HashMode::parse(&a.mode).unwrap_or_default();
+    round_trip(&socket, mode)?;
     // The embedded default writes every block through to a local file://
     // G4 beside G3: show a block coming back from there.
     let g4_dir = socket.parent().map(|p| p.join("g4"));
-    g4_fall_through(&socket, g4_dir.as_deref())
+    g4_fall_through(&socket, g4_dir.as_deref(), mode)
 }
 
-fn demo_namespace() -> Result<Namespace> {
+fn demo_namespace(mode: HashMode) -> Result<Namespace> {
     Ok(Namespace::new(
         "demo/llama-ish",
         KvLayout::with_block_bytes(256 << 10)?,
         "",
         "demo-tenant",
-    )?)
+    )?
+    .with_hash_mode(mode)?)
 }
 
 fn files_under(dir: &Path) -> usize {
@@ -405,8 +426,8 @@ fn files_under(dir: &Path) -> usize {
         .sum()
 }
 
-fn g4_fall_through(socket: &Path, g4_dir: Option<&Path>) -> Result<()> {
-    let ns = demo_namespace()?;
+fn g4_fall_through(socket: &Path, g4_dir: Option<&Path>, mode: HashMode) -> Result<()> {
+    let ns = demo_namespace(mode)?;
     let client = Client::connect(socket)?;
     let h = client.namespace(&ns);
     let tokens: Vec<u32> = (0..64).collect();
@@ -468,20 +489,16 @@ fn g4_fall_through(socket: &Path, g4_dir: Option<&Path>) -> Result<()> {
     Ok(())
 }
 
-fn round_trip(socket: &Path) -> Result<()> {
-    let ns = Namespace::new(
-        "demo/llama-ish",
-        KvLayout::with_block_bytes(256 << 10)?,
-        "",
-        "demo-tenant",
-    )?;
+fn round_trip(socket: &Path, mode: HashMode) -> Result<()> {
+    let ns = demo_namespace(mode)?;
     let client = Client::connect(socket)?;
     let h = client.namespace(&ns);
     let tokens: Vec<u32> = (0..64).collect();
     let keys = h.hash_chain(&tokens);
     println!(
-        "namespace {} : {} tokens -> {} blocks of 256 KiB",
+        "namespace {} ({} mode): {} tokens -> {} blocks of 256 KiB",
         ns.id(),
+        ns.hash_mode.as_str(),
         tokens.len(),
         keys.len()
     );
@@ -496,7 +513,9 @@ fn round_trip(socket: &Path) -> Result<()> {
         .collect();
     let refs: Vec<&[u8]> = payloads.iter().map(|p| &p[..]).collect();
     let t = Instant::now();
-    let out = h.offload_chain(None, &keys, &refs, Hints::default());
+    // The tokens go along: in dynamo mode each header carries the block's
+    // Dynamo routing facts (tokens_hash, token ids, parent).
+    let (_, out) = h.offload_tokens(None, &tokens, &refs, Hints::default());
     let stored = out.iter().filter(|o| **o == OffloadOutcome::Stored).count();
     println!("offload: {stored} stored in {:?}", t.elapsed());
     let after = h.lookup(&keys);

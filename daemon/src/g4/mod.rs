@@ -65,7 +65,13 @@ pub(crate) struct Inner {
     /// then check with HEAD first (same outcome for identical content).
     conditional_put: AtomicBool,
     pub(crate) handle: Handle,
+    /// Told of the sweeper's deletions (the node publishes `Removed`).
+    pub(crate) on_deleted: Mutex<Option<DeletedHook>>,
 }
+
+/// Receives the blocks the sweeper deleted, one call per namespace and
+/// batch.
+pub type DeletedHook = Arc<dyn Fn(NamespaceId, Vec<BlockKey>) + Send + Sync>;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // A panic while holding these locks leaves no broken invariant (caches).
@@ -73,6 +79,11 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl G4Store {
+    /// Calls `hook` with the blocks each sweep deletes (TTL and capacity).
+    pub fn set_on_deleted(&self, hook: DeletedHook) {
+        *lock(&self.inner.on_deleted) = Some(hook);
+    }
+
     /// Opens G4 as configured, on a runtime of its own (2 worker threads),
     /// and starts the sweeper when capacity or TTL is set.
     pub fn open(cfg: G4Config) -> Result<Self> {
@@ -116,6 +127,7 @@ impl G4Store {
             uploads: uploader::Queue::new(cfg.upload_queue_max),
             conditional_put: AtomicBool::new(true),
             handle: handle.clone(),
+            on_deleted: Mutex::new(None),
             cfg,
         });
         if inner.cfg.capacity_bytes.is_some() || inner.cfg.ttl_ms.is_some() {
@@ -388,6 +400,33 @@ impl Inner {
 
     pub(crate) fn scrub(&self, s: &str) -> String {
         scrub::scrub(s, &self.secrets)
+    }
+
+    /// The `(namespace, key)` of a block object's path.
+    pub(crate) fn parse_block_path(&self, loc: &Path) -> Option<(NamespaceId, BlockKey)> {
+        let parts: Vec<_> = loc.parts().collect();
+        let [.., ns, _shard, key] = parts.as_slice() else {
+            return None;
+        };
+        Some((
+            NamespaceId::from_hex(ns.as_ref()).ok()?,
+            BlockKey::from_hex(key.as_ref()).ok()?,
+        ))
+    }
+
+    pub(crate) fn notify_deleted(&self, deleted: &[Path]) {
+        let Some(hook) = lock(&self.on_deleted).clone() else {
+            return;
+        };
+        let mut by_ns: std::collections::BTreeMap<NamespaceId, Vec<BlockKey>> = Default::default();
+        for p in deleted {
+            if let Some((ns, key)) = self.parse_block_path(p) {
+                by_ns.entry(ns).or_default().push(key);
+            }
+        }
+        for (ns, keys) in by_ns {
+            hook(ns, keys);
+        }
     }
 
     pub(crate) fn set_exists(&self, loc: &Path, present: bool) {

@@ -86,23 +86,27 @@ pub(crate) async fn sweep_once(inner: &Inner) -> Result<SweepReport> {
             .iter()
             .map(|m| (m.location.as_ref(), m.size))
             .collect();
+        let mut deleted = Vec::with_capacity(chunk.len());
         while let Some(r) = done.next().await {
             match r {
                 Ok(p) => {
                     rep.deleted += 1;
                     rep.deleted_bytes += sizes.get(p.as_ref()).copied().unwrap_or(0);
                     inner.set_exists(&p, false);
+                    deleted.push(p);
                 }
                 Err(object_store::Error::NotFound { .. }) => {}
                 Err(e) => {
+                    inner.notify_deleted(&deleted);
                     return Err(Error::ObjectStore {
                         op: "delete",
                         location: inner.blocks_root.to_string(),
                         detail: inner.scrub(&e.to_string()),
-                    })
+                    });
                 }
             }
         }
+        inner.notify_deleted(&deleted);
     }
     stats::inc(&inner.stats.sweep_runs);
     inner.stats.sweep_deleted.fetch_add(rep.deleted, Relaxed);

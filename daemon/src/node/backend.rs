@@ -114,7 +114,7 @@ impl Backend for Node {
             .g3
             .put_block(ns, header, payload, PutMeta { parent, hints })?;
         if outcome == PutOutcome::Stored {
-            super::events::g3_stored(&self.events, ns, &header.key, parent, header.payload_len);
+            super::events::g3_stored(&self.events, ns, header, parent);
             self.admit(ns, &header.key, AdmissionEvent::Stored, hints, false);
         }
         Ok(outcome)
@@ -142,7 +142,7 @@ impl Backend for Node {
         for (b, r) in blocks.iter().zip(&out) {
             if matches!(r, Ok(PutOutcome::Stored)) {
                 let key = &b.header.key;
-                super::events::g3_stored(&self.events, ns, key, b.parent, b.header.payload_len);
+                super::events::g3_stored(&self.events, ns, &b.header, b.parent);
                 self.admit(ns, key, AdmissionEvent::Stored, b.hints, false);
             }
         }

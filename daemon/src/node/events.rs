@@ -1,10 +1,13 @@
 //! G3 and G4 happenings as KV events (Dynamo's `RouterEvent` shape): G3
-//! stores and removals are `storage_tier: Disk`, G4 uploads `External`.
+//! stores and removals are `storage_tier: Disk`, G4 uploads and deletions
+//! `External`. A block's Dynamo routing facts (tokens_hash, token ids,
+//! parent) come from its header, so a promotion, an upload or a start-up
+//! announces them as the first store did.
 
-use crate::events::EventBus;
+use crate::events::{stored_block, EventBus};
 use crate::g3::{EventSink, G3Event};
-use kvtier_client::events::{KvEventData, StorageTier, StoredBlock};
-use kvtier_client::{BlockKey, NamespaceId};
+use kvtier_client::events::{KvEventData, StorageTier};
+use kvtier_client::{BlockHeader, BlockKey, NamespaceId};
 use std::sync::{Arc, RwLock};
 
 /// The bus slot, filled by `attach_events`.
@@ -38,13 +41,23 @@ pub(super) fn g3_sink(slot: Slot, listeners: Listeners) -> EventSink {
     })
 }
 
+/// The parent to announce: the one given, else the header's.
+fn parent_of(header: &BlockHeader, parent: Option<BlockKey>) -> Option<BlockKey> {
+    parent.or_else(|| {
+        header
+            .dynamo
+            .as_ref()
+            .and_then(|d| d.parent)
+            .map(BlockKey::from_u64)
+    })
+}
+
 /// A block became visible on this node's disk (offload or promotion).
 pub(super) fn g3_stored(
     slot: &Slot,
     ns: &NamespaceId,
-    key: &BlockKey,
+    header: &BlockHeader,
     parent: Option<BlockKey>,
-    payload_len: u64,
 ) {
     let Ok(g) = slot.read() else { return };
     if let Some(bus) = g.as_ref() {
@@ -52,30 +65,36 @@ pub(super) fn g3_stored(
             *ns,
             StorageTier::Disk,
             KvEventData::Stored {
-                parent_hash: parent,
-                blocks: vec![StoredBlock {
-                    block_hash: *key,
-                    payload_len,
-                }],
+                parent_hash: parent_of(header, parent),
+                blocks: vec![stored_block(header)],
             },
         );
     }
 }
 
 /// A block became safe in G4 (uploaded by this node, or found there).
-pub(super) fn g4_stored(slot: &Slot, ns: &NamespaceId, key: &BlockKey, payload_len: u64) {
+pub(super) fn g4_stored(slot: &Slot, ns: &NamespaceId, header: &BlockHeader) {
     let Ok(g) = slot.read() else { return };
     if let Some(bus) = g.as_ref() {
         bus.publish(
             *ns,
             StorageTier::External,
             KvEventData::Stored {
-                parent_hash: None,
-                blocks: vec![StoredBlock {
-                    block_hash: *key,
-                    payload_len,
-                }],
+                parent_hash: parent_of(header, None),
+                blocks: vec![stored_block(header)],
             },
+        );
+    }
+}
+
+/// Blocks left G4 (the sweeper's TTL or capacity deletions).
+pub(super) fn g4_removed(slot: &Slot, ns: &NamespaceId, keys: Vec<BlockKey>) {
+    let Ok(g) = slot.read() else { return };
+    if let Some(bus) = g.as_ref() {
+        bus.publish(
+            *ns,
+            StorageTier::External,
+            KvEventData::Removed { block_hashes: keys },
         );
     }
 }

@@ -37,8 +37,10 @@
 //! - Ephemeral blocks never leave the node (not uploaded to G4).
 
 mod backend;
+mod disk_order;
 mod events;
 mod fetch;
+mod g4_order;
 mod locate;
 mod peers;
 mod promote;

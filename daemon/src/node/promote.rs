@@ -169,7 +169,8 @@ struct Shared {
     /// (waiters): few threads, so one condvar with `notify_all` is enough.
     cv: Condvar,
     g3: Arc<G3Store>,
-    events: events::Slot,
+    /// Announces promotions in chain order.
+    order: super::disk_order::DiskOrder,
     from_peer: PromoteCounters,
     from_g4: PromoteCounters,
     limits: StagingLimits,
@@ -208,7 +209,14 @@ impl Shared {
             parent: None,
             hints: Hints::default(),
         };
-        let outcome = self.g3.put_block(ns, &block.header, &block.payload, meta)?;
+        self.order.begin(ns, &block.header.key);
+        let outcome = match self.g3.put_block(ns, &block.header, &block.payload, meta) {
+            Ok(o) => o,
+            Err(e) => {
+                self.order.done(ns, &block.header, false);
+                return Err(e);
+            }
+        };
         let c = self.counters(from);
         // Counted once per block: a second writer of the same block (a lease
         // racing a worker) finds it present.
@@ -221,15 +229,8 @@ impl Shared {
             // It came from G4: never upload it again.
             self.g3.mark_in_g4(ns, &block.header.key);
         }
-        if outcome == PutOutcome::Stored {
-            events::g3_stored(
-                &self.events,
-                ns,
-                &block.header.key,
-                None,
-                block.header.payload_len,
-            );
-        }
+        self.order
+            .done(ns, &block.header, outcome == PutOutcome::Stored);
         Ok(())
     }
 
@@ -307,8 +308,8 @@ impl Staging {
         let shared = Arc::new(Shared {
             state: Mutex::new(State::default()),
             cv: Condvar::new(),
+            order: super::disk_order::DiskOrder::new(g3.clone(), events),
             g3,
-            events,
             from_peer: PromoteCounters::default(),
             from_g4: PromoteCounters::default(),
             limits,

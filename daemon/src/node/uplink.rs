@@ -22,12 +22,17 @@ use crate::error::Result;
 use crate::g3::G3Store;
 use crate::g4::{EnqueueOutcome, G4Store, UploadOutcome};
 use crate::policy::admission::AdmissionEvent;
-use kvtier_client::{BlockKey, Hints, NamespaceId};
+use kvtier_client::{BlockHeader, BlockKey, Hints, NamespaceId};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 /// Starts G4's upload workers over `g3`.
 pub(super) fn start(g3: &Arc<G3Store>, g4: &Arc<G4Store>, slot: Slot) -> Result<()> {
+    // The sweeper's TTL and capacity deletions are `Removed` in External.
+    let removed_slot = slot.clone();
+    g4.set_on_deleted(Arc::new(move |ns: NamespaceId, keys: Vec<BlockKey>| {
+        events::g4_removed(&removed_slot, &ns, keys)
+    }));
     let src = g3.clone();
     let source = move |ns: &NamespaceId, key: &BlockKey| -> Option<Vec<u8>> {
         let info = src.stat(ns, key)?;
@@ -37,7 +42,7 @@ pub(super) fn start(g3: &Arc<G3Store>, g4: &Arc<G4Store>, slot: Slot) -> Result<
             _ => None,
         }
     };
-    let marker = g3.clone();
+    let order = Arc::new(super::g4_order::G4Order::new(g3.clone(), slot));
     let on_uploaded = Arc::new(
         move |ns: &NamespaceId, key: &BlockKey, outcome: UploadOutcome| {
             if !outcome.is_safe_in_g4() {
@@ -46,23 +51,25 @@ pub(super) fn start(g3: &Arc<G3Store>, g4: &Arc<G4Store>, slot: Slot) -> Result<
                 }
                 return;
             }
-            let (g3, slot, ns, key) = (marker.clone(), slot.clone(), *ns, *key);
-            // A redb write: off the G4 runtime's async workers.
-            tokio::task::spawn_blocking(move || {
-                // A block uploaded twice (a re-queue at start racing a
-                // fresh store) is announced once: by whoever marks it.
-                if !g3.mark_in_g4(&ns, &key) {
-                    return;
-                }
-                let payload_len = g3
-                    .stat(&ns, &key)
-                    .map(|i| i.payload_len)
-                    .unwrap_or_default();
-                events::g4_stored(&slot, &ns, &key, payload_len);
-            });
+            let (order, ns, key) = (order.clone(), *ns, *key);
+            // A redb write and a header read: off the G4 runtime's async
+            // workers. The header holds the routing facts (parent,
+            // tokens_hash, token ids) the External event carries; events
+            // go out in chain order (g4_order).
+            tokio::task::spawn_blocking(move || order.uploaded(&ns, &key));
         },
     );
     g4.start_uploader(Arc::new(source), Some(on_uploaded))
+}
+
+/// A G3 block's header, checksum-verified (a buffered 4 KiB read; the
+/// block may have been evicted meanwhile: then `None`).
+pub(super) fn read_header(g3: &G3Store, ns: &NamespaceId, key: &BlockKey) -> Option<BlockHeader> {
+    use std::io::Read;
+    let mut f = std::fs::File::open(g3.block_file_path(ns, key)).ok()?;
+    let mut hb = vec![0u8; kvtier_client::block::HEADER_BYTES];
+    f.read_exact(&mut hb).ok()?;
+    BlockHeader::decode(&hb).ok().filter(|h| h.key == *key)
 }
 
 impl Node {

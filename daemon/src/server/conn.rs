@@ -610,6 +610,8 @@ impl Conn<'_> {
             "in_flight_requests": self.sh.in_flight.load(Ordering::Relaxed),
             "event_subscribers": self.sh.bus.subscribers(),
             "events_published": self.sh.bus.published(),
+            "events_dynamo_worker_id": self.sh.bus.dynamo_worker(),
+            "events_dynamo_skipped_blocks": self.sh.bus.dynamo_skipped_blocks(),
         })
         .to_string()
     }
@@ -650,6 +652,7 @@ impl Conn<'_> {
                             namespace: NamespaceId([0; 16]),
                             storage_tier: StorageTier::Disk,
                             data: KvEventData::Lagged { dropped },
+                            dynamo_worker: None,
                         });
                         if !send(self.fd, &lag, 0, 0, &[]) {
                             return;

@@ -12,7 +12,7 @@ use crate::events::EventBus;
 use crate::policy::{BlockMeta, EvictionPolicy, Lru};
 use crate::tier::{Lookup, MissReason, PutOutcome};
 use kvtier_client::block::{encode_block, HEADER_BYTES};
-use kvtier_client::events::{KvEventData, StorageTier, StoredBlock};
+use kvtier_client::events::{KvEventData, StorageTier};
 use kvtier_client::proto::{BlockStat, ListEntry};
 use kvtier_client::{BlockHeader, BlockKey, Hints, NamespaceId, Tier};
 use std::collections::{BTreeMap, HashMap};
@@ -311,10 +311,7 @@ impl Backend for MemBackend {
             *ns,
             KvEventData::Stored {
                 parent_hash: parent,
-                blocks: vec![StoredBlock {
-                    block_hash: header.key,
-                    payload_len: header.payload_len,
-                }],
+                blocks: vec![crate::events::stored_block(header)],
             },
         );
         Ok(PutOutcome::Stored)

@@ -1,0 +1,1 @@
+//! Empty: the proofs are the integration tests under tests/.
