@@ -963,8 +963,12 @@ impl G3Store {
             if p0 < p1 {
                 let src = &payload
                     [(p0 - HEADER_BYTES as u64) as usize..(p1 - HEADER_BYTES as u64) as usize];
-                buf[(p0 - off) as usize..(p1 - off) as usize].copy_from_slice(src);
-                hasher.update(src);
+                let own = &mut buf[(p0 - off) as usize..(p1 - off) as usize];
+                own.copy_from_slice(src);
+                // Hash the daemon's own copy, the bytes that reach the disk:
+                // `src` may be a client's shared pages, which it can change
+                // between the copy and a hash of them.
+                hasher.update(own);
             }
         };
         let mut bufs = self.pool.take(BUFS_PER_WRITE);
