@@ -4,6 +4,7 @@ import array
 import os
 import socket
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -136,8 +137,10 @@ def test_pool_limits_and_misuse(start_daemon, ns):
     assert c.offload_pool(ns, keys, [0])[0]
     d.restart()
     pool.block(1, BLOCK)[:] = b"\x00" * BLOCK
-    got = c.onboard_pool(ns, keys, [1])
-    if not got[0]:  # the first call after a restart may find the old socket dead
-        got = c.onboard_pool(ns, keys, [1])
+    # The first calls after a restart find the old socket dead, then wait
+    # out the reconnect backoff (50 ms).
+    deadline = time.monotonic() + 3
+    while not (got := c.onboard_pool(ns, keys, [1]))[0] and time.monotonic() < deadline:
+        time.sleep(0.06)
     assert got[0], got
     assert pool.block(1, BLOCK).tobytes() == b"\x05" * BLOCK
