@@ -80,6 +80,9 @@ const DL_CUDA_MANAGED: i32 = 13;
 /// held: a `Held` never leaves the attached scope).
 #[derive(Default)]
 pub(crate) struct Held {
+    // Boxed: an exporter may keep the view's address (its `internal`
+    // field), so a filled Py_buffer never moves.
+    #[allow(clippy::vec_box)]
     views: Vec<Box<ffi::Py_buffer>>,
     tensors: Vec<*mut DlManagedTensor>,
     objs: Vec<Py<PyAny>>,
@@ -195,6 +198,7 @@ fn get_buffer(obj: &Bound<'_, PyAny>, flags: i32) -> Option<Box<ffi::Py_buffer>>
     Some(v)
 }
 
+#[allow(clippy::boxed_local)]
 fn release(mut v: Box<ffi::Py_buffer>) {
     // SAFETY: v came from a successful PyObject_GetBuffer.
     unsafe { ffi::PyBuffer_Release(&mut *v) };
