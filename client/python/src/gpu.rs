@@ -14,6 +14,7 @@ use crate::ns::Namespace;
 use crate::results::BlockResult;
 use kvtier_client::{BlockKey, Hints, OffloadBlock};
 use pyo3::prelude::*;
+use std::sync::{Arc, Mutex};
 
 /// Why device memory cannot be used here, as an exception.
 pub(crate) fn device_unavailable(op: &str, dev: i32) -> PyErr {
@@ -40,7 +41,20 @@ fn ordinal(blocks: &[BlockSpans]) -> u32 {
         .unwrap_or(0)
 }
 
-fn open_gpu(op: &str, blocks: &[BlockSpans]) -> PyResult<std::sync::Arc<kvtier_gds::cuda::Gpu>> {
+/// One bounce buffer per process, grown on demand (pinned allocation
+/// costs milliseconds; a call must not pay it per block).
+static BOUNCE: Mutex<Option<kvtier_gds::cuda::PinnedBuf>> = Mutex::new(None);
+/// Opened GPUs by ordinal.
+static GPUS: Mutex<Vec<(u32, Arc<kvtier_gds::cuda::Gpu>)>> = Mutex::new(Vec::new());
+
+fn open_gpu(op: &str, blocks: &[BlockSpans]) -> PyResult<Arc<kvtier_gds::cuda::Gpu>> {
+    let ord = ordinal(blocks);
+    let mut g = GPUS
+        .lock()
+        .map_err(|_| DeviceError::new_err("GPU table poisoned"))?;
+    if let Some((_, gpu)) = g.iter().find(|(o, _)| *o == ord) {
+        return Ok(gpu.clone());
+    }
     let caps = kvtier_gds::Capabilities::probe();
     if !caps.has_cuda() {
         let dev = blocks
@@ -52,11 +66,33 @@ fn open_gpu(op: &str, blocks: &[BlockSpans]) -> PyResult<std::sync::Arc<kvtier_g
             .unwrap_or(-1);
         return Err(device_unavailable(op, dev));
     }
-    kvtier_gds::cuda::Gpu::open(ordinal(blocks))
-        .map_err(|e| DeviceError::new_err(format!("{op}: opening the GPU: {e}")))
+    let gpu = kvtier_gds::cuda::Gpu::open(ord)
+        .map_err(|e| DeviceError::new_err(format!("{op}: opening the GPU: {e}")))?;
+    g.push((ord, gpu.clone()));
+    Ok(gpu)
 }
 
-/// Onboards into device buffers through a pinned bounce buffer.
+/// Runs `f` with a pinned bounce buffer of at least `len` bytes.
+fn with_bounce<T>(
+    gpu: &Arc<kvtier_gds::cuda::Gpu>,
+    len: usize,
+    f: impl FnOnce(&mut kvtier_gds::cuda::PinnedBuf) -> Result<T, String>,
+) -> Result<T, String> {
+    let mut g = BOUNCE
+        .lock()
+        .map_err(|_| "bounce buffer poisoned".to_string())?;
+    if g.as_ref().is_none_or(|b| b.len() < len) {
+        *g = None;
+        *g = Some(kvtier_gds::cuda::PinnedBuf::new(gpu, len).map_err(|e| e.to_string())?);
+    }
+    let Some(b) = g.as_mut() else {
+        return Err("no bounce buffer".into());
+    };
+    f(b)
+}
+
+/// Onboards into device buffers through a pinned bounce buffer: one
+/// onboard of the whole batch into it, then one copy per segment.
 pub(crate) fn onboard_device(
     py: Python<'_>,
     client: &Client,
@@ -76,38 +112,37 @@ pub(crate) fn onboard_device(
     let blocks = blocks.to_vec();
     let keys = keys.to_vec();
     let r: Result<Vec<BlockResult>, String> = py.detach(move || {
-        let mut out = Vec::with_capacity(keys.len());
-        let mut bounce = kvtier_gds::cuda::PinnedBuf::new(&gpu, bb).map_err(|e| e.to_string())?;
-        let h = c.namespace(&nsr);
-        for (k, b) in keys.iter().zip(&blocks) {
+        with_bounce(&gpu, bb * keys.len().max(1), |bounce| {
             let res = {
-                let mut dst = [bounce.as_mut_slice()];
-                h.onboard_into(std::slice::from_ref(k), &mut dst).remove(0)
+                let mut dsts: Vec<&mut [u8]> = bounce.as_mut_slice()[..bb * keys.len()]
+                    .chunks_mut(bb)
+                    .collect();
+                c.namespace(&nsr).onboard_into(&keys, &mut dsts)
             };
-            if res.is_hit() {
-                let mut off = 0;
+            let host = bounce.as_slice();
+            for (i, (r, b)) in res.iter().zip(&blocks).enumerate() {
+                if !r.is_hit() {
+                    continue;
+                }
+                let mut off = i * bb;
                 for s in &b.spans {
-                    // SAFETY: the caller's device span of s.len bytes,
-                    // kept alive by the held export for this call.
+                    // SAFETY: the caller's device span of s.len bytes, kept
+                    // alive by the held export for this call.
                     unsafe {
-                        kvtier_gds::cuda::copy_htod_raw(
-                            &gpu,
-                            s.ptr as u64,
-                            &bounce.as_slice()[off..off + s.len],
-                        )
+                        kvtier_gds::cuda::copy_htod_raw(&gpu, s.ptr as u64, &host[off..off + s.len])
                     }
                     .map_err(|e| e.to_string())?;
                     off += s.len;
                 }
             }
-            out.push(BlockResult::onboarded(&res));
-        }
-        Ok(out)
+            Ok(res.iter().map(BlockResult::onboarded).collect())
+        })
     });
     r.map_err(|e| DeviceError::new_err(format!("onboard_into: {e}")))
 }
 
-/// Offloads from device buffers through a pinned bounce buffer.
+/// Offloads from device buffers through a pinned bounce buffer: one copy
+/// per segment into it, then one offload of the whole batch.
 pub(crate) fn offload_device(
     py: Python<'_>,
     client: &Client,
@@ -129,34 +164,45 @@ pub(crate) fn offload_device(
     let blocks = blocks.to_vec();
     let keys = keys.to_vec();
     let r: Result<Vec<BlockResult>, String> = py.detach(move || {
-        let mut out = Vec::with_capacity(keys.len());
-        let mut bounce = kvtier_gds::cuda::PinnedBuf::new(&gpu, bb).map_err(|e| e.to_string())?;
-        let h = c.namespace(&nsr);
-        let mut p = parent;
-        for (k, b) in keys.iter().zip(&blocks) {
-            let mut off = 0;
-            for s in &b.spans {
-                // SAFETY: as in onboard_device.
-                unsafe {
-                    kvtier_gds::cuda::copy_dtoh_raw(
-                        &gpu,
-                        s.ptr as u64,
-                        &mut bounce.as_mut_slice()[off..off + s.len],
-                    )
+        with_bounce(&gpu, bb * keys.len().max(1), |bounce| {
+            let host = bounce.as_mut_slice();
+            for (i, b) in blocks.iter().enumerate() {
+                let mut off = i * bb;
+                for s in &b.spans {
+                    // SAFETY: as in onboard_device.
+                    unsafe {
+                        kvtier_gds::cuda::copy_dtoh_raw(
+                            &gpu,
+                            s.ptr as u64,
+                            &mut host[off..off + s.len],
+                        )
+                    }
+                    .map_err(|e| e.to_string())?;
+                    off += s.len;
                 }
-                .map_err(|e| e.to_string())?;
-                off += s.len;
             }
-            let item = OffloadBlock {
-                key: *k,
-                parent: p,
-                payload: bounce.as_slice(),
-                hints,
-            };
-            out.push(BlockResult::offloaded(&h.offload(&[item]).remove(0)));
-            p = Some(*k);
-        }
-        Ok(out)
+            let host = bounce.as_slice();
+            let mut p = parent;
+            let items: Vec<OffloadBlock<'_>> = keys
+                .iter()
+                .enumerate()
+                .map(|(i, k)| {
+                    let it = OffloadBlock {
+                        key: *k,
+                        parent: p,
+                        payload: &host[i * bb..(i + 1) * bb],
+                        hints,
+                    };
+                    p = Some(*k);
+                    it
+                })
+                .collect();
+            Ok(c.namespace(&nsr)
+                .offload(&items)
+                .iter()
+                .map(BlockResult::offloaded)
+                .collect())
+        })
     });
     r.map_err(|e| DeviceError::new_err(format!("offload: {e}")))
 }
