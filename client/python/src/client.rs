@@ -146,7 +146,7 @@ impl Client {
 #[pymethods]
 impl Client {
     #[new]
-    #[pyo3(signature = (socket=None, timeout_ms=2000, region_bytes=64 << 20, direct_read=false))]
+    #[pyo3(signature = (socket=None, timeout_ms=2000, region_bytes=67_108_864, direct_read=false))]
     fn new(
         socket: Option<PathBuf>,
         timeout_ms: u64,
@@ -614,28 +614,29 @@ impl Events {
     fn __next__<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {
         let start = Instant::now();
         loop {
-            let mut g = self
-                .stream
-                .lock()
-                .map_err(|_| UnavailableError::new_err("event stream poisoned"))?;
-            let Some(s) = g.as_mut() else {
-                return Ok(None);
-            };
-            let step = Duration::from_millis(100);
-            let r = py.detach(|| s.next_timeout(step));
-            match r {
-                Ok(Some(ev)) => {
-                    let txt = ev.to_json().to_string();
-                    drop(g);
-                    return py.import("json")?.call_method1("loads", (txt,)).map(Some);
+            // The lock is taken without the GIL: a thread waiting for it
+            // must not hold the GIL the waiting holder needs to return.
+            let got: Result<Option<String>, ()> = py.detach(|| {
+                let Ok(mut g) = self.stream.lock() else {
+                    return Err(());
+                };
+                let Some(s) = g.as_mut() else {
+                    return Err(());
+                };
+                match s.next_timeout(Duration::from_millis(100)) {
+                    Ok(Some(ev)) => Ok(Some(ev.to_json().to_string())),
+                    Ok(None) => Ok(None),
+                    Err(_) => {
+                        *g = None;
+                        Err(())
+                    }
                 }
+            });
+            match got {
+                Ok(Some(txt)) => return py.import("json")?.call_method1("loads", (txt,)).map(Some),
                 Ok(None) => {}
-                Err(_) => {
-                    *g = None;
-                    return Ok(None);
-                }
+                Err(()) => return Ok(None),
             }
-            drop(g);
             py.check_signals()?;
             if self.idle.is_some_and(|d| start.elapsed() >= d) {
                 return Ok(None);
