@@ -17,7 +17,8 @@ def test_bench_json_contract():
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     for k in ("onboard_gbps_vs_baseline", "offload_gbps_vs_baseline",
-              "onboard_odirect_gbps_vs_baseline", "offload_odirect_gbps_vs_baseline"):
+              "onboard_odirect_gbps_vs_baseline", "offload_odirect_gbps_vs_baseline",
+              "pool_onboard_gbps_vs_baseline", "pool_offload_gbps_vs_baseline"):
         assert isinstance(doc[k], float) and doc[k] > 0, (k, doc.get("note"))
     assert len(doc["python_onboard_gbps_rounds"]) == 2
     assert all(k.endswith("_vs_baseline") or "vs_baseline" not in k for k in doc)

@@ -98,6 +98,25 @@ def py_round(client, ns, rnd: int, blocks: int, depth: int, np, bufs, out):
     return off, on
 
 
+def pool_round(client, pool, ns, rnd: int, blocks: int, depth: int, np):
+    """The same round through the shared-memory pool (offsets only)."""
+    keys = ns.hash_chain(np.arange(rnd * blocks * 16, (rnd + 1) * blocks * 16, dtype=np.uint32) + (1 << 31))
+    bb = ns.block_bytes
+    t = time.perf_counter()
+    for i in range(0, blocks, depth):
+        r = client.offload_pool(ns, keys[i : i + depth], list(range(i, min(i + depth, blocks))))
+        if not all(r):
+            raise SystemExit(f"pool offload failed: {r[0]!r}")
+    off = gbps(bb * blocks, time.perf_counter() - t)
+    t = time.perf_counter()
+    for i in range(0, blocks, depth):
+        r = client.onboard_pool(ns, keys[i : i + depth], list(range(i, min(i + depth, blocks))))
+        if not all(r):
+            raise SystemExit(f"pool onboard failed: {r[0]!r}")
+    on = gbps(bb * blocks, time.perf_counter() - t)
+    return off, on
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvtier.bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--block-size", default="2MiB", type=parse_size)
@@ -128,11 +147,17 @@ def main(argv=None) -> int:
         rng = np.random.default_rng(1)
         bufs = [rng.integers(0, 256, a.block_size, dtype=np.uint8) for _ in range(a.blocks)]
         out = [np.zeros(a.block_size, np.uint8) for _ in range(a.blocks)]
-        py_off, py_on, rs_off, rs_on, od_r, od_w = [], [], [], [], [], []
+        pclient = kvtier.Client(socket=sock, timeout_ms=30_000, region_bytes=1 << 20)
+        pool = pclient.alloc_pool(a.blocks * kvtier.Pool.slot_bytes(a.block_size))
+        pool.array(a.block_size)[:] = np.stack(bufs)
+        py_off, py_on, rs_off, rs_on, od_r, od_w, pl_off, pl_on = [], [], [], [], [], [], [], []
         for rnd in range(a.rounds):
             o, n = py_round(client, ns, rnd, a.blocks, a.depth, np, bufs, out)
             py_off.append(o)
             py_on.append(n)
+            o, n = pool_round(pclient, pool, ns, rnd, a.blocks, a.depth, np)
+            pl_off.append(o)
+            pl_on.append(n)
             if cli:
                 r = subprocess.run(
                     [cli, "bench", "io", "--socket", sock, "--dir", str(tmp), "--block-size", str(a.block_size),
@@ -162,6 +187,12 @@ def main(argv=None) -> int:
             "rust_onboard_gbps": med(rs_on),
             "odirect_write_gbps": med(od_w),
             "odirect_read_gbps": med(od_r),
+            "python_pool_offload_gbps": med(pl_off),
+            "python_pool_onboard_gbps": med(pl_on),
+            "python_pool_offload_gbps_rounds": pl_off,
+            "python_pool_onboard_gbps_rounds": pl_on,
+            "pool_offload_gbps_vs_baseline": q(med(pl_off), med(rs_off)),
+            "pool_onboard_gbps_vs_baseline": q(med(pl_on), med(rs_on)),
             "python_offload_gbps_rounds": py_off,
             "python_onboard_gbps_rounds": py_on,
             "rust_offload_gbps_rounds": rs_off,
@@ -175,6 +206,8 @@ def main(argv=None) -> int:
                 "onboard_gbps_vs_baseline": "the Rust client (kvtier bench io, 1 client, same daemon, depth, block size)",
                 "offload_odirect_gbps_vs_baseline": "raw O_DIRECT writes of the same sizes and depth beside the daemon's dir",
                 "onboard_odirect_gbps_vs_baseline": "raw O_DIRECT reads of the same sizes and depth",
+                "pool_offload_gbps_vs_baseline": "the Rust client (copying) vs Python through the shared-memory pool (offsets only)",
+                "pool_onboard_gbps_vs_baseline": "the Rust client (copying) vs Python through the shared-memory pool (offsets only)",
             },
         }
         if not cli:
