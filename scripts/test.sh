@@ -20,3 +20,5 @@ cargo fmt --manifest-path tests/dynamo-oracle/Cargo.toml --all -- --check
 KVTIER_BIN_DIR="$PWD/target/debug" cargo test --manifest-path tests/dynamo-oracle/Cargo.toml -- --test-threads=2
 echo "== deployment artefacts (systemd unit, container build file, Kubernetes manifest)"
 ./scripts/check-deploy.sh target/debug/kvtierd
+echo "== python package (client/python: pytest against real kvtierd)"
+./scripts/test-python.sh

@@ -35,8 +35,11 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::FileExt;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+mod pool;
+pub use pool::{Pool, PoolBlock};
 
 /// Where a list page ends: pass it back as `after`.
 pub type ListCursor = (NamespaceId, BlockKey);
@@ -101,14 +104,14 @@ pub struct Miss {
 }
 
 impl Miss {
-    fn new(cause: MissCause, detail: impl Into<String>) -> Self {
+    pub(crate) fn new(cause: MissCause, detail: impl Into<String>) -> Self {
         Miss {
             cause,
             detail: detail.into(),
         }
     }
 
-    fn from_error(e: &Error) -> Self {
+    pub(crate) fn from_error(e: &Error) -> Self {
         let cause = match e {
             Error::Timeout { .. } => MissCause::Timeout,
             Error::Unavailable { .. } | Error::Io { .. } => MissCause::Unavailable,
@@ -118,7 +121,7 @@ impl Miss {
         Miss::new(cause, e.to_string())
     }
 
-    fn from_status(s: ItemStatus) -> Self {
+    pub(crate) fn from_status(s: ItemStatus) -> Self {
         let cause = match s {
             ItemStatus::Absent => MissCause::Absent,
             ItemStatus::Corrupt => MissCause::Corrupt,
@@ -194,7 +197,7 @@ impl Onboarded {
 
 struct Conn {
     sock: UnixStream,
-    region: Option<Region>,
+    region: Option<Arc<Region>>,
     next_req: u32,
 }
 
@@ -204,6 +207,9 @@ pub struct Client {
     cfg: ClientConfig,
     conn: Mutex<Option<Conn>>,
     last_failure: Mutex<Option<Instant>>,
+    /// A region that outlives connections (set by [`Client::alloc_pool`]):
+    /// every (re)connect hands the daemon this one instead of a fresh one.
+    pub(crate) persistent_region: Mutex<Option<Arc<Region>>>,
 }
 
 impl std::fmt::Debug for Client {
@@ -212,7 +218,7 @@ impl std::fmt::Debug for Client {
     }
 }
 
-fn now_ms() -> u64 {
+pub(crate) fn now_ms() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
@@ -246,6 +252,7 @@ impl Client {
             cfg,
             conn: Mutex::new(None),
             last_failure: Mutex::new(None),
+            persistent_region: Mutex::new(None),
         }
     }
 
@@ -307,13 +314,20 @@ impl Client {
         let io = |e| io_to_error(sock, "connect", self.cfg.timeout_ms, e);
         stream.set_read_timeout(t).map_err(io)?;
         stream.set_write_timeout(t).map_err(io)?;
-        let region = if self.cfg.region_bytes > 0 {
-            Some(
-                Region::create(self.cfg.region_bytes).map_err(|e| Error::Io {
+        let persistent = self
+            .persistent_region
+            .lock()
+            .map_err(|_| poisoned())?
+            .clone();
+        let region = if let Some(r) = persistent {
+            Some(r)
+        } else if self.cfg.region_bytes > 0 {
+            Some(Arc::new(Region::create(self.cfg.region_bytes).map_err(
+                |e| Error::Io {
                     path: PathBuf::from("memfd"),
                     source: e,
-                })?,
-            )
+                },
+            )?))
         } else {
             None
         };
@@ -378,7 +392,7 @@ impl Client {
     /// Runs one request (connecting first if needed); a failure drops the
     /// connection so the next call starts fresh. `f` runs with the region
     /// and the reply while the connection is still held.
-    fn call<T>(
+    pub(crate) fn call<T>(
         &self,
         build: impl FnOnce(Option<&Region>) -> Result<Request>,
         f: impl FnOnce(Option<&Region>, Response, Vec<OwnedFd>) -> Result<T>,
@@ -390,14 +404,14 @@ impl Client {
         let Some(conn) = g.as_mut() else {
             return Err(poisoned());
         };
-        let req = build(conn.region.as_ref())?;
+        let req = build(conn.region.as_deref())?;
         match self.exchange(conn, &req, &[]) {
             Ok((Response::Error { code, message }, _)) => {
                 // The daemon closes the connection after an error reply.
                 *g = None;
                 Err(Error::Remote { code, message })
             }
-            Ok((resp, fds)) => f(conn.region.as_ref(), resp, fds),
+            Ok((resp, fds)) => f(conn.region.as_deref(), resp, fds),
             Err(e) => {
                 *g = None;
                 if let Ok(mut lf) = self.last_failure.lock() {
@@ -588,7 +602,7 @@ fn poisoned() -> Error {
     }
 }
 
-fn unexpected(r: Response) -> Error {
+pub(crate) fn unexpected(r: Response) -> Error {
     Error::Protocol {
         reason: format!("unexpected reply {r:?}"),
     }
@@ -666,12 +680,12 @@ impl EventStream {
 /// A namespace bound to a client: the calls engines make.
 #[derive(Debug)]
 pub struct NsHandle<'a> {
-    client: &'a Client,
-    ns: Namespace,
-    id: NamespaceId,
+    pub(crate) client: &'a Client,
+    pub(crate) ns: Namespace,
+    pub(crate) id: NamespaceId,
 }
 
-fn slot_bytes(payload_len: u64) -> u64 {
+pub(crate) fn slot_bytes(payload_len: u64) -> u64 {
     HEADER_BYTES as u64 + padded_len(payload_len)
 }
 
@@ -923,7 +937,7 @@ impl<'a> NsHandle<'a> {
     }
 
     /// Validates a header the daemon produced against the request and reply.
-    fn check_header(
+    pub(crate) fn check_header(
         &self,
         hb: &[u8],
         key: &BlockKey,

@@ -44,7 +44,7 @@ pub use aligned::AlignedBuf;
 pub use block::{decode_block, encode_block, BlockHeader, DynamoMeta};
 pub use client::{
     Client, ClientConfig, EventStream, LookupResult, Miss, MissCause, NsHandle, OffloadBlock,
-    OffloadOutcome, Onboarded,
+    OffloadOutcome, Onboarded, Pool, PoolBlock,
 };
 pub use error::{Error, FormatFault, Result};
 pub use events::{KvEvent, KvEventData, StorageTier};

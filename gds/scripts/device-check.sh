@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # GPU check for kvtier-gds: device-memory round trips with checksums and
 # guard bytes (TwoHop, and Direct GDS when the driver has it), then
-# `kvtier bench gds` into device, pinned and host memory. Prints a summary.
+# `kvtier bench gds` into device, pinned and host memory, then the Python
+# package's round trip into device memory (torch or cupy, where present)
+# beside a plain pinned copy. Prints a summary.
 # Budget: under 8 minutes on one H200 with the binaries prebuilt.
 #
 #   gds/scripts/device-check.sh --prepare   # here (network, cargo cache):
@@ -45,6 +47,19 @@ for line in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m.get("profile", {}).get("test"):
         print(m["target"]["name"], m["executable"])
 ' | while read -r name exe; do cp "$exe" "$DC/bin/test-$name"; done
+  # The Python package (a wheel, installed offline on the GPU machine) and
+  # the kvtierd its round trip talks to.
+  cargo build "${offline[@]}" --profile "$PROFILE" -p kvtier-daemon --bin kvtierd
+  cp "target/$dir/kvtierd" "$DC/bin/kvtierd"
+  rm -rf "$DC/wheel" && mkdir -p "$DC/wheel"
+  if command -v maturin >/dev/null || [ -x .venv/bin/maturin ]; then
+    local mat=maturin
+    [ -x .venv/bin/maturin ] && mat=.venv/bin/maturin
+    (cd client/python && CARGO_TARGET_DIR="$ROOT/target" "$mat" build --profile "$PROFILE" --out "$DC/wheel" -q) \
+      || echo "warning: python wheel not built; the python device check will be skipped" >&2
+  else
+    echo "warning: maturin absent (./scripts/test-python.sh installs it into .venv); no python wheel" >&2
+  fi
   # Debug info is the bulk of these binaries; the carry limit is 64 MiB.
   for f in "$DC"/bin/*; do strip --strip-debug "$f" 2>/dev/null || true; done
   ls -la "$DC/bin"
@@ -103,6 +118,26 @@ print("bench --dest %-16s " % sys.argv[2] + " ".join(
 PY
     fi
   done
+  echo "== python: kvtier round trip into device memory (torch or cupy)"
+  local whl
+  whl=$(ls "$DC"/wheel/kvtier-*.whl 2>/dev/null | head -1)
+  if [ -z "$whl" ]; then
+    note "SKIP python device check: no wheel in $DC/wheel"
+  elif ! python3 -c 'import sys; assert sys.version_info >= (3, 11)' 2>/dev/null; then
+    note "SKIP python device check: needs CPython >= 3.11"
+  else
+    # --system-site-packages: torch / cupy come from the machine (no network).
+    rm -rf "$DC/pyenv" && python3 -m venv --system-site-packages "$DC/pyenv" \
+      && "$DC/pyenv/bin/pip" install -q --no-index --no-deps "$whl" \
+      && if timeout 240 "$DC/pyenv/bin/python" gds/scripts/device_check_py.py "$DC/bin/kvtierd" "$DC/tmp/py" \
+            "${PY_BLOCKS:-64}" 2097152 >"$out/python-device.json" 2>"$out/python-device.err"; then
+           note "python device: $(cat "$out/python-device.json")"
+           grep -q '"skip"' "$out/python-device.json" || grep -q '"roundtrip_device": "ok"' "$out/python-device.json" || fail=1
+         else
+           fail=1
+           note "FAIL python device check: $(tail -5 "$out/python-device.err")"
+         fi
+  fi
   rm -rf "$KVTIER_TEST_TMPDIR"
   echo
   echo "== summary"

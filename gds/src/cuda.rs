@@ -222,6 +222,29 @@ pub(crate) fn copy_dtoh(ptr: u64, dst: &mut [u8]) -> Result<()> {
     unsafe { cu::memcpy_dtoh_sync(dst, ptr) }.map_err(cuda_err("cuMemcpyDtoH"))
 }
 
+/// Synchronous copy of `src` to the device address `dst` on `gpu`, for
+/// memory kvtier did not allocate (an engine's tensor).
+///
+/// # Safety
+/// `dst` must be a device range valid for `src.len()` bytes in `gpu`'s
+/// primary context for the whole call.
+pub unsafe fn copy_htod_raw(gpu: &Gpu, dst: u64, src: &[u8]) -> Result<()> {
+    gpu.bind()?;
+    // SAFETY: forwarded from the caller's contract.
+    unsafe { cu::memcpy_htod_sync(dst, src) }.map_err(cuda_err("cuMemcpyHtoD"))
+}
+
+/// Synchronous copy of `dst.len()` bytes from the device address `src` on
+/// `gpu` into host memory.
+///
+/// # Safety
+/// `src` must be a device range valid for `dst.len()` bytes in `gpu`'s
+/// primary context for the whole call.
+pub unsafe fn copy_dtoh_raw(gpu: &Gpu, src: u64, dst: &mut [u8]) -> Result<()> {
+    gpu.bind()?;
+    copy_dtoh(src, dst)
+}
+
 /// A CUDA stream used for the host-to-device hop of one bounce buffer.
 #[derive(Debug)]
 pub(crate) struct Stream {

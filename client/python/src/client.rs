@@ -1,0 +1,726 @@
+//! `Client`: the fail-open client, Pythonic. Every call releases the GIL;
+//! data-path calls return per-block values (a miss has a reason), misuse
+//! raises a `kvtier.Error` subclass before anything is sent.
+
+use crate::buffers::{all_blocks, BlockSpans, Held, Place};
+use crate::errors::{from_client, PoolError, UnavailableError};
+use crate::ns::{keys_from, Namespace};
+use crate::results::{BlockResult, Lookup};
+use kvtier_client::proto::ItemStatus;
+use kvtier_client::{
+    BlockKey, Client as RsClient, ClientConfig, EventStream, Hints, OffloadBlock, Pool as RsPool,
+    PoolBlock,
+};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// The socket `Client(socket=None)` uses: `$KVTIER_SOCKET`, else the
+/// daemon's default (`$XDG_STATE_HOME/kvtier/kvtierd.sock`, else
+/// `~/.local/state/kvtier/kvtierd.sock`), as the `kvtier` CLI does.
+pub(crate) fn default_socket() -> PathBuf {
+    if let Some(s) = std::env::var_os("KVTIER_SOCKET").filter(|v| !v.is_empty()) {
+        return PathBuf::from(s);
+    }
+    let dir = if let Some(x) = std::env::var_os("XDG_STATE_HOME").filter(|v| !v.is_empty()) {
+        PathBuf::from(x).join("kvtier")
+    } else if let Some(h) = std::env::var_os("HOME").filter(|v| !v.is_empty()) {
+        PathBuf::from(h).join(".local/state/kvtier")
+    } else {
+        PathBuf::from("./kvtier-data")
+    };
+    dir.join("kvtierd.sock")
+}
+
+struct State {
+    pid: u32,
+    inner: Arc<RsClient>,
+}
+
+/// A connection to the node's kvtierd.
+///
+/// Client(socket=None, timeout_ms=2000, region_bytes=64 MiB, direct_read=False)
+///
+/// socket=None reads $KVTIER_SOCKET (else the daemon's default path), as the
+/// `kvtier` CLI does. It connects on first use and reconnects by itself.
+///
+/// Fail open: lookup, offload and onboard_into never raise for a missing
+/// block, a dead daemon or a timeout; every call ends within timeout_ms
+/// and each block's result says why it missed. They raise (kvtier.Error
+/// subclasses) only for misuse: a buffer of the wrong size, a read-only
+/// buffer for onboard, a bad key.
+///
+/// Threads: a Client may be shared between threads; its calls are
+/// serialised on one connection (each releases the GIL). For parallel I/O
+/// open one Client per thread. After os.fork() the child opens its own
+/// connection on first use (it never shares the parent's socket).
+///
+/// Buffers: anything with the buffer protocol (numpy arrays, bytearray,
+/// memoryview), DLPack tensors (CPU torch tensors), objects with
+/// __cuda_array_interface__, raw (ptr, nbytes) pairs (a third element
+/// "cuda:N" marks device memory), or, for one block in several places
+/// (layer-separate KV), a list of any of these as its segments.
+#[pyclass(module = "kvtier", name = "Client", frozen)]
+pub(crate) struct Client {
+    cfg: ClientConfig,
+    state: Mutex<State>,
+    /// Pools by the Rust client (per process) that owns them.
+    pools: Mutex<Vec<(usize, RsPool)>>,
+}
+
+fn hints(priority: u8, pinned: bool, ephemeral: bool, expected_reuse: u16) -> Hints {
+    Hints {
+        priority,
+        pinned,
+        ephemeral,
+        expected_reuse,
+    }
+}
+
+fn status_name(s: ItemStatus) -> String {
+    let d = format!("{s:?}");
+    let mut out = String::new();
+    for (i, c) in d.chars().enumerate() {
+        if c.is_ascii_uppercase() {
+            if i > 0 {
+                out.push('_');
+            }
+            out.push(c.to_ascii_lowercase());
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// Raw spans cross into the GIL-free closure as plain integers; the views
+/// they point into are held by a `Held` on the caller's stack.
+struct Blocks(Vec<BlockSpans>);
+
+impl Blocks {
+    /// The payload of block `i`: its one span, or its segments gathered.
+    fn payload<'a>(&'a self, i: usize, scratch: &'a mut Vec<u8>) -> &'a [u8] {
+        let b = &self.0[i];
+        if b.spans.len() == 1 {
+            let s = b.spans[0];
+            // SAFETY: the span is a live, exported view of s.len bytes
+            // (held until the call returns).
+            return unsafe { std::slice::from_raw_parts(s.ptr as *const u8, s.len) };
+        }
+        scratch.clear();
+        for s in &b.spans {
+            // SAFETY: as above.
+            scratch.extend_from_slice(unsafe {
+                std::slice::from_raw_parts(s.ptr as *const u8, s.len)
+            });
+        }
+        scratch
+    }
+}
+
+impl Client {
+    /// The client for this process: a child after fork() gets a fresh one
+    /// (the parent's socket and region stay the parent's).
+    pub(crate) fn inner(&self) -> PyResult<Arc<RsClient>> {
+        let mut g = self
+            .state
+            .lock()
+            .map_err(|_| UnavailableError::new_err("client state poisoned"))?;
+        let me = std::process::id();
+        if g.pid != me {
+            let old = std::mem::replace(
+                &mut g.inner,
+                Arc::new(RsClient::with_config(self.cfg.clone())),
+            );
+            // The parent's connection may be mid-call in a thread that does
+            // not exist here: leave its state alone rather than drop it.
+            std::mem::forget(old);
+            g.pid = me;
+        }
+        Ok(g.inner.clone())
+    }
+}
+
+#[pymethods]
+impl Client {
+    #[new]
+    #[pyo3(signature = (socket=None, timeout_ms=2000, region_bytes=67_108_864, direct_read=false))]
+    fn new(
+        socket: Option<PathBuf>,
+        timeout_ms: u64,
+        region_bytes: u64,
+        direct_read: bool,
+    ) -> PyResult<Self> {
+        if timeout_ms == 0 {
+            return Err(crate::errors::Error::new_err(
+                "timeout_ms must be at least 1",
+            ));
+        }
+        let mut cfg = ClientConfig::new(socket.unwrap_or_else(default_socket));
+        cfg.timeout_ms = timeout_ms;
+        cfg.region_bytes = region_bytes;
+        cfg.direct_read = direct_read;
+        Ok(Client {
+            state: Mutex::new(State {
+                pid: std::process::id(),
+                inner: Arc::new(RsClient::with_config(cfg.clone())),
+            }),
+            pools: Mutex::new(Vec::new()),
+            cfg,
+        })
+    }
+
+    /// The daemon's socket path.
+    #[getter]
+    fn socket(&self) -> String {
+        self.cfg.socket.display().to_string()
+    }
+
+    /// The deadline of every call, in milliseconds.
+    #[getter]
+    fn timeout_ms(&self) -> u64 {
+        self.cfg.timeout_ms
+    }
+
+    /// Connects now (otherwise the first call does); raises
+    /// kvtier.UnavailableError when the daemon cannot be reached.
+    fn connect(&self, py: Python<'_>) -> PyResult<()> {
+        let c = self.inner()?;
+        py.detach(move || c.ensure_connected()).map_err(from_client)
+    }
+
+    /// lookup(ns, keys) -> Lookup
+    ///
+    /// The longest cached prefix of the key chain `keys` (as hash_chain
+    /// returns), with the tier of each of its blocks. A dead daemon or a
+    /// timeout is an empty prefix with a reason, never an exception.
+    fn lookup(&self, py: Python<'_>, ns: &Namespace, keys: &Bound<'_, PyAny>) -> PyResult<Lookup> {
+        let keys = keys_from(keys)?;
+        let c = self.inner()?;
+        let ns = ns.inner.clone();
+        let r = py.detach(move || c.namespace(&ns).lookup(&keys));
+        Ok(Lookup::from(&r))
+    }
+
+    /// offload(ns, keys, bufs, parent=None, *, priority=0, pinned=False, ephemeral=False, expected_reuse=0) -> list[BlockResult]
+    ///
+    /// Stores blocks: bufs[i] holds keys[i]'s exactly ns.block_bytes bytes
+    /// (one buffer or a list of segments). keys form a chain: block i's
+    /// parent is keys[i-1], the first one's is `parent` (the last cached
+    /// block before them, or None). Hints: priority (0-255, higher kept
+    /// longer), pinned, ephemeral (reasoning tokens: never written below
+    /// G3, evicted first), expected_reuse. Each result is "stored",
+    /// "already_present" or a miss with its reason.
+    #[pyo3(signature = (ns, keys, bufs, parent=None, *, priority=0, pinned=false, ephemeral=false, expected_reuse=0))]
+    #[allow(clippy::too_many_arguments)]
+    fn offload(
+        &self,
+        py: Python<'_>,
+        ns: &Namespace,
+        keys: &Bound<'_, PyAny>,
+        bufs: &Bound<'_, PyAny>,
+        parent: Option<&Bound<'_, PyAny>>,
+        priority: u8,
+        pinned: bool,
+        ephemeral: bool,
+        expected_reuse: u16,
+    ) -> PyResult<Vec<BlockResult>> {
+        let keys = keys_from(keys)?;
+        let parent = parent.map(crate::ns::key_from).transpose()?;
+        let bb = ns.inner.layout.block_bytes() as usize;
+        let mut held = Held::default();
+        let blocks = all_blocks(bufs, false, bb, keys.len(), &mut held)?;
+        if blocks.iter().any(|b| b.place != Place::Host) {
+            return crate::gpu::offload_device(
+                py,
+                self,
+                ns,
+                &keys,
+                parent,
+                &blocks,
+                hints(priority, pinned, ephemeral, expected_reuse),
+            );
+        }
+        let c = self.inner()?;
+        let nsr = ns.inner.clone();
+        let h = hints(priority, pinned, ephemeral, expected_reuse);
+        let blocks = Blocks(blocks);
+        let out = py.detach(move || {
+            let mut scratch: Vec<Vec<u8>> = vec![Vec::new(); blocks.0.len()];
+            let mut payloads: Vec<&[u8]> = Vec::with_capacity(blocks.0.len());
+            for (i, s) in scratch.iter_mut().enumerate() {
+                payloads.push(blocks.payload(i, s));
+            }
+            let mut p = parent;
+            let items: Vec<OffloadBlock<'_>> = keys
+                .iter()
+                .zip(&payloads)
+                .map(|(k, pl)| {
+                    let b = OffloadBlock {
+                        key: *k,
+                        parent: p,
+                        payload: pl,
+                        hints: h,
+                    };
+                    p = Some(*k);
+                    b
+                })
+                .collect();
+            c.namespace(&nsr).offload(&items)
+        });
+        drop(held);
+        Ok(out.iter().map(BlockResult::offloaded).collect())
+    }
+
+    /// onboard_into(ns, keys, bufs) -> list[BlockResult]
+    ///
+    /// Reads keys[i] into bufs[i] (writable, exactly ns.block_bytes bytes:
+    /// one buffer or a list of segments), verifying every byte (blake3) in
+    /// the destination. A hit says its tier; a miss says why (then that
+    /// buffer's content is unspecified: recompute it).
+    fn onboard_into(
+        &self,
+        py: Python<'_>,
+        ns: &Namespace,
+        keys: &Bound<'_, PyAny>,
+        bufs: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<BlockResult>> {
+        let keys = keys_from(keys)?;
+        let bb = ns.inner.layout.block_bytes() as usize;
+        let mut held = Held::default();
+        let blocks = all_blocks(bufs, true, bb, keys.len(), &mut held)?;
+        if blocks.iter().any(|b| b.place != Place::Host) {
+            return crate::gpu::onboard_device(py, self, ns, &keys, &blocks);
+        }
+        let c = self.inner()?;
+        let nsr = ns.inner.clone();
+        let blocks = Blocks(blocks);
+        let out = py.detach(move || {
+            let segmented: Vec<bool> = blocks.0.iter().map(|b| b.spans.len() > 1).collect();
+            let mut scratch: Vec<Vec<u8>> = segmented
+                .iter()
+                .map(|&s| if s { vec![0u8; bb] } else { Vec::new() })
+                .collect();
+            let mut dsts: Vec<&mut [u8]> = Vec::with_capacity(blocks.0.len());
+            for (b, s) in blocks.0.iter().zip(scratch.iter_mut()) {
+                if b.spans.len() == 1 {
+                    let sp = b.spans[0];
+                    // SAFETY: a live, writable, exported view of sp.len
+                    // bytes, held until the call returns; distinct
+                    // buffers are the caller's promise, as in C.
+                    dsts.push(unsafe { std::slice::from_raw_parts_mut(sp.ptr as *mut u8, sp.len) });
+                } else {
+                    dsts.push(s.as_mut_slice());
+                }
+            }
+            let res = c.namespace(&nsr).onboard_into(&keys, &mut dsts);
+            drop(dsts);
+            // Scatter verified bytes into the segments of segmented blocks.
+            for (i, r) in res.iter().enumerate() {
+                if !segmented[i] || !r.is_hit() {
+                    continue;
+                }
+                let mut off = 0;
+                for sp in &blocks.0[i].spans {
+                    // SAFETY: as above.
+                    let d = unsafe { std::slice::from_raw_parts_mut(sp.ptr as *mut u8, sp.len) };
+                    d.copy_from_slice(&scratch[i][off..off + sp.len]);
+                    off += sp.len;
+                }
+            }
+            res
+        });
+        drop(held);
+        Ok(out.iter().map(BlockResult::onboarded).collect())
+    }
+
+    /// pin(ns, keys, ttl_ms=600000) -> list[str]
+    ///
+    /// Keeps keys from eviction for ttl_ms (the daemon caps it). Per key:
+    /// "ok", "absent", ... Raises kvtier.UnavailableError when the daemon
+    /// cannot be reached.
+    #[pyo3(signature = (ns, keys, ttl_ms=600_000))]
+    fn pin(
+        &self,
+        py: Python<'_>,
+        ns: &Namespace,
+        keys: &Bound<'_, PyAny>,
+        ttl_ms: u32,
+    ) -> PyResult<Vec<String>> {
+        let keys = keys_from(keys)?;
+        let c = self.inner()?;
+        let nsr = ns.inner.clone();
+        let r = py
+            .detach(move || c.namespace(&nsr).pin(&keys, ttl_ms))
+            .map_err(from_client)?;
+        Ok(r.into_iter().map(status_name).collect())
+    }
+
+    /// unpin(ns, keys) -> list[str]: removes pins ("ok" or "absent" per key).
+    fn unpin(
+        &self,
+        py: Python<'_>,
+        ns: &Namespace,
+        keys: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<String>> {
+        let keys = keys_from(keys)?;
+        let c = self.inner()?;
+        let nsr = ns.inner.clone();
+        let r = py
+            .detach(move || c.namespace(&nsr).unpin(&keys))
+            .map_err(from_client)?;
+        Ok(r.into_iter().map(status_name).collect())
+    }
+
+    /// evict(ns, keys) -> list[str]: removes blocks from this node ("ok",
+    /// "absent", or "limit_reached" for a leased or pinned block).
+    fn evict(
+        &self,
+        py: Python<'_>,
+        ns: &Namespace,
+        keys: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<String>> {
+        let keys = keys_from(keys)?;
+        let c = self.inner()?;
+        let nsr = ns.inner.clone();
+        let r = py
+            .detach(move || c.namespace(&nsr).evict(&keys))
+            .map_err(from_client)?;
+        Ok(r.into_iter().map(status_name).collect())
+    }
+
+    /// stat(ns, keys) -> list[dict | None]
+    ///
+    /// Metadata per key (None when not stored): tier, nbytes, blake3 (hex),
+    /// created_unix_ms, pinned_until_unix_ms, leases.
+    fn stat<'py>(
+        &self,
+        py: Python<'py>,
+        ns: &Namespace,
+        keys: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let keys = keys_from(keys)?;
+        let c = self.inner()?;
+        let nsr = ns.inner.clone();
+        let r = py
+            .detach(move || c.namespace(&nsr).stat(&keys))
+            .map_err(from_client)?;
+        let out = PyList::empty(py);
+        for s in r {
+            match s {
+                None => out.append(py.None())?,
+                Some(s) => {
+                    let d = PyDict::new(py);
+                    d.set_item("tier", s.tier.name())?;
+                    d.set_item("nbytes", s.payload_len)?;
+                    d.set_item(
+                        "blake3",
+                        s.payload_blake3
+                            .iter()
+                            .map(|b| format!("{b:02x}"))
+                            .collect::<String>(),
+                    )?;
+                    d.set_item("created_unix_ms", s.created_unix_ms)?;
+                    d.set_item("pinned_until_unix_ms", s.pinned_until_unix_ms)?;
+                    d.set_item("leases", s.leases)?;
+                    out.append(d)?;
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// stats() -> dict: the daemon's statistics (what `kvtier stats` prints).
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let c = self.inner()?;
+        let v = py.detach(move || c.stats()).map_err(from_client)?;
+        py.import("json")?.call_method1("loads", (v.to_string(),))
+    }
+
+    /// events(timeout_ms=None) -> iterator of dict
+    ///
+    /// KV events (blocks stored / removed, per tier) as the dicts of their
+    /// JSON form. With timeout_ms the iteration ends after that long
+    /// without an event; it also ends when the daemon goes away. Ctrl-C
+    /// interrupts the wait.
+    #[pyo3(signature = (timeout_ms=None))]
+    fn events(&self, py: Python<'_>, timeout_ms: Option<u64>) -> PyResult<Events> {
+        let c = self.inner()?;
+        let s = py
+            .detach(move || c.subscribe_events())
+            .map_err(from_client)?;
+        Ok(Events {
+            stream: Mutex::new(Some(s)),
+            idle: timeout_ms.map(Duration::from_millis),
+        })
+    }
+
+    /// alloc_pool(nbytes) -> Pool
+    ///
+    /// A shared-memory pool of nbytes (rounded up to 4096) inside this
+    /// client's region: blocks placed in its slots (Pool.block(i,
+    /// block_bytes), Pool.array(block_bytes)) are offloaded and onboarded
+    /// with offload_pool / onboard_pool by offset only: no payload byte is
+    /// copied by the client or sent over the socket. The daemon counts it
+    /// against its per-client region limit (server.region_bytes_max) and
+    /// refuses more (kvtier.PoolError). One pool per client; it stays
+    /// mapped while any view of it lives. Not inherited across fork().
+    fn alloc_pool(&self, py: Python<'_>, nbytes: u64) -> PyResult<Pool> {
+        let c = self.inner()?;
+        let c2 = c.clone();
+        let pool = py.detach(move || c2.alloc_pool(nbytes)).map_err(|e| {
+            PoolError::new_err(format!(
+                "pool of {nbytes} bytes refused: {e} (the daemon's per-client limit is \
+                 server.region_bytes_max, counting region_bytes + the pool)"
+            ))
+        })?;
+        if let Ok(mut g) = self.pools.lock() {
+            g.push((Arc::as_ptr(&c) as usize, pool.clone()));
+        }
+        Ok(Pool { inner: pool })
+    }
+
+    /// offload_pool(ns, keys, slots, parent=None, *, priority=0, pinned=False, ephemeral=False, expected_reuse=0) -> list[BlockResult]
+    ///
+    /// Like offload, for blocks already in this client's pool: keys[i] is
+    /// in slot slots[i] (slots of Pool.slot_bytes(ns.block_bytes)). Only
+    /// offsets are sent.
+    #[pyo3(signature = (ns, keys, slots, parent=None, *, priority=0, pinned=false, ephemeral=false, expected_reuse=0))]
+    #[allow(clippy::too_many_arguments)]
+    fn offload_pool(
+        &self,
+        py: Python<'_>,
+        ns: &Namespace,
+        keys: &Bound<'_, PyAny>,
+        slots: Vec<u64>,
+        parent: Option<&Bound<'_, PyAny>>,
+        priority: u8,
+        pinned: bool,
+        ephemeral: bool,
+        expected_reuse: u16,
+    ) -> PyResult<Vec<BlockResult>> {
+        let keys = keys_from(keys)?;
+        let parent = parent.map(crate::ns::key_from).transpose()?;
+        let (c, pool, offs) = self.pool_args(ns, &keys, &slots)?;
+        let nsr = ns.inner.clone();
+        let h = hints(priority, pinned, ephemeral, expected_reuse);
+        let out = py.detach(move || {
+            let mut p = parent;
+            let items: Vec<PoolBlock> = keys
+                .iter()
+                .zip(&offs)
+                .map(|(k, o)| {
+                    let b = PoolBlock {
+                        key: *k,
+                        parent: p,
+                        slot_offset: *o,
+                        hints: h,
+                    };
+                    p = Some(*k);
+                    b
+                })
+                .collect();
+            c.namespace(&nsr).offload_pool(&pool, &items)
+        });
+        Ok(out.iter().map(BlockResult::offloaded).collect())
+    }
+
+    /// onboard_pool(ns, keys, slots) -> list[BlockResult]
+    ///
+    /// Like onboard_into, into this client's pool: the daemon writes keys[i]
+    /// into slot slots[i] and the client verifies it there.
+    fn onboard_pool(
+        &self,
+        py: Python<'_>,
+        ns: &Namespace,
+        keys: &Bound<'_, PyAny>,
+        slots: Vec<u64>,
+    ) -> PyResult<Vec<BlockResult>> {
+        let keys = keys_from(keys)?;
+        let (c, pool, offs) = self.pool_args(ns, &keys, &slots)?;
+        let nsr = ns.inner.clone();
+        let out = py.detach(move || c.namespace(&nsr).onboard_pool(&pool, &keys, &offs));
+        Ok(out.iter().map(BlockResult::onboarded).collect())
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Client(socket={:?}, timeout_ms={})",
+            self.cfg.socket.display().to_string(),
+            self.cfg.timeout_ms
+        )
+    }
+}
+
+impl Client {
+    fn pool_args(
+        &self,
+        ns: &Namespace,
+        keys: &[BlockKey],
+        slots: &[u64],
+    ) -> PyResult<(Arc<RsClient>, RsPool, Vec<u64>)> {
+        let c = self.inner()?;
+        let pool = self
+            .pool_of(&c)?
+            .ok_or_else(|| PoolError::new_err("this client has no pool in this process: call alloc_pool first (a pool is not inherited across fork())"))?;
+        if slots.len() != keys.len() {
+            return Err(PoolError::new_err(format!(
+                "{} slots for {} keys: pass one slot per key",
+                slots.len(),
+                keys.len()
+            )));
+        }
+        let slot = RsPool::slot_bytes(ns.inner.layout.block_bytes());
+        let n = pool.len() / slot;
+        let offs = slots
+            .iter()
+            .map(|&s| {
+                if s >= n {
+                    Err(PoolError::new_err(format!("slot {s} is outside the pool: it holds {n} slots of {slot} bytes for this namespace's blocks")))
+                } else {
+                    Ok(s * slot)
+                }
+            })
+            .collect::<PyResult<Vec<u64>>>()?;
+        Ok((c, pool, offs))
+    }
+
+    fn pool_of(&self, c: &Arc<RsClient>) -> PyResult<Option<RsPool>> {
+        let g = self
+            .pools
+            .lock()
+            .map_err(|_| PoolError::new_err("pool state poisoned"))?;
+        Ok(g.iter()
+            .find(|(o, _)| *o == Arc::as_ptr(c) as usize)
+            .map(|(_, p)| p.clone()))
+    }
+}
+
+/// The iterator `Client.events()` returns.
+#[pyclass(module = "kvtier", frozen)]
+pub(crate) struct Events {
+    stream: Mutex<Option<EventStream>>,
+    idle: Option<Duration>,
+}
+
+#[pymethods]
+impl Events {
+    fn __iter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
+        slf
+    }
+
+    fn __next__<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let start = Instant::now();
+        loop {
+            // The lock is taken without the GIL: a thread waiting for it
+            // must not hold the GIL the waiting holder needs to return.
+            let got: Result<Option<String>, ()> = py.detach(|| {
+                let Ok(mut g) = self.stream.lock() else {
+                    return Err(());
+                };
+                let Some(s) = g.as_mut() else {
+                    return Err(());
+                };
+                match s.next_timeout(Duration::from_millis(100)) {
+                    Ok(Some(ev)) => Ok(Some(ev.to_json().to_string())),
+                    Ok(None) => Ok(None),
+                    Err(_) => {
+                        *g = None;
+                        Err(())
+                    }
+                }
+            });
+            match got {
+                Ok(Some(txt)) => return py.import("json")?.call_method1("loads", (txt,)).map(Some),
+                Ok(None) => {}
+                Err(()) => return Ok(None),
+            }
+            py.check_signals()?;
+            if self.idle.is_some_and(|d| start.elapsed() >= d) {
+                return Ok(None);
+            }
+        }
+    }
+
+    /// Ends the subscription.
+    fn close(&self) {
+        if let Ok(mut g) = self.stream.lock() {
+            *g = None;
+        }
+    }
+}
+
+/// A shared-memory pool (Client.alloc_pool): a writable buffer
+/// (memoryview(pool), numpy.frombuffer(pool, numpy.uint8)) whose slots hold
+/// blocks that move by offset only.
+///
+/// Slot i of a namespace with block_bytes b starts at i *
+/// Pool.slot_bytes(b); its payload (the block's bytes) is at +4096 (a
+/// header page comes first). Pool.block(i, b) and Pool.array(b) give the
+/// payload views.
+#[pyclass(module = "kvtier", frozen)]
+pub(crate) struct Pool {
+    pub(crate) inner: RsPool,
+}
+
+#[pymethods]
+impl Pool {
+    /// Bytes of the pool.
+    #[getter]
+    fn nbytes(&self) -> u64 {
+        self.inner.len()
+    }
+
+    /// Bytes of one slot for blocks of block_bytes (a 4096-byte header page,
+    /// then the payload padded to 4096).
+    #[staticmethod]
+    fn slot_bytes(block_bytes: u64) -> u64 {
+        RsPool::slot_bytes(block_bytes)
+    }
+
+    /// Slots for blocks of block_bytes.
+    fn num_slots(&self, block_bytes: u64) -> u64 {
+        self.inner.len() / RsPool::slot_bytes(block_bytes)
+    }
+
+    /// Address of the pool's first byte (to register it with CUDA, say).
+    #[getter]
+    fn ptr(&self) -> usize {
+        self.inner.as_ptr() as usize
+    }
+
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut pyo3::ffi::Py_buffer,
+        flags: std::os::raw::c_int,
+    ) -> PyResult<()> {
+        let p = slf.get();
+        let len = p.inner.len();
+        let ptr = p.inner.as_ptr();
+        // SAFETY: the mapping lives as long as `p.inner` (an Arc of the
+        // region), which the view keeps alive through its reference to
+        // `slf`; FillInfo takes that reference.
+        let rc = unsafe {
+            pyo3::ffi::PyBuffer_FillInfo(
+                view,
+                slf.as_ptr(),
+                ptr as *mut std::ffi::c_void,
+                len as pyo3::ffi::Py_ssize_t,
+                0,
+                flags,
+            )
+        };
+        if rc != 0 {
+            return Err(PyErr::fetch(slf.py()));
+        }
+        Ok(())
+    }
+
+    unsafe fn __releasebuffer__(&self, _view: *mut pyo3::ffi::Py_buffer) {}
+
+    fn __repr__(&self) -> String {
+        format!("Pool(nbytes={})", self.inner.len())
+    }
+}

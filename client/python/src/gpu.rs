@@ -1,0 +1,208 @@
+//! CUDA device buffers for onboard_into and offload.
+//!
+//! The route: the block moves between the daemon and a pinned host bounce
+//! buffer exactly as a host block does (so it is verified by blake3 in
+//! host memory the client owns), then one synchronous copy moves it to or
+//! from the device, per segment, through kvtier-gds (the crate that holds
+//! every CUDA call). Without a CUDA driver the call raises
+//! kvtier.DeviceError naming what is missing.
+
+use crate::buffers::{BlockSpans, Place};
+use crate::client::Client;
+use crate::errors::DeviceError;
+use crate::ns::Namespace;
+use crate::results::BlockResult;
+use kvtier_client::{BlockKey, Hints, OffloadBlock};
+use pyo3::prelude::*;
+use std::sync::{Arc, Mutex};
+
+/// Why device memory cannot be used here, as an exception.
+pub(crate) fn device_unavailable(op: &str, dev: i32) -> PyErr {
+    let caps = kvtier_gds::Capabilities::probe();
+    let d = if dev < 0 {
+        "cuda".to_string()
+    } else {
+        format!("cuda:{dev}")
+    };
+    DeviceError::new_err(format!(
+        "{op}: a {d} device buffer was given, but {} ; pass host memory (numpy, bytearray, a CPU \
+         tensor), or run where the NVIDIA driver (libcuda) and a GPU are present",
+        caps.describe()
+    ))
+}
+
+fn ordinal(blocks: &[BlockSpans]) -> u32 {
+    blocks
+        .iter()
+        .find_map(|b| match b.place {
+            Place::Cuda(d) if d >= 0 => Some(d as u32),
+            _ => None,
+        })
+        .unwrap_or(0)
+}
+
+/// One bounce buffer per process, grown on demand (pinned allocation
+/// costs milliseconds; a call must not pay it per block).
+static BOUNCE: Mutex<Option<kvtier_gds::cuda::PinnedBuf>> = Mutex::new(None);
+/// Opened GPUs by ordinal.
+static GPUS: Mutex<Vec<(u32, Arc<kvtier_gds::cuda::Gpu>)>> = Mutex::new(Vec::new());
+
+fn open_gpu(op: &str, blocks: &[BlockSpans]) -> PyResult<Arc<kvtier_gds::cuda::Gpu>> {
+    let ord = ordinal(blocks);
+    let mut g = GPUS
+        .lock()
+        .map_err(|_| DeviceError::new_err("GPU table poisoned"))?;
+    if let Some((_, gpu)) = g.iter().find(|(o, _)| *o == ord) {
+        return Ok(gpu.clone());
+    }
+    let caps = kvtier_gds::Capabilities::probe();
+    if !caps.has_cuda() {
+        let dev = blocks
+            .iter()
+            .find_map(|b| match b.place {
+                Place::Cuda(d) => Some(d),
+                _ => None,
+            })
+            .unwrap_or(-1);
+        return Err(device_unavailable(op, dev));
+    }
+    let gpu = kvtier_gds::cuda::Gpu::open(ord)
+        .map_err(|e| DeviceError::new_err(format!("{op}: opening the GPU: {e}")))?;
+    g.push((ord, gpu.clone()));
+    Ok(gpu)
+}
+
+/// Runs `f` with a pinned bounce buffer of at least `len` bytes.
+fn with_bounce<T>(
+    gpu: &Arc<kvtier_gds::cuda::Gpu>,
+    len: usize,
+    f: impl FnOnce(&mut kvtier_gds::cuda::PinnedBuf) -> Result<T, String>,
+) -> Result<T, String> {
+    let mut g = BOUNCE
+        .lock()
+        .map_err(|_| "bounce buffer poisoned".to_string())?;
+    if g.as_ref().is_none_or(|b| b.len() < len) {
+        *g = None;
+        *g = Some(kvtier_gds::cuda::PinnedBuf::new(gpu, len).map_err(|e| e.to_string())?);
+    }
+    let Some(b) = g.as_mut() else {
+        return Err("no bounce buffer".into());
+    };
+    f(b)
+}
+
+/// Onboards into device buffers through a pinned bounce buffer: one
+/// onboard of the whole batch into it, then one copy per segment.
+pub(crate) fn onboard_device(
+    py: Python<'_>,
+    client: &Client,
+    ns: &Namespace,
+    keys: &[BlockKey],
+    blocks: &[BlockSpans],
+) -> PyResult<Vec<BlockResult>> {
+    if blocks.iter().any(|b| b.place == Place::Host) {
+        return Err(DeviceError::new_err(
+            "onboard_into: one call takes either host or device buffers, not both",
+        ));
+    }
+    let gpu = open_gpu("onboard_into", blocks)?;
+    let c = client.inner()?;
+    let nsr = ns.inner.clone();
+    let bb = nsr.layout.block_bytes() as usize;
+    let blocks = blocks.to_vec();
+    let keys = keys.to_vec();
+    let r: Result<Vec<BlockResult>, String> = py.detach(move || {
+        with_bounce(&gpu, bb * keys.len().max(1), |bounce| {
+            let res = {
+                let mut dsts: Vec<&mut [u8]> = bounce.as_mut_slice()[..bb * keys.len()]
+                    .chunks_mut(bb)
+                    .collect();
+                c.namespace(&nsr).onboard_into(&keys, &mut dsts)
+            };
+            let host = bounce.as_slice();
+            for (i, (r, b)) in res.iter().zip(&blocks).enumerate() {
+                if !r.is_hit() {
+                    continue;
+                }
+                let mut off = i * bb;
+                for s in &b.spans {
+                    // SAFETY: the caller's device span of s.len bytes, kept
+                    // alive by the held export for this call.
+                    unsafe {
+                        kvtier_gds::cuda::copy_htod_raw(&gpu, s.ptr as u64, &host[off..off + s.len])
+                    }
+                    .map_err(|e| e.to_string())?;
+                    off += s.len;
+                }
+            }
+            Ok(res.iter().map(BlockResult::onboarded).collect())
+        })
+    });
+    r.map_err(|e| DeviceError::new_err(format!("onboard_into: {e}")))
+}
+
+/// Offloads from device buffers through a pinned bounce buffer: one copy
+/// per segment into it, then one offload of the whole batch.
+pub(crate) fn offload_device(
+    py: Python<'_>,
+    client: &Client,
+    ns: &Namespace,
+    keys: &[BlockKey],
+    parent: Option<BlockKey>,
+    blocks: &[BlockSpans],
+    hints: Hints,
+) -> PyResult<Vec<BlockResult>> {
+    if blocks.iter().any(|b| b.place == Place::Host) {
+        return Err(DeviceError::new_err(
+            "offload: one call takes either host or device buffers, not both",
+        ));
+    }
+    let gpu = open_gpu("offload", blocks)?;
+    let c = client.inner()?;
+    let nsr = ns.inner.clone();
+    let bb = nsr.layout.block_bytes() as usize;
+    let blocks = blocks.to_vec();
+    let keys = keys.to_vec();
+    let r: Result<Vec<BlockResult>, String> = py.detach(move || {
+        with_bounce(&gpu, bb * keys.len().max(1), |bounce| {
+            let host = bounce.as_mut_slice();
+            for (i, b) in blocks.iter().enumerate() {
+                let mut off = i * bb;
+                for s in &b.spans {
+                    // SAFETY: as in onboard_device.
+                    unsafe {
+                        kvtier_gds::cuda::copy_dtoh_raw(
+                            &gpu,
+                            s.ptr as u64,
+                            &mut host[off..off + s.len],
+                        )
+                    }
+                    .map_err(|e| e.to_string())?;
+                    off += s.len;
+                }
+            }
+            let host = bounce.as_slice();
+            let mut p = parent;
+            let items: Vec<OffloadBlock<'_>> = keys
+                .iter()
+                .enumerate()
+                .map(|(i, k)| {
+                    let it = OffloadBlock {
+                        key: *k,
+                        parent: p,
+                        payload: &host[i * bb..(i + 1) * bb],
+                        hints,
+                    };
+                    p = Some(*k);
+                    it
+                })
+                .collect();
+            Ok(c.namespace(&nsr)
+                .offload(&items)
+                .iter()
+                .map(BlockResult::offloaded)
+                .collect())
+        })
+    });
+    r.map_err(|e| DeviceError::new_err(format!("offload: {e}")))
+}

@@ -1,0 +1,194 @@
+"""Threads, fork, asyncio, the GIL, and a daemon killed mid-call."""
+
+import asyncio
+import os
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import kvtier
+import kvtier.aio
+
+from conftest import BLOCK
+
+
+def block(i):
+    return np.full(BLOCK, i % 251, np.uint8)
+
+
+def test_one_client_shared_by_threads(client, ns):
+    errors = []
+
+    def work(t):
+        try:
+            tns = kvtier.Namespace("threads", ns.layout, tenant_salt=bytes([t]))
+            keys = tns.hash_chain(list(range(16 * 4)))
+            data = [block(t * 10 + i) for i in range(4)]
+            for _ in range(5):
+                assert all(client.offload(tns, keys, data))
+                out = [np.zeros(BLOCK, np.uint8) for _ in keys]
+                assert all(client.onboard_into(tns, keys, out))
+                assert all(np.array_equal(a, b) for a, b in zip(out, data))
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    ts = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errors, errors
+
+
+@pytest.fixture
+def silent_socket(tmp_path):
+    """A socket that accepts and never answers: a hung daemon."""
+    path = str(tmp_path / "silent.sock")
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(path)
+    srv.listen(8)
+    conns = []
+    stop = threading.Event()
+
+    def accept():
+        srv.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                conns.append(srv.accept()[0])
+            except OSError:
+                pass
+
+    th = threading.Thread(target=accept, daemon=True)
+    th.start()
+    yield path
+    stop.set()
+    th.join()
+    srv.close()
+
+
+def test_calls_release_the_gil_and_end_within_the_deadline(silent_socket, ns):
+    c = kvtier.Client(socket=silent_socket, timeout_ms=800)
+    keys = ns.hash_chain(list(range(16)))
+    ticks = [0]
+    done = threading.Event()
+
+    def spin():
+        while not done.is_set():
+            ticks[0] += 1
+
+    th = threading.Thread(target=spin)
+    th.start()
+    t0 = time.monotonic()
+    r = c.lookup(ns, keys)
+    took = time.monotonic() - t0
+    done.set()
+    th.join()
+    assert r.prefix_len == 0 and r.reason in ("timeout", "unavailable"), r
+    assert took < 5, took
+    # Pure Python ran meanwhile: the call did not hold the GIL.
+    assert ticks[0] > 1000, ticks[0]
+
+
+def test_fork_child_reconnects(client, ns):
+    keys = ns.hash_chain(list(range(32)))
+    data = [block(1), block(2)]
+    assert all(client.offload(ns, keys, data))
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            out = [np.zeros(BLOCK, np.uint8) for _ in keys]
+            ok = all(client.onboard_into(ns, keys, out))
+            ok = ok and all(np.array_equal(a, b) for a, b in zip(out, data))
+            ok = ok and client.offload(ns, ns.hash_chain(list(range(48)))[2:], [block(3)])[0].ok
+            code = 0 if ok else 2
+        finally:
+            os._exit(code)
+    # The parent keeps using its own connection meanwhile.
+    for _ in range(5):
+        assert client.lookup(ns, keys).prefix_len == 2
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+    assert client.lookup(ns, ns.hash_chain(list(range(48)))).prefix_len == 3
+
+
+def test_asyncio_does_not_block_the_loop(daemon, silent_socket, ns):
+    async def main():
+        ticks = 0
+        stop = False
+
+        async def ticker():
+            nonlocal ticks
+            while not stop:
+                ticks += 1
+                await asyncio.sleep(0.01)
+
+        t = asyncio.create_task(ticker())
+        hung = kvtier.aio.Client(socket=silent_socket, timeout_ms=600)
+        r = await hung.lookup(ns, ns.hash_chain(list(range(16))))
+        assert r.prefix_len == 0 and r.reason is not None
+        assert ticks >= 20, ticks  # the loop ran during the 600 ms wait
+        c = kvtier.aio.Client(socket=daemon.socket)
+        keys = ns.hash_chain(list(range(32)))
+        data = [block(5), block(6)]
+        assert all(await c.offload(ns, keys, data))
+        out = [np.zeros(BLOCK, np.uint8) for _ in keys]
+        res = await asyncio.gather(c.onboard_into(ns, keys[:1], out[:1]), c.onboard_into(ns, keys[1:], out[1:]))
+        assert all(r[0] for r in res)
+        assert all(np.array_equal(a, b) for a, b in zip(out, data))
+        assert (await c.lookup(ns, keys)).prefix_len == 2
+        assert isinstance(await c.stats(), dict)
+        stop = True
+        await t
+
+    asyncio.run(main())
+
+
+def test_kill9_mid_call_gives_misses_then_recovers(daemon, ns):
+    c = kvtier.Client(socket=daemon.socket, timeout_ms=2000)
+    n = 16
+    keys = ns.hash_chain(list(range(16 * n)))
+    data = [block(i) for i in range(n)]
+    assert all(c.offload(ns, keys, data))
+    results = []
+    errors = []
+    stop = threading.Event()
+
+    def hammer():
+        out = [np.zeros(BLOCK, np.uint8) for _ in keys]
+        while not stop.is_set():
+            t0 = time.monotonic()
+            try:
+                r = c.onboard_into(ns, keys, out)
+                results.append((time.monotonic() - t0, [x.reason for x in r]))
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+                return
+
+    th = threading.Thread(target=hammer)
+    th.start()
+    time.sleep(0.3)
+    daemon.kill9()
+    time.sleep(0.5)
+    stop.set()
+    th.join(timeout=10)
+    assert not th.is_alive(), "a call hung after kill -9"
+    assert not errors, errors
+    reasons = {r for _, rs in results for r in rs}
+    assert None in reasons, "no hit before the kill"
+    assert reasons & {"unavailable", "timeout", "refused", "corrupt"}, reasons
+    assert max(t for t, _ in results) < 2.0 + 1.0
+    # Restarted on the same directories: the durable blocks are hits again.
+    daemon.start()
+    out = [np.zeros(BLOCK, np.uint8) for _ in keys]
+    deadline = time.monotonic() + 5
+    while True:
+        r = c.onboard_into(ns, keys, out)
+        if all(r) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert all(r), r
+    assert all(np.array_equal(a, b) for a, b in zip(out, data))

@@ -1,0 +1,146 @@
+"""The shared-memory pool: blocks move by offset only."""
+
+import array
+import os
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import kvtier
+
+from conftest import BLOCK
+
+
+class CountingProxy:
+    """A Unix-socket proxy between a client and kvtierd that forwards bytes
+    and passed fds (SCM_RIGHTS) and records every byte the client sends."""
+
+    def __init__(self, target: str, path: str) -> None:
+        self.target, self.path = target, path
+        self.sent = bytearray()
+        self.lock = threading.Lock()
+        self.srv = socket.socket(socket.AF_UNIX)
+        self.srv.bind(path)
+        self.srv.listen(8)
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                c, _ = self.srv.accept()
+            except OSError:
+                return
+            d = socket.socket(socket.AF_UNIX)
+            d.connect(self.target)
+            threading.Thread(target=self._pump, args=(c, d, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(d, c, False), daemon=True).start()
+
+    def _pump(self, src, dst, count):
+        fds_space = socket.CMSG_SPACE(253 * 4)
+        try:
+            while True:
+                data, anc, _flags, _ = src.recvmsg(1 << 20, fds_space)
+                if not data:
+                    break
+                fds = array.array("i")
+                for lvl, typ, cd in anc:
+                    if lvl == socket.SOL_SOCKET and typ == socket.SCM_RIGHTS:
+                        fds.frombytes(cd[: len(cd) - (len(cd) % 4)])
+                if count:
+                    with self.lock:
+                        self.sent += data
+                cms = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)] if fds else []
+                dst.sendmsg([data], cms)
+                for fd in fds:
+                    os.close(fd)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def reset(self):
+        with self.lock:
+            n = len(self.sent)
+            self.sent.clear()
+        return n
+
+    def close(self):
+        self.srv.close()
+
+
+def test_pool_offload_sends_no_payload_bytes(daemon, ns, tmp_path):
+    proxy = CountingProxy(daemon.socket, str(tmp_path / "proxy.sock"))
+    c = kvtier.Client(socket=proxy.path, timeout_ms=5000, region_bytes=1 << 20)
+    n = 8
+    pool = c.alloc_pool(n * kvtier.Pool.slot_bytes(BLOCK))
+    assert pool.num_slots(BLOCK) == n and pool.nbytes >= n * BLOCK
+    arr = pool.array(BLOCK)
+    assert arr.shape == (n, BLOCK) and arr.flags.writeable
+    rng = np.random.default_rng(7)
+    data = rng.integers(0, 256, (n, BLOCK), dtype=np.uint8)
+    arr[:] = data
+    keys = ns.hash_chain(list(range(16 * n)))
+    proxy.reset()
+    res = c.offload_pool(ns, keys, list(range(n)))
+    assert all(r.status == "stored" for r in res), res
+    sent = bytes(proxy.sent)
+    payload_total = n * BLOCK
+    # Only a small request frame crossed the socket: offsets, not bytes.
+    assert len(sent) < 16 * 1024, len(sent)
+    assert len(sent) < payload_total // 100
+    for row in data:
+        assert row[1000:1064].tobytes() not in sent
+    # The stored blocks are the pool's bytes: read them back elsewhere.
+    plain = kvtier.Client(socket=daemon.socket)
+    out = [np.zeros(BLOCK, np.uint8) for _ in range(n)]
+    assert all(plain.onboard_into(ns, keys, out))
+    assert all(np.array_equal(a, b) for a, b in zip(out, data))
+    # Onboard into other slots of the pool: again offsets only.
+    arr[:] = 0
+    proxy.reset()
+    got = c.onboard_pool(ns, keys[:4], [7, 6, 5, 4])
+    assert all(got), got
+    assert len(proxy.sent) < 16 * 1024
+    for i, s in enumerate([7, 6, 5, 4]):
+        assert np.array_equal(arr[s], data[i])
+        assert pool.block(s, BLOCK).tobytes() == data[i].tobytes()
+    proxy.close()
+
+
+def test_pool_limits_and_misuse(start_daemon, ns):
+    d = start_daemon(config='[server]\nregion_bytes_max = "8MiB"\n')
+    c = kvtier.Client(socket=d.socket, region_bytes=1 << 20)
+    with pytest.raises(kvtier.PoolError, match="region_bytes_max"):
+        c.alloc_pool(16 << 20)
+    with pytest.raises(kvtier.PoolError, match="no pool"):
+        c.onboard_pool(ns, ns.hash_chain(list(range(16))), [0])
+    pool = c.alloc_pool(4 << 20)
+    with pytest.raises(kvtier.PoolError, match="already has a pool"):
+        c.alloc_pool(4096)
+    n = pool.num_slots(BLOCK)
+    keys = ns.hash_chain(list(range(16)))
+    with pytest.raises(kvtier.PoolError, match="outside the pool"):
+        c.offload_pool(ns, keys, [n])
+    with pytest.raises(kvtier.PoolError, match="one slot per key"):
+        c.offload_pool(ns, keys, [0, 1])
+    with pytest.raises(kvtier.PoolError):
+        pool.block(n, BLOCK)
+    # The pool survives a daemon restart: the client reconnects with it.
+    pool.block(0, BLOCK)[:] = b"\x05" * BLOCK
+    assert c.offload_pool(ns, keys, [0])[0]
+    d.restart()
+    pool.block(1, BLOCK)[:] = b"\x00" * BLOCK
+    # The first calls after a restart find the old socket dead, then wait
+    # out the reconnect backoff (50 ms).
+    deadline = time.monotonic() + 3
+    while not (got := c.onboard_pool(ns, keys, [1]))[0] and time.monotonic() < deadline:
+        time.sleep(0.06)
+    assert got[0], got
+    assert pool.block(1, BLOCK).tobytes() == b"\x05" * BLOCK

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The Python package's suite (client/python): installs maturin, pytest, numpy
+# and hypothesis into ./.venv, builds and installs the package from the
+# checkout with one pip command (a dev-profile build into the workspace's
+# target dir, so it reuses what `cargo test --workspace` compiled), and runs
+# pytest against real kvtierd processes (target/debug/kvtierd).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ -x .venv/bin/python ] || python3 -m venv .venv
+.venv/bin/pip install -q 'maturin>=1.7,<2' pytest numpy hypothesis
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target}"
+[ -x "$CARGO_TARGET_DIR/debug/kvtierd" ] || cargo build -q -p kvtier-daemon --bin kvtierd
+[ -x "$CARGO_TARGET_DIR/debug/kvtier" ] || cargo build -q -p kvtier-tools --bin kvtier
+MATURIN_PEP517_ARGS="--profile dev" .venv/bin/pip install -q --force-reinstall --no-deps ./client/python
+cd client/python
+rc=0
+../../.venv/bin/python -m pytest -q -p no:cacheprovider tests || rc=$?
+if [ "$rc" = 5 ]; then
+  echo "pytest collected no tests: the Python suite is missing" >&2
+  exit 1
+fi
+exit "$rc"
