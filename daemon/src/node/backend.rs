@@ -362,6 +362,10 @@ impl Backend for Node {
         Ok(out)
     }
 
+    fn health(&self) -> Vec<String> {
+        self.g4.as_ref().map(|g| g.health()).unwrap_or_default()
+    }
+
     fn stats(&self) -> BackendStats {
         let s = self.g3.stats();
         let mut tiers = vec![TierStats {

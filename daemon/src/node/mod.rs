@@ -236,6 +236,11 @@ impl Node {
         }
         let g4_enqueued = Arc::new(AtomicU64::new(0));
         if let Some(g4) = &g4_store {
+            // Bounded by g4.startup_check_timeout_ms; a failure is logged,
+            // counted and shown by /healthz, never fatal.
+            if g4.startup_check().is_ok() {
+                tracing::info!(url = %g4.config().url, "G4 start-up check passed");
+            }
             uplink::start(&g3, g4, events.clone())?;
         }
         let mut node_id = String::from("local");
