@@ -57,6 +57,9 @@ pub struct G4Config {
     /// `instance` lets the client ask a metadata address (169.254.169.254,
     /// the container endpoint) or a web-identity token file.
     pub credentials: G4Credentials,
+    /// Instance metadata endpoint used by `credentials = "instance"`
+    /// (unset: the cloud's, `http://169.254.169.254`).
+    pub metadata_endpoint: Option<String>,
     /// Bytes of blocks G4 may hold before the sweeper deletes oldest first.
     pub capacity_bytes: Option<u64>,
     /// Age after which the sweeper deletes a block.
@@ -130,6 +133,7 @@ impl Default for G4Config {
             secret_access_key: None,
             session_token: None,
             credentials: G4Credentials::Auto,
+            metadata_endpoint: None,
             capacity_bytes: None,
             ttl_ms: None,
             sweep_interval_ms: 60_000,
@@ -363,6 +367,9 @@ impl G4Config {
         }
         if let Some(t) = &self.session_token {
             b = b.with_token(t);
+        }
+        if let Some(m) = &self.metadata_endpoint {
+            b = b.with_metadata_endpoint(m);
         }
         match self.credentials {
             G4Credentials::Instance => {}

@@ -89,6 +89,11 @@ enum Capped {
         etag: Option<String>,
         size: u64,
     },
+    /// The first `split` bytes failed `head_ok` (the rest was not read).
+    BadHead {
+        etag: Option<String>,
+        size: u64,
+    },
     Absent,
     /// Refused by the breaker, late, failed, or a body that ended early,
     /// stalled or broke: a miss that says nothing about the object.
@@ -100,7 +105,14 @@ enum Capped {
 /// never past the declared size: memory is bounded by `cap` whatever the
 /// store sends. The first `split` bytes land in `head`, the rest in `rest`
 /// (so a block's payload needs no move).
-async fn get_capped(inner: &Inner, loc: &Path, opts: GetOptions, cap: u64, split: usize) -> Capped {
+async fn get_capped(
+    inner: &Inner,
+    loc: &Path,
+    opts: GetOptions,
+    cap: u64,
+    split: usize,
+    head_ok: &(dyn Fn(&[u8], u64) -> bool + Sync),
+) -> Capped {
     use futures::StreamExt;
     if !inner.breaker.allow(&inner.stats) {
         return Capped::Failed;
@@ -154,6 +166,10 @@ async fn get_capped(inner: &Inner, loc: &Path, opts: GetOptions, cap: u64, split
             }
             let h = (split - head.len()).min(chunk.len());
             head.extend_from_slice(&chunk[..h]);
+            if h > 0 && head.len() == split && !head_ok(&head, size) {
+                // A bad header: the rest of the body is not worth reading.
+                return (Capped::BadHead { etag, size }, true);
+            }
             rest.extend_from_slice(&chunk[h..]);
         }
         if ((head.len() + rest.len()) as u64) < size {
@@ -183,22 +199,43 @@ async fn get_capped(inner: &Inner, loc: &Path, opts: GetOptions, cap: u64, split
 /// One full read of a block object.
 enum Read {
     Good(Block),
-    Corrupt { etag: Option<String>, why: String },
+    Corrupt {
+        etag: Option<String>,
+        size: u64,
+        why: String,
+    },
     Absent,
     Failed,
 }
 
 async fn read_block(inner: &Inner, ns: &NamespaceId, key: &BlockKey, loc: &Path) -> Read {
     let cap = inner.cfg.object_bytes_max;
+    // The header is checked as soon as it arrives: a foreign or malformed
+    // header, or one that declares another size than the response, stops
+    // the read before the payload is buffered.
+    let head_ok = |h: &[u8], size: u64| {
+        BlockHeader::decode(h)
+            .is_ok_and(|h| h.namespace_id() == *ns && h.key == *key && h.file_len() == size)
+    };
+    let opts = GetOptions::default();
     let (etag, size, head, mut rest) =
-        match get_capped(inner, loc, GetOptions::default(), cap, HEADER_BYTES).await {
+        match get_capped(inner, loc, opts, cap, HEADER_BYTES, &head_ok).await {
             Capped::Absent => return Read::Absent,
             Capped::Failed => return Read::Failed,
             Capped::TooBig { etag, size } => {
                 stats::inc(&inner.stats.fetch_refused_size);
                 return Read::Corrupt {
                     etag,
+                    size,
                     why: format!("object of {size} bytes, above g4.object_bytes_max ({cap})"),
+                };
+            }
+            Capped::BadHead { etag, size } => {
+                stats::inc(&inner.stats.fetch_refused_size);
+                return Read::Corrupt {
+                    etag,
+                    size,
+                    why: "bad block header (checksum, namespace, key, or size)".into(),
                 };
             }
             Capped::Body {
@@ -210,6 +247,7 @@ async fn read_block(inner: &Inner, ns: &NamespaceId, key: &BlockKey, loc: &Path)
         };
     let bad = |why: String| Read::Corrupt {
         etag: etag.clone(),
+        size,
         why,
     };
     let header = match BlockHeader::decode(&head) {
@@ -252,16 +290,19 @@ async fn get_verified(inner: &Inner, ns: &NamespaceId, key: &BlockKey, loc: &Pat
         Read::Good(b) => return found(inner, loc, b),
         Read::Absent => return absent(inner, loc),
         Read::Failed => return Err(MissReason::Unavailable),
-        Read::Corrupt { etag, why } => (etag, why),
+        Read::Corrupt { etag, size, why } => (etag, size, why),
     };
     stats::inc(&inner.stats.fetch_rereads);
-    tracing::warn!(location = %loc, error = %first.1, "G4 object failed verification; reading it again");
+    tracing::warn!(location = %loc, error = %first.2, "G4 object failed verification; reading it again");
     match read_block(inner, ns, key, loc).await {
         Read::Good(b) => found(inner, loc, b),
         Read::Absent => absent(inner, loc),
         Read::Failed => Err(MissReason::Unavailable),
-        Read::Corrupt { etag, why } => {
-            if etag.is_some() && etag == first.0 {
+        Read::Corrupt { etag, size, why } => {
+            // The same stored object (ETag and size) twice, and a HEAD (no
+            // body to mangle) that still names it: the object is bad.
+            let same = etag.is_some() && etag == first.0 && size == first.1;
+            if same && head_agrees(inner, loc, etag.as_deref(), size).await {
                 tracing::warn!(location = %loc, error = %why, etag = ?etag,
                     "corrupt G4 object (same ETag bad twice) removed");
                 stats::inc(&inner.stats.fetch_corrupt_deleted);
@@ -274,6 +315,15 @@ async fn get_verified(inner: &Inner, ns: &NamespaceId, key: &BlockKey, loc: &Pat
             Err(MissReason::Corrupt)
         }
     }
+}
+
+async fn head_agrees(inner: &Inner, loc: &Path, etag: Option<&str>, size: u64) -> bool {
+    if !inner.breaker.allow(&inner.stats) {
+        return false;
+    }
+    let r = tokio::time::timeout(inner.response_timeout(), inner.store.head(loc)).await;
+    inner.breaker.record(&inner.stats, matches!(r, Ok(Ok(_))));
+    matches!(r, Ok(Ok(m)) if m.e_tag.as_deref() == etag && m.size == size)
 }
 
 fn found(inner: &Inner, loc: &Path, b: Block) -> Fetched {
@@ -296,13 +346,15 @@ pub(crate) async fn fetch_header(
     let opts = GetOptions::default().with_range(Some(0..HEADER_BYTES as u64));
     let got = tokio::time::timeout(
         deadline,
-        get_capped(inner, &loc, opts, HEADER_BYTES as u64, 0),
+        get_capped(inner, &loc, opts, HEADER_BYTES as u64, 0, &|_, _| true),
     )
     .await;
     let bytes = match got {
         Err(_) | Ok(Capped::Failed) => return Lookup::Miss(MissReason::Unavailable),
         Ok(Capped::Absent) => return Lookup::Miss(MissReason::Absent),
-        Ok(Capped::TooBig { .. }) => return Lookup::Miss(MissReason::Corrupt),
+        Ok(Capped::TooBig { .. } | Capped::BadHead { .. }) => {
+            return Lookup::Miss(MissReason::Corrupt)
+        }
         Ok(Capped::Body { rest, .. }) => rest,
     };
     match BlockHeader::decode(&bytes) {
@@ -330,9 +382,11 @@ pub(crate) async fn fetch_range(
         let loc = inner.path(ns, key);
         let want = range.end - range.start;
         let opts = GetOptions::default().with_range(Some(off + range.start..off + range.end));
-        match get_capped(inner, &loc, opts, want, 0).await {
+        match get_capped(inner, &loc, opts, want, 0, &|_, _| true).await {
             Capped::Body { rest, .. } if rest.len() as u64 == want => Lookup::Hit(rest),
-            Capped::Body { .. } | Capped::TooBig { .. } => Lookup::Miss(MissReason::Corrupt),
+            Capped::Body { .. } | Capped::TooBig { .. } | Capped::BadHead { .. } => {
+                Lookup::Miss(MissReason::Corrupt)
+            }
             Capped::Absent => Lookup::Miss(MissReason::Absent),
             Capped::Failed => Lookup::Miss(MissReason::Unavailable),
         }
