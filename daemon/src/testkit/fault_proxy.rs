@@ -316,7 +316,7 @@ fn pick(sh: &Shared, method: &str, path: &str) -> (Fault, bool) {
     }
     s.matched += 1;
     let n = s.matched;
-    if rule.count.is_some_and(|c| n > c) || (n - 1) % rule.every != 0 {
+    if rule.count.is_some_and(|c| n > c) || !(n - 1).is_multiple_of(rule.every) {
         return (Fault::None, false);
     }
     let etag = rule.change_etag || rule.fault == Fault::EtagChanges;
