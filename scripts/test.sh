@@ -13,3 +13,5 @@ echo "== cargo test"
 # The workspace test build also builds kvtierd and kvtier; the end-to-end
 # suites use those binaries instead of rebuilding them with other features.
 KVTIER_TEST_PREBUILT_BINS=1 cargo test --workspace --no-fail-fast -- --test-threads=2
+echo "== deployment artefacts (systemd unit, container build file, Kubernetes manifest)"
+./scripts/check-deploy.sh target/debug/kvtierd

@@ -133,3 +133,79 @@ fn bench_io_runs_tiny_and_keeps_the_json_contract() {
     assert!(j["lookup64_p99_us"].as_f64().unwrap() > 0.0);
     assert!(j["lookup64_p99_us_socket_floor"].as_f64().unwrap() > 0.0);
 }
+
+/// Runs kvtierd until its socket appears, then SIGTERMs it; returns stderr.
+fn kvtierd_stderr(extra: &[&str]) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("s.sock");
+    let child = Command::new(support::kvtierd_bin())
+        .arg("--socket")
+        .arg(&socket)
+        .arg("--g3-dir")
+        .arg(dir.path().join("g3"))
+        .args(["--g3-capacity", "64MiB", "--metrics-addr", "", "--g4", ""])
+        .args(extra)
+        .env("RUST_LOG", "info")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    support::wait_for_socket(&socket, std::time::Duration::from_secs(20));
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "kvtierd exit {:?}", out.status);
+    String::from_utf8(out.stderr).unwrap()
+}
+
+#[test]
+fn kvtierd_logs_are_json_on_request_and_never_coloured_off_a_terminal() {
+    let json = kvtierd_stderr(&["--log-format", "json"]);
+    let lines: Vec<&str> = json.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert!(
+        lines.len() >= 2,
+        "expected start-up and shutdown lines: {json}"
+    );
+    for l in &lines {
+        let v: serde_json::Value =
+            serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}"));
+        assert!(v["level"].is_string() && v["fields"].is_object(), "{l}");
+    }
+    let text = kvtierd_stderr(&[]);
+    assert!(!text.trim().is_empty());
+    assert!(!text.contains('\x1b'), "ANSI escapes in a pipe: {text:?}");
+}
+
+#[test]
+fn kvtierd_check_config_validates_without_starting() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = dir.path().join("good.toml");
+    std::fs::write(
+        &good,
+        "[g3]\ncapacity = \"1.5GiB\"\n[log]\nformat = \"json\"\n",
+    )
+    .unwrap();
+    let out = Command::new(support::kvtierd_bin())
+        .args(["--check-config", "--config"])
+        .arg(&good)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let bad = dir.path().join("bad.toml");
+    std::fs::write(&bad, "[log]\n\nformat = \"xml\"\n").unwrap();
+    let out = Command::new(support::kvtierd_bin())
+        .args(["--check-config", "--config"])
+        .arg(&bad)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("log.format") && err.contains("xml"), "{err}");
+}

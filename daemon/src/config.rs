@@ -93,6 +93,8 @@ addr = "127.0.0.1:9477"
 [log]
 # tracing filter (RUST_LOG syntax); RUST_LOG overrides it.
 level = "info"
+# "text" (colour only on a terminal) or "json" (one object per line).
+format = "text"
 
 [mount]
 # FUSE view of the store (docs/FS.md); "" = not mounted. --mount DIR overrides.
@@ -116,41 +118,86 @@ verify_on_open = true
 "#;
 
 fn de_size<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<u64, D::Error> {
-    #[derive(Deserialize)]
-    #[serde(untagged)]
-    enum S {
-        N(u64),
-        T(String),
+    struct V;
+    impl serde::de::Visitor<'_> for V {
+        type Value = u64;
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str(
+                "a size: a number of bytes or a string such as \"64KiB\", \"1.5TiB\", \"800GB\"",
+            )
+        }
+        fn visit_u64<E: serde::de::Error>(self, v: u64) -> std::result::Result<u64, E> {
+            Ok(v)
+        }
+        fn visit_i64<E: serde::de::Error>(self, v: i64) -> std::result::Result<u64, E> {
+            u64::try_from(v)
+                .map_err(|_| E::custom(format!("size {v} is negative; sizes are at least 0")))
+        }
+        fn visit_f64<E: serde::de::Error>(self, v: f64) -> std::result::Result<u64, E> {
+            Err(E::custom(format!(
+                "size {v} is not a whole number of bytes; write fractions with a unit as a string, e.g. \"1.5GiB\""
+            )))
+        }
+        fn visit_str<E: serde::de::Error>(self, v: &str) -> std::result::Result<u64, E> {
+            parse_size(v).map_err(E::custom)
+        }
     }
-    match S::deserialize(d)? {
-        S::N(n) => Ok(n),
-        S::T(t) => parse_size(&t).map_err(serde::de::Error::custom),
-    }
+    d.deserialize_any(V)
 }
 
-/// Parses `4096`, `64KiB`, `2MiB`, `4GiB`, `1TiB` (also KB/MB/GB/TB as
-/// binary units).
+/// Parses sizes as people write them: `4096`, `64KiB`, `1.5TiB` (IEC, powers
+/// of 1024), `800GB`, `2TB` (SI, powers of 1000), and `K`/`M`/`G`/`T` alone as
+/// IEC (as coreutils reads them). Decimals are accepted where they come to a
+/// whole number of bytes.
 pub fn parse_size(s: &str) -> std::result::Result<u64, String> {
     let t = s.trim();
-    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    if t.starts_with('-') {
+        return Err(format!("size {s:?} is negative; sizes are at least 0"));
+    }
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let n: u64 = num
-        .parse()
-        .map_err(|_| format!("{s:?} is not a size (use e.g. 4096, 64KiB, 2MiB, 4GiB)"))?;
-    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+    let not_a_size = || format!("{s:?} is not a size (use e.g. 4096, 64KiB, 1.5TiB, 800GB)");
+    let (int, frac) = num.split_once('.').unwrap_or((num, ""));
+    if int.is_empty() && frac.is_empty() || frac.contains('.') || frac.len() > 18 {
+        return Err(not_a_size());
+    }
+    let digits = |d: &str| -> std::result::Result<u128, String> {
+        if d.is_empty() {
+            Ok(0)
+        } else {
+            d.parse::<u128>().map_err(|_| not_a_size())
+        }
+    };
+    let mult: u128 = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 1,
-        "k" | "kb" | "kib" => 1 << 10,
-        "m" | "mb" | "mib" => 1 << 20,
-        "g" | "gb" | "gib" => 1 << 30,
-        "t" | "tb" | "tib" => 1 << 40,
+        "k" | "kib" => 1 << 10,
+        "m" | "mib" => 1 << 20,
+        "g" | "gib" => 1 << 30,
+        "t" | "tib" => 1 << 40,
+        "p" | "pib" => 1 << 50,
+        "kb" => 1_000,
+        "mb" => 1_000_000,
+        "gb" => 1_000_000_000,
+        "tb" => 1_000_000_000_000,
+        "pb" => 1_000_000_000_000_000,
         u => {
             return Err(format!(
-                "unknown unit {u:?} in {s:?} (use KiB, MiB, GiB, TiB)"
+                "unknown unit {u:?} in {s:?} (use B, KiB, MiB, GiB, TiB, PiB or KB, MB, GB, TB, PB)"
             ))
         }
     };
-    n.checked_mul(mult)
-        .ok_or_else(|| format!("size {s:?} overflows"))
+    let scale = 10u128.pow(frac.len() as u32);
+    let scaled = digits(int)?
+        .checked_mul(scale)
+        .and_then(|v| v.checked_add(digits(frac).ok()?))
+        .and_then(|v| v.checked_mul(mult))
+        .ok_or_else(|| format!("size {s:?} overflows"))?;
+    if scaled % scale != 0 {
+        return Err(format!("size {s:?} is not a whole number of bytes"));
+    }
+    u64::try_from(scaled / scale).map_err(|_| format!("size {s:?} overflows"))
 }
 
 /// `[server]`.
@@ -318,6 +365,8 @@ pub struct MetricsSection {
 pub struct LogSection {
     /// tracing filter.
     pub level: String,
+    /// `text` or `json`.
+    pub format: String,
 }
 
 /// The whole configuration.
@@ -397,6 +446,7 @@ impl Default for LogSection {
     fn default() -> Self {
         LogSection {
             level: "info".into(),
+            format: "text".into(),
         }
     }
 }
@@ -486,6 +536,22 @@ impl MountSection {
     }
 }
 
+/// Sections read by hand (`[g4]`) report the span of their whole table; for
+/// an unknown key, the line that spells it is the one a person must fix.
+fn unknown_key_line(text: &str, msg: &str, from_line: usize) -> Option<usize> {
+    let rest = msg.split("unknown field `").nth(1)?;
+    let key = rest.split('`').next()?;
+    text.lines()
+        .enumerate()
+        .skip(from_line.saturating_sub(1))
+        .find(|(_, l)| {
+            l.trim_start()
+                .strip_prefix(key)
+                .is_some_and(|r| r.trim_start().starts_with('='))
+        })
+        .map(|(i, _)| i + 1)
+}
+
 fn bad(key: &str, problem: impl Into<String>) -> Error {
     Error::Config {
         key: key.into(),
@@ -501,17 +567,28 @@ impl Config {
 
     /// Parses TOML text (then call [`Config::validate`]).
     pub fn from_toml(text: &str) -> Result<Config> {
+        Self::from_toml_named(text, "<config text>")
+    }
+
+    /// Parses TOML text read from `origin` (a file name), naming it and the
+    /// line in errors.
+    pub fn from_toml_named(text: &str, origin: &str) -> Result<Config> {
         toml::from_str(text).map_err(|e| {
             let msg = e.message().to_string();
-            // toml names unknown fields in the message; point at the line too.
             let at = e
                 .span()
                 .map(|s| {
-                    let line = text[..s.start.min(text.len())].lines().count().max(1);
-                    format!(" (line {line})")
+                    let start = s.start.min(text.len());
+                    // Lines are 1-based: one more than the newlines before the span.
+                    let line = text.as_bytes()[..start]
+                        .iter()
+                        .filter(|&&b| b == b'\n')
+                        .count()
+                        + 1;
+                    format!(":{}", unknown_key_line(text, &msg, line).unwrap_or(line))
                 })
                 .unwrap_or_default();
-            bad("<file>", format!("{msg}{at}"))
+            bad(&format!("{origin}{at}"), msg)
         })
     }
 
@@ -519,7 +596,7 @@ impl Config {
     pub fn load(path: &Path) -> Result<Config> {
         let text = std::fs::read_to_string(path)
             .map_err(|e| bad("--config", format!("cannot read {}: {e}", path.display())))?;
-        Self::from_toml(&text)
+        Self::from_toml_named(&text, &path.display().to_string())
     }
 
     /// The socket permission bits.
@@ -559,6 +636,12 @@ impl Config {
             ));
         }
         self.socket_mode()?;
+        if !matches!(self.log.format.as_str(), "text" | "json") {
+            return Err(bad(
+                "log.format",
+                format!("{:?}: use \"text\" or \"json\"", self.log.format),
+            ));
+        }
         if !(1..=65536).contains(&s.max_connections) {
             return Err(bad("server.max_connections", "must be 1..=65536"));
         }
@@ -718,5 +801,58 @@ mod tests {
         let c = Config::from_toml("[metrics]\naddr = \"nope\"\n").unwrap();
         let e = c.validate().unwrap_err();
         assert!(e.to_string().contains("metrics.addr"), "{e}");
+    }
+
+    #[test]
+    fn sizes_read_as_people_write_them() {
+        let ok = [
+            ("4096", 4096u64),
+            ("64KiB", 64 << 10),
+            ("1.5TiB", 3 << 39),
+            ("1TB", 1_000_000_000_000),
+            ("10GB", 10_000_000_000),
+            ("10GiB", 10 << 30),
+            ("2.5 MB", 2_500_000),
+            ("4G", 4 << 30),
+            ("0", 0),
+            (".5KiB", 512),
+        ];
+        for (s, want) in ok {
+            assert_eq!(parse_size(s), Ok(want), "{s}");
+        }
+        for (s, needle) in [
+            ("-1GiB", "negative"),
+            ("1.3B", "whole number"),
+            ("12XB", "unknown unit"),
+            ("1..2GB", "not a size"),
+            ("GiB", "not a size"),
+            ("99999999999PiB", "overflows"),
+        ] {
+            let e = parse_size(s).unwrap_err();
+            assert!(e.contains(needle), "{s}: {e}");
+        }
+        let e = Config::from_toml("[g3]\ncapacity = -5\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("negative"), "{e}");
+        let e = Config::from_toml("[g3]\ncapacity = 1.5\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("whole number"), "{e}");
+        let c = Config::from_toml("[g3]\ncapacity = \"1.5TiB\"\n").unwrap();
+        assert_eq!(c.g3.capacity, 3 << 39);
+    }
+
+    #[test]
+    fn config_errors_name_the_file_and_line() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("kvtierd.toml");
+        std::fs::write(&path, "# a comment\n[g4]\nurll = \"s3://b/p\"\n").unwrap();
+        let e = Config::load(&path).unwrap_err().to_string();
+        assert!(e.contains(&format!("{}:3", path.display())), "{e}");
+        assert!(e.contains("urll"), "{e}");
+        std::fs::write(&path, "[server]\n\n\nsokcet = \"x\"\n").unwrap();
+        let e = Config::load(&path).unwrap_err().to_string();
+        assert!(e.contains("kvtierd.toml:4"), "{e}");
     }
 }

@@ -54,9 +54,17 @@ struct Args {
     /// Mount the store's filesystem view here (overrides mount.dir).
     #[arg(long)]
     mount: Option<PathBuf>,
+    /// Log format: text (colour only on a terminal) or json (overrides
+    /// log.format).
+    #[arg(long, value_parser = ["text", "json"])]
+    log_format: Option<String>,
     /// Print the annotated default configuration and exit.
     #[arg(long)]
     print_default_config: bool,
+    /// Read and validate the configuration (file and flags) and exit: 0 when
+    /// valid, 2 with the error otherwise. Starts nothing.
+    #[arg(long)]
+    check_config: bool,
 }
 
 fn main() {
@@ -110,15 +118,29 @@ fn run() -> Result<()> {
     if let Some(d) = args.mount {
         cfg.mount.dir = d;
     }
+    if let Some(f) = args.log_format {
+        cfg.log.format = f;
+    }
     cfg.validate()?;
+    if args.check_config {
+        println!("kvtierd: configuration is valid");
+        return Ok(());
+    }
 
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .or_else(|_| tracing_subscriber::EnvFilter::try_new(&cfg.log.level))
         .map_err(|e| anyhow::anyhow!("config: `log.level`: {e}"))?;
-    tracing_subscriber::fmt()
+    let fmt = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .init();
+        .with_writer(std::io::stderr);
+    if cfg.log.format == "json" {
+        fmt.json().init();
+    } else {
+        // Escape codes only for a person at a terminal, never in a journal
+        // or a file.
+        use std::io::IsTerminal;
+        fmt.with_ansi(std::io::stderr().is_terminal()).init();
+    }
 
     std::fs::create_dir_all(&cfg.g3.dir)
         .with_context(|| format!("config: `g3.dir`: cannot create {}", cfg.g3.dir.display()))?;

@@ -2,9 +2,12 @@
 //! module asks it only for blocks that are neither leased nor pinned, and
 //! runs in the background once usage passes the high watermark, down to
 //! the low one. It also expires leases and makes the index durable once a
-//! second.
+//! second. Capacity on the write path lives here too: `make_room` evicts
+//! synchronously before a batch would pass `capacity_bytes`, and
+//! `maybe_reclaim` wakes the thread above the high watermark.
 
-use super::{now_s, G3Store, RemoveReason};
+use super::{lock_err, now_s, G3Store, RemoveReason};
+use crate::error::{Error, Result};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::Duration;
@@ -134,5 +137,51 @@ impl G3Store {
             }
         }
         n
+    }
+}
+
+impl G3Store {
+    /// Evicts synchronously when `incoming` bytes would pass capacity, on
+    /// top of `reserved` bytes that earlier items of the same batch will
+    /// add.
+    pub(super) fn make_room(&self, reserved: u64, incoming: u64) -> Result<()> {
+        let cap = self.cfg.capacity_bytes;
+        if incoming > cap {
+            return Err(Error::LimitReached {
+                what: "g3 capacity_bytes (block larger than the tier)",
+                limit: cap,
+            });
+        }
+        let need = reserved.saturating_add(incoming);
+        let used = self
+            .mem
+            .read()
+            .map_err(|_| lock_err("g3 index"))?
+            .used_bytes;
+        if used + need <= cap {
+            return Ok(());
+        }
+        if need <= cap {
+            self.evict_to(cap - need);
+        }
+        let used = self
+            .mem
+            .read()
+            .map_err(|_| lock_err("g3 index"))?
+            .used_bytes;
+        if used + need > cap {
+            return Err(Error::LimitReached {
+                what: "g3 capacity_bytes (the rest is pinned, leased or taken by this batch)",
+                limit: cap,
+            });
+        }
+        Ok(())
+    }
+
+    pub(super) fn maybe_reclaim(&self) {
+        let used = self.mem.read().map(|m| m.used_bytes).unwrap_or(0);
+        if used as f64 > self.cfg.high_watermark * self.cfg.capacity_bytes as f64 {
+            self.reclaim.wake();
+        }
     }
 }

@@ -23,7 +23,8 @@
 //! invisible). Deleting the marker forces the full walk.
 
 use super::index::{digest, Entry, MemIndex, Record, FLAG_SEEN};
-use super::{G3Store, ReadOutcome, Verifier};
+use super::verify::{ReadOutcome, Verifier};
+use super::G3Store;
 use crate::error::{Error, Result};
 use crate::policy::BlockMeta;
 use kvtier_client::{BlockHeader, BlockKey, Hints, NamespaceId};
@@ -161,7 +162,7 @@ impl G3Store {
             tracing::warn!(path = %path.display(), generation, "g3: clean marker does not match the index; full recovery");
         }
         std::fs::remove_file(&path).map_err(|e| Error::io("removing clean marker", &path, e))?;
-        super::fsync_dir(&self.cfg.root)
+        super::fsops::fsync_dir(&self.cfg.root)
             .map_err(|e| Error::io("flushing directory", &self.cfg.root, e))?;
         Ok(valid)
     }
@@ -178,7 +179,7 @@ impl G3Store {
             .and_then(|()| f.sync_all())
             .map_err(|e| Error::io("writing clean marker", &tmp, e))?;
         std::fs::rename(&tmp, &path).map_err(|e| Error::io("renaming", &path, e))?;
-        super::fsync_dir(&self.cfg.root)
+        super::fsops::fsync_dir(&self.cfg.root)
             .map_err(|e| Error::io("flushing directory", &self.cfg.root, e))
     }
 

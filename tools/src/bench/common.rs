@@ -160,22 +160,8 @@ pub fn gbps(bytes: usize, secs: f64) -> f64 {
     }
 }
 
-/// Parses sizes like `64KiB`, `2MiB`, `16M`, `4096`.
-pub fn parse_size(s: &str) -> Result<u64, String> {
-    let t = s.trim();
-    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let n: u64 = num.parse().map_err(|_| format!("not a size: {s:?}"))?;
-    let mult = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1,
-        "k" | "kb" | "kib" => 1 << 10,
-        "m" | "mb" | "mib" => 1 << 20,
-        "g" | "gb" | "gib" => 1 << 30,
-        _ => return Err(format!("unknown unit in {s:?} (use KiB, MiB, GiB)")),
-    };
-    n.checked_mul(mult)
-        .ok_or_else(|| format!("size {s:?} overflows"))
-}
+/// Sizes on the command line read as in the daemon's config.
+pub use kvtier_daemon::config::parse_size;
 
 /// A seeded Fisher-Yates permutation of 0..n, for random read order.
 pub fn shuffled(n: usize, seed: u64) -> Vec<usize> {

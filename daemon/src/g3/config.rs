@@ -1,0 +1,111 @@
+//! What an operator sets: [`G3Config`] (capacity, watermarks, engine, I/O
+//! depth, buffer pool, lease and pin limits) and [`SyncMode`], with the
+//! checks `open` runs on them.
+
+use super::engine::{EngineKind, CHUNK_BYTES};
+use crate::error::{Error, Result};
+use std::path::PathBuf;
+
+/// Most block operations in flight at once (rings in the io_uring pool).
+pub const IO_DEPTH_MAX: usize = 256;
+
+/// Configuration of a G3 store.
+#[derive(Debug, Clone)]
+pub struct G3Config {
+    /// Directory that holds everything (see the module docs).
+    pub root: PathBuf,
+    /// Bytes of block files this tier may hold.
+    pub capacity_bytes: u64,
+    /// Fraction of capacity above which background eviction starts.
+    pub high_watermark: f64,
+    /// Fraction of capacity eviction brings usage down to.
+    pub low_watermark: f64,
+    /// I/O engine to use.
+    pub engine: EngineKind,
+    /// Block operations in flight at once (1..=[`IO_DEPTH_MAX`]); each keeps
+    /// up to 8 requests of 1 MiB in flight.
+    pub io_depth: usize,
+    /// Bytes of aligned write buffers allocated at open (at least 1 MiB).
+    pub buffer_pool_bytes: u64,
+    /// Live leases at most.
+    pub leases_max: usize,
+    /// Longest lease, in milliseconds (longer requests are cut to this).
+    pub lease_ttl_max_ms: u64,
+    /// Bytes that pins may protect from eviction.
+    pub pinned_budget_bytes: u64,
+    /// How block files are made durable.
+    pub sync_mode: SyncMode,
+}
+
+/// How a block file's data is made durable before its rename.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SyncMode {
+    /// As measured best here (docs/BENCHMARKS.md): `ODsync` for files that
+    /// fit one request (1 MiB), `Fdatasync` for larger ones.
+    #[default]
+    Auto,
+    /// One `fdatasync` after all chunks are written.
+    Fdatasync,
+    /// The temp file is opened `O_DSYNC`: every write request is durable
+    /// when it completes, no separate flush.
+    ODsync,
+}
+
+impl G3Config {
+    /// Defaults for `root` with `capacity_bytes`.
+    pub fn new(root: impl Into<PathBuf>, capacity_bytes: u64) -> Self {
+        G3Config {
+            root: root.into(),
+            capacity_bytes,
+            high_watermark: 0.95,
+            low_watermark: 0.85,
+            engine: EngineKind::Auto,
+            io_depth: 16,
+            buffer_pool_bytes: 64 << 20,
+            leases_max: 65536,
+            lease_ttl_max_ms: 60_000,
+            pinned_budget_bytes: capacity_bytes / 2,
+            sync_mode: SyncMode::Auto,
+        }
+    }
+
+    pub(super) fn validate(&self) -> Result<()> {
+        let bad = |key: &str, problem: String| {
+            Err(Error::Config {
+                key: format!("g3.{key}"),
+                problem,
+            })
+        };
+        if !(self.low_watermark > 0.0
+            && self.low_watermark < self.high_watermark
+            && self.high_watermark <= 1.0)
+        {
+            return bad(
+                "high_watermark",
+                format!(
+                    "need 0 < low ({}) < high ({}) <= 1",
+                    self.low_watermark, self.high_watermark
+                ),
+            );
+        }
+        if self.io_depth == 0 || self.io_depth > IO_DEPTH_MAX {
+            return bad(
+                "io_depth",
+                format!("{} is not in 1..={IO_DEPTH_MAX}", self.io_depth),
+            );
+        }
+        if self.buffer_pool_bytes < CHUNK_BYTES as u64 || self.buffer_pool_bytes > 16 << 30 {
+            return bad(
+                "buffer_pool_bytes",
+                format!("{} is not in 1 MiB..=16 GiB", self.buffer_pool_bytes),
+            );
+        }
+        if self.capacity_bytes < 1 << 16 {
+            return bad("capacity_bytes", "at least 64 KiB".into());
+        }
+        if self.leases_max == 0 {
+            return bad("leases_max", "at least 1".into());
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,178 @@
+//! One block file made durable: the temp file written through pool buffers
+//! (payload hashed on the way), `fdatasync` or O_DSYNC, the no-replace
+//! rename into `blocks/`, shard directories created durably, and the group
+//! commit leader's directory fsyncs and redb transaction.
+
+use super::engine::CHUNK_BYTES;
+use super::fsops::{fsync_dir, rename_noreplace};
+use super::index::Record;
+use super::{group, lock_err, G3Store, SyncMode};
+use crate::error::{Error, Result};
+use kvtier_client::block::HEADER_BYTES;
+use kvtier_client::{BlockHeader, NamespaceId};
+use std::fs::OpenOptions;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+
+/// Pool buffers one write takes at most.
+const BUFS_PER_WRITE: usize = 4;
+
+impl G3Store {
+    /// Writes the temp file, makes it durable and renames it into place.
+    /// `Ok(Some(dir))`: renamed into `dir`, whose fsync (group commit) makes
+    /// the rename durable; `Ok(None)`: the name already existed.
+    pub(super) fn write_durable(
+        &self,
+        ns: &NamespaceId,
+        header: &BlockHeader,
+        payload: &[u8],
+        id: u64,
+    ) -> Result<Option<PathBuf>> {
+        let seq = self.counters.seq.fetch_add(1, Ordering::Relaxed);
+        let tmp = self
+            .tmp_dir
+            .join(format!("{id:016x}.{}.{seq}", std::process::id()));
+        let final_path = self.block_file_path(ns, &header.key);
+        let mut flags = libc::O_CLOEXEC;
+        if self.direct_ok {
+            flags |= libc::O_DIRECT;
+        }
+        let dsync = match self.cfg.sync_mode {
+            SyncMode::ODsync => true,
+            SyncMode::Fdatasync => false,
+            SyncMode::Auto => header.file_len() <= CHUNK_BYTES as u64,
+        };
+        if dsync {
+            flags |= libc::O_DSYNC;
+        }
+        let file = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .custom_flags(flags)
+            .open(&tmp)
+            .map_err(|e| Error::io("creating", &tmp, e))?;
+        let cleanup = |e: Error| {
+            let _ = std::fs::remove_file(&tmp);
+            e
+        };
+        let head = header.encode();
+        let plen = payload.len() as u64;
+        let file_len = header.file_len();
+        let mut hasher = blake3::Hasher::new();
+        let mut fill = |off: u64, buf: &mut [u8]| {
+            // The chunk covers [off, off + buf.len()) of the file.
+            let end = off + buf.len() as u64;
+            buf.fill(0);
+            if off < HEADER_BYTES as u64 {
+                let n = (HEADER_BYTES as u64).min(end) - off;
+                buf[..n as usize].copy_from_slice(&head[off as usize..(off + n) as usize]);
+            }
+            let p0 = off.max(HEADER_BYTES as u64);
+            let p1 = end.min(HEADER_BYTES as u64 + plen);
+            if p0 < p1 {
+                let src = &payload
+                    [(p0 - HEADER_BYTES as u64) as usize..(p1 - HEADER_BYTES as u64) as usize];
+                buf[(p0 - off) as usize..(p1 - off) as usize].copy_from_slice(src);
+                hasher.update(src);
+            }
+        };
+        let mut bufs = self.pool.take(BUFS_PER_WRITE);
+        if bufs.is_empty() {
+            return Err(cleanup(lock_err("g3 buffer pool")));
+        }
+        let wrote = self
+            .engine
+            .write_file(file.as_raw_fd(), file_len, &mut bufs, &mut fill);
+        self.pool.give(bufs);
+        if let Err(e) = wrote {
+            let err = Error::io("writing", &tmp, e);
+            if dsync && !matches!(err, Error::NoSpace { .. }) {
+                // Under O_DSYNC a failed write may be a failed flush.
+                self.poison(format!("O_DSYNC write of {}: {err}", tmp.display()));
+            }
+            return Err(cleanup(err));
+        }
+        if hasher.finalize().as_bytes() != &header.payload_blake3 {
+            return Err(cleanup(Error::InvalidInput {
+                what: "payload",
+                reason: format!("checksum does not match the header of block {}", header.key),
+            }));
+        }
+        let synced = if dsync {
+            Ok(())
+        } else {
+            self.engine.sync_data(file.as_raw_fd())
+        };
+        if let Err(e) = synced {
+            let err = Error::io("flushing", &tmp, e);
+            if !matches!(err, Error::NoSpace { .. }) {
+                self.poison(format!("fdatasync of {}: {err}", tmp.display()));
+            }
+            return Err(cleanup(err));
+        }
+        drop(file);
+        let dir = final_path
+            .parent()
+            .unwrap_or(&self.blocks_dir)
+            .to_path_buf();
+        self.ensure_dir(&dir).map_err(cleanup)?;
+        match rename_noreplace(&tmp, &final_path) {
+            Ok(()) => {}
+            Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {
+                let _ = std::fs::remove_file(&tmp);
+                return Ok(None);
+            }
+            Err(e) => return Err(cleanup(Error::io("renaming into place", &final_path, e))),
+        }
+        Ok(Some(dir))
+    }
+
+    /// The leader's half of a group commit: one fsync per distinct shard
+    /// directory, then one (non-durable, see index.rs) redb transaction for
+    /// every record of the group.
+    pub(super) fn commit_group(
+        &self,
+        items: &[group::Pending],
+    ) -> std::result::Result<(), group::Failure> {
+        let mut dirs: Vec<&Path> = items.iter().map(|p| p.dir.as_path()).collect();
+        dirs.sort_unstable();
+        dirs.dedup();
+        for dir in dirs {
+            if let Err(e) = fsync_dir(dir) {
+                self.poison(format!("fsync of directory {}: {e}", dir.display()));
+                return Err(group::Failure::Dir {
+                    dir: dir.to_path_buf(),
+                    errno: e.raw_os_error(),
+                    msg: e.to_string(),
+                });
+            }
+        }
+        let recs: Vec<(u64, &Record)> = items.iter().map(|p| (p.id, &p.rec)).collect();
+        self.disk
+            .put(&recs)
+            .map_err(|e| group::Failure::Index(e.to_string()))
+    }
+
+    /// Creates `blocks/<ns>/<shard>` durably the first time it is needed.
+    fn ensure_dir(&self, dir: &Path) -> Result<()> {
+        let mut known = self.known_dirs.lock().map_err(|_| lock_err("g3 dirs"))?;
+        if known.contains(dir) {
+            return Ok(());
+        }
+        let ns_dir = dir.parent().unwrap_or(&self.blocks_dir);
+        for (d, parent) in [(ns_dir, &self.blocks_dir as &Path), (dir, ns_dir)] {
+            match std::fs::create_dir(d) {
+                Ok(()) => fsync_dir(parent).map_err(|e| {
+                    self.poison(format!("fsync of directory {}: {e}", parent.display()));
+                    Error::io("flushing directory", parent, e)
+                })?,
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+                Err(e) => return Err(Error::io("creating directory", d, e)),
+            }
+        }
+        known.insert(dir.to_path_buf());
+        Ok(())
+    }
+}

@@ -1,0 +1,64 @@
+//! Filesystem calls beyond plain `std::fs`: the directory fsync that makes
+//! entries durable, the rename that never replaces a block, and the
+//! O_DIRECT probe run at open.
+
+use crate::error::{Error, Result};
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::Path;
+
+/// Opens a directory and fsyncs it (makes entries in it durable).
+pub(super) fn fsync_dir(dir: &Path) -> std::io::Result<()> {
+    File::open(dir)?.sync_all()
+}
+
+/// Whether files under `dir` can be opened with O_DIRECT (tmpfs and some
+/// others refuse with EINVAL; then the store runs buffered).
+pub(super) fn probe_direct(dir: &Path) -> Result<bool> {
+    let p = dir.join(format!(".direct-probe.{}", std::process::id()));
+    let r = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .custom_flags(libc::O_DIRECT | libc::O_CLOEXEC)
+        .open(&p);
+    let _ = std::fs::remove_file(&p);
+    match r {
+        Ok(_) => Ok(true),
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+            tracing::warn!(dir = %dir.display(), "g3: filesystem refuses O_DIRECT; using buffered I/O");
+            Ok(false)
+        }
+        Err(e) => Err(Error::io("probing O_DIRECT in", dir, e)),
+    }
+}
+
+/// rename(2) that refuses to replace an existing name (renameat2
+/// RENAME_NOREPLACE), falling back to a link+unlink where unsupported.
+pub(super) fn rename_noreplace(from: &Path, to: &Path) -> std::io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = |p: &Path| {
+        std::ffi::CString::new(p.as_os_str().as_bytes())
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))
+    };
+    let (f, t) = (c(from)?, c(to)?);
+    // SAFETY: both are valid NUL-terminated paths.
+    let r = unsafe {
+        libc::renameat2(
+            libc::AT_FDCWD,
+            f.as_ptr(),
+            libc::AT_FDCWD,
+            t.as_ptr(),
+            libc::RENAME_NOREPLACE,
+        )
+    };
+    if r == 0 {
+        return Ok(());
+    }
+    let e = std::io::Error::last_os_error();
+    if e.raw_os_error() == Some(libc::EINVAL) {
+        std::fs::hard_link(from, to)?;
+        return std::fs::remove_file(from);
+    }
+    Err(e)
+}

@@ -1,0 +1,155 @@
+//! The onboard (read) path: `read_into` reads a block file and verifies it
+//! as the chunks arrive ([`super::verify::Verifier`]); a vanished file is
+//! forgotten, a corrupt one quarantined, both a miss. `open_for_read` hands
+//! an unverified fd to readers that verify themselves.
+
+use super::verify::{ReadOutcome, Verifier};
+use super::{lock_err, now_s, BlockInfo, G3Event, G3Store, RemoveReason};
+use crate::error::{Error, Result};
+use crate::tier::{Lookup, MissReason};
+use kvtier_client::{BlockHeader, BlockKey, NamespaceId};
+use std::fs::{File, OpenOptions};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::Path;
+use std::sync::atomic::Ordering;
+
+fn is_aligned(p: *const u8) -> bool {
+    (p as usize).is_multiple_of(4096)
+}
+
+impl G3Store {
+    /// Reads a whole block file into `dst` (`dst.len()` at least the file
+    /// length, see [`G3Store::stat`]); the payload lands at offset 4096.
+    /// The header, length, padding and payload checksum are verified as
+    /// the chunks arrive, before `Hit` is returned. O_DIRECT when `dst` is
+    /// 4096-aligned (and the filesystem allows it), buffered otherwise. A
+    /// block that fails verification is quarantined and reads as
+    /// `Miss(Corrupt)`; `dst` then holds unspecified bytes.
+    pub fn read_into(
+        &self,
+        ns: &NamespaceId,
+        key: &BlockKey,
+        dst: &mut [u8],
+    ) -> Result<Lookup<BlockHeader>> {
+        let found = {
+            let mem = self.mem.read().map_err(|_| lock_err("g3 index"))?;
+            mem.get(ns, key).map(|(id, e)| (id, e.file_len()))
+        };
+        let Some((id, file_len)) = found else {
+            self.counters.misses.fetch_add(1, Ordering::Relaxed);
+            return Ok(Lookup::Miss(MissReason::Absent));
+        };
+        if (dst.len() as u64) < file_len {
+            return Err(Error::InvalidInput {
+                what: "read buffer",
+                reason: format!("{} bytes, the block file is {file_len}", dst.len()),
+            });
+        }
+        let dst = &mut dst[..file_len as usize];
+        match self.read_verified(ns, key, dst)? {
+            ReadOutcome::Ok(h) => {
+                self.counters.hits.fetch_add(1, Ordering::Relaxed);
+                if let Ok(mem) = self.mem.read() {
+                    if let Some(e) = mem.map.get(&id) {
+                        e.hits.fetch_add(1, Ordering::Relaxed);
+                        e.last_access_s.store(now_s(), Ordering::Relaxed);
+                    }
+                }
+                if let Ok(mut p) = self.policy.lock() {
+                    p.on_access(id);
+                }
+                Ok(Lookup::Hit(h))
+            }
+            ReadOutcome::Vanished => {
+                self.counters.misses.fetch_add(1, Ordering::Relaxed);
+                // Evicted or deleted under us, or lost behind our back.
+                if self.forget(ns, key, id)? {
+                    tracing::warn!(%ns, %key, "g3: block file vanished; dropped from the index");
+                    self.emit(G3Event::Removed {
+                        ns: *ns,
+                        key: *key,
+                        reason: RemoveReason::Corrupt,
+                    });
+                }
+                Ok(Lookup::Miss(MissReason::Absent))
+            }
+            ReadOutcome::Corrupt(why) => {
+                self.counters.misses.fetch_add(1, Ordering::Relaxed);
+                self.quarantine(ns, key, id, &why);
+                Ok(Lookup::Miss(MissReason::Corrupt))
+            }
+        }
+    }
+
+    fn read_verified(
+        &self,
+        ns: &NamespaceId,
+        key: &BlockKey,
+        dst: &mut [u8],
+    ) -> Result<ReadOutcome> {
+        let path = self.block_file_path(ns, key);
+        let file = match self.open_block(&path, self.direct_ok && is_aligned(dst.as_ptr())) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(ReadOutcome::Vanished),
+            Err(e) => return Err(Error::io("opening", &path, e)),
+        };
+        let want = dst.len() as u64;
+        let size = file
+            .metadata()
+            .map_err(|e| Error::io("stat", &path, e))?
+            .len();
+        if size != want {
+            return Ok(ReadOutcome::Corrupt(format!(
+                "file is {size} bytes, index says {want}"
+            )));
+        }
+        let mut v = Verifier::new(ns, key, want);
+        let got = self
+            .engine
+            .read_file(file.as_raw_fd(), dst, &mut |piece| v.feed(piece))
+            .map_err(|e| Error::io("reading", &path, e))?;
+        Ok(v.finish(got as u64))
+    }
+
+    fn open_block(&self, path: &Path, direct: bool) -> std::io::Result<File> {
+        let mut o = OpenOptions::new();
+        o.read(true);
+        if direct {
+            match o
+                .clone()
+                .custom_flags(libc::O_DIRECT | libc::O_CLOEXEC)
+                .open(path)
+            {
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {}
+                r => return r,
+            }
+        }
+        o.custom_flags(libc::O_CLOEXEC).open(path)
+    }
+
+    /// Opens the block's file for someone else to read (fd passing, FUSE
+    /// passthrough, peers). Not verified here: the reader verifies with
+    /// the header. An open file keeps reading after eviction unlinks it.
+    pub fn open_for_read(
+        &self,
+        ns: &NamespaceId,
+        key: &BlockKey,
+    ) -> Result<Lookup<(File, BlockInfo)>> {
+        let Some(info) = self.stat(ns, key) else {
+            return Ok(Lookup::Miss(MissReason::Absent));
+        };
+        let path = self.block_file_path(ns, key);
+        match OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(&path)
+        {
+            Ok(f) => Ok(Lookup::Hit((f, info))),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                Ok(Lookup::Miss(MissReason::Absent))
+            }
+            Err(e) => Err(Error::io("opening", &path, e)),
+        }
+    }
+}

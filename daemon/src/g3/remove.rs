@@ -1,0 +1,73 @@
+//! Taking a block out of the tier: `delete_block` (on request) and
+//! `remove_block` (eviction too) unlink the file; `forget` drops it from
+//! memory, policy and redb, refusing to touch a colliding name.
+
+use super::index::digest;
+use super::{lock_err, G3Event, G3Store, RemoveReason};
+use crate::error::{Error, Result};
+use kvtier_client::{BlockKey, NamespaceId};
+
+impl G3Store {
+    /// Deletes a block (leases and pins do not protect against this);
+    /// `false` when absent.
+    pub fn delete_block(&self, ns: &NamespaceId, key: &BlockKey) -> Result<bool> {
+        self.remove_block(ns, key, RemoveReason::Deleted)
+    }
+
+    pub(super) fn remove_block(
+        &self,
+        ns: &NamespaceId,
+        key: &BlockKey,
+        reason: RemoveReason,
+    ) -> Result<bool> {
+        let (id, check) = digest(ns, key);
+        let present = self
+            .mem
+            .read()
+            .map_err(|_| lock_err("g3 index"))?
+            .map
+            .get(&id)
+            .is_some_and(|e| e.check == check);
+        if !present {
+            return Ok(false);
+        }
+        let path = self.block_file_path(ns, key);
+        match std::fs::remove_file(&path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(Error::io("removing", &path, e)),
+        }
+        if self.forget(ns, key, id)? {
+            self.emit(G3Event::Removed {
+                ns: *ns,
+                key: *key,
+                reason,
+            });
+            return Ok(true);
+        }
+        Ok(false)
+    }
+
+    /// Drops a block from memory, policy and redb (not the file).
+    pub(super) fn forget(&self, ns: &NamespaceId, key: &BlockKey, id: u64) -> Result<bool> {
+        let (_, check) = digest(ns, key);
+        // Another name whose digest collides keeps its entry (read before
+        // the lock: no I/O under it).
+        if matches!(self.disk.get(id), Ok(Some(r)) if r.ns != *ns || r.key != *key) {
+            return Ok(false);
+        }
+        let removed = {
+            let mut mem = self.mem.write().map_err(|_| lock_err("g3 index"))?;
+            if mem.map.get(&id).is_none_or(|e| e.check != check) {
+                return Ok(false);
+            }
+            let e = mem.remove(ns, id);
+            if let Ok(mut p) = self.policy.lock() {
+                p.on_remove(id);
+            }
+            e.is_some()
+        };
+        self.disk.remove(&[id])?;
+        Ok(removed)
+    }
+}

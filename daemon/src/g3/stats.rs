@@ -1,0 +1,67 @@
+//! Counters and state for metrics ([`G3Stats`]).
+
+use super::G3Store;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Counters and state, for metrics.
+#[derive(Debug, Clone, PartialEq)]
+pub struct G3Stats {
+    /// Blocks indexed.
+    pub blocks: u64,
+    /// Bytes of block files.
+    pub used_bytes: u64,
+    /// Configured capacity.
+    pub capacity_bytes: u64,
+    /// Verified reads served.
+    pub hits: u64,
+    /// Reads that missed (absent or corrupt).
+    pub misses: u64,
+    /// Blocks evicted.
+    pub evictions: u64,
+    /// Blocks moved to quarantine.
+    pub quarantined: u64,
+    /// Writes that failed.
+    pub write_errors: u64,
+    /// `io_uring` or `pread`.
+    pub engine: &'static str,
+    /// Whether block files use O_DIRECT.
+    pub direct_io: bool,
+    /// Why writes are refused, if they are.
+    pub read_only: Option<String>,
+}
+
+/// The store's live counters (`seq` also numbers temp files and leases).
+#[derive(Default)]
+pub(super) struct Counters {
+    pub(super) hits: AtomicU64,
+    pub(super) misses: AtomicU64,
+    pub(super) evictions: AtomicU64,
+    pub(super) quarantined: AtomicU64,
+    pub(super) write_errors: AtomicU64,
+    pub(super) seq: AtomicU64,
+}
+
+impl G3Store {
+    /// Counters and state.
+    pub fn stats(&self) -> G3Stats {
+        let (blocks, used_bytes) = self
+            .mem
+            .read()
+            .map(|m| (m.map.len() as u64, m.used_bytes))
+            .unwrap_or((0, 0));
+        let c = &self.counters;
+        G3Stats {
+            blocks,
+            used_bytes,
+            capacity_bytes: self.cfg.capacity_bytes,
+            hits: c.hits.load(Ordering::Relaxed),
+            misses: c.misses.load(Ordering::Relaxed),
+            evictions: c.evictions.load(Ordering::Relaxed),
+            quarantined: c.quarantined.load(Ordering::Relaxed),
+            write_errors: c.write_errors.load(Ordering::Relaxed),
+            engine: self.engine.name(),
+            direct_io: self.direct_ok,
+            read_only: self.poisoned.lock().ok().and_then(|p| p.clone()),
+        }
+    }
+}

