@@ -7,7 +7,9 @@
 
 mod support;
 
-use kvtier_client::{block_path, encode_block, BlockHeader, BlockKey, KvLayout, Namespace};
+use kvtier_client::{
+    block_path, encode_block, BlockHeader, BlockKey, Client, ClientConfig, KvLayout, Namespace,
+};
 use kvtier_daemon::testkit::fault_proxy::SilentEndpoint;
 use std::path::Path;
 use std::process::Command;
@@ -88,6 +90,34 @@ fn hung_g4_is_degraded_and_the_mount_answers_within_its_deadlines() {
         metric(&m, "kvtier_g4", &[("stat", "startup_check_ok")]),
         0.0
     );
+
+    // The client: lookup of absent blocks and an onboard of them answer as
+    // misses within their deadlines (lookup_remote_deadline_ms, then the
+    // breaker; onboard: response_timeout_ms per G4 question).
+    let mut cc = ClientConfig::new(d.socket.display().to_string());
+    cc.timeout_ms = 5_000;
+    let client = Client::with_config(cc);
+    let h = client.namespace(&ns());
+    let keys: Vec<BlockKey> = (0..4).map(|i| BlockKey::from_u64(0xc1e0 + i)).collect();
+    for _ in 0..3 {
+        let t = Instant::now();
+        assert_eq!(h.lookup(&keys).prefix_len(), 0);
+        assert!(
+            t.elapsed() < Duration::from_secs(1),
+            "lookup took {:?}",
+            t.elapsed()
+        );
+        let mut bufs: Vec<Vec<u8>> = (0..4).map(|_| vec![0u8; 8192]).collect();
+        let mut rb: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
+        let t = Instant::now();
+        let out = h.onboard_into(&keys, &mut rb);
+        assert!(out.iter().all(|o| !o.is_hit()), "{out:?}");
+        assert!(
+            t.elapsed() < Duration::from_secs(3),
+            "onboard took {:?}",
+            t.elapsed()
+        );
+    }
 
     if !fuse {
         eprintln!("SKIP: mount part of hung_g4: needs root and /dev/fuse");
