@@ -18,12 +18,12 @@ g4_faults() {
     SKIPPED+=("g4 fault matrix: no .venv/bin/weed (run scripts/setup.sh)")
   fi
   local log="$LOG_DIR/g4_faults.log"
-  KVTIER_FAULT_LONG=1 cargo test -q -p kvtier-daemon --test g4_faults -- \
+  KVTIER_FAULT_LONG=1 cargo test -p kvtier-daemon --test g4_faults -- \
     --nocapture --test-threads=1 >"$log" 2>&1
   local rc=$?
   local p f
-  p=$(grep -c '^PASS g4 fault' "$log")
-  f=$(grep -c '^FAIL g4 fault' "$log")
+  p=$(grep -c 'PASS g4 fault' "$log")
+  f=$(grep -c 'FAIL g4 fault' "$log")
   # The other tests of the file, one scenario each.
   local tp tf
   tp=$(grep -E '^test .* \.\.\. ok$' "$log" | grep -vc 'proxy_fault_matrix')
