@@ -59,7 +59,12 @@ engine = "auto"
 # allow_http = true                     # plain-HTTP local servers
 # path_style = true                     # MinIO, SeaweedFS
 # Credentials: the standard AWS_* environment variables, or
-# access_key_id / secret_access_key here (never logged).
+# access_key_id / secret_access_key here (never logged). Without keys,
+# requests go unsigned and G4 reports degraded; the cloud's instance
+# credentials (metadata address 169.254.169.254) only with:
+# credentials = "instance"
+# Timeouts (docs/OPERATIONS.md): response_timeout_ms, body_idle_timeout_ms,
+# connect_timeout_ms; circuit breaker: breaker_failures_max, breaker_open_ms.
 # Which blocks are written through: "all" or "after-first-reuse".
 admission = "all"
 # Every other G4 setting may be set here too (docs/OPERATIONS.md lists

@@ -261,6 +261,14 @@ impl Metrics {
                 ("fetch_unavailable", g.fetch_unavailable),
                 ("exists_heads", g.exists_heads),
                 ("sweep_deleted", g.sweep_deleted),
+                ("breaker_open", g.breaker_open),
+                ("breaker_opened", g.breaker_opened),
+                ("breaker_rejected", g.breaker_rejected),
+                ("fetch_rereads", g.fetch_rereads),
+                ("fetch_corrupt_deleted", g.fetch_corrupt_deleted),
+                ("fetch_refused_size", g.fetch_refused_size),
+                ("fetch_body_failures", g.fetch_body_failures),
+                ("startup_check_ok", g.startup_check_ok),
                 ("enqueued", n.g4_enqueued),
             ] {
                 set(&self.g4, &[k], x);
@@ -349,7 +357,26 @@ pub async fn serve(
                                     .unwrap_or_default();
                                 (StatusCode::OK, "text/plain; version=0.0.4", text)
                             }
-                            "/healthz" => (StatusCode::OK, "text/plain", "ok\n".to_string()),
+                            "/healthz" => {
+                                // Degraded is still 200: the node serves
+                                // (G3, misses for the rest); the body says
+                                // what is wrong, one line each.
+                                let b = backend.clone();
+                                let problems = tokio::task::spawn_blocking(move || b.health())
+                                    .await
+                                    .unwrap_or_default();
+                                let text = if problems.is_empty() {
+                                    "ok\n".to_string()
+                                } else {
+                                    let mut t = String::from("degraded\n");
+                                    for p in problems {
+                                        t.push_str(&p);
+                                        t.push('\n');
+                                    }
+                                    t
+                                };
+                                (StatusCode::OK, "text/plain", text)
+                            }
                             _ => (
                                 StatusCode::NOT_FOUND,
                                 "text/plain",

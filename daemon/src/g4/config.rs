@@ -1,6 +1,7 @@
 //! G4 configuration and the one place that turns it into an `ObjectStore`.
 
 use crate::error::{Error, Result};
+use kvtier_client::block::{HEADER_BYTES, PAYLOAD_BYTES_MAX};
 use object_store::aws::AmazonS3Builder;
 use object_store::local::LocalFileSystem;
 use object_store::memory::InMemory;
@@ -8,6 +9,24 @@ use object_store::path::Path;
 use object_store::{BackoffConfig, ClientOptions, ObjectStore, RetryConfig};
 use std::sync::Arc;
 use std::time::Duration;
+
+/// Where the S3 client takes its credentials from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum G4Credentials {
+    /// `access_key_id`/`secret_access_key` here, else `AWS_ACCESS_KEY_ID`
+    /// and `AWS_SECRET_ACCESS_KEY`; with neither, requests go unsigned and
+    /// G4 reports itself degraded. Never asks a metadata address.
+    #[default]
+    Auto,
+    /// Static keys only (here or in the environment); none is a config error.
+    Static,
+    /// The cloud's ambient credentials: web identity token, container
+    /// endpoint or instance metadata (169.254.169.254), as the AWS SDKs do.
+    Instance,
+    /// Unsigned requests (a public bucket, or a local test server).
+    Anonymous,
+}
 
 /// Configuration of the G4 tier. `Default` works for a local `file://` store.
 ///
@@ -34,6 +53,13 @@ pub struct G4Config {
     pub secret_access_key: Option<String>,
     /// Session token for temporary credentials.
     pub session_token: Option<String>,
+    /// Where S3 credentials come from (see [`G4Credentials`]). Only
+    /// `instance` lets the client ask a metadata address (169.254.169.254,
+    /// the container endpoint) or a web-identity token file.
+    pub credentials: G4Credentials,
+    /// Instance metadata endpoint used by `credentials = "instance"`
+    /// (unset: the cloud's, `http://169.254.169.254`).
+    pub metadata_endpoint: Option<String>,
     /// Bytes of blocks G4 may hold before the sweeper deletes oldest first.
     pub capacity_bytes: Option<u64>,
     /// Age after which the sweeper deletes a block.
@@ -61,6 +87,28 @@ pub struct G4Config {
     pub multipart_part_bytes: u64,
     /// Deadline of one object-store operation (a whole put or get).
     pub request_timeout_ms: u64,
+    /// Deadline of a TCP connect to the store.
+    pub connect_timeout_ms: u64,
+    /// Deadline from sending a read request (GET, HEAD) to its response
+    /// headers: a store that accepts and never answers is a miss this soon.
+    pub response_timeout_ms: u64,
+    /// Longest pause between two body chunks of a GET (a trickling body is
+    /// a miss, not a stall).
+    pub body_idle_timeout_ms: u64,
+    /// Largest object a fetch accepts: the size is checked from the
+    /// response before any body is buffered, and the body is read with this
+    /// cap. Default: the largest valid block file (header + 1 GiB payload).
+    pub object_bytes_max: u64,
+    /// Consecutive failed or late store calls that open the circuit
+    /// breaker (calls then fail at once, as misses, without a request).
+    pub breaker_failures_max: u32,
+    /// How long the breaker stays open before one probe call may try;
+    /// doubles after each failed probe, up to `breaker_open_max_ms`.
+    pub breaker_open_ms: u64,
+    /// Longest open period of the breaker.
+    pub breaker_open_max_ms: u64,
+    /// Deadline of the start-up check (reachability and credentials).
+    pub startup_check_timeout_ms: u64,
     /// Deadline of `BlockTier::get` (fetch with a deadline takes its own).
     pub fetch_deadline_ms: u64,
     /// Distinct blocks being fetched at once at most; more are misses.
@@ -84,6 +132,8 @@ impl Default for G4Config {
             access_key_id: None,
             secret_access_key: None,
             session_token: None,
+            credentials: G4Credentials::Auto,
+            metadata_endpoint: None,
             capacity_bytes: None,
             ttl_ms: None,
             sweep_interval_ms: 60_000,
@@ -97,6 +147,14 @@ impl Default for G4Config {
             multipart_threshold_bytes: 32 << 20,
             multipart_part_bytes: 8 << 20,
             request_timeout_ms: 30_000,
+            connect_timeout_ms: 2_000,
+            response_timeout_ms: 2_000,
+            body_idle_timeout_ms: 2_000,
+            object_bytes_max: HEADER_BYTES as u64 + PAYLOAD_BYTES_MAX,
+            breaker_failures_max: 5,
+            breaker_open_ms: 1_000,
+            breaker_open_max_ms: 30_000,
+            startup_check_timeout_ms: 3_000,
             fetch_deadline_ms: 10_000,
             fetch_inflight_max: 256,
             exists_cache_entries: 1 << 20,
@@ -118,11 +176,14 @@ impl std::fmt::Debug for G4Config {
             .field("access_key_id", &redact(&self.access_key_id))
             .field("secret_access_key", &redact(&self.secret_access_key))
             .field("session_token", &redact(&self.session_token))
+            .field("credentials", &self.credentials)
             .field("capacity_bytes", &self.capacity_bytes)
             .field("ttl_ms", &self.ttl_ms)
             .field("upload_queue_max", &self.upload_queue_max)
             .field("upload_concurrency", &self.upload_concurrency)
             .field("request_timeout_ms", &self.request_timeout_ms)
+            .field("response_timeout_ms", &self.response_timeout_ms)
+            .field("breaker_failures_max", &self.breaker_failures_max)
             .finish_non_exhaustive()
     }
 }
@@ -150,8 +211,33 @@ impl G4Config {
         if self.multipart_part_bytes < (5 << 20) {
             return Err(bad("multipart_part_bytes", "S3 parts are at least 5 MiB"));
         }
-        if self.request_timeout_ms == 0 || self.fetch_deadline_ms == 0 {
-            return Err(bad("request_timeout_ms", "timeouts must be above 0"));
+        for (key, v) in [
+            ("request_timeout_ms", self.request_timeout_ms),
+            ("fetch_deadline_ms", self.fetch_deadline_ms),
+            ("connect_timeout_ms", self.connect_timeout_ms),
+            ("response_timeout_ms", self.response_timeout_ms),
+            ("body_idle_timeout_ms", self.body_idle_timeout_ms),
+            ("breaker_open_ms", self.breaker_open_ms),
+            ("startup_check_timeout_ms", self.startup_check_timeout_ms),
+        ] {
+            if v == 0 {
+                return Err(bad(key, "timeouts must be above 0 ms"));
+            }
+        }
+        if self.breaker_open_max_ms < self.breaker_open_ms {
+            return Err(bad(
+                "breaker_open_max_ms",
+                "must be at least breaker_open_ms",
+            ));
+        }
+        if self.breaker_failures_max == 0 {
+            return Err(bad("breaker_failures_max", "must be at least 1"));
+        }
+        if self.object_bytes_max < HEADER_BYTES as u64 {
+            return Err(bad(
+                "object_bytes_max",
+                "must hold at least a block header (4096 bytes)",
+            ));
         }
         if self.fetch_inflight_max == 0 {
             return Err(bad("fetch_inflight_max", "must be at least 1"));
@@ -185,6 +271,26 @@ impl G4Config {
         // Short strings would scrub ordinary words; real keys are long.
         v.retain(|s| s.len() >= 8);
         v
+    }
+
+    /// Whether static S3 keys are configured here or in the environment.
+    pub fn static_keys_present(&self) -> bool {
+        let env = |k: &str| std::env::var(k).is_ok_and(|v| !v.is_empty());
+        (self.access_key_id.is_some() || env("AWS_ACCESS_KEY_ID"))
+            && (self.secret_access_key.is_some() || env("AWS_SECRET_ACCESS_KEY"))
+    }
+
+    /// Why this config cannot authenticate to an S3 store, if it cannot:
+    /// `auto` with no static keys sends unsigned requests.
+    pub fn credentials_problem(&self) -> Option<String> {
+        let s3 = self.url.starts_with("s3://");
+        (s3 && self.credentials == G4Credentials::Auto && !self.static_keys_present()).then(|| {
+            "no S3 credentials configured: requests go unsigned; set g4.access_key_id and \
+             g4.secret_access_key (or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY), or \
+             g4.credentials = \"instance\" for the cloud's instance credentials, or \
+             \"anonymous\" for a public bucket"
+                .to_string()
+        })
     }
 
     /// Builds the object store and the prefix under which kvtier keeps its
@@ -234,7 +340,7 @@ impl G4Config {
                 ClientOptions::new()
                     .with_allow_http(self.allow_http)
                     .with_timeout(timeout)
-                    .with_connect_timeout(timeout.min(Duration::from_secs(5))),
+                    .with_connect_timeout(Duration::from_millis(self.connect_timeout_ms)),
             )
             // kvtier retries uploads itself (with its own bounded queue) and
             // onboard has a deadline: keep the client's own retries short.
@@ -261,6 +367,29 @@ impl G4Config {
         }
         if let Some(t) = &self.session_token {
             b = b.with_token(t);
+        }
+        if let Some(m) = &self.metadata_endpoint {
+            b = b.with_metadata_endpoint(m);
+        }
+        match self.credentials {
+            G4Credentials::Instance => {}
+            G4Credentials::Anonymous => b = b.with_skip_signature(true),
+            G4Credentials::Auto | G4Credentials::Static => {
+                // object_store falls back to web identity, the container
+                // endpoint and finally instance metadata (169.254.169.254)
+                // when it finds no static keys; only `instance` may do that.
+                if !self.static_keys_present() {
+                    if self.credentials == G4Credentials::Static {
+                        return Err(Error::Config {
+                            key: "g4.credentials".into(),
+                            problem: "\"static\" needs access_key_id and secret_access_key \
+                                      (or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY)"
+                                .into(),
+                        });
+                    }
+                    b = b.with_skip_signature(true);
+                }
+            }
         }
         let s3 = b.build().map_err(|e| Error::Config {
             key: "g4".into(),

@@ -11,7 +11,7 @@ use futures::future::{BoxFuture, FutureExt, Shared};
 use kvtier_client::block::HEADER_BYTES;
 use kvtier_client::{BlockHeader, BlockKey, NamespaceId};
 use object_store::path::Path;
-use object_store::ObjectStoreExt;
+use object_store::{GetOptions, ObjectStoreExt};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -75,55 +75,265 @@ pub(crate) async fn fetch(
     }
 }
 
-async fn get_verified(inner: &Inner, ns: &NamespaceId, key: &BlockKey, loc: &Path) -> Fetched {
+/// One capped read's outcome.
+enum Capped {
+    /// The whole body, split after `split` bytes.
+    Body {
+        etag: Option<String>,
+        size: u64,
+        head: Vec<u8>,
+        rest: Vec<u8>,
+    },
+    /// The object is larger than the caller accepts (nothing buffered).
+    TooBig {
+        etag: Option<String>,
+        size: u64,
+    },
+    /// The first `split` bytes failed `head_ok` (the rest was not read).
+    BadHead {
+        etag: Option<String>,
+        size: u64,
+    },
+    Absent,
+    /// Refused by the breaker, late, failed, or a body that ended early,
+    /// stalled or broke: a miss that says nothing about the object.
+    Failed,
+}
+
+/// GETs `loc` (with `opts`' range) and reads the body only when the
+/// response's size is at most `cap`, chunk by chunk with an idle deadline,
+/// never past the declared size: memory is bounded by `cap` whatever the
+/// store sends. The first `split` bytes land in `head`, the rest in `rest`
+/// (so a block's payload needs no move).
+async fn get_capped(
+    inner: &Inner,
+    loc: &Path,
+    opts: GetOptions,
+    cap: u64,
+    split: usize,
+    head_ok: &(dyn Fn(&[u8], u64) -> bool + Sync),
+) -> Capped {
+    use futures::StreamExt;
+    if !inner.breaker.allow(&inner.stats) {
+        return Capped::Failed;
+    }
     stats::inc(&inner.stats.fetch_gets);
-    let got = tokio::time::timeout(inner.timeout(), async {
-        inner.store.get(loc).await?.bytes().await
-    })
-    .await;
-    let bytes = match got {
-        Err(_) => return Err(MissReason::Unavailable),
-        Ok(Err(object_store::Error::NotFound { .. })) => {
-            inner.set_exists(loc, false);
-            return Err(MissReason::Absent);
+    let idle = Duration::from_millis(inner.cfg.body_idle_timeout_ms);
+    let work = async {
+        let r =
+            match tokio::time::timeout(inner.response_timeout(), inner.store.get_opts(loc, opts))
+                .await
+            {
+                Err(_) => {
+                    tracing::debug!(location = %loc, "G4 GET: no response in time");
+                    return (Capped::Failed, false);
+                }
+                Ok(Err(object_store::Error::NotFound { .. })) => return (Capped::Absent, true),
+                Ok(Err(e)) => {
+                    tracing::warn!(error = %inner.err("get", loc, &e), "G4 fetch failed");
+                    return (Capped::Failed, false);
+                }
+                Ok(Ok(r)) => r,
+            };
+        let etag = r.meta.e_tag.clone();
+        let size = r.range.end.saturating_sub(r.range.start);
+        if size > cap {
+            // Dropping the stream closes the connection unread.
+            return (Capped::TooBig { etag, size }, true);
         }
-        Ok(Err(e)) => {
-            tracing::warn!(error = %inner.err("get", loc, &e), "G4 fetch failed");
-            return Err(MissReason::Unavailable);
+        let split = split.min(size as usize);
+        let mut head = Vec::with_capacity(split);
+        // Capacity is only reserved: pages are touched as bytes arrive.
+        let mut rest = Vec::with_capacity(size as usize - split);
+        let mut stream = r.into_stream();
+        loop {
+            let chunk = match tokio::time::timeout(idle, stream.next()).await {
+                Err(_) => {
+                    tracing::debug!(location = %loc, "G4 GET: body stalled");
+                    return (Capped::Failed, false);
+                }
+                Ok(None) => break,
+                Ok(Some(Err(e))) => {
+                    tracing::debug!(location = %loc, error = %inner.scrub(&e.to_string()), "G4 GET: body broke");
+                    return (Capped::Failed, false);
+                }
+                Ok(Some(Ok(c))) => c,
+            };
+            let got = (head.len() + rest.len()) as u64;
+            if got + chunk.len() as u64 > size {
+                // More than the response declared: a broken or lying server.
+                return (Capped::Failed, false);
+            }
+            let h = (split - head.len()).min(chunk.len());
+            head.extend_from_slice(&chunk[..h]);
+            if h > 0 && head.len() == split && !head_ok(&head, size) {
+                // A bad header: the rest of the body is not worth reading.
+                return (Capped::BadHead { etag, size }, true);
+            }
+            rest.extend_from_slice(&chunk[h..]);
         }
-        Ok(Ok(b)) => b,
+        if ((head.len() + rest.len()) as u64) < size {
+            return (Capped::Failed, false);
+        }
+        (
+            Capped::Body {
+                etag,
+                size,
+                head,
+                rest,
+            },
+            true,
+        )
     };
-    let checked = kvtier_client::decode_block(&bytes).and_then(|(h, p)| {
-        if h.namespace_id() != *ns || h.key != *key {
-            return Err(kvtier_client::Error::Format {
-                fault: kvtier_client::FormatFault::Malformed,
-                detail: "block stored under another namespace or key".into(),
-            });
-        }
-        Ok((h, p.len()))
-    });
-    // The response buffer becomes the payload in place (no second buffer
-    // to allocate and fault in): Bytes -> Vec is free when unshared.
-    let checked = checked.map(|(header, len)| {
-        let mut payload = Vec::from(bytes);
-        payload.truncate(HEADER_BYTES + len);
-        payload.drain(..HEADER_BYTES);
-        Block { header, payload }
-    });
-    match checked {
-        Ok(b) => {
-            inner.set_exists(loc, true);
-            Ok(Arc::new(b))
-        }
-        Err(e) => {
-            // Create-if-absent means a corrupt object would block every
-            // healthy re-upload forever: remove it so the next upload heals.
-            tracing::warn!(location = %loc, error = %e, "corrupt G4 object removed");
-            let _ = tokio::time::timeout(inner.timeout(), inner.store.delete(loc)).await;
-            inner.set_exists(loc, false);
+    let (out, answered) = match tokio::time::timeout(inner.timeout(), work).await {
+        Err(_) => (Capped::Failed, false),
+        Ok(x) => x,
+    };
+    inner.breaker.record(&inner.stats, answered);
+    if matches!(out, Capped::Failed) {
+        stats::inc(&inner.stats.fetch_body_failures);
+    }
+    out
+}
+
+/// One full read of a block object.
+enum Read {
+    Good(Block),
+    Corrupt {
+        etag: Option<String>,
+        size: u64,
+        why: String,
+    },
+    Absent,
+    Failed,
+}
+
+async fn read_block(inner: &Inner, ns: &NamespaceId, key: &BlockKey, loc: &Path) -> Read {
+    let cap = inner.cfg.object_bytes_max;
+    // The header is checked as soon as it arrives: a foreign or malformed
+    // header, or one that declares another size than the response, stops
+    // the read before the payload is buffered.
+    let head_ok = |h: &[u8], size: u64| {
+        BlockHeader::decode(h)
+            .is_ok_and(|h| h.namespace_id() == *ns && h.key == *key && h.file_len() == size)
+    };
+    let opts = GetOptions::default();
+    let (etag, size, head, mut rest) =
+        match get_capped(inner, loc, opts, cap, HEADER_BYTES, &head_ok).await {
+            Capped::Absent => return Read::Absent,
+            Capped::Failed => return Read::Failed,
+            Capped::TooBig { etag, size } => {
+                stats::inc(&inner.stats.fetch_refused_size);
+                return Read::Corrupt {
+                    etag,
+                    size,
+                    why: format!("object of {size} bytes, above g4.object_bytes_max ({cap})"),
+                };
+            }
+            Capped::BadHead { etag, size } => {
+                stats::inc(&inner.stats.fetch_refused_size);
+                return Read::Corrupt {
+                    etag,
+                    size,
+                    why: "bad block header (checksum, namespace, key, or size)".into(),
+                };
+            }
+            Capped::Body {
+                etag,
+                size,
+                head,
+                rest,
+            } => (etag, size, head, rest),
+        };
+    let bad = |why: String| Read::Corrupt {
+        etag: etag.clone(),
+        size,
+        why,
+    };
+    let header = match BlockHeader::decode(&head) {
+        Ok(h) => h,
+        Err(e) => return bad(e.to_string()),
+    };
+    if header.namespace_id() != *ns || header.key != *key {
+        return bad("block stored under another namespace or key".into());
+    }
+    if header.file_len() != size {
+        stats::inc(&inner.stats.fetch_refused_size);
+        return bad(format!(
+            "object of {size} bytes, its header declares {}",
+            header.file_len()
+        ));
+    }
+    let len = header.payload_len as usize;
+    if rest[len..].iter().any(|&b| b != 0) {
+        return bad("padding bytes are not zero".into());
+    }
+    rest.truncate(len);
+    if let Err(e) = header.verify_payload(&rest) {
+        return bad(e.to_string());
+    }
+    Read::Good(Block {
+        header,
+        payload: rest,
+    })
+}
+
+/// Reads and verifies a block. A verification failure is never acted on
+/// after one read (a flaky network, proxy or disk behind the store can
+/// corrupt one response): the object is read again, and it is deleted
+/// (so a healthy re-upload can replace it: puts are create-if-absent)
+/// only when the second read fails verification too with the same ETag,
+/// i.e. the same stored object is bad twice. A changed ETag, a missing
+/// ETag, or a second read that fails in transport keeps the object.
+async fn get_verified(inner: &Inner, ns: &NamespaceId, key: &BlockKey, loc: &Path) -> Fetched {
+    let first = match read_block(inner, ns, key, loc).await {
+        Read::Good(b) => return found(inner, loc, b),
+        Read::Absent => return absent(inner, loc),
+        Read::Failed => return Err(MissReason::Unavailable),
+        Read::Corrupt { etag, size, why } => (etag, size, why),
+    };
+    stats::inc(&inner.stats.fetch_rereads);
+    tracing::warn!(location = %loc, error = %first.2, "G4 object failed verification; reading it again");
+    match read_block(inner, ns, key, loc).await {
+        Read::Good(b) => found(inner, loc, b),
+        Read::Absent => absent(inner, loc),
+        Read::Failed => Err(MissReason::Unavailable),
+        Read::Corrupt { etag, size, why } => {
+            // The same stored object (ETag and size) twice, and a HEAD (no
+            // body to mangle) that still names it: the object is bad.
+            let same = etag.is_some() && etag == first.0 && size == first.1;
+            if same && head_agrees(inner, loc, etag.as_deref(), size).await {
+                tracing::warn!(location = %loc, error = %why, etag = ?etag,
+                    "corrupt G4 object (same ETag bad twice) removed");
+                stats::inc(&inner.stats.fetch_corrupt_deleted);
+                let _ = tokio::time::timeout(inner.timeout(), inner.store.delete(loc)).await;
+                inner.set_exists(loc, false);
+            } else {
+                tracing::warn!(location = %loc, error = %why, first_etag = ?first.0, etag = ?etag,
+                    "G4 object failed verification twice with different ETags; kept");
+            }
             Err(MissReason::Corrupt)
         }
     }
+}
+
+async fn head_agrees(inner: &Inner, loc: &Path, etag: Option<&str>, size: u64) -> bool {
+    if !inner.breaker.allow(&inner.stats) {
+        return false;
+    }
+    let r = tokio::time::timeout(inner.response_timeout(), inner.store.head(loc)).await;
+    inner.breaker.record(&inner.stats, matches!(r, Ok(Ok(_))));
+    matches!(r, Ok(Ok(m)) if m.e_tag.as_deref() == etag && m.size == size)
+}
+
+fn found(inner: &Inner, loc: &Path, b: Block) -> Fetched {
+    inner.set_exists(loc, true);
+    Ok(Arc::new(b))
+}
+
+fn absent(inner: &Inner, loc: &Path) -> Fetched {
+    inner.set_exists(loc, false);
+    Err(MissReason::Absent)
 }
 
 pub(crate) async fn fetch_header(
@@ -133,16 +343,19 @@ pub(crate) async fn fetch_header(
     deadline: Duration,
 ) -> Lookup<BlockHeader> {
     let loc = inner.path(ns, key);
+    let opts = GetOptions::default().with_range(Some(0..HEADER_BYTES as u64));
     let got = tokio::time::timeout(
         deadline,
-        inner.store.get_range(&loc, 0..HEADER_BYTES as u64),
+        get_capped(inner, &loc, opts, HEADER_BYTES as u64, 0, &|_, _| true),
     )
     .await;
     let bytes = match got {
-        Err(_) => return Lookup::Miss(MissReason::Unavailable),
-        Ok(Err(object_store::Error::NotFound { .. })) => return Lookup::Miss(MissReason::Absent),
-        Ok(Err(_)) => return Lookup::Miss(MissReason::Unavailable),
-        Ok(Ok(b)) => b,
+        Err(_) | Ok(Capped::Failed) => return Lookup::Miss(MissReason::Unavailable),
+        Ok(Capped::Absent) => return Lookup::Miss(MissReason::Absent),
+        Ok(Capped::TooBig { .. } | Capped::BadHead { .. }) => {
+            return Lookup::Miss(MissReason::Corrupt)
+        }
+        Ok(Capped::Body { rest, .. }) => rest,
     };
     match BlockHeader::decode(&bytes) {
         Ok(h) if h.namespace_id() == *ns && h.key == *key => Lookup::Hit(h),
@@ -167,15 +380,15 @@ pub(crate) async fn fetch_range(
         }
         let off = HEADER_BYTES as u64;
         let loc = inner.path(ns, key);
-        match inner
-            .store
-            .get_range(&loc, off + range.start..off + range.end)
-            .await
-        {
-            Ok(b) if b.len() as u64 == range.end - range.start => Lookup::Hit(b.to_vec()),
-            Ok(_) => Lookup::Miss(MissReason::Corrupt),
-            Err(object_store::Error::NotFound { .. }) => Lookup::Miss(MissReason::Absent),
-            Err(_) => Lookup::Miss(MissReason::Unavailable),
+        let want = range.end - range.start;
+        let opts = GetOptions::default().with_range(Some(off + range.start..off + range.end));
+        match get_capped(inner, &loc, opts, want, 0, &|_, _| true).await {
+            Capped::Body { rest, .. } if rest.len() as u64 == want => Lookup::Hit(rest),
+            Capped::Body { .. } | Capped::TooBig { .. } | Capped::BadHead { .. } => {
+                Lookup::Miss(MissReason::Corrupt)
+            }
+            Capped::Absent => Lookup::Miss(MissReason::Absent),
+            Capped::Failed => Lookup::Miss(MissReason::Unavailable),
         }
     };
     tokio::time::timeout(deadline, work)

@@ -18,6 +18,7 @@
 //! it would wait on the runtime it occupies). Async callers use the
 //! `*_async` methods instead of blocking their executor.
 
+pub mod breaker;
 pub mod config;
 mod exists;
 mod fetch;
@@ -26,7 +27,8 @@ pub mod stats;
 pub mod sweeper;
 pub mod uploader;
 
-pub use config::G4Config;
+pub use breaker::BreakerState;
+pub use config::{G4Config, G4Credentials};
 pub use stats::{G4Stats, G4StatsSnapshot};
 pub use sweeper::SweepReport;
 pub use uploader::{BlockSource, EnqueueOutcome, OnUploaded, UploadOutcome};
@@ -67,6 +69,9 @@ pub(crate) struct Inner {
     pub(crate) handle: Handle,
     /// Told of the sweeper's deletions (the node publishes `Removed`).
     pub(crate) on_deleted: Mutex<Option<DeletedHook>>,
+    pub(crate) breaker: breaker::Breaker,
+    /// Why the start-up check failed (`None`: passed or not run yet).
+    startup_problem: Mutex<Option<String>>,
 }
 
 /// Receives the blocks the sweeper deleted, one call per namespace and
@@ -128,8 +133,16 @@ impl G4Store {
             conditional_put: AtomicBool::new(true),
             handle: handle.clone(),
             on_deleted: Mutex::new(None),
+            breaker: breaker::Breaker::new(
+                cfg.breaker_failures_max,
+                Duration::from_millis(cfg.breaker_open_ms),
+                Duration::from_millis(cfg.breaker_open_max_ms),
+                Duration::from_millis(cfg.request_timeout_ms),
+            ),
+            startup_problem: Mutex::new(None),
             cfg,
         });
+        inner.stats.startup_check_ok.store(2, Ordering::Relaxed);
         if inner.cfg.capacity_bytes.is_some() || inner.cfg.ttl_ms.is_some() {
             sweeper::spawn_background(&inner);
         }
@@ -138,6 +151,82 @@ impl G4Store {
             handle,
             runtime: None,
         })
+    }
+
+    /// Checks, within `startup_check_timeout_ms`, that the store answers
+    /// and accepts the credentials (one HEAD under the prefix: 200 or 404
+    /// pass, 401/403, errors and silence fail). A failure is not fatal: G4
+    /// runs degraded (reads are misses, uploads retry) and says why in the
+    /// log, `kvtier_g4{stat="startup_check_ok"}` and `/healthz`.
+    pub async fn startup_check_async(&self) -> std::result::Result<(), String> {
+        let inner = &self.inner;
+        let probe = inner.blocks_root.clone().join(".kvtier-startup-probe");
+        let t = Duration::from_millis(inner.cfg.startup_check_timeout_ms);
+        let mut problem = match tokio::time::timeout(t, inner.store.head(&probe)).await {
+            Err(_) => Some(format!(
+                "G4 store did not answer within g4.startup_check_timeout_ms ({} ms): \
+                 check g4.url / g4.endpoint and the network",
+                inner.cfg.startup_check_timeout_ms
+            )),
+            Ok(Ok(_)) | Ok(Err(object_store::Error::NotFound { .. })) => None,
+            Ok(Err(e)) => Some(format!(
+                "G4 start-up check failed: {}",
+                inner.err("head", &probe, &e)
+            )),
+        };
+        if problem.is_none() {
+            problem = inner.cfg.credentials_problem();
+        }
+        inner
+            .stats
+            .startup_check_ok
+            .store(u64::from(problem.is_none()), Ordering::Relaxed);
+        *lock(&inner.startup_problem) = problem.clone();
+        match problem {
+            None => Ok(()),
+            Some(p) => {
+                tracing::warn!(url = %inner.cfg.url, problem = %p, "G4 degraded at start");
+                Err(p)
+            }
+        }
+    }
+
+    /// [`G4Store::startup_check_async`] from a sync thread.
+    pub fn startup_check(&self) -> std::result::Result<(), String> {
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        let me = G4Store {
+            inner: self.inner.clone(),
+            handle: self.handle.clone(),
+            runtime: None,
+        };
+        self.handle.spawn(async move {
+            let _ = tx.send(me.startup_check_async().await);
+        });
+        rx.recv()
+            .unwrap_or_else(|_| Err("the G4 runtime shut down".into()))
+    }
+
+    /// Why G4 is degraded now (empty: healthy): the start-up check's
+    /// problem, and an open circuit breaker.
+    pub fn health(&self) -> Vec<String> {
+        let mut v: Vec<String> = lock(&self.inner.startup_problem).iter().cloned().collect();
+        match self.inner.breaker.state() {
+            BreakerState::Closed => {}
+            s => {
+                v.push(format!(
+                "G4 circuit breaker {}: the store failed {} calls in a row; G4 reads are misses \
+                 until a probe succeeds",
+                if s == BreakerState::Open { "open" } else { "half-open" },
+                self.inner.cfg.breaker_failures_max
+            ))
+            }
+        }
+        v
+    }
+
+    /// The circuit breaker's state.
+    pub fn breaker_state(&self) -> BreakerState {
+        self.inner.breaker.state()
     }
 
     /// The configuration in use.
@@ -374,6 +463,39 @@ impl Inner {
         Duration::from_millis(self.cfg.request_timeout_ms)
     }
 
+    /// Deadline for a read request's response headers.
+    pub(crate) fn response_timeout(&self) -> Duration {
+        Duration::from_millis(self.cfg.response_timeout_ms)
+    }
+
+    /// The error for a call the open breaker refused.
+    pub(crate) fn breaker_refused(&self, op: &'static str, loc: &Path) -> Error {
+        Error::ObjectStore {
+            op,
+            location: loc.to_string(),
+            detail: "G4 circuit breaker open (the store keeps failing); retried later".into(),
+        }
+    }
+
+    /// HEAD with the breaker and the response deadline: `Ok(present)`.
+    async fn head_checked(&self, loc: &Path) -> Result<bool> {
+        if !self.breaker.allow(&self.stats) {
+            return Err(self.breaker_refused("head", loc));
+        }
+        let r = tokio::time::timeout(self.response_timeout(), self.store.head(loc)).await;
+        let out = match r {
+            Err(_) => Err(Error::Timeout {
+                op: "head",
+                timeout_ms: self.cfg.response_timeout_ms,
+            }),
+            Ok(Ok(_)) => Ok(true),
+            Ok(Err(object_store::Error::NotFound { .. })) => Ok(false),
+            Ok(Err(e)) => Err(self.err("head", loc, &e)),
+        };
+        self.breaker.record(&self.stats, out.is_ok());
+        out
+    }
+
     /// A typed error for a failed store call, without credentials.
     pub(crate) fn err(&self, op: &'static str, loc: &Path, e: &object_store::Error) -> Error {
         let hint = match e {
@@ -440,24 +562,14 @@ impl Inner {
             return Ok(b);
         }
         stats::inc(&self.stats.exists_heads);
-        let present = match tokio::time::timeout(self.timeout(), self.store.head(&loc)).await {
-            Err(_) => return Err(self.timed_out("head")),
-            Ok(Ok(_)) => true,
-            Ok(Err(object_store::Error::NotFound { .. })) => false,
-            Ok(Err(e)) => return Err(self.err("head", &loc, &e)),
-        };
+        let present = self.head_checked(&loc).await?;
         self.set_exists(&loc, present);
         Ok(present)
     }
 
     pub(crate) async fn delete(&self, loc: &Path) -> Result<bool> {
         // S3 reports success for absent keys: HEAD tells whether it was there.
-        let present = match tokio::time::timeout(self.timeout(), self.store.head(loc)).await {
-            Err(_) => return Err(self.timed_out("head")),
-            Ok(Ok(_)) => true,
-            Ok(Err(object_store::Error::NotFound { .. })) => false,
-            Ok(Err(e)) => return Err(self.err("head", loc, &e)),
-        };
+        let present = self.head_checked(loc).await?;
         if present {
             match tokio::time::timeout(self.timeout(), self.store.delete(loc)).await {
                 Err(_) => return Err(self.timed_out("delete")),
@@ -471,11 +583,16 @@ impl Inner {
 
     /// Uploads a whole block file, create-if-absent.
     pub(crate) async fn put_file(&self, loc: &Path, file: Bytes) -> Result<PutOutcome> {
+        if !self.breaker.allow(&self.stats) {
+            return Err(self.breaker_refused("put", loc));
+        }
         let fut = self.put_file_inner(loc, file);
-        let out = match tokio::time::timeout(self.timeout(), fut).await {
-            Err(_) => return Err(self.timed_out("put")),
-            Ok(r) => r?,
+        let r = match tokio::time::timeout(self.timeout(), fut).await {
+            Err(_) => Err(self.timed_out("put")),
+            Ok(r) => r,
         };
+        self.breaker.record(&self.stats, r.is_ok());
+        let out = r?;
         self.set_exists(loc, true);
         Ok(out)
     }

@@ -75,6 +75,26 @@ stats! {
     sweep_last_total_bytes,
     /// Gauge: blocks in G4 at the last sweep.
     sweep_last_total_blocks,
+    /// Gauge: 1 while the circuit breaker is open (G4 calls refused).
+    breaker_open,
+    /// Times the circuit breaker opened.
+    breaker_opened,
+    /// Calls refused by the open breaker (no request sent).
+    breaker_rejected,
+    /// Verification failures re-read before deciding (a good object is
+    /// never deleted after one bad read).
+    fetch_rereads,
+    /// Corrupt objects deleted: the same ETag read corrupt twice.
+    fetch_corrupt_deleted,
+    /// Objects refused by size before buffering (above object_bytes_max,
+    /// or not the size their header declares).
+    fetch_refused_size,
+    /// Bodies that ended early, stalled, or broke mid-stream (a miss, never
+    /// a delete).
+    fetch_body_failures,
+    /// Gauge: 1 when the start-up check reached the store with working
+    /// credentials, 0 when it did not (see /healthz), 2 before it ran.
+    startup_check_ok,
 }
 
 pub(crate) fn inc(c: &AtomicU64) {

@@ -110,9 +110,15 @@ impl Backend for Node {
         parent: Option<BlockKey>,
         hints: Hints,
     ) -> Result<PutOutcome> {
+        let item = PutItem {
+            header,
+            payload,
+            meta: PutMeta { parent, hints },
+        };
         let outcome = self
-            .g3
-            .put_block(ns, header, payload, PutMeta { parent, hints })?;
+            .put_evicting_on_enospc(ns, &[item])
+            .pop()
+            .unwrap_or(Ok(PutOutcome::AlreadyPresent))?;
         if outcome == PutOutcome::Stored {
             super::events::g3_stored(&self.events, ns, header, parent);
             self.admit(ns, &header.key, AdmissionEvent::Stored, hints, false);
@@ -138,7 +144,7 @@ impl Backend for Node {
                 },
             })
             .collect();
-        let out = self.g3.put_blocks(ns, &items);
+        let out = self.put_evicting_on_enospc(ns, &items);
         for (b, r) in blocks.iter().zip(&out) {
             if matches!(r, Ok(PutOutcome::Stored)) {
                 let key = &b.header.key;
@@ -360,6 +366,12 @@ impl Backend for Node {
             }
         }
         Ok(out)
+    }
+
+    fn health(&self) -> Vec<String> {
+        let mut v: Vec<String> = self.capacity_problem.iter().cloned().collect();
+        v.extend(self.g4.as_ref().map(|g| g.health()).unwrap_or_default());
+        v
     }
 
     fn stats(&self) -> BackendStats {

@@ -185,6 +185,10 @@ pub struct Node {
     /// Remote fetches in flight at most (`fetch::FETCH_PARALLEL_MAX`).
     fetch_permits: Arc<tokio::sync::Semaphore>,
     g4_enqueued: Arc<AtomicU64>,
+    /// Blocks evicted because the filesystem filled before capacity did.
+    enospc_evictions: AtomicU64,
+    /// Set at start when G3's capacity is above its filesystem's room.
+    capacity_problem: Option<String>,
     /// Blocks removed by `evict` requests (G3 counts only its own).
     evicted_by_request: AtomicU64,
     lookup_remote_deadline: Duration,
@@ -221,6 +225,10 @@ impl Node {
             problem: format!("unknown policy {:?} (default | lru)", cfg.policy),
         })?;
         let g3 = G3Store::open(cfg.g3.clone(), policy)?;
+        let capacity_problem = Self::capacity_problem(&g3);
+        if let Some(p) = &capacity_problem {
+            tracing::warn!(problem = %p, "g3 capacity above the free space");
+        }
         let events: Arc<RwLock<Option<EventBus>>> = Arc::new(RwLock::new(None));
         let listeners: events::Listeners = Arc::new(RwLock::new(Vec::new()));
         g3.set_event_sink(events::g3_sink(events.clone(), listeners.clone()));
@@ -238,6 +246,11 @@ impl Node {
         }
         let g4_enqueued = Arc::new(AtomicU64::new(0));
         if let Some(g4) = &g4_store {
+            // Bounded by g4.startup_check_timeout_ms; a failure is logged,
+            // counted and shown by /healthz, never fatal.
+            if g4.startup_check().is_ok() {
+                tracing::info!(url = %g4.config().url, "G4 start-up check passed");
+            }
             uplink::start(&g3, g4, events.clone())?;
         }
         let mut node_id = String::from("local");
@@ -279,6 +292,8 @@ impl Node {
             activity,
             fetch_permits: Arc::new(tokio::sync::Semaphore::new(fetch::FETCH_PARALLEL_MAX)),
             g4_enqueued,
+            enospc_evictions: AtomicU64::new(0),
+            capacity_problem,
             evicted_by_request: AtomicU64::new(0),
             lookup_remote_deadline: Duration::from_millis(cfg.lookup_remote_deadline_ms),
             fetch_deadline: Duration::from_millis(cfg.fetch_deadline_ms),
@@ -291,6 +306,61 @@ impl Node {
             uplink::requeue_unmarked(&node);
         }
         Ok(node)
+    }
+
+    /// G3's `put_blocks`, and when the filesystem fills up before capacity
+    /// does (other files share it, or capacity is above its size): evicts
+    /// twice what the failed items need and retries them once, so ENOSPC
+    /// fails an offload only when eviction cannot help.
+    pub(crate) fn put_evicting_on_enospc(
+        &self,
+        ns: &NamespaceId,
+        items: &[crate::g3::PutItem<'_>],
+    ) -> Vec<Result<crate::tier::PutOutcome>> {
+        let mut out = self.g3.put_blocks(ns, items);
+        let failed: Vec<usize> = (0..out.len())
+            .filter(|&i| matches!(out[i], Err(Error::NoSpace { .. })))
+            .collect();
+        if failed.is_empty() {
+            return out;
+        }
+        let need: u64 = failed.iter().map(|&i| items[i].header.file_len()).sum();
+        let used = self.g3.stats().used_bytes;
+        let evicted = self
+            .g3
+            .evict_to(used.saturating_sub(need.saturating_mul(2)));
+        self.enospc_evictions.fetch_add(evicted, Ordering::Relaxed);
+        tracing::warn!(
+            failed = failed.len(),
+            evicted,
+            "g3: the filesystem is full before g3 capacity is; evicted to make room, retrying"
+        );
+        if evicted == 0 {
+            return out;
+        }
+        let again: Vec<crate::g3::PutItem<'_>> = failed.iter().map(|&i| items[i]).collect();
+        for (j, r) in self.g3.put_blocks(ns, &again).into_iter().enumerate() {
+            out[failed[j]] = r;
+        }
+        out
+    }
+
+    /// A warning when G3's capacity is above what its filesystem can hold
+    /// (free space plus what G3 uses now): the disk would fill first.
+    fn capacity_problem(g3: &G3Store) -> Option<String> {
+        let dir = &g3.config().root;
+        let st = nix::sys::statvfs::statvfs(dir).ok()?;
+        let free = st.blocks_available() as u64 * st.fragment_size() as u64;
+        let used = g3.stats().used_bytes;
+        let cap = g3.config().capacity_bytes;
+        (cap > free.saturating_add(used)).then(|| {
+            format!(
+                "g3 capacity ({cap} bytes) is above what {} can hold ({} bytes free + {used} \
+                 used): the disk fills first (offloads then evict and retry); lower g3.capacity",
+                dir.display(),
+                free
+            )
+        })
     }
 
     /// The local tier.

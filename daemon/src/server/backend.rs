@@ -189,4 +189,12 @@ pub trait Backend: Send + Sync + 'static {
 
     /// Makes everything acknowledged durable (called at shutdown).
     fn flush(&self) -> Result<()>;
+
+    /// Why the backend is degraded now, one line per problem (a tier that
+    /// failed its start-up check, an open G4 circuit breaker); empty when
+    /// healthy. `/healthz` shows it. Degraded is not fatal: the node
+    /// serves what it can, and the rest are misses.
+    fn health(&self) -> Vec<String> {
+        Vec::new()
+    }
 }

@@ -2,6 +2,7 @@
 //! suites and the benchmarks: a real S3 server ([`s3`]) and an object-store
 //! wrapper that counts and injects faults ([`FaultStore`]). Not a public API.
 
+pub mod fault_proxy;
 pub mod s3;
 
 use async_trait::async_trait;

@@ -1,0 +1,578 @@
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+//! G4 against a hostile object store: the real test S3 server behind the
+//! fault-injecting proxy (`testkit::fault_proxy`). For each fault: a miss
+//! (or verified bytes) within the deadline, bounded memory, the good object
+//! not deleted after one bad read, and the breaker opening and showing in
+//! `health()` (what `/healthz` prints).
+//!
+//! `KVTIER_FAULT_LONG=1` (scripts/fault-suite.sh) repeats the matrix with
+//! more rounds and larger blocks.
+
+use kvtier_daemon::conformance::{block, namespace};
+use kvtier_daemon::g4::{BreakerState, G4Config, G4Credentials, G4Store};
+use kvtier_daemon::testkit::fault_proxy::{Fault, FaultProxy, FaultRule, SilentEndpoint};
+use kvtier_daemon::testkit::s3::S3Server;
+use kvtier_daemon::tier::{BlockTier, Lookup, MissReason};
+use std::sync::atomic::Ordering::SeqCst;
+use std::time::{Duration, Instant};
+
+const RESPONSE_MS: u64 = 300;
+
+fn long() -> bool {
+    std::env::var("KVTIER_FAULT_LONG").is_ok_and(|v| v == "1")
+}
+
+/// Short deadlines so each scenario takes about a second.
+fn through(server: &S3Server, endpoint: &str, prefix: &str) -> G4Config {
+    G4Config {
+        endpoint: Some(endpoint.to_string()),
+        response_timeout_ms: RESPONSE_MS,
+        body_idle_timeout_ms: RESPONSE_MS,
+        connect_timeout_ms: RESPONSE_MS,
+        request_timeout_ms: 3_000,
+        breaker_failures_max: 3,
+        breaker_open_ms: 300,
+        breaker_open_max_ms: 1_000,
+        retry_backoff_ms: 10,
+        retry_backoff_max_ms: 50,
+        startup_check_timeout_ms: 1_000,
+        ..server.g4_config(prefix)
+    }
+}
+
+fn vm_hwm_kib() -> u64 {
+    let s = std::fs::read_to_string("/proc/self/status").unwrap();
+    s.lines()
+        .find(|l| l.starts_with("VmHWM:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap()
+}
+
+struct Bench<'a> {
+    server: &'a S3Server,
+    proxy: &'a FaultProxy,
+    /// Straight to the server (checks the object is still there).
+    direct: G4Store,
+    prefix: String,
+}
+
+impl Bench<'_> {
+    fn store(&self) -> G4Store {
+        G4Store::open(through(self.server, &self.proxy.endpoint(), &self.prefix)).unwrap()
+    }
+
+    fn exists(&self, ns: &kvtier_client::Namespace, key: &kvtier_client::BlockKey) -> bool {
+        let loc = self.direct.object_path(&ns.id(), key);
+        let store = self.direct.object_store();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            use object_store::ObjectStoreExt;
+            store.head(&loc).await.is_ok()
+        })
+    }
+}
+
+type Scenario = fn(&Bench, &kvtier_client::Namespace, u64) -> Result<(), String>;
+
+fn check(ok: bool, what: impl Into<String>) -> Result<(), String> {
+    ok.then_some(()).ok_or_else(|| what.into())
+}
+
+/// A fetch that must miss (any reason) within `within`.
+fn miss_within(
+    g4: &G4Store,
+    ns: &kvtier_client::Namespace,
+    k: &kvtier_client::BlockKey,
+    within: Duration,
+) -> Result<MissReason, String> {
+    let t = Instant::now();
+    let r = g4.fetch(&ns.id(), k, Duration::from_secs(10));
+    let el = t.elapsed();
+    check(el < within, format!("fetch took {el:?}, bound {within:?}"))?;
+    match r {
+        Lookup::Miss(m) => Ok(m),
+        Lookup::Hit(_) => Err("a faulted read was a hit".into()),
+    }
+}
+
+fn no_answer(b: &Bench, ns: &kvtier_client::Namespace, seed: u64) -> Result<(), String> {
+    let (k, h, p) = block(ns, seed);
+    b.direct.put(&ns.id(), &h, &p).unwrap();
+    // Open long enough that no half-open probe falls inside the loop below,
+    // even on a loaded machine.
+    let g4 = G4Store::open(G4Config {
+        breaker_open_ms: 1_500,
+        breaker_open_max_ms: 3_000,
+        ..through(b.server, &b.proxy.endpoint(), &b.prefix)
+    })
+    .unwrap();
+    check(
+        g4.startup_check().is_ok(),
+        "start-up check through a healthy proxy",
+    )?;
+    b.proxy.set(FaultRule::new(Fault::NoAnswer));
+    let bound = Duration::from_millis(RESPONSE_MS * 4);
+    for _ in 0..3 {
+        let m = miss_within(&g4, ns, &k, bound)?;
+        check(m == MissReason::Unavailable, format!("miss reason {m:?}"))?;
+    }
+    check(
+        g4.breaker_state() == BreakerState::Open,
+        "breaker open after 3 timeouts",
+    )?;
+    check(!g4.health().is_empty(), "health says degraded")?;
+    let before = b.proxy.counters().requests.load(SeqCst);
+    // A call that reached the proxy would wait out the response deadline.
+    let mut slowest = Duration::ZERO;
+    for _ in 0..20 {
+        let t = Instant::now();
+        let _ = g4.fetch(&ns.id(), &k, Duration::from_secs(10));
+        let _ = g4.contains(&ns.id(), &block(ns, seed + 1000).0);
+        slowest = slowest.max(t.elapsed());
+    }
+    check(
+        slowest < Duration::from_millis(RESPONSE_MS),
+        format!("open breaker answers at once (slowest {slowest:?})"),
+    )?;
+    check(
+        b.proxy.counters().requests.load(SeqCst) == before,
+        "open breaker sends no requests",
+    )?;
+    check(g4.stats().breaker_rejected >= 20, "rejections counted")?;
+    b.proxy.clear();
+    std::thread::sleep(Duration::from_millis(1_600));
+    check(
+        g4.fetch(&ns.id(), &k, Duration::from_secs(5))
+            .hit()
+            .map(|x| x.payload)
+            == Some(p),
+        "hit after the store is back",
+    )?;
+    check(
+        g4.breaker_state() == BreakerState::Closed && g4.health().is_empty(),
+        "breaker closed again",
+    )?;
+    check(b.exists(ns, &k), "object kept")
+}
+
+fn status_errors(b: &Bench, ns: &kvtier_client::Namespace, seed: u64) -> Result<(), String> {
+    let (k, h, p) = block(ns, seed);
+    b.direct.put(&ns.id(), &h, &p).unwrap();
+    let g4 = b.store();
+    // Every other request a 503: the client's own retry gets through.
+    b.proxy.set(FaultRule::new(Fault::Status(503)).every(2));
+    for _ in 0..4 {
+        match g4.fetch(&ns.id(), &k, Duration::from_secs(5)) {
+            Lookup::Hit(x) => check(x.payload == p, "wrong bytes")?,
+            Lookup::Miss(m) => check(m == MissReason::Unavailable, format!("{m:?}"))?,
+        }
+    }
+    b.proxy.set(FaultRule::new(Fault::Status(500)));
+    let m = miss_within(&g4, ns, &k, Duration::from_secs(2))?;
+    check(m == MissReason::Unavailable, format!("{m:?}"))?;
+    b.proxy.clear();
+    check(b.exists(ns, &k), "object kept after 5xx")
+}
+
+fn slow_body(b: &Bench, ns: &kvtier_client::Namespace, seed: u64) -> Result<(), String> {
+    let (k, h, p) = block(ns, seed);
+    b.direct.put(&ns.id(), &h, &p).unwrap();
+    let g4 = b.store();
+    b.proxy.set(FaultRule::new(Fault::SlowBody {
+        chunk_bytes: 1024,
+        delay_ms: RESPONSE_MS * 2,
+    }));
+    let m = miss_within(&g4, ns, &k, Duration::from_millis(RESPONSE_MS * 5))?;
+    check(m == MissReason::Unavailable, format!("{m:?}"))?;
+    b.proxy.clear();
+    check(b.exists(ns, &k), "object kept after a slow body")?;
+    check(
+        g4.stats().fetch_rereads == 0,
+        "a stall is not a verification failure",
+    )
+}
+
+fn truncated(b: &Bench, ns: &kvtier_client::Namespace, seed: u64) -> Result<(), String> {
+    let (k, h, p) = block(ns, seed);
+    b.direct.put(&ns.id(), &h, &p).unwrap();
+    let g4 = b.store();
+    for content_length in [true, false] {
+        b.proxy.set(
+            FaultRule::new(Fault::Truncate {
+                keep_bytes: 6000,
+                content_length,
+            })
+            .method("GET"),
+        );
+        let m = miss_within(&g4, ns, &k, Duration::from_secs(2))?;
+        check(
+            m != MissReason::Absent,
+            format!("truncated (CL {content_length}): {m:?}"),
+        )?;
+    }
+    b.proxy.clear();
+    check(b.exists(ns, &k), "object kept after truncated bodies")?;
+    check(g4.stats().fetch_corrupt_deleted == 0, "nothing deleted")?;
+    check(
+        g4.fetch(&ns.id(), &k, Duration::from_secs(5))
+            .hit()
+            .map(|x| x.payload)
+            == Some(p),
+        "clean read hits",
+    )
+}
+
+fn wrong_bytes_once(b: &Bench, ns: &kvtier_client::Namespace, seed: u64) -> Result<(), String> {
+    let (k, h, p) = block(ns, seed);
+    b.direct.put(&ns.id(), &h, &p).unwrap();
+    let g4 = b.store();
+    b.proxy.set(
+        FaultRule::new(Fault::WrongBytes { offset: 4096 + 10 })
+            .method("GET")
+            .times(1),
+    );
+    let got = g4.fetch(&ns.id(), &k, Duration::from_secs(5));
+    check(
+        got.hit().map(|x| x.payload) == Some(p),
+        "the re-read serves the good bytes",
+    )?;
+    let s = g4.stats();
+    check(
+        s.fetch_rereads == 1 && s.fetch_corrupt_deleted == 0,
+        format!(
+            "rereads {} deleted {}",
+            s.fetch_rereads, s.fetch_corrupt_deleted
+        ),
+    )?;
+    check(
+        b.proxy.counters().deletes.load(SeqCst) == 0,
+        "no DELETE sent",
+    )?;
+    check(b.exists(ns, &k), "object kept after one bad read")
+}
+
+fn wrong_bytes_changing_etag(
+    b: &Bench,
+    ns: &kvtier_client::Namespace,
+    seed: u64,
+) -> Result<(), String> {
+    let (k, h, p) = block(ns, seed);
+    b.direct.put(&ns.id(), &h, &p).unwrap();
+    let g4 = b.store();
+    b.proxy.set(
+        FaultRule::new(Fault::WrongBytes { offset: 4096 + 10 })
+            .method("GET")
+            .with_changing_etag(),
+    );
+    let m = miss_within(&g4, ns, &k, Duration::from_secs(2))?;
+    check(m == MissReason::Corrupt, format!("{m:?}"))?;
+    b.proxy.clear();
+    check(
+        b.exists(ns, &k),
+        "object kept: the two bad reads had different ETags",
+    )?;
+    check(g4.stats().fetch_corrupt_deleted == 0, "nothing deleted")
+}
+
+fn wrong_bytes_always(b: &Bench, ns: &kvtier_client::Namespace, seed: u64) -> Result<(), String> {
+    // The documented rule: the same ETag and size bad on two GETs, and a
+    // HEAD naming the same object, is a bad object: deleted so an upload
+    // can heal it.
+    let (k, h, p) = block(ns, seed);
+    b.direct.put(&ns.id(), &h, &p).unwrap();
+    let g4 = b.store();
+    b.proxy
+        .set(FaultRule::new(Fault::WrongBytes { offset: 4096 + 10 }).method("GET"));
+    let m = miss_within(&g4, ns, &k, Duration::from_secs(2))?;
+    check(m == MissReason::Corrupt, format!("{m:?}"))?;
+    b.proxy.clear();
+    check(
+        g4.stats().fetch_corrupt_deleted == 1,
+        "deleted after two bad reads of one ETag",
+    )?;
+    check(!b.exists(ns, &k), "gone")?;
+    b.direct.put(&ns.id(), &h, &p).unwrap();
+    check(
+        g4.fetch(&ns.id(), &k, Duration::from_secs(5))
+            .hit()
+            .map(|x| x.payload)
+            == Some(p),
+        "healed by a re-upload",
+    )
+}
+
+fn oversized(b: &Bench, ns: &kvtier_client::Namespace, seed: u64) -> Result<(), String> {
+    let (k, h, p) = block(ns, seed);
+    b.direct.put(&ns.id(), &h, &p).unwrap();
+    let g4 = b.store();
+    let hwm0 = vm_hwm_kib();
+    let sent0 = b.proxy.counters().body_bytes_sent.load(SeqCst);
+    for content_length in [true, false] {
+        b.proxy.set(
+            FaultRule::new(Fault::Oversized {
+                bytes: 3 << 30,
+                content_length,
+            })
+            .method("GET"),
+        );
+        let m = miss_within(&g4, ns, &k, Duration::from_secs(3))?;
+        check(m != MissReason::Absent, format!("{m:?}"))?;
+    }
+    b.proxy.clear();
+    let sent = b.proxy.counters().body_bytes_sent.load(SeqCst) - sent0;
+    let grew_kib = vm_hwm_kib().saturating_sub(hwm0);
+    check(
+        grew_kib < 256 << 10,
+        format!("peak RSS grew {grew_kib} KiB for a 3 GiB object"),
+    )?;
+    // What the kernel buffers before the client drops the connection.
+    check(sent < 64 << 20, format!("{sent} body bytes went out"))?;
+    check(g4.stats().fetch_refused_size >= 1, "refused by size")?;
+    check(
+        b.exists(ns, &k),
+        "object kept: HEAD disagrees with the oversized GETs",
+    )
+}
+
+fn etag_changes(b: &Bench, ns: &kvtier_client::Namespace, seed: u64) -> Result<(), String> {
+    let (k, h, p) = block(ns, seed);
+    b.direct.put(&ns.id(), &h, &p).unwrap();
+    let g4 = b.store();
+    b.proxy.set(FaultRule::new(Fault::EtagChanges));
+    check(g4.contains(&ns.id(), &k).unwrap(), "HEAD sees it")?;
+    check(
+        g4.fetch(&ns.id(), &k, Duration::from_secs(5))
+            .hit()
+            .map(|x| x.payload)
+            == Some(p),
+        "verified bytes whatever the ETag",
+    )?;
+    b.proxy.clear();
+    Ok(())
+}
+
+fn cut_mid_get(b: &Bench, ns: &kvtier_client::Namespace, seed: u64) -> Result<(), String> {
+    let (k, h, p) = block(ns, seed);
+    b.direct.put(&ns.id(), &h, &p).unwrap();
+    let g4 = b.store();
+    b.proxy
+        .set(FaultRule::new(Fault::CutAfter { bytes: 5000 }).method("GET"));
+    let m = miss_within(&g4, ns, &k, Duration::from_secs(2))?;
+    check(m == MissReason::Unavailable, format!("{m:?}"))?;
+    b.proxy.clear();
+    check(b.exists(ns, &k), "object kept after a cut")
+}
+
+fn run_matrix(server: &mut S3Server, rounds: u64) -> (usize, Vec<String>) {
+    let proxy = FaultProxy::start(&server.endpoint()).unwrap();
+    let scenarios: [(&str, Scenario); 10] = [
+        ("no_answer_opens_breaker", no_answer),
+        ("status_503_500", status_errors),
+        ("slow_body", slow_body),
+        ("truncated_bodies", truncated),
+        ("wrong_bytes_once", wrong_bytes_once),
+        ("wrong_bytes_changing_etag", wrong_bytes_changing_etag),
+        ("wrong_bytes_always", wrong_bytes_always),
+        ("oversized_3gib", oversized),
+        ("etag_changes", etag_changes),
+        ("cut_mid_get", cut_mid_get),
+    ];
+    let block_bytes = if long() { 4 << 20 } else { 8192 };
+    let mut passed = 0;
+    let mut failed = Vec::new();
+    for round in 0..rounds {
+        for (i, (name, f)) in scenarios.iter().enumerate() {
+            let prefix = format!("m{round}-{i}");
+            let bench = Bench {
+                server,
+                proxy: &proxy,
+                direct: G4Store::open(server.g4_config(&prefix)).unwrap(),
+                prefix: prefix.clone(),
+            };
+            let ns = namespace(block_bytes, &format!("faults-{name}")).unwrap();
+            let t = Instant::now();
+            proxy.clear();
+            match f(&bench, &ns, round * 100 + i as u64) {
+                Ok(()) => {
+                    passed += 1;
+                    eprintln!("PASS g4 fault {name} (round {round}, {:?})", t.elapsed());
+                }
+                Err(e) => {
+                    eprintln!("FAIL g4 fault {name} (round {round}): {e}");
+                    failed.push(format!("{name}: {e}"));
+                }
+            }
+        }
+    }
+    (passed, failed)
+}
+
+#[test]
+fn proxy_fault_matrix_misses_in_time_keeps_good_objects_and_opens_the_breaker() {
+    let Some(mut server) = S3Server::start("kvtier-faults").unwrap() else {
+        eprintln!("SKIP: .venv/bin/weed not installed (run scripts/setup.sh)");
+        return;
+    };
+    let rounds = if long() { 5 } else { 1 };
+    let (passed, failed) = run_matrix(&mut server, rounds);
+    eprintln!("g4 fault matrix: {passed} passed, {} failed", failed.len());
+    assert!(failed.is_empty(), "{failed:#?}");
+}
+
+/// A real server killed in the middle of a (slow) GET: a miss or verified
+/// bytes within the deadline, then quick misses while it is down, then the
+/// object is back with the server.
+#[test]
+fn server_killed_mid_get_is_a_miss_and_loses_nothing() {
+    let Some(mut server) = S3Server::start("kvtier-kill").unwrap() else {
+        eprintln!("SKIP: .venv/bin/weed not installed (run scripts/setup.sh)");
+        return;
+    };
+    let proxy = FaultProxy::start(&server.endpoint()).unwrap();
+    let ns = namespace(1 << 20, "killed").unwrap();
+    let (k, h, p) = block(&ns, 1);
+    G4Store::open(server.g4_config("kill"))
+        .unwrap()
+        .put(&ns.id(), &h, &p)
+        .unwrap();
+    let g4 = G4Store::open(through(&server, &proxy.endpoint(), "kill")).unwrap();
+    proxy.set(FaultRule::new(Fault::SlowBody {
+        chunk_bytes: 64 << 10,
+        delay_ms: 100,
+    }));
+    let t = Instant::now();
+    let r = std::thread::scope(|s| {
+        let h = s.spawn(|| g4.fetch(&ns.id(), &k, Duration::from_secs(10)));
+        std::thread::sleep(Duration::from_millis(300));
+        server.kill();
+        h.join().unwrap()
+    });
+    assert!(t.elapsed() < Duration::from_secs(4), "{:?}", t.elapsed());
+    if let Lookup::Hit(b) = r {
+        assert_eq!(b.payload, p, "never wrong bytes");
+    }
+    proxy.clear();
+    for _ in 0..5 {
+        let t = Instant::now();
+        assert!(matches!(
+            g4.fetch(&ns.id(), &k, Duration::from_secs(10)),
+            Lookup::Miss(MissReason::Unavailable)
+        ));
+        assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    }
+    assert_eq!(g4.breaker_state(), BreakerState::Open);
+    server.restart().unwrap();
+    let t = Instant::now();
+    let back = loop {
+        if let Lookup::Hit(b) = g4.fetch(&ns.id(), &k, Duration::from_secs(5)) {
+            break b;
+        }
+        assert!(t.elapsed() < Duration::from_secs(20), "object not back");
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert_eq!(back.payload, p);
+}
+
+/// An endpoint that accepts and never answers: the start-up check says so
+/// within its deadline, every read is a miss within the response deadline,
+/// and the breaker opens.
+#[test]
+fn silent_endpoint_is_degraded_at_start_and_misses_fast() {
+    let silent = SilentEndpoint::start().unwrap();
+    let cfg = G4Config {
+        endpoint: Some(silent.endpoint()),
+        allow_http: true,
+        path_style: true,
+        region: Some("us-east-1".into()),
+        access_key_id: Some("kvtier-test-access-key".into()),
+        secret_access_key: Some("kvtier-test-secret-key".into()),
+        response_timeout_ms: RESPONSE_MS,
+        startup_check_timeout_ms: 500,
+        breaker_failures_max: 3,
+        ..G4Config::new("s3://b/p")
+    };
+    let g4 = G4Store::open(cfg).unwrap();
+    let t = Instant::now();
+    let e = g4.startup_check().unwrap_err();
+    assert!(
+        t.elapsed() < Duration::from_millis(1500),
+        "{:?}",
+        t.elapsed()
+    );
+    assert!(e.contains("startup_check_timeout_ms"), "{e}");
+    assert_eq!(g4.stats().startup_check_ok, 0);
+    assert!(!g4.health().is_empty());
+    let ns = namespace(4096, "silent").unwrap();
+    for s in 0..6 {
+        let t = Instant::now();
+        let k = block(&ns, s).0;
+        assert!(matches!(
+            g4.fetch(&ns.id(), &k, Duration::from_secs(10)),
+            Lookup::Miss(MissReason::Unavailable)
+        ));
+        assert!(g4.contains(&ns.id(), &k).is_err());
+        assert!(
+            t.elapsed() < Duration::from_millis(RESPONSE_MS * 4),
+            "{:?}",
+            t.elapsed()
+        );
+    }
+    assert_eq!(g4.breaker_state(), BreakerState::Open);
+    assert!(
+        g4.health().iter().any(|l| l.contains("breaker")),
+        "{:?}",
+        g4.health()
+    );
+    assert!(silent.accepted.load(SeqCst) >= 1);
+}
+
+/// With no credentials configured the client never asks a metadata
+/// address: object_store's metadata endpoint is pointed at a loopback
+/// listener, which sees no connection unless `credentials = "instance"`
+/// (the positive control proves the listener would see one).
+#[test]
+fn no_credentials_never_contact_instance_metadata_unless_asked() {
+    let imds = SilentEndpoint::start().unwrap();
+    let s3 = SilentEndpoint::start().unwrap();
+    // Through the config key, not AWS_METADATA_ENDPOINT: the environment
+    // is shared with the tests running in parallel.
+    let mk = |credentials| G4Config {
+        endpoint: Some(s3.endpoint()),
+        allow_http: true,
+        path_style: true,
+        region: Some("us-east-1".into()),
+        credentials,
+        response_timeout_ms: RESPONSE_MS,
+        startup_check_timeout_ms: 500,
+        metadata_endpoint: Some(imds.endpoint()),
+        ..G4Config::new("s3://b/p")
+    };
+    let ns = namespace(4096, "imds").unwrap();
+    for (creds, want_contact) in [
+        (G4Credentials::Auto, false),
+        (G4Credentials::Anonymous, false),
+        (G4Credentials::Instance, true),
+    ] {
+        let before = imds.accepted.load(SeqCst);
+        let g4 = G4Store::open(mk(creds)).unwrap();
+        let check = g4.startup_check();
+        if creds == G4Credentials::Auto {
+            let e = check.unwrap_err();
+            assert!(
+                e.contains("no S3 credentials") || e.contains("did not answer"),
+                "{e}"
+            );
+        }
+        for s in 0..2 {
+            let _ = g4.fetch(&ns.id(), &block(&ns, s).0, Duration::from_secs(2));
+            let _ = g4.contains(&ns.id(), &block(&ns, s).0);
+        }
+        std::thread::sleep(Duration::from_millis(100));
+        let contacted = imds.accepted.load(SeqCst) > before;
+        assert_eq!(contacted, want_contact, "credentials {creds:?}");
+    }
+}

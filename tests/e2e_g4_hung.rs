@@ -1,0 +1,162 @@
+//! End-to-end: a real `kvtierd` whose G4 endpoint accepts connections and
+//! never answers. Start-up says degraded (log, metrics, `/healthz`), and
+//! the mount answers within its deadlines: `stat` of an absent name and a
+//! `cp` import used to take 10.0 s and 25.8 s. Mount parts need root and
+//! /dev/fuse (skip visibly otherwise).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use kvtier_client::{
+    block_path, encode_block, BlockHeader, BlockKey, Client, ClientConfig, KvLayout, Namespace,
+};
+use kvtier_daemon::testkit::fault_proxy::SilentEndpoint;
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+use support::{metric, Daemon};
+
+fn ns() -> Namespace {
+    Namespace::new(
+        "e2e-hung",
+        KvLayout::with_block_bytes(8192).unwrap(),
+        "",
+        "t",
+    )
+    .unwrap()
+}
+
+fn block_file(i: u64) -> (BlockKey, Vec<u8>) {
+    let payload: Vec<u8> = (0..8192u64).map(|j| (j * 7 + i) as u8).collect();
+    let h = BlockHeader::for_payload(&ns(), BlockKey::from_u64(0x5ee0 + i), &payload, 0);
+    (h.key, encode_block(&h, &payload))
+}
+
+fn is_fuse_mount(p: &Path) -> bool {
+    let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap();
+    let want = p.display().to_string();
+    mounts
+        .lines()
+        .any(|l| l.split_whitespace().nth(1) == Some(want.as_str()) && l.contains("fuse"))
+}
+
+fn timed(cmd: &str) -> (bool, Duration) {
+    let t = Instant::now();
+    let ok = Command::new("bash")
+        .arg("-c")
+        .arg(cmd)
+        .status()
+        .unwrap()
+        .success();
+    (ok, t.elapsed())
+}
+
+#[test]
+fn hung_g4_is_degraded_and_the_mount_answers_within_its_deadlines() {
+    let silent = SilentEndpoint::start().unwrap();
+    let cfg_dir = tempfile::tempdir().unwrap();
+    let cfg = cfg_dir.path().join("kvtierd.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[g4]\nurl = \"s3://b/p\"\nendpoint = \"{}\"\nallow_http = true\npath_style = true\n\
+             region = \"us-east-1\"\ncredentials = \"anonymous\"\nresponse_timeout_ms = 500\n\
+             startup_check_timeout_ms = 1000\n",
+            silent.endpoint()
+        ),
+    )
+    .unwrap();
+    // SAFETY: geteuid has no preconditions.
+    let fuse = unsafe { libc::geteuid() } == 0 && Path::new("/dev/fuse").exists();
+    let mnt = cfg_dir.path().join("mnt");
+    let mut args = vec!["--config".to_string(), cfg.display().to_string()];
+    if fuse {
+        args.extend(["--mount".to_string(), mnt.display().to_string()]);
+    }
+    support::kvtierd_bin(); // built before the clock starts
+    let t = Instant::now();
+    let d = Daemon::start_with(&args, &[]);
+    assert!(
+        t.elapsed() < Duration::from_secs(10),
+        "start took {:?}",
+        t.elapsed()
+    );
+    let (st, body) = d.http_get("/healthz");
+    assert!(st.contains("200"), "{st}");
+    assert!(body.starts_with("degraded"), "{body}");
+    assert!(body.contains("startup_check_timeout_ms"), "{body}");
+    let m = d.scrape();
+    assert_eq!(
+        metric(&m, "kvtier_g4", &[("stat", "startup_check_ok")]),
+        0.0
+    );
+
+    // The client: lookup of absent blocks and an onboard of them answer as
+    // misses within their deadlines (lookup_remote_deadline_ms, then the
+    // breaker; onboard: response_timeout_ms per G4 question).
+    let mut cc = ClientConfig::new(d.socket.display().to_string());
+    cc.timeout_ms = 5_000;
+    let client = Client::with_config(cc);
+    let h = client.namespace(&ns());
+    let keys: Vec<BlockKey> = (0..4).map(|i| BlockKey::from_u64(0xc1e0 + i)).collect();
+    for _ in 0..3 {
+        let t = Instant::now();
+        assert_eq!(h.lookup(&keys).prefix_len(), 0);
+        assert!(
+            t.elapsed() < Duration::from_secs(1),
+            "lookup took {:?}",
+            t.elapsed()
+        );
+        let mut bufs: Vec<Vec<u8>> = (0..4).map(|_| vec![0u8; 8192]).collect();
+        let mut rb: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
+        let t = Instant::now();
+        let out = h.onboard_into(&keys, &mut rb);
+        assert!(out.iter().all(|o| !o.is_hit()), "{out:?}");
+        assert!(
+            t.elapsed() < Duration::from_secs(3),
+            "onboard took {:?}",
+            t.elapsed()
+        );
+    }
+
+    if !fuse {
+        eprintln!("SKIP: mount part of hung_g4: needs root and /dev/fuse");
+        return;
+    }
+    let t = Instant::now();
+    while !is_fuse_mount(&mnt) {
+        assert!(t.elapsed() < Duration::from_secs(20), "not mounted");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let src = cfg_dir.path().join("src");
+    std::fs::create_dir_all(&src).unwrap();
+    for i in 0..3 {
+        let (k, file) = block_file(i);
+        let from = src.join(format!("b{i}"));
+        std::fs::write(&from, file).unwrap();
+        let to = mnt.join(block_path(&ns().id(), &k));
+        let (ok, took) = timed(&format!(
+            "mkdir -p {} && cp {} {}",
+            to.parent().unwrap().display(),
+            from.display(),
+            to.display()
+        ));
+        assert!(ok, "cp import {i} failed");
+        // Was 25.8 s; now bounded by response_timeout_ms (0.5 s) per G4
+        // question, and by the breaker once it opens.
+        assert!(took < Duration::from_secs(3), "cp import {i} took {took:?}");
+    }
+    for i in 10..20 {
+        let (k, _) = block_file(i);
+        let p = mnt.join(block_path(&ns().id(), &k));
+        let (ok, took) = timed(&format!("stat {} 2>/dev/null", p.display()));
+        assert!(!ok, "an absent name exists");
+        // Was 10.0 s.
+        assert!(took < Duration::from_secs(2), "stat {i} took {took:?}");
+    }
+    let (st, body) = d.http_get("/healthz");
+    assert!(st.contains("200") && body.contains("breaker"), "{body}");
+    let m = d.scrape();
+    assert_eq!(metric(&m, "kvtier_g4", &[("stat", "breaker_open")]), 1.0);
+    assert!(metric(&m, "kvtier_g4", &[("stat", "breaker_rejected")]) >= 1.0);
+}
