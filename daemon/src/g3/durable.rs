@@ -1,5 +1,5 @@
 //! One block file made durable: the temp file written through pool buffers
-//! (payload hashed on the way), `fdatasync` or O_DSYNC, the no-replace
+//! (payload hashed in the pool buffer, after the copy), `fdatasync` or O_DSYNC, the no-replace
 //! rename into `blocks/`, shard directories created durably, and the group
 //! commit leader's directory fsyncs and redb transaction.
 
@@ -74,8 +74,13 @@ impl G3Store {
             if p0 < p1 {
                 let src = &payload
                     [(p0 - HEADER_BYTES as u64) as usize..(p1 - HEADER_BYTES as u64) as usize];
-                buf[(p0 - off) as usize..(p1 - off) as usize].copy_from_slice(src);
-                hasher.update(src);
+                let own = &mut buf[(p0 - off) as usize..(p1 - off) as usize];
+                own.copy_from_slice(src);
+                // Hash our copy, the bytes the kernel will write: `payload`
+                // may be a client's shared memory, which it can still
+                // change, so hashing it would ack a block whose file fails
+                // its own checksum.
+                hasher.update(own);
             }
         };
         let mut bufs = self.pool.take(BUFS_PER_WRITE);

@@ -14,7 +14,7 @@
 //!   write in parallel, group commit, publish in input order).
 //! - `durable`: one block file made durable (temp write, flush, no-replace
 //!   rename, shard directories) and the group commit's fsyncs and commit.
-//! - `pool`: the aligned write buffers. `fsops`: directory fsync,
+//! - `pool`: the aligned write buffers and the read path's bounce buffers. `fsops`: directory fsync,
 //!   no-replace rename, O_DIRECT probe.
 //! - `read`: the onboard path (`read_into`, `open_for_read`). `verify`: the
 //!   streaming block verifier and `verify_all`. `quarantine`: blocks that
@@ -71,7 +71,7 @@ use engine::{EngineKind, IoEngine, PreadEngine, UringEngine};
 use index::{DiskIndex, MemIndex};
 use kvtier_client::{block_path, BlockKey, NamespaceId};
 use leases::Leases;
-use pool::BufferPool;
+use pool::{BouncePool, BufferPool};
 use stats::Counters;
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
@@ -101,6 +101,7 @@ pub struct G3Store {
     policy: Mutex<Box<dyn EvictionPolicy>>,
     disk: DiskIndex,
     pool: BufferPool,
+    bounce: BouncePool,
     leases: Mutex<Leases>,
     poisoned: Mutex<Option<String>>,
     closed: AtomicBool,
@@ -191,6 +192,7 @@ impl G3Store {
             policy: Mutex::new(policy),
             disk,
             pool,
+            bounce: BouncePool::new(cfg.io_depth),
             leases: Mutex::new(Leases {
                 live: HashMap::new(),
             }),
