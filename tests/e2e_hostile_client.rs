@@ -93,7 +93,11 @@ impl Raw {
     }
 }
 
-/// Flips bytes all over the payload slots of `region` until stopped.
+/// Flips a byte in every 64 KiB of every payload slot of `region`, holds
+/// it a moment, and puts it back, until stopped. The region is right most
+/// of the time, so a daemon that copies and hashes at two different moments
+/// can hash good bytes and write bad ones (or read good bytes and verify
+/// bad ones).
 fn scribbler(
     region: Arc<Region>,
     stop: Arc<AtomicBool>,
@@ -102,18 +106,36 @@ fn scribbler(
     std::thread::spawn(move || {
         let mut n = 0u64;
         let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        // Bad briefly (long enough to be caught by a copy), good for long
+        // (long enough for a whole chunk to be hashed in between).
         while !stop.load(Ordering::Relaxed) {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let mut at = Vec::new();
             for s in 0..slots {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                // Payload only: a torn header is refused before any copy.
-                let at = s as u64 * SLOT + HEADER_BYTES as u64 + x % BLOCK as u64;
-                if let Some(b) = region.slice_mut(at, 1) {
-                    b[0] = b[0].wrapping_add(1);
+                for w in (0..BLOCK).step_by(64 << 10) {
+                    // Payload only: a torn header is refused before any copy.
+                    at.push(s as u64 * SLOT + (HEADER_BYTES + w) as u64 + x % (64 << 10));
                 }
-                n += 1;
             }
+            for &a in &at {
+                if let Some(b) = region.slice_mut(a, 1) {
+                    // SAFETY: in bounds; volatile because the daemon reads
+                    // it from another process.
+                    unsafe { std::ptr::write_volatile(&mut b[0], b[0] ^ 0xff) };
+                }
+            }
+            // Timings vary so that some land between a copy and a hash.
+            std::thread::sleep(Duration::from_micros(20 + x % 400));
+            for &a in &at {
+                if let Some(b) = region.slice_mut(a, 1) {
+                    // SAFETY: as above.
+                    unsafe { std::ptr::write_volatile(&mut b[0], b[0] ^ 0xff) };
+                }
+            }
+            n += 1;
+            std::thread::sleep(Duration::from_micros(200 + (x >> 20) % 2500));
         }
         n
     })
@@ -141,7 +163,7 @@ fn client_rewriting_its_region_mid_offload_never_gets_a_corrupt_block_acked() {
     let mut raw = Raw::connect(&d.socket, BLOCKS as u64 * SLOT);
     let mut acked: Vec<BlockKey> = Vec::new();
     let mut refused = 0usize;
-    for round in 0..6 {
+    for round in 0..16 {
         let tokens: Vec<u32> = (0..(BLOCKS as u32 * 16))
             .map(|t| t + round * 100_000)
             .collect();
