@@ -22,13 +22,18 @@ const BUFS_PER_WRITE: usize = 4;
 impl G3Store {
     /// Writes the temp file, makes it durable and renames it into place.
     /// `Ok(Some(dir))`: renamed into `dir`, whose fsync (group commit) makes
-    /// the rename durable; `Ok(None)`: the name already existed.
+    /// the rename durable; `Ok(None)`: the name already existed. `sole`:
+    /// this put alone writes `id` now, so an existing name the index lacks
+    /// is an orphan (a crash between rename and index commit) and is
+    /// replaced by this verified file instead of answered AlreadyPresent
+    /// (which lookups would contradict).
     pub(super) fn write_durable(
         &self,
         ns: &NamespaceId,
         header: &BlockHeader,
         payload: &[u8],
         id: u64,
+        sole: bool,
     ) -> Result<Option<PathBuf>> {
         let seq = self.counters.seq.fetch_add(1, Ordering::Relaxed);
         let tmp = self
@@ -126,8 +131,23 @@ impl G3Store {
         match rename_noreplace(&tmp, &final_path) {
             Ok(()) => {}
             Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {
-                let _ = std::fs::remove_file(&tmp);
-                return Ok(None);
+                let indexed = self
+                    .mem
+                    .read()
+                    .map_err(|_| lock_err("g3 index"))
+                    .map_err(cleanup)?
+                    .map
+                    .contains_key(&id);
+                if indexed || !sole {
+                    let _ = std::fs::remove_file(&tmp);
+                    return Ok(None);
+                }
+                tracing::warn!(%ns, key = %header.key, "g3: replacing an unindexed (orphan) block file");
+                self.counters
+                    .orphans_replaced
+                    .fetch_add(1, Ordering::Relaxed);
+                std::fs::rename(&tmp, &final_path)
+                    .map_err(|e| cleanup(Error::io("renaming into place", &final_path, e)))?;
             }
             Err(e) => return Err(cleanup(Error::io("renaming into place", &final_path, e))),
         }

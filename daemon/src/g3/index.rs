@@ -346,6 +346,9 @@ pub struct DiskIndex {
     db: Database,
     path: PathBuf,
     dirty: std::sync::atomic::AtomicBool,
+    /// Test seam: this many next `put` commits fail (see
+    /// `G3Store::fault_fail_index_commits`).
+    pub(super) fail_puts: std::sync::atomic::AtomicU64,
 }
 
 impl DiskIndex {
@@ -360,6 +363,7 @@ impl DiskIndex {
             db,
             path: path.to_path_buf(),
             dirty: std::sync::atomic::AtomicBool::new(false),
+            fail_puts: std::sync::atomic::AtomicU64::new(0),
         };
         // Non-durable: tables lost to a crash are created again, and the
         // files are the truth anyway; an fsync here costs every open.
@@ -457,6 +461,14 @@ impl DiskIndex {
 
     /// Inserts or replaces records (non-durable commit).
     pub fn put(&self, recs: &[(u64, &Record)]) -> Result<()> {
+        use std::sync::atomic::Ordering;
+        if self
+            .fail_puts
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
+            .is_ok()
+        {
+            return Err(self.err("injected commit failure (test fault seam)"));
+        }
         self.write(Durability::None, |w| {
             let mut b = w.open_table(BLOCKS)?;
             let mut n = w.open_table(NAMES)?;

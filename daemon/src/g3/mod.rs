@@ -108,6 +108,9 @@ pub struct G3Store {
     sink: RwLock<Option<EventSink>>,
     counters: Counters,
     known_dirs: Mutex<HashSet<PathBuf>>,
+    /// Ids a put is writing now (between plan and publish): a name found
+    /// in `blocks/` for a claimed id that the index lacks is an orphan.
+    writing: Mutex<HashSet<u64>>,
     group: group::GroupCommit,
     write_gate: RwLock<()>,
     reclaim: Arc<reclaimer::Signal>,
@@ -201,6 +204,7 @@ impl G3Store {
             sink: RwLock::new(None),
             counters: Counters::default(),
             known_dirs: Mutex::new(HashSet::new()),
+            writing: Mutex::new(HashSet::new()),
             group: group::GroupCommit::default(),
             write_gate: RwLock::new(()),
             reclaim: Arc::new(reclaimer::Signal::default()),

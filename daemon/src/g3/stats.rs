@@ -22,6 +22,10 @@ pub struct G3Stats {
     pub quarantined: u64,
     /// Writes that failed.
     pub write_errors: u64,
+    /// Renames undone after a failed group commit.
+    pub renames_undone: u64,
+    /// Unindexed (orphan) block files replaced by a fresh offload.
+    pub orphans_replaced: u64,
     /// `io_uring` or `pread`.
     pub engine: &'static str,
     /// Whether block files use O_DIRECT.
@@ -38,6 +42,8 @@ pub(super) struct Counters {
     pub(super) evictions: AtomicU64,
     pub(super) quarantined: AtomicU64,
     pub(super) write_errors: AtomicU64,
+    pub(super) renames_undone: AtomicU64,
+    pub(super) orphans_replaced: AtomicU64,
     pub(super) seq: AtomicU64,
 }
 
@@ -59,6 +65,8 @@ impl G3Store {
             evictions: c.evictions.load(Ordering::Relaxed),
             quarantined: c.quarantined.load(Ordering::Relaxed),
             write_errors: c.write_errors.load(Ordering::Relaxed),
+            renames_undone: c.renames_undone.load(Ordering::Relaxed),
+            orphans_replaced: c.orphans_replaced.load(Ordering::Relaxed),
             engine: self.engine.name(),
             direct_io: self.direct_ok,
             read_only: self.poisoned.lock().ok().and_then(|p| p.clone()),
