@@ -107,3 +107,96 @@ fn an_orphan_block_file_is_replaced_and_indexed_not_answered_present() {
     assert_eq!(s.stats().orphans_replaced, 1);
     assert!(s.stat(&id, &k).is_some());
 }
+
+fn store_some(root: &std::path::Path, tag: &str) -> Vec<(kvtier_client::BlockKey, u64)> {
+    let s = common::open(root, EngineKind::Auto);
+    let ns = namespace(65536, tag).unwrap();
+    let mut out = Vec::new();
+    for i in 1..=4 {
+        let (k, h, p) = block(&ns, i);
+        s.put_block(&ns.id(), &h, &p, PutMeta::default()).unwrap();
+        out.push((k, h.file_len()));
+    }
+    s.close().unwrap();
+    out
+}
+
+#[test]
+fn a_damaged_index_header_is_rebuilt_from_the_files() {
+    use std::io::{Seek, Write};
+    for clean in [true, false] {
+        let dir = tempfile::tempdir().unwrap();
+        let ns = namespace(65536, "damaged-index").unwrap();
+        let stored = store_some(dir.path(), "damaged-index");
+        if !clean {
+            std::fs::remove_file(dir.path().join(kvtier_daemon::g3::CLEAN_MARKER)).unwrap();
+        }
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(dir.path().join("index.redb"))
+            .unwrap();
+        f.seek(std::io::SeekFrom::Start(0)).unwrap();
+        f.write_all(&[0xa5; 4096]).unwrap();
+        f.sync_all().unwrap();
+        drop(f);
+        let s = common::open(dir.path(), EngineKind::Auto);
+        let rep = s.recovery.lock().unwrap().clone();
+        assert!(rep.index_rebuilt, "clean={clean} {rep:?}");
+        assert_eq!(rep.adopted, 4, "clean={clean} {rep:?}");
+        for (k, len) in &stored {
+            assert!(read_hits(&s, &ns.id(), k, *len), "clean={clean}");
+        }
+        let aside = std::fs::read_dir(dir.path())
+            .unwrap()
+            .filter(|e| {
+                e.as_ref()
+                    .unwrap()
+                    .file_name()
+                    .to_string_lossy()
+                    .starts_with("index.redb.damaged.")
+            })
+            .count();
+        assert_eq!(aside, 1, "the damaged index is kept for inspection");
+    }
+}
+
+#[test]
+fn stray_and_unreadable_entries_under_blocks_are_set_aside_not_fatal() {
+    let dir = tempfile::tempdir().unwrap();
+    let ns = namespace(65536, "stray").unwrap();
+    let stored = store_some(dir.path(), "stray");
+    std::fs::remove_file(dir.path().join(kvtier_daemon::g3::CLEAN_MARKER)).unwrap();
+    let blocks = dir.path().join("blocks");
+    let nsd = blocks.join(ns.id().to_hex());
+    let shard = std::fs::read_dir(&nsd)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    // A regular file where a shard directory belongs, a junk file and a
+    // directory where block files belong, and junk at the top.
+    std::fs::write(nsd.join("not-a-shard"), b"junk").unwrap();
+    std::fs::write(shard.join("junk.txt"), b"junk").unwrap();
+    std::fs::create_dir(shard.join("0".repeat(64))).unwrap();
+    std::fs::write(blocks.join("README"), b"junk").unwrap();
+    let s = common::open(dir.path(), EngineKind::Auto);
+    let rep = s.recovery.lock().unwrap().clone();
+    assert_eq!(rep.set_aside, 4, "{rep:?}");
+    assert!(!nsd.join("not-a-shard").exists());
+    assert!(!shard.join("junk.txt").exists());
+    for (k, len) in &stored {
+        assert!(read_hits(&s, &ns.id(), k, *len));
+    }
+    let strays = std::fs::read_dir(dir.path().join("quarantine"))
+        .unwrap()
+        .filter(|e| {
+            e.as_ref()
+                .unwrap()
+                .file_name()
+                .to_string_lossy()
+                .starts_with("stray.")
+        })
+        .count();
+    assert_eq!(strays, 4);
+}

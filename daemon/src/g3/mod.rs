@@ -183,7 +183,7 @@ impl G3Store {
             std::fs::create_dir_all(d).map_err(|e| Error::io("creating", d, e))?;
         }
         let direct_ok = fsops::probe_direct(&tmp_dir)?;
-        let disk = DiskIndex::open(&cfg.root.join("index.redb"))?;
+        let (disk, index_rebuilt) = recover::open_index(&cfg.root)?;
         let pool = BufferPool::new(cfg.buffer_pool_bytes)?;
         let store = Arc::new(G3Store {
             blocks_dir,
@@ -212,7 +212,8 @@ impl G3Store {
             recovery: Mutex::new(RecoveryReport::default()),
             cfg,
         });
-        let report = store.recover()?;
+        let mut report = store.recover()?;
+        report.index_rebuilt = index_rebuilt;
         tracing::info!(
             root = %store.cfg.root.display(),
             engine = store.engine.name(),
@@ -222,6 +223,8 @@ impl G3Store {
             dropped = report.dropped,
             temp_removed = report.temp_removed,
             quarantined = report.quarantined,
+            set_aside = report.set_aside,
+            index_rebuilt = report.index_rebuilt,
             clean_start = report.clean_start,
             from_snapshot = report.from_snapshot,
             ms = report.elapsed_ms,
