@@ -200,3 +200,57 @@ fn stray_and_unreadable_entries_under_blocks_are_set_aside_not_fatal() {
         .count();
     assert_eq!(strays, 4);
 }
+
+#[test]
+fn quarantine_is_bounded_and_counts_against_capacity() {
+    use kvtier_daemon::conformance::Damage;
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = common::cfg(dir.path(), EngineKind::Auto);
+    c.capacity_bytes = 1 << 20;
+    c.pinned_budget_bytes = 0;
+    c.quarantine_max_bytes = 256 << 10;
+    c.quarantine_max_files = 3;
+    let s =
+        kvtier_daemon::g3::G3Store::open(c, Box::new(kvtier_daemon::policy::Lru::new())).unwrap();
+    let ns = namespace(65536, "qbound").unwrap();
+    let id = ns.id();
+    // Six corrupt blocks read: at most 3 files (and 256 KiB) stay.
+    for i in 1..=6 {
+        let (k, h, p) = block(&ns, i);
+        s.put_block(&id, &h, &p, PutMeta::default()).unwrap();
+        common::damage(&s, &id, &k, Damage::Payload);
+        assert!(!read_hits(&s, &id, &k, h.file_len()));
+    }
+    let st = s.stats();
+    assert_eq!(st.quarantined, 6);
+    let files = std::fs::read_dir(dir.path().join("quarantine"))
+        .unwrap()
+        .count();
+    assert!(files <= 3, "{files} files in quarantine/");
+    assert!(
+        st.quarantine_bytes <= 256 << 10 && st.quarantine_bytes > 0,
+        "{st:?}"
+    );
+    assert_eq!(st.quarantine_trimmed, 3);
+    // Fill the tier: blocks and quarantine together stay within capacity.
+    for i in 100..130 {
+        let (_, h, p) = block(&ns, i);
+        s.put_block(&id, &h, &p, PutMeta::default()).unwrap();
+        let st = s.stats();
+        assert!(
+            st.used_bytes + st.quarantine_bytes <= st.capacity_bytes,
+            "{st:?}"
+        );
+    }
+    // The bound and the bytes survive a restart.
+    s.close().unwrap();
+    drop(s);
+    let mut c = common::cfg(dir.path(), EngineKind::Auto);
+    c.capacity_bytes = 1 << 20;
+    c.quarantine_max_bytes = 128 << 10;
+    c.quarantine_max_files = 3;
+    let s =
+        kvtier_daemon::g3::G3Store::open(c, Box::new(kvtier_daemon::policy::Lru::new())).unwrap();
+    assert!(s.stats().quarantine_bytes <= 128 << 10);
+    assert!(s.stats().quarantine_bytes > 0);
+}

@@ -213,6 +213,7 @@ impl G3Store {
             cfg,
         });
         let mut report = store.recover()?;
+        store.trim_quarantine();
         report.index_rebuilt = index_rebuilt;
         tracing::info!(
             root = %store.cfg.root.display(),
