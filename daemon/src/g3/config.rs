@@ -35,7 +35,7 @@ pub struct G3Config {
     pub pinned_budget_bytes: u64,
     /// How block files are made durable.
     pub sync_mode: SyncMode,
-    /// Bytes `quarantine/` may hold (at most half of `capacity_bytes`);
+    /// Bytes `quarantine/` may hold (capped at half of `capacity_bytes`);
     /// the oldest entries are deleted past it. Quarantined bytes count
     /// against `capacity_bytes`, so a client or disk producing corrupt
     /// blocks cannot fill the filesystem behind the tier's back.
@@ -78,6 +78,12 @@ impl G3Config {
         }
     }
 
+    /// The quarantine's byte bound in force: `quarantine_max_bytes`, at
+    /// most half of capacity.
+    pub(super) fn quarantine_bound_bytes(&self) -> u64 {
+        self.quarantine_max_bytes.min(self.capacity_bytes / 2)
+    }
+
     pub(super) fn validate(&self) -> Result<()> {
         let bad = |key: &str, problem: String| {
             Err(Error::Config {
@@ -111,15 +117,6 @@ impl G3Config {
         }
         if self.capacity_bytes < 1 << 16 {
             return bad("capacity_bytes", "at least 64 KiB".into());
-        }
-        if self.quarantine_max_bytes > self.capacity_bytes / 2 {
-            return bad(
-                "quarantine_max",
-                format!(
-                    "{} is more than half of capacity ({})",
-                    self.quarantine_max_bytes, self.capacity_bytes
-                ),
-            );
         }
         if self.quarantine_max_files == 0 {
             return bad("quarantine_max_files", "at least 1".into());

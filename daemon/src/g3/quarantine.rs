@@ -66,7 +66,8 @@ impl G3Store {
         let mut bytes: u64 = all.iter().map(|a| a.2).sum();
         let mut files = all.len();
         for (_, p, len, dir) in &all {
-            if bytes <= self.cfg.quarantine_max_bytes && files <= self.cfg.quarantine_max_files {
+            if bytes <= self.cfg.quarantine_bound_bytes() && files <= self.cfg.quarantine_max_files
+            {
                 break;
             }
             let r = if *dir {
