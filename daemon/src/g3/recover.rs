@@ -77,9 +77,10 @@ fn read_dir(p: &Path) -> Result<std::fs::ReadDir> {
 /// Whether it was rebuilt.
 pub(super) fn open_index(root: &Path) -> Result<(super::index::DiskIndex, bool)> {
     let path = root.join("index.redb");
-    let e = match super::index::DiskIndex::open(&path) {
+    let e = match super::index::DiskIndex::open_or_damaged(&path) {
         Ok(d) => return Ok((d, false)),
-        Err(e) => e,
+        Err((true, e)) => e,
+        Err((false, e)) => return Err(e),
     };
     let ms = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
