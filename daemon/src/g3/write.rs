@@ -74,8 +74,8 @@ fn record_of(ns: &NamespaceId, it: &PutItem<'_>, now: u32) -> Record {
 
 impl G3Store {
     /// Stores a block. `payload` may be any slice (shared memory too); it is
-    /// copied through aligned pool buffers and its checksum is checked
-    /// against `header` on the way. Durable (file, its directory entry) and
+    /// copied through aligned pool buffers and the checksum of that copy
+    /// (the bytes written) is checked against `header`. Durable (file, its directory entry) and
     /// indexed before `Ok(Stored)`; a present key is `Ok(AlreadyPresent)`
     /// with nothing written. Errors: [`Error::NoSpace`] when the filesystem
     /// is full (reads continue), [`Error::PreviousIo`] after an earlier
@@ -113,8 +113,8 @@ impl G3Store {
     /// complete get [`Error::NoSpace`] (no new write starts after the first
     /// one) and the ones written are still stored. A failed directory fsync
     /// or index commit fails every item that was waiting for it: none of
-    /// them is reported stored or becomes visible before a restart (then
-    /// recovery may adopt their verified files, as for a single put).
+    /// them is reported stored, and their renames are undone so that the
+    /// files and the index agree.
     pub fn put_blocks(&self, ns: &NamespaceId, items: &[PutItem<'_>]) -> Vec<Result<PutOutcome>> {
         let mut out: Vec<Option<Result<PutOutcome>>> = items.iter().map(|_| None).collect();
         // Held for the whole batch: `close` takes it exclusively so that no
