@@ -49,6 +49,11 @@ high_watermark = 0.95
 low_watermark = 0.85
 # I/O engine: "auto" (io_uring, falling back to pread), "uring", "pread".
 engine = "auto"
+# Blocks that failed verification are kept in quarantine/ for inspection,
+# oldest deleted first past either bound; their bytes count against
+# capacity. Unset quarantine_max: capacity / 32.
+# quarantine_max = "128MiB"
+quarantine_max_files = 256
 
 [g4]
 # Shared tier: s3://bucket/prefix, file:///path or memory://. "" disables
@@ -127,6 +132,13 @@ passthrough = "auto"
 # checksummed by kvtier (the fallback path always verifies).
 verify_on_open = true
 "#;
+
+/// A size key that may be left out (then the struct default, `None`).
+fn de_size_opt<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> std::result::Result<Option<u64>, D::Error> {
+    de_size(d).map(Some)
+}
 
 fn de_size<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<u64, D::Error> {
     struct V;
@@ -257,6 +269,11 @@ pub struct G3Section {
     pub low_watermark: f64,
     /// I/O engine (`auto`, `uring`, `pread`).
     pub engine: String,
+    /// Bytes `quarantine/` may hold (`None`: capacity / 32).
+    #[serde(deserialize_with = "de_size_opt")]
+    pub quarantine_max: Option<u64>,
+    /// Files `quarantine/` may hold.
+    pub quarantine_max_files: usize,
 }
 
 /// `[g4]`: every key of [`G4Config`](crate::g4::G4Config) (one source for
@@ -464,6 +481,8 @@ impl Default for G3Section {
             high_watermark: 0.95,
             low_watermark: 0.85,
             engine: "auto".into(),
+            quarantine_max: None,
+            quarantine_max_files: 256,
         }
     }
 }

@@ -285,6 +285,10 @@ fn node_config(cfg: &Config) -> Result<NodeConfig> {
     g3.high_watermark = cfg.g3.high_watermark;
     g3.low_watermark = cfg.g3.low_watermark;
     g3.engine = cfg.g3_engine()?;
+    if let Some(q) = cfg.g3.quarantine_max {
+        g3.quarantine_max_bytes = q;
+    }
+    g3.quarantine_max_files = cfg.g3.quarantine_max_files;
     g3.lease_ttl_max_ms = u64::from(cfg.server.lease_ttl_max_ms);
     g3.leases_max = cfg.server.leases_per_conn_max.saturating_mul(64);
     let mut n = NodeConfig::new(g3);

@@ -35,6 +35,13 @@ pub struct G3Config {
     pub pinned_budget_bytes: u64,
     /// How block files are made durable.
     pub sync_mode: SyncMode,
+    /// Bytes `quarantine/` may hold (capped at half of `capacity_bytes`);
+    /// the oldest entries are deleted past it. Quarantined bytes count
+    /// against `capacity_bytes`, so a client or disk producing corrupt
+    /// blocks cannot fill the filesystem behind the tier's back.
+    pub quarantine_max_bytes: u64,
+    /// Files `quarantine/` may hold (at least 1).
+    pub quarantine_max_files: usize,
 }
 
 /// How a block file's data is made durable before its rename.
@@ -66,7 +73,15 @@ impl G3Config {
             lease_ttl_max_ms: 60_000,
             pinned_budget_bytes: capacity_bytes / 2,
             sync_mode: SyncMode::Auto,
+            quarantine_max_bytes: capacity_bytes / 32,
+            quarantine_max_files: 256,
         }
+    }
+
+    /// The quarantine's byte bound in force: `quarantine_max_bytes`, at
+    /// most half of capacity.
+    pub(super) fn quarantine_bound_bytes(&self) -> u64 {
+        self.quarantine_max_bytes.min(self.capacity_bytes / 2)
     }
 
     pub(super) fn validate(&self) -> Result<()> {
@@ -102,6 +117,9 @@ impl G3Config {
         }
         if self.capacity_bytes < 1 << 16 {
             return bad("capacity_bytes", "at least 64 KiB".into());
+        }
+        if self.quarantine_max_files == 0 {
+            return bad("quarantine_max_files", "at least 1".into());
         }
         if self.leases_max == 0 {
             return bad("leases_max", "at least 1".into());

@@ -1,5 +1,5 @@
 //! One block file made durable: the temp file written through pool buffers
-//! (payload hashed on the way), `fdatasync` or O_DSYNC, the no-replace
+//! (payload hashed in the pool buffer, after the copy), `fdatasync` or O_DSYNC, the no-replace
 //! rename into `blocks/`, shard directories created durably, and the group
 //! commit leader's directory fsyncs and redb transaction.
 
@@ -22,13 +22,18 @@ const BUFS_PER_WRITE: usize = 4;
 impl G3Store {
     /// Writes the temp file, makes it durable and renames it into place.
     /// `Ok(Some(dir))`: renamed into `dir`, whose fsync (group commit) makes
-    /// the rename durable; `Ok(None)`: the name already existed.
+    /// the rename durable; `Ok(None)`: the name already existed. `sole`:
+    /// this put alone writes `id` now, so an existing name the index lacks
+    /// is an orphan (a crash between rename and index commit) and is
+    /// replaced by this verified file instead of answered AlreadyPresent
+    /// (which lookups would contradict).
     pub(super) fn write_durable(
         &self,
         ns: &NamespaceId,
         header: &BlockHeader,
         payload: &[u8],
         id: u64,
+        sole: bool,
     ) -> Result<Option<PathBuf>> {
         let seq = self.counters.seq.fetch_add(1, Ordering::Relaxed);
         let tmp = self
@@ -74,8 +79,13 @@ impl G3Store {
             if p0 < p1 {
                 let src = &payload
                     [(p0 - HEADER_BYTES as u64) as usize..(p1 - HEADER_BYTES as u64) as usize];
-                buf[(p0 - off) as usize..(p1 - off) as usize].copy_from_slice(src);
-                hasher.update(src);
+                let own = &mut buf[(p0 - off) as usize..(p1 - off) as usize];
+                own.copy_from_slice(src);
+                // Hash our copy, the bytes the kernel will write: `payload`
+                // may be a client's shared memory, which it can still
+                // change, so hashing it would ack a block whose file fails
+                // its own checksum.
+                hasher.update(own);
             }
         };
         let mut bufs = self.pool.take(BUFS_PER_WRITE);
@@ -121,8 +131,23 @@ impl G3Store {
         match rename_noreplace(&tmp, &final_path) {
             Ok(()) => {}
             Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {
-                let _ = std::fs::remove_file(&tmp);
-                return Ok(None);
+                let indexed = self
+                    .mem
+                    .read()
+                    .map_err(|_| lock_err("g3 index"))
+                    .map_err(cleanup)?
+                    .map
+                    .contains_key(&id);
+                if indexed || !sole {
+                    let _ = std::fs::remove_file(&tmp);
+                    return Ok(None);
+                }
+                tracing::warn!(%ns, key = %header.key, "g3: replacing an unindexed (orphan) block file");
+                self.counters
+                    .orphans_replaced
+                    .fetch_add(1, Ordering::Relaxed);
+                std::fs::rename(&tmp, &final_path)
+                    .map_err(|e| cleanup(Error::io("renaming into place", &final_path, e)))?;
             }
             Err(e) => return Err(cleanup(Error::io("renaming into place", &final_path, e))),
         }

@@ -112,3 +112,12 @@ impl IoEngine for FaultEngine {
         self.inner.sync_data(fd)
     }
 }
+
+impl super::G3Store {
+    /// Test seam: the next `n` index commits of the write path fail, as a
+    /// full or failing index disk would make them.
+    #[doc(hidden)]
+    pub fn fault_fail_index_commits(&self, n: u64) {
+        self.disk.fail_puts.store(n, Ordering::Release);
+    }
+}

@@ -36,8 +36,7 @@ pub enum Failure {
         /// The message.
         msg: String,
     },
-    /// The index commit failed (the files are durable; recovery adopts
-    /// them).
+    /// The index commit failed (each participant undoes its renames).
     Index(String),
     /// A lock was poisoned by a panicking thread.
     Lock,

@@ -346,20 +346,40 @@ pub struct DiskIndex {
     db: Database,
     path: PathBuf,
     dirty: std::sync::atomic::AtomicBool,
+    /// Test seam: this many next `put` commits fail (see
+    /// `G3Store::fault_fail_index_commits`).
+    pub(super) fail_puts: std::sync::atomic::AtomicU64,
 }
 
 impl DiskIndex {
     /// Opens or creates the index file (redb repairs after a crash).
     pub fn open(path: &Path) -> Result<Self> {
+        Self::open_or_damaged(path).map_err(|(_, e)| e)
+    }
+
+    /// Like [`DiskIndex::open`]; the flag of the error says whether redb
+    /// could not open the file at all (a damaged or foreign file, which
+    /// recovery rebuilds) rather than refused its contents (a newer
+    /// format, which must not be destroyed by an older build).
+    pub(super) fn open_or_damaged(path: &Path) -> std::result::Result<Self, (bool, Error)> {
         let fail = |e: &dyn std::fmt::Display| Error::Index {
             path: path.to_path_buf(),
             detail: e.to_string(),
         };
-        let db = Database::create(path).map_err(|e| fail(&e))?;
+        let db = Database::create(path).map_err(|e| (true, fail(&e)))?;
+        Self::init(db, path).map_err(|e| (false, e))
+    }
+
+    fn init(db: Database, path: &Path) -> Result<Self> {
+        let fail = |e: &dyn std::fmt::Display| Error::Index {
+            path: path.to_path_buf(),
+            detail: e.to_string(),
+        };
         let me = DiskIndex {
             db,
             path: path.to_path_buf(),
             dirty: std::sync::atomic::AtomicBool::new(false),
+            fail_puts: std::sync::atomic::AtomicU64::new(0),
         };
         // Non-durable: tables lost to a crash are created again, and the
         // files are the truth anyway; an fsync here costs every open.
@@ -457,6 +477,14 @@ impl DiskIndex {
 
     /// Inserts or replaces records (non-durable commit).
     pub fn put(&self, recs: &[(u64, &Record)]) -> Result<()> {
+        use std::sync::atomic::Ordering;
+        if self
+            .fail_puts
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
+            .is_ok()
+        {
+            return Err(self.err("injected commit failure (test fault seam)"));
+        }
         self.write(Durability::None, |w| {
             let mut b = w.open_table(BLOCKS)?;
             let mut n = w.open_table(NAMES)?;

@@ -14,7 +14,7 @@
 //!   write in parallel, group commit, publish in input order).
 //! - `durable`: one block file made durable (temp write, flush, no-replace
 //!   rename, shard directories) and the group commit's fsyncs and commit.
-//! - `pool`: the aligned write buffers. `fsops`: directory fsync,
+//! - `pool`: the aligned write buffers and the read path's bounce buffers. `fsops`: directory fsync,
 //!   no-replace rename, O_DIRECT probe.
 //! - `read`: the onboard path (`read_into`, `open_for_read`). `verify`: the
 //!   streaming block verifier and `verify_all`. `quarantine`: blocks that
@@ -71,7 +71,7 @@ use engine::{EngineKind, IoEngine, PreadEngine, UringEngine};
 use index::{DiskIndex, MemIndex};
 use kvtier_client::{block_path, BlockKey, NamespaceId};
 use leases::Leases;
-use pool::BufferPool;
+use pool::{BouncePool, BufferPool};
 use stats::Counters;
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
@@ -101,12 +101,16 @@ pub struct G3Store {
     policy: Mutex<Box<dyn EvictionPolicy>>,
     disk: DiskIndex,
     pool: BufferPool,
+    bounce: BouncePool,
     leases: Mutex<Leases>,
     poisoned: Mutex<Option<String>>,
     closed: AtomicBool,
     sink: RwLock<Option<EventSink>>,
     counters: Counters,
     known_dirs: Mutex<HashSet<PathBuf>>,
+    /// Ids a put is writing now (between plan and publish): a name found
+    /// in `blocks/` for a claimed id that the index lacks is an orphan.
+    writing: Mutex<HashSet<u64>>,
     group: group::GroupCommit,
     write_gate: RwLock<()>,
     reclaim: Arc<reclaimer::Signal>,
@@ -179,7 +183,7 @@ impl G3Store {
             std::fs::create_dir_all(d).map_err(|e| Error::io("creating", d, e))?;
         }
         let direct_ok = fsops::probe_direct(&tmp_dir)?;
-        let disk = DiskIndex::open(&cfg.root.join("index.redb"))?;
+        let (disk, index_rebuilt) = recover::open_index(&cfg.root)?;
         let pool = BufferPool::new(cfg.buffer_pool_bytes)?;
         let store = Arc::new(G3Store {
             blocks_dir,
@@ -191,6 +195,7 @@ impl G3Store {
             policy: Mutex::new(policy),
             disk,
             pool,
+            bounce: BouncePool::new(cfg.io_depth),
             leases: Mutex::new(Leases {
                 live: HashMap::new(),
             }),
@@ -199,6 +204,7 @@ impl G3Store {
             sink: RwLock::new(None),
             counters: Counters::default(),
             known_dirs: Mutex::new(HashSet::new()),
+            writing: Mutex::new(HashSet::new()),
             group: group::GroupCommit::default(),
             write_gate: RwLock::new(()),
             reclaim: Arc::new(reclaimer::Signal::default()),
@@ -206,7 +212,9 @@ impl G3Store {
             recovery: Mutex::new(RecoveryReport::default()),
             cfg,
         });
-        let report = store.recover()?;
+        let mut report = store.recover()?;
+        store.trim_quarantine();
+        report.index_rebuilt = index_rebuilt;
         tracing::info!(
             root = %store.cfg.root.display(),
             engine = store.engine.name(),
@@ -216,6 +224,8 @@ impl G3Store {
             dropped = report.dropped,
             temp_removed = report.temp_removed,
             quarantined = report.quarantined,
+            set_aside = report.set_aside,
+            index_rebuilt = report.index_rebuilt,
             clean_start = report.clean_start,
             from_snapshot = report.from_snapshot,
             ms = report.elapsed_ms,

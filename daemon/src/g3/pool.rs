@@ -50,3 +50,50 @@ impl BufferPool {
         self.freed.notify_all();
     }
 }
+
+/// Largest bounce buffer kept for reuse; bigger blocks get a one-off one.
+const BOUNCE_KEEP_MAX_BYTES: usize = 64 << 20;
+
+/// Aligned buffers the read path reads and verifies into before copying to
+/// the caller's memory (which may be a client's shared memory that the
+/// client can change while we verify). Up to `keep_max` are kept for
+/// reuse; they grow to the largest block read.
+pub(super) struct BouncePool {
+    free: Mutex<Vec<AlignedBuf>>,
+    keep_max: usize,
+}
+
+impl BouncePool {
+    pub(super) fn new(keep_max: usize) -> Self {
+        BouncePool {
+            free: Mutex::new(Vec::new()),
+            keep_max: keep_max.max(1),
+        }
+    }
+
+    /// A buffer of at least `len` bytes (4096-aligned).
+    pub(super) fn take(&self, len: usize) -> std::io::Result<AlignedBuf> {
+        if let Ok(mut free) = self.free.lock() {
+            if let Some(i) = free.iter().position(|b| b.len() >= len) {
+                return Ok(free.swap_remove(i));
+            }
+            // None fits: drop the biggest too-small one rather than keep
+            // buffers nobody can use.
+            if let Some((i, _)) = free.iter().enumerate().max_by_key(|(_, b)| b.len()) {
+                free.swap_remove(i);
+            }
+        }
+        AlignedBuf::rounded(len.max(1))
+    }
+
+    pub(super) fn give(&self, buf: AlignedBuf) {
+        if buf.len() > BOUNCE_KEEP_MAX_BYTES {
+            return;
+        }
+        if let Ok(mut free) = self.free.lock() {
+            if free.len() < self.keep_max {
+                free.push(buf);
+            }
+        }
+    }
+}

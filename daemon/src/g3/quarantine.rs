@@ -1,6 +1,8 @@
 //! Blocks that failed verification: moved to `quarantine/` (kept for
 //! inspection), counted, logged, dropped from the index, announced as
-//! `Removed { Corrupt }`.
+//! `Removed { Corrupt }`. The directory is bounded (`quarantine_max_bytes`,
+//! `quarantine_max_files`, oldest deleted first) and its bytes count
+//! against capacity ([`G3Store::block_capacity`]).
 
 use super::{G3Event, G3Store, RemoveReason};
 use kvtier_client::{BlockKey, NamespaceId};
@@ -36,5 +38,58 @@ impl G3Store {
         if std::fs::rename(path, &to).is_err() {
             let _ = std::fs::remove_file(path);
         }
+        self.trim_quarantine();
+    }
+
+    /// Bytes block files may use: capacity less what `quarantine/` holds.
+    pub(super) fn block_capacity(&self) -> u64 {
+        self.cfg
+            .capacity_bytes
+            .saturating_sub(self.counters.quarantine_bytes.load(Ordering::Relaxed))
+    }
+
+    /// Deletes the oldest entries of `quarantine/` until both bounds hold,
+    /// and records the bytes left (at open and after every quarantine).
+    pub(super) fn trim_quarantine(&self) {
+        let Ok(rd) = std::fs::read_dir(&self.quarantine_dir) else {
+            return;
+        };
+        let mut all: Vec<(std::time::SystemTime, std::path::PathBuf, u64, bool)> = rd
+            .filter_map(|e| {
+                let e = e.ok()?;
+                let m = e.metadata().ok()?;
+                let t = m.modified().unwrap_or(std::time::UNIX_EPOCH);
+                Some((t, e.path(), m.len(), m.is_dir()))
+            })
+            .collect();
+        all.sort();
+        let mut bytes: u64 = all.iter().map(|a| a.2).sum();
+        let mut files = all.len();
+        for (_, p, len, dir) in &all {
+            if bytes <= self.cfg.quarantine_bound_bytes() && files <= self.cfg.quarantine_max_files
+            {
+                break;
+            }
+            let r = if *dir {
+                std::fs::remove_dir_all(p)
+            } else {
+                std::fs::remove_file(p)
+            };
+            match r {
+                Ok(()) => {
+                    bytes -= len;
+                    files -= 1;
+                    self.counters
+                        .quarantine_trimmed
+                        .fetch_add(1, Ordering::Relaxed);
+                }
+                Err(e) => {
+                    tracing::warn!(path = %p.display(), error = %e, "g3: cannot trim quarantine");
+                }
+            }
+        }
+        self.counters
+            .quarantine_bytes
+            .store(bytes, Ordering::Relaxed);
     }
 }

@@ -1,5 +1,6 @@
 //! The onboard (read) path: `read_into` reads a block file and verifies it
-//! as the chunks arrive ([`super::verify::Verifier`]); a vanished file is
+//! as the chunks arrive, in the daemon's own bounce buffer, and copies it to
+//! the caller only once verified ([`super::verify::Verifier`]); a vanished file is
 //! forgotten, a corrupt one quarantined, both a miss. `open_for_read` hands
 //! an unverified fd to readers that verify themselves.
 
@@ -14,18 +15,14 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 use std::sync::atomic::Ordering;
 
-fn is_aligned(p: *const u8) -> bool {
-    (p as usize).is_multiple_of(4096)
-}
-
 impl G3Store {
     /// Reads a whole block file into `dst` (`dst.len()` at least the file
     /// length, see [`G3Store::stat`]); the payload lands at offset 4096.
     /// The header, length, padding and payload checksum are verified as
-    /// the chunks arrive, before `Hit` is returned. O_DIRECT when `dst` is
-    /// 4096-aligned (and the filesystem allows it), buffered otherwise. A
-    /// block that fails verification is quarantined and reads as
-    /// `Miss(Corrupt)`; `dst` then holds unspecified bytes.
+    /// the chunks arrive, in the daemon's own buffer, before the bytes are
+    /// copied to `dst` and `Hit` is returned (O_DIRECT where the filesystem
+    /// allows it). A block that fails verification is quarantined and
+    /// reads as `Miss(Corrupt)`; `dst` is then left untouched.
     pub fn read_into(
         &self,
         ns: &NamespaceId,
@@ -82,6 +79,10 @@ impl G3Store {
         }
     }
 
+    /// Reads and verifies the file in the daemon's own (aligned, bounce)
+    /// memory and copies it to `dst` only once it verified: `dst` may be a
+    /// client's shared memory, and a client rewriting it mid-read must
+    /// never get a good block quarantined.
     fn read_verified(
         &self,
         ns: &NamespaceId,
@@ -89,7 +90,7 @@ impl G3Store {
         dst: &mut [u8],
     ) -> Result<ReadOutcome> {
         let path = self.block_file_path(ns, key);
-        let file = match self.open_block(&path, self.direct_ok && is_aligned(dst.as_ptr())) {
+        let file = match self.open_block(&path, self.direct_ok) {
             Ok(f) => f,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(ReadOutcome::Vanished),
             Err(e) => return Err(Error::io("opening", &path, e)),
@@ -104,12 +105,25 @@ impl G3Store {
                 "file is {size} bytes, index says {want}"
             )));
         }
+        let mut own = self
+            .bounce
+            .take(dst.len())
+            .map_err(|e| Error::io("allocating", "g3 read buffer", e))?;
         let mut v = Verifier::new(ns, key, want);
         let got = self
             .engine
-            .read_file(file.as_raw_fd(), dst, &mut |piece| v.feed(piece))
-            .map_err(|e| Error::io("reading", &path, e))?;
-        Ok(v.finish(got as u64))
+            .read_file(
+                file.as_raw_fd(),
+                &mut own.as_mut_slice()[..dst.len()],
+                &mut |piece| v.feed(piece),
+            )
+            .map_err(|e| Error::io("reading", &path, e));
+        let outcome = got.map(|got| v.finish(got as u64));
+        if let Ok(ReadOutcome::Ok(_)) = &outcome {
+            dst.copy_from_slice(&own.as_slice()[..dst.len()]);
+        }
+        self.bounce.give(own);
+        outcome
     }
 
     fn open_block(&self, path: &Path, direct: bool) -> std::io::Result<File> {

@@ -62,7 +62,7 @@ pub(super) fn spawn(store: &Arc<G3Store>) -> Option<std::thread::JoinHandle<()>>
             }
             let Some(s) = weak.upgrade() else { return };
             s.sweep_leases();
-            let cap = s.cfg.capacity_bytes as f64;
+            let cap = s.block_capacity() as f64;
             let used = s.mem.read().map(|m| m.used_bytes).unwrap_or(0) as f64;
             if used > s.cfg.high_watermark * cap {
                 let n = s.evict_to((s.cfg.low_watermark * cap) as u64);
@@ -145,7 +145,8 @@ impl G3Store {
     /// top of `reserved` bytes that earlier items of the same batch will
     /// add.
     pub(super) fn make_room(&self, reserved: u64, incoming: u64) -> Result<()> {
-        let cap = self.cfg.capacity_bytes;
+        // Quarantined bytes count against capacity.
+        let cap = self.block_capacity();
         if incoming > cap {
             return Err(Error::LimitReached {
                 what: "g3 capacity_bytes (block larger than the tier)",
@@ -180,7 +181,7 @@ impl G3Store {
 
     pub(super) fn maybe_reclaim(&self) {
         let used = self.mem.read().map(|m| m.used_bytes).unwrap_or(0);
-        if used as f64 > self.cfg.high_watermark * self.cfg.capacity_bytes as f64 {
+        if used as f64 > self.cfg.high_watermark * self.block_capacity() as f64 {
             self.reclaim.wake();
         }
     }

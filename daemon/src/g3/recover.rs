@@ -46,6 +46,12 @@ pub struct RecoveryReport {
     pub temp_removed: u64,
     /// Unindexed files that failed verification (quarantined).
     pub quarantined: u64,
+    /// Stray or unreadable entries under `blocks/` moved to `quarantine/`
+    /// (named `stray.*`) instead of refusing to start.
+    pub set_aside: u64,
+    /// `index.redb` could not be opened (damaged header, not a redb file):
+    /// it was moved aside and rebuilt from the files.
+    pub index_rebuilt: bool,
     /// Wall time of recovery.
     pub elapsed_ms: u64,
     /// A valid clean-shutdown marker was found: the index was trusted and
@@ -62,6 +68,41 @@ const MARKER_MAGIC: &str = "kvtier-g3-clean v1 generation";
 
 fn read_dir(p: &Path) -> Result<std::fs::ReadDir> {
     std::fs::read_dir(p).map_err(|e| Error::io("listing", p, e))
+}
+
+/// Opens `index.redb`; one that redb refuses (a damaged header, a file that
+/// is not redb) is moved aside as `index.redb.damaged.<ms>` and a fresh one
+/// created: the index is a cache of the files, and the clean marker is
+/// removed so that this open walks `blocks/` and re-adopts every block.
+/// Whether it was rebuilt.
+pub(super) fn open_index(root: &Path) -> Result<(super::index::DiskIndex, bool)> {
+    let path = root.join("index.redb");
+    let e = match super::index::DiskIndex::open_or_damaged(&path) {
+        Ok(d) => return Ok((d, false)),
+        Err((true, e)) => e,
+        Err((false, e)) => return Err(e),
+    };
+    let ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis())
+        .unwrap_or(0);
+    let aside = root.join(format!("index.redb.damaged.{ms}"));
+    tracing::error!(index = %path.display(), moved_to = %aside.display(), error = %e,
+        "g3: the index cannot be opened; rebuilding it from the block files");
+    std::fs::rename(&path, &aside).map_err(|err| Error::io("moving aside", &path, err))?;
+    match std::fs::remove_file(root.join(CLEAN_MARKER)) {
+        Ok(()) => {}
+        Err(err) if err.kind() == std::io::ErrorKind::NotFound => {}
+        Err(err) => {
+            return Err(Error::io(
+                "removing clean marker",
+                root.join(CLEAN_MARKER),
+                err,
+            ))
+        }
+    }
+    super::fsops::fsync_dir(root).map_err(|err| Error::io("flushing directory", root, err))?;
+    Ok((super::index::DiskIndex::open(&path)?, true))
 }
 
 impl G3Store {
@@ -199,20 +240,27 @@ impl G3Store {
                 .to_str()
                 .and_then(|s| NamespaceId::from_hex(s).ok())
             else {
-                tracing::warn!(path = %nsd.path().display(), "g3: stray entry in blocks/, ignored");
+                self.set_aside(&nsd.path(), "not a namespace directory", rep);
                 continue;
             };
-            for shard in read_dir(&nsd.path())? {
-                let shard = shard.map_err(|e| Error::io("listing", nsd.path(), e))?;
+            let Some(shards) = self.list_dir(&nsd.path(), rep) else {
+                continue;
+            };
+            for shard in shards {
+                let Ok(shard) = shard else { continue };
+                let Some(files) = self.list_dir(&shard.path(), rep) else {
+                    continue;
+                };
                 known.insert(shard.path());
-                for f in read_dir(&shard.path())? {
-                    let f = f.map_err(|e| Error::io("listing", shard.path(), e))?;
+                for f in files {
+                    let Ok(f) = f else { continue };
                     let Some(key) = f
                         .file_name()
                         .to_str()
                         .and_then(|s| BlockKey::from_hex(s).ok())
+                        .filter(|_| f.file_type().is_ok_and(|t| t.is_file()))
                     else {
-                        tracing::warn!(path = %f.path().display(), "g3: stray file in blocks/, ignored");
+                        self.set_aside(&f.path(), "not a block file", rep);
                         continue;
                     };
                     let (id, check) = digest(&ns, &key);
@@ -276,6 +324,40 @@ impl G3Store {
             e.flags &= !FLAG_SEEN;
         }
         Ok(())
+    }
+
+    /// Lists a directory under `blocks/`; one that is not a directory or
+    /// cannot be listed is set aside (a miss for whatever it held, never a
+    /// refusal to start).
+    fn list_dir(&self, p: &Path, rep: &mut RecoveryReport) -> Option<std::fs::ReadDir> {
+        match std::fs::read_dir(p) {
+            Ok(d) => Some(d),
+            Err(e) => {
+                self.set_aside(p, &format!("cannot be listed: {e}"), rep);
+                None
+            }
+        }
+    }
+
+    /// Moves a stray or unreadable entry under `blocks/` to `quarantine/`
+    /// (as `stray.<name>.<ms>`), logs and counts it.
+    fn set_aside(&self, p: &Path, why: &str, rep: &mut RecoveryReport) {
+        tracing::warn!(path = %p.display(), reason = why, "g3: stray entry under blocks/; set aside in quarantine/");
+        let name = p
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let to = self.quarantine_dir.join(format!(
+            "stray.{name}.{}",
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_millis())
+                .unwrap_or(0)
+        ));
+        if let Err(e) = std::fs::rename(p, &to) {
+            tracing::warn!(path = %p.display(), error = %e, "g3: cannot move a stray entry aside; left in place");
+        }
+        rep.set_aside += 1;
     }
 
     /// Reads and fully verifies a file that the index does not know.

@@ -20,8 +20,17 @@ pub struct G3Stats {
     pub evictions: u64,
     /// Blocks moved to quarantine.
     pub quarantined: u64,
+    /// Bytes in `quarantine/` now (bounded by `quarantine_max_bytes`,
+    /// counted against capacity).
+    pub quarantine_bytes: u64,
+    /// Quarantined entries deleted to keep within the bounds.
+    pub quarantine_trimmed: u64,
     /// Writes that failed.
     pub write_errors: u64,
+    /// Renames undone after a failed group commit.
+    pub renames_undone: u64,
+    /// Unindexed (orphan) block files replaced by a fresh offload.
+    pub orphans_replaced: u64,
     /// `io_uring` or `pread`.
     pub engine: &'static str,
     /// Whether block files use O_DIRECT.
@@ -37,7 +46,12 @@ pub(super) struct Counters {
     pub(super) misses: AtomicU64,
     pub(super) evictions: AtomicU64,
     pub(super) quarantined: AtomicU64,
+    /// Bytes in `quarantine/` now (counted against capacity).
+    pub(super) quarantine_bytes: AtomicU64,
+    pub(super) quarantine_trimmed: AtomicU64,
     pub(super) write_errors: AtomicU64,
+    pub(super) renames_undone: AtomicU64,
+    pub(super) orphans_replaced: AtomicU64,
     pub(super) seq: AtomicU64,
 }
 
@@ -58,7 +72,11 @@ impl G3Store {
             misses: c.misses.load(Ordering::Relaxed),
             evictions: c.evictions.load(Ordering::Relaxed),
             quarantined: c.quarantined.load(Ordering::Relaxed),
+            quarantine_bytes: c.quarantine_bytes.load(Ordering::Relaxed),
+            quarantine_trimmed: c.quarantine_trimmed.load(Ordering::Relaxed),
             write_errors: c.write_errors.load(Ordering::Relaxed),
+            renames_undone: c.renames_undone.load(Ordering::Relaxed),
+            orphans_replaced: c.orphans_replaced.load(Ordering::Relaxed),
             engine: self.engine.name(),
             direct_io: self.direct_ok,
             read_only: self.poisoned.lock().ok().and_then(|p| p.clone()),

@@ -74,8 +74,8 @@ fn record_of(ns: &NamespaceId, it: &PutItem<'_>, now: u32) -> Record {
 
 impl G3Store {
     /// Stores a block. `payload` may be any slice (shared memory too); it is
-    /// copied through aligned pool buffers and its checksum is checked
-    /// against `header` on the way. Durable (file, its directory entry) and
+    /// copied through aligned pool buffers and the checksum of that copy
+    /// (the bytes written) is checked against `header`. Durable (file, its directory entry) and
     /// indexed before `Ok(Stored)`; a present key is `Ok(AlreadyPresent)`
     /// with nothing written. Errors: [`Error::NoSpace`] when the filesystem
     /// is full (reads continue), [`Error::PreviousIo`] after an earlier
@@ -113,8 +113,8 @@ impl G3Store {
     /// complete get [`Error::NoSpace`] (no new write starts after the first
     /// one) and the ones written are still stored. A failed directory fsync
     /// or index commit fails every item that was waiting for it: none of
-    /// them is reported stored or becomes visible before a restart (then
-    /// recovery may adopt their verified files, as for a single put).
+    /// them is reported stored, and their renames are undone so that the
+    /// files and the index agree.
     pub fn put_blocks(&self, ns: &NamespaceId, items: &[PutItem<'_>]) -> Vec<Result<PutOutcome>> {
         let mut out: Vec<Option<Result<PutOutcome>>> = items.iter().map(|_| None).collect();
         // Held for the whole batch: `close` takes it exclusively so that no
@@ -164,6 +164,13 @@ impl G3Store {
             }
         }
 
+        // Claim the ids this batch writes: a claimed id has one writer, so
+        // its name in blocks/ without an index entry is an orphan.
+        let sole: Vec<bool> = match self.writing.lock() {
+            Ok(mut w) => jobs.iter().map(|j| w.insert(j.id)).collect(),
+            Err(_) => vec![false; jobs.len()],
+        };
+
         // 2. Write, rename into place; up to `io_depth` files at once.
         let full = AtomicBool::new(false);
         let next = AtomicUsize::new(0);
@@ -181,8 +188,10 @@ impl G3Store {
                         op: "writing (an earlier block of this batch hit a full filesystem)",
                     })
                 } else {
-                    self.check_writable()
-                        .and_then(|()| self.write_durable(ns, it.header, it.payload, job.id))
+                    self.check_writable().and_then(|()| {
+                        let sole = sole.get(k).copied().unwrap_or(false);
+                        self.write_durable(ns, it.header, it.payload, job.id, sole)
+                    })
                 };
                 if let Err(e) = &r {
                     if matches!(e, Error::NoSpace { .. }) {
@@ -251,15 +260,17 @@ impl G3Store {
                 out[job.at] = Some(Err(lock_err("g3 batch writer")));
             }
         }
-        // On an index failure the files are durable and recovery adopts
-        // them; until then they are not visible, so the writes are reported
-        // failed.
+        // A failed directory fsync or index commit fails the writes, and
+        // their renames are undone: a file in blocks/ without its record
+        // would answer AlreadyPresent to the next offload while lookups say
+        // absent, and stay invisible after a clean restart.
         if let Err(f) = self.group.join(pending, |g| self.commit_group(g)) {
             let index_path = self.cfg.root.join("index.redb");
             for job in &renamed {
                 self.counters.write_errors.fetch_add(1, Ordering::Relaxed);
                 out[job.at] = Some(Err(f.to_error(&index_path)));
             }
+            self.undo_renames(ns, items, &renamed);
             renamed.clear();
         }
 
@@ -281,6 +292,13 @@ impl G3Store {
                 });
             }
             self.maybe_reclaim();
+        }
+        if let Ok(mut w) = self.writing.lock() {
+            for (job, mine) in jobs.iter().zip(&sole) {
+                if *mine {
+                    w.remove(&job.id);
+                }
+            }
         }
         for (at, first) in repeats {
             out[at] = Some(match &out[first] {
@@ -388,6 +406,41 @@ impl G3Store {
             );
         }
         Ok(())
+    }
+
+    /// Removes the files a failed group commit renamed into place (and
+    /// makes the removals durable). A file that cannot be removed poisons
+    /// the store: it would be a block on disk the index does not know.
+    fn undo_renames(&self, ns: &NamespaceId, items: &[PutItem<'_>], jobs: &[&BatchJob]) {
+        let mut dirs: Vec<PathBuf> = Vec::new();
+        for job in jobs {
+            let path = self.block_file_path(ns, &items[job.at].header.key);
+            match std::fs::remove_file(&path) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => {
+                    self.poison(format!(
+                        "cannot undo the rename of {} after a failed commit: {e}",
+                        path.display()
+                    ));
+                    continue;
+                }
+            }
+            self.counters.renames_undone.fetch_add(1, Ordering::Relaxed);
+            if let Some(d) = path.parent() {
+                dirs.push(d.to_path_buf());
+            }
+        }
+        dirs.sort_unstable();
+        dirs.dedup();
+        for d in dirs {
+            if let Err(e) = super::fsops::fsync_dir(&d) {
+                self.poison(format!(
+                    "fsync of directory {} after an undo: {e}",
+                    d.display()
+                ));
+            }
+        }
     }
 
     fn check_writable(&self) -> Result<()> {
