@@ -141,6 +141,28 @@ impl Client {
         }
         Ok(g.inner.clone())
     }
+
+    /// One per-key control call (pin, unpin, evict) without the GIL; the
+    /// statuses by name.
+    fn per_key(
+        &self,
+        py: Python<'_>,
+        ns: &Namespace,
+        keys: &Bound<'_, PyAny>,
+        op: impl FnOnce(
+                &kvtier_client::NsHandle<'_>,
+                &[BlockKey],
+            ) -> kvtier_client::Result<Vec<ItemStatus>>
+            + Send,
+    ) -> PyResult<Vec<String>> {
+        let keys = keys_from(keys)?;
+        let c = self.inner()?;
+        let nsr = ns.inner.clone();
+        let r = py
+            .detach(move || op(&c.namespace(&nsr), &keys))
+            .map_err(from_client)?;
+        Ok(r.into_iter().map(status_name).collect())
+    }
 }
 
 #[pymethods]
@@ -349,13 +371,7 @@ impl Client {
         keys: &Bound<'_, PyAny>,
         ttl_ms: u32,
     ) -> PyResult<Vec<String>> {
-        let keys = keys_from(keys)?;
-        let c = self.inner()?;
-        let nsr = ns.inner.clone();
-        let r = py
-            .detach(move || c.namespace(&nsr).pin(&keys, ttl_ms))
-            .map_err(from_client)?;
-        Ok(r.into_iter().map(status_name).collect())
+        self.per_key(py, ns, keys, move |h, k| h.pin(k, ttl_ms))
     }
 
     /// unpin(ns, keys) -> list[str]: removes pins ("ok" or "absent" per key).
@@ -365,13 +381,7 @@ impl Client {
         ns: &Namespace,
         keys: &Bound<'_, PyAny>,
     ) -> PyResult<Vec<String>> {
-        let keys = keys_from(keys)?;
-        let c = self.inner()?;
-        let nsr = ns.inner.clone();
-        let r = py
-            .detach(move || c.namespace(&nsr).unpin(&keys))
-            .map_err(from_client)?;
-        Ok(r.into_iter().map(status_name).collect())
+        self.per_key(py, ns, keys, |h, k| h.unpin(k))
     }
 
     /// evict(ns, keys) -> list[str]: removes blocks from this node ("ok",
@@ -382,13 +392,7 @@ impl Client {
         ns: &Namespace,
         keys: &Bound<'_, PyAny>,
     ) -> PyResult<Vec<String>> {
-        let keys = keys_from(keys)?;
-        let c = self.inner()?;
-        let nsr = ns.inner.clone();
-        let r = py
-            .detach(move || c.namespace(&nsr).evict(&keys))
-            .map_err(from_client)?;
-        Ok(r.into_iter().map(status_name).collect())
+        self.per_key(py, ns, keys, |h, k| h.evict(k))
     }
 
     /// stat(ns, keys) -> list[dict | None]
