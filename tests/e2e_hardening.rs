@@ -156,3 +156,42 @@ fn a_metrics_connection_flood_keeps_fds_bounded() {
     }
     assert!(ok, "metrics not served after the flood");
 }
+
+#[test]
+fn a_trickled_frame_is_cut_at_the_frame_deadline() {
+    let cfg = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(cfg.path(), "[server]\nio_timeout_ms = 500\n").unwrap();
+    let d = Daemon::start_with(&["--config".into(), cfg.path().display().to_string()], &[]);
+    let mut s = raw_conn(&d.socket);
+    // A valid-looking 64-byte frame, one byte every 100 ms: each receive
+    // comes well inside the per-receive timeout, the whole frame does not.
+    let frame = Request::Release {
+        leases: (1..=6).collect(),
+    }
+    .encode(9);
+    let start = std::time::Instant::now();
+    let mut cut = false;
+    for b in frame.iter().cycle().take(80) {
+        if s.write_all(&[*b]).is_err() {
+            cut = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+        // The daemon closes the connection: a read sees EOF (or an error
+        // frame followed by EOF).
+        s.set_nonblocking(true).unwrap();
+        let mut buf = [0u8; 256];
+        let r = s.read(&mut buf);
+        s.set_nonblocking(false).unwrap();
+        if matches!(r, Ok(0)) {
+            cut = true;
+            break;
+        }
+    }
+    let took = start.elapsed();
+    assert!(cut, "a trickling client kept its connection for {took:?}");
+    assert!(took < Duration::from_secs(6), "cut only after {took:?}");
+    // The daemon keeps serving others.
+    let client = Client::with_config(ClientConfig::new(&d.socket));
+    assert!(client.stats().is_ok());
+}

@@ -1090,30 +1090,29 @@ pub fn set_recv_timeout(fd: RawFd, t: std::time::Duration) -> std::io::Result<()
     Ok(())
 }
 
-/// Like [`recv_frame`], but once the first bytes of a frame arrived the
-/// rest must arrive within `body_timeout` (so a client that trickles a
-/// frame cannot hold a connection for the whole idle timeout per byte).
-/// The socket keeps `body_timeout` as its receive timeout afterwards.
+/// Like [`recv_frame`], but once the first byte of a frame arrived the
+/// whole rest of it must arrive within `body_timeout`: one deadline for the
+/// frame, not a timeout per receive, so a client that trickles a byte at a
+/// time cannot hold a connection past it. The socket is left with a
+/// receive timeout of at most `body_timeout` afterwards.
 pub fn recv_frame_timed(
     fd: RawFd,
     fds: &mut Vec<OwnedFd>,
     body_timeout: Option<std::time::Duration>,
 ) -> std::result::Result<Vec<u8>, RecvError> {
     let mut len = [0u8; 4];
-    let got = recv_exact(fd, &mut len[..1], fds, true)?;
+    let got = recv_exact(fd, &mut len[..1], fds, true, None)?;
     if got == 0 {
         return Err(RecvError::Closed);
     }
-    if let Some(t) = body_timeout {
-        set_recv_timeout(fd, t).map_err(RecvError::Io)?;
-    }
-    recv_exact(fd, &mut len[1..], fds, false)?;
+    let deadline = body_timeout.map(|t| std::time::Instant::now() + t);
+    recv_exact(fd, &mut len[1..], fds, false, deadline)?;
     let n = u32::from_le_bytes(len) as usize;
     if !(FRAME_HEADER_BYTES..=FRAME_BYTES_MAX).contains(&n) {
         return Err(RecvError::TooLarge(n));
     }
     let mut body = vec![0u8; n];
-    recv_exact(fd, &mut body, fds, false)?;
+    recv_exact(fd, &mut body, fds, false, deadline)?;
     Ok(body)
 }
 
@@ -1122,10 +1121,23 @@ fn recv_exact(
     buf: &mut [u8],
     fds: &mut Vec<OwnedFd>,
     eof_ok_at_start: bool,
+    deadline: Option<std::time::Instant>,
 ) -> std::result::Result<usize, RecvError> {
     use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
     let mut done = 0;
     while done < buf.len() {
+        if let Some(d) = deadline {
+            let left = d.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return Err(RecvError::Io(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "frame not received within its deadline",
+                )));
+            }
+            // SO_RCVTIMEO of 0 means "no timeout": never set less than 1 ms.
+            set_recv_timeout(fd, left.max(std::time::Duration::from_millis(1)))
+                .map_err(RecvError::Io)?;
+        }
         let mut cmsg = nix::cmsg_space!([RawFd; FDS_MAX]);
         let mut iov = [IoSliceMut::new(&mut buf[done..])];
         let res = recvmsg::<()>(fd, &mut iov, Some(&mut cmsg), MsgFlags::MSG_CMSG_CLOEXEC);
