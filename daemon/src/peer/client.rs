@@ -330,13 +330,13 @@ impl PeerClient {
             StatusCode::OK => {}
             StatusCode::NOT_FOUND => {
                 // Drain the short body so the connection can be reused.
-                if let Ok(Ok(body)) =
-                    tokio::time::timeout(Duration::from_millis(100), resp.into_body().collect())
-                        .await
+                // Capped: a peer that answers 404 with a huge body is cut
+                // off (the collect fails past the limit) instead of read.
+                let short = http_body_util::Limited::new(resp.into_body(), 4096);
+                if let Ok(Ok(_)) =
+                    tokio::time::timeout(Duration::from_millis(100), short.collect()).await
                 {
-                    if body.to_bytes().len() <= 4096 {
-                        self.put_idle(address, conn);
-                    }
+                    self.put_idle(address, conn);
                 }
                 return Miss(PeerMiss::Absent);
             }
@@ -452,7 +452,10 @@ impl PeerClient {
             }
         };
         let status = resp.status();
-        let Ok(body) = resp.into_body().collect().await else {
+        // The probe asked for the header only: a body past twice its size is
+        // a lying peer, cut off rather than buffered.
+        let capped = http_body_util::Limited::new(resp.into_body(), 2 * HEADER_BYTES);
+        let Ok(body) = capped.collect().await else {
             return false;
         };
         let body = body.to_bytes();

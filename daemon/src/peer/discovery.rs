@@ -123,9 +123,11 @@ pub async fn discover(
             continue;
         }
         let bytes = match store.get(&m.location).await {
-            Ok(r) => match r.bytes().await {
-                Ok(b) => b,
-                Err(_) => continue,
+            // Streamed with a cap: the object may have been replaced by a
+            // larger one since the listing sized it.
+            Ok(r) => match capped_body(r, HEARTBEAT_BYTES_MAX as usize).await {
+                Some(b) => b,
+                None => continue,
             },
             // Deleted between list and get: the node withdrew.
             Err(object_store::Error::NotFound { .. }) => continue,
@@ -208,4 +210,20 @@ impl Drop for HeartbeatTask {
     fn drop(&mut self) {
         self.handle.abort();
     }
+}
+
+/// The body of `r`, or `None` when it fails or exceeds `max` bytes (read no
+/// further than that).
+async fn capped_body(r: object_store::GetResult, max: usize) -> Option<Vec<u8>> {
+    use futures::StreamExt;
+    let mut out = Vec::new();
+    let mut stream = r.into_stream();
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.ok()?;
+        if out.len() + chunk.len() > max {
+            return None;
+        }
+        out.extend_from_slice(&chunk);
+    }
+    Some(out)
 }
