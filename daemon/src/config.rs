@@ -7,6 +7,7 @@
 //! `"4GiB"`. The integrator adds `[g4]`, `[mount]` and `[peers]` sections.
 
 use crate::error::{Error, Result};
+use kvtier_client::NamespaceId;
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
 
@@ -101,6 +102,25 @@ promote_queue_max = 64
 # (`kvtier events --format dynamo`; docs/OPERATIONS.md). Unset: derived
 # stably from the node id (peer.node_id, else the hostname). 0 is refused.
 # dynamo_worker_id = 1001
+
+[events.zmq]
+# KV events on vLLM's ZMQ wire, for a Dynamo router (docs/OPERATIONS.md).
+# Off while endpoint is "". tcp:// must be loopback unless
+# allow_non_loopback = true (the events carry token ids); ipc:// paths are
+# guarded by file permissions.
+endpoint = ""
+# ROUTER socket answering replay requests for missed sequence numbers.
+replay_endpoint = ""
+topic = ""
+replay_batches_max = 10000
+# Blocks a start-up announces (after AllBlocksCleared) at most.
+announce_blocks_max = 1000000
+# dp_rank = 0
+# Namespaces published, with the Dynamo salt and LoRA name their workers use:
+# [[events.zmq.namespaces]]
+# id = "0123456789abcdef0123456789abcdef"
+# salt = ""
+# lora_name = ""
 
 [metrics]
 # Prometheus /metrics and /healthz; "" disables the endpoint.
@@ -385,6 +405,151 @@ impl Default for NodeSection {
 pub struct EventsSection {
     /// Dynamo worker id; `None`: derived from the node id.
     pub dynamo_worker_id: Option<u64>,
+    /// `[events.zmq]`: the ZMQ publisher Dynamo's router listens to.
+    pub zmq: ZmqSection,
+}
+
+/// `[events.zmq]`: KV events on vLLM's ZMQ wire for a Dynamo router
+/// (docs/OPERATIONS.md). Off while `endpoint` is empty.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ZmqSection {
+    /// PUB endpoint (`tcp://127.0.0.1:5557`, `ipc:///run/kvtier/kv.sock`);
+    /// empty: no publisher.
+    pub endpoint: String,
+    /// ROUTER endpoint answering replay requests for missed sequence
+    /// numbers; empty: none.
+    pub replay_endpoint: String,
+    /// Topic frame of every message.
+    pub topic: String,
+    /// Batches kept for replay.
+    pub replay_batches_max: usize,
+    /// Blocks a start-up (or a replay older than the kept batches)
+    /// announces at most.
+    pub announce_blocks_max: usize,
+    /// `data_parallel_rank` of every batch (unset: nil, the listener's own).
+    pub dp_rank: Option<u32>,
+    /// Allow a TCP endpoint on an address other than loopback (the events
+    /// carry token ids, as sensitive as the KV itself).
+    pub allow_non_loopback: bool,
+    /// The namespaces published, with the Dynamo salt and LoRA name their
+    /// workers hash with (other namespaces never appear on this stream).
+    pub namespaces: Vec<ZmqNamespace>,
+}
+
+impl Default for ZmqSection {
+    fn default() -> Self {
+        ZmqSection {
+            endpoint: String::new(),
+            replay_endpoint: String::new(),
+            topic: String::new(),
+            replay_batches_max: 10_000,
+            announce_blocks_max: 1_000_000,
+            dp_rank: None,
+            allow_non_loopback: false,
+            namespaces: Vec::new(),
+        }
+    }
+}
+
+/// `[[events.zmq.namespaces]]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ZmqNamespace {
+    /// kvtier namespace id (32 hex digits; `kvtier ls` shows them).
+    pub id: String,
+    /// Dynamo's cache salt ("" none): the namespace's tenant salt.
+    #[serde(default)]
+    pub salt: String,
+    /// Dynamo's LoRA name ("" none): the namespace's adapter.
+    #[serde(default)]
+    pub lora_name: String,
+}
+
+impl ZmqSection {
+    /// Whether a publisher runs.
+    pub fn enabled(&self) -> bool {
+        !self.endpoint.is_empty()
+    }
+
+    fn validate(&self) -> Result<()> {
+        if !self.enabled() {
+            return Ok(());
+        }
+        check_zmq_endpoint(
+            "events.zmq.endpoint",
+            &self.endpoint,
+            self.allow_non_loopback,
+        )?;
+        if !self.replay_endpoint.is_empty() {
+            check_zmq_endpoint(
+                "events.zmq.replay_endpoint",
+                &self.replay_endpoint,
+                self.allow_non_loopback,
+            )?;
+        }
+        if self.replay_batches_max == 0 || self.replay_batches_max > 1_000_000 {
+            return Err(bad(
+                "events.zmq.replay_batches_max",
+                "must be between 1 and 1000000",
+            ));
+        }
+        if self.namespaces.is_empty() {
+            return Err(bad(
+                "events.zmq.namespaces",
+                "name at least one namespace to publish ([[events.zmq.namespaces]] with id, salt, lora_name)",
+            ));
+        }
+        for n in &self.namespaces {
+            NamespaceId::from_hex(&n.id).map_err(|_| {
+                bad(
+                    "events.zmq.namespaces.id",
+                    format!(
+                        "{:?} is not a namespace id (32 hex digits, as `kvtier ls` prints)",
+                        n.id
+                    ),
+                )
+            })?;
+        }
+        Ok(())
+    }
+}
+
+/// `tcp://host:port` (loopback unless allowed) or `ipc://path`.
+fn check_zmq_endpoint(key: &str, ep: &str, allow_non_loopback: bool) -> Result<()> {
+    if let Some(path) = ep.strip_prefix("ipc://") {
+        if path.is_empty() {
+            return Err(bad(key, "ipc:// needs a path"));
+        }
+        return Ok(());
+    }
+    let Some(addr) = ep.strip_prefix("tcp://") else {
+        return Err(bad(
+            key,
+            format!("{ep:?}: use tcp://HOST:PORT or ipc://PATH"),
+        ));
+    };
+    let Some((host, port)) = addr.rsplit_once(':') else {
+        return Err(bad(key, format!("{ep:?}: missing :PORT")));
+    };
+    port.parse::<u16>()
+        .map_err(|_| bad(key, format!("{ep:?}: {port:?} is not a port")))?;
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    let ip: std::net::IpAddr = host.parse().map_err(|_| {
+        bad(
+            key,
+            format!("{ep:?}: the host must be an IP address (a name could resolve anywhere)"),
+        )
+    })?;
+    if !ip.is_loopback() && !allow_non_loopback {
+        return Err(bad(
+            key,
+            format!(
+                "{ep:?} is not loopback; events carry token ids, so set events.zmq.allow_non_loopback = true to publish beyond this host"
+            ),
+        ));
+    }
+    Ok(())
 }
 
 impl EventsSection {
@@ -684,6 +849,7 @@ impl Config {
                 "0 means no worker; pick another id or leave it unset",
             ));
         }
+        self.events.zmq.validate()?;
         let s = &self.server;
         if s.socket.as_os_str().is_empty() {
             return Err(bad("server.socket", "must not be empty"));
@@ -787,6 +953,32 @@ mod tests {
     }
 
     use super::*;
+
+    #[test]
+    fn zmq_endpoints_stay_on_this_host_unless_allowed() {
+        let ns = "[[events.zmq.namespaces]]\nid = \"0123456789abcdef0123456789abcdef\"\n";
+        let check = |zmq: &str| {
+            Config::from_toml(&format!("[events.zmq]\n{zmq}\n{ns}"))
+                .and_then(|c| c.validate())
+                .map_err(|e| e.to_string())
+        };
+        check("endpoint = \"tcp://127.0.0.1:5557\"").unwrap();
+        check("endpoint = \"ipc:///run/kvtier/kv.ipc\"").unwrap();
+        let e = check("endpoint = \"tcp://0.0.0.0:5557\"").unwrap_err();
+        assert!(e.contains("allow_non_loopback"), "{e}");
+        check("endpoint = \"tcp://0.0.0.0:5557\"\nallow_non_loopback = true").unwrap();
+        let e = check("endpoint = \"tcp://router.example:5557\"").unwrap_err();
+        assert!(e.contains("IP address"), "{e}");
+        let e = Config::from_toml("[events.zmq]\nendpoint = \"tcp://127.0.0.1:1\"\n")
+            .unwrap()
+            .validate()
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("at least one namespace"), "{e}");
+        let e = check("endpoint = \"tcp://127.0.0.1:1\"\n[[events.zmq.namespaces]]\nid = \"xyz\"")
+            .unwrap_err();
+        assert!(e.contains("32 hex digits"), "{e}");
+    }
 
     #[test]
     fn default_parses_and_validates() {

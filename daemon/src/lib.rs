@@ -22,5 +22,6 @@ pub mod server;
 #[doc(hidden)]
 pub mod testkit;
 pub mod tier;
+pub mod zmq;
 
 pub use error::{Error, Result};

@@ -162,6 +162,7 @@ fn run() -> Result<()> {
     let worker_id = cfg.events.worker_id(&node_id_or_hostname(&cfg));
     bus.set_dynamo_worker(worker_id);
     tracing::info!(dynamo_worker_id = worker_id, "events: Dynamo worker id");
+    let zmq_bus = bus.clone();
     let server = Server::bind(
         &SocketOptions {
             path: cfg.server.socket.clone(),
@@ -203,6 +204,40 @@ fn run() -> Result<()> {
         .build()
         .context("starting the runtime")?;
     let (tx, rx) = tokio::sync::watch::channel(false);
+    // ---- [events.zmq] (docs/OPERATIONS.md) ----
+    let _zmq = if cfg.events.zmq.enabled() {
+        let z = &cfg.events.zmq;
+        let mut published = kvtier_daemon::zmq::Published::default();
+        for n in &z.namespaces {
+            published.insert(
+                kvtier_client::NamespaceId::from_hex(&n.id)?,
+                kvtier_daemon::zmq::PublishedNs {
+                    salt: n.salt.clone(),
+                    lora_name: n.lora_name.clone(),
+                },
+            );
+        }
+        let opts = kvtier_daemon::zmq::ZmqOptions {
+            endpoint: z.endpoint.clone(),
+            replay_endpoint: Some(z.replay_endpoint.clone()).filter(|e| !e.is_empty()),
+            topic: z.topic.clone(),
+            replay_batches_max: z.replay_batches_max,
+            announce_blocks_max: z.announce_blocks_max,
+            dp_rank: z.dp_rank,
+            ipc_mode: cfg.socket_mode()?,
+            published,
+        };
+        let n = node.clone();
+        let holdings: kvtier_daemon::zmq::Holdings =
+            Arc::new(move |ns: &kvtier_client::NamespaceId, limit| n.g3_headers(ns, limit));
+        let p = kvtier_daemon::zmq::ZmqPublisher::start(opts, &zmq_bus, holdings, rt.handle())
+            .context("starting the ZMQ event publisher ([events.zmq])")?;
+        metrics.set_zmq_stats(p.stats());
+        Some(p)
+    } else {
+        None
+    };
+    // ---- end [events.zmq] ----
     if !cfg.metrics.addr.is_empty() {
         let addr = cfg.metrics.addr.clone();
         let listener = rt

@@ -52,6 +52,8 @@ pub struct Metrics {
     promotions: IntGaugeVec,
     promote_us: IntGaugeVec,
     promotions_skipped: IntGaugeVec,
+    zmq: IntGaugeVec,
+    zmq_stats: Arc<RwLock<Option<Arc<crate::zmq::ZmqStats>>>>,
     figures: Arc<RwLock<Option<FiguresFn>>>,
 }
 
@@ -193,6 +195,15 @@ impl Metrics {
                     &["source"],
                 )?,
             ),
+            zmq: reg(
+                &r,
+                gv(
+                    "kvtier_events_zmq",
+                    "The ZMQ event publisher ([events.zmq]): batches, blocks_stored, skipped_blocks, mismatched_blocks, lagged_events, resyncs, announce_truncated, orphans, replays, replay_snapshots, send_errors",
+                    &["what"],
+                )?,
+            ),
+            zmq_stats: Arc::new(RwLock::new(None)),
             figures: Arc::new(RwLock::new(None)),
             registry: r,
         })
@@ -233,7 +244,19 @@ impl Metrics {
         }
     }
 
+    /// Sets the ZMQ publisher whose counters /metrics shows.
+    pub fn set_zmq_stats(&self, s: Arc<crate::zmq::ZmqStats>) {
+        if let Ok(mut g) = self.zmq_stats.write() {
+            *g = Some(s);
+        }
+    }
+
     fn render_figures(&self) {
+        if let Some(z) = self.zmq_stats.read().ok().and_then(|g| g.clone()) {
+            for (what, x) in z.figures() {
+                self.zmq.with_label_values(&[what]).set(x as i64);
+            }
+        }
         let f = match self.figures.read() {
             Ok(g) => g.clone(),
             Err(_) => None,

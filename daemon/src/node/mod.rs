@@ -383,6 +383,39 @@ impl Node {
         self.peer_server.as_ref().map(|s| s.local_addr())
     }
 
+    /// Headers of up to `limit` blocks of `ns` on G3 (what a start-up
+    /// announces), each with whether G4 has a copy too (as far as this node
+    /// knows: it uploaded or fetched it); a block evicted meanwhile or with
+    /// a damaged header is left out. Buffered 4 KiB reads: call off the
+    /// data path.
+    pub fn g3_headers(
+        &self,
+        ns: &NamespaceId,
+        limit: usize,
+    ) -> Vec<(kvtier_client::BlockHeader, bool)> {
+        let mut out = Vec::new();
+        let mut after: Option<BlockKey> = None;
+        while out.len() < limit {
+            let page = self
+                .g3
+                .list(ns, after.as_ref(), 1024.min(limit - out.len()));
+            let Some(last) = page.last().copied() else {
+                break;
+            };
+            out.extend(page.iter().filter_map(|k| {
+                let h = uplink::read_header(&self.g3, ns, k)?;
+                let in_g4 = self.g3.stat(ns, k).is_some_and(|i| i.in_g4)
+                    && self
+                        .g4
+                        .as_ref()
+                        .is_some_and(|g| g.contains_cached(ns, k) != Some(false));
+                Some((h, in_g4))
+            }));
+            after = Some(last);
+        }
+        out
+    }
+
     /// Hands every G3 event (stored, removed) to `sink` too, on the thread
     /// that caused it (keep it short). For the mount's event log.
     pub fn add_g3_listener(&self, sink: crate::g3::EventSink) {
