@@ -48,8 +48,8 @@ fn payloads(n: usize, seed: u8) -> Vec<Vec<u8>> {
         .collect()
 }
 
-/// A kvtierd config publishing `ns` on ipc endpoints in `dir` (and a G4
-/// TTL when `ttl`).
+/// A kvtierd config publishing `ns` on ipc endpoints in `dir`, after the
+/// `extra` TOML.
 fn config(dir: &Path, ns: &Namespace, salt: &str, extra: &str) -> (String, String, String) {
     let pub_ep = format!("ipc://{}", dir.join("kv-events.ipc").display());
     let replay_ep = format!("ipc://{}", dir.join("kv-replay.ipc").display());
