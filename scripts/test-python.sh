@@ -12,6 +12,11 @@ export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target}"
 [ -x "$CARGO_TARGET_DIR/debug/kvtierd" ] || cargo build -q -p kvtier-daemon --bin kvtierd
 [ -x "$CARGO_TARGET_DIR/debug/kvtier" ] || cargo build -q -p kvtier-tools --bin kvtier
 MATURIN_PEP517_ARGS="--profile dev" .venv/bin/pip install -q --force-reinstall --no-deps ./client/python
+# The engine connectors' suite runs in the engines' venv (vLLM, SGLang,
+# LMCache at pinned versions; scripts/engines-venv.sh caches it). A venv
+# that cannot be installed fails the run: these tests never skip.
+EV="$(./scripts/engines-venv.sh)"
+MATURIN_PEP517_ARGS="--profile dev" "$EV/bin/pip" install -q --force-reinstall --no-deps ./client/python
 cd client/python
 rc=0
 ../../.venv/bin/python -m pytest -q -p no:cacheprovider tests || rc=$?
@@ -19,4 +24,11 @@ if [ "$rc" = 5 ]; then
   echo "pytest collected no tests: the Python suite is missing" >&2
   exit 1
 fi
-exit "$rc"
+erc=0
+"$EV/bin/python" -m pytest -q -p no:cacheprovider tests_engines || erc=$?
+if [ "$erc" = 5 ]; then
+  echo "pytest collected no tests: the engine connector suite is missing" >&2
+  exit 1
+fi
+[ "$rc" = 0 ] || exit "$rc"
+exit "$erc"

@@ -1,0 +1,310 @@
+"""kvtier as an LMCache storage plugin (LMCache 0.5.6, ``StoragePluginInterface``).
+
+Enable it in LMCache's config (``LMCACHE_CONFIG_FILE``)::
+
+    chunk_size: 256
+    local_cpu: true
+    max_local_cpu_size: 5
+    storage_plugins: ["kvtier"]
+    extra_config:
+      storage_plugin.kvtier.module_path: kvtier.integrations.lmcache
+      storage_plugin.kvtier.class_name: KvtierStorageBackend
+      kvtier_socket: /run/kvtier/kvtierd.sock
+
+LMCache's ``storage_plugin_launcher`` imports the module and builds
+``KvtierStorageBackend(config=..., metadata=..., local_cpu_backend=...,
+loop=..., dst_device=...)``.
+
+Keys: a ``CacheEngineKey``'s ``chunk_hash`` is the kvtier key (its
+two's-complement bytes); the namespace holds the rest of the key (model,
+world size, dtype, tags) plus the KV shape of a chunk, and the worker id as
+the namespace's rank. Memory objects move without a copy of the
+connector's own: kvtier reads from and writes into the memory object's
+pinned host memory (``MemoryObj.data_ptr``) as a raw segment; a get
+allocates its memory object from LMCache's local CPU backend, as LMCache's
+other backends do.
+
+Only full chunks are stored (LMCache's default ``save_unfull_chunk: false``):
+a kvtier namespace has one block size, and a chunk's shape is then known
+from the metadata alone. A shorter chunk is skipped and counted
+(``store_skipped_partial``).
+
+Fail open: ``contains`` answers False and ``get_blocking`` None for a
+miss, a timeout or a dead daemon; LMCache recomputes. Puts that fail are
+counted and dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from concurrent.futures import Future
+from typing import Any, Callable, List, Optional, Sequence
+
+import torch
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.config import LMCacheEngineConfig
+from lmcache.v1.memory_management import MemoryFormat, MemoryObj
+from lmcache.v1.metadata import LMCacheMetadata
+from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
+
+import kvtier
+
+from ._common import (
+    Counters,
+    FailOpen,
+    KvtierConfigError,
+    connector_key,
+    make_client,
+    setting,
+    tenant_salt,
+)
+
+LMCACHE_VERSION = "0.5.6"
+
+# Cached namespaces (one per model / world size / dtype / tags / worker).
+NAMESPACES_MAX = 1024
+
+
+def chunk_key(key: CacheEngineKey) -> bytes:
+    """The kvtier key of a chunk: ``chunk_hash`` as two's-complement bytes."""
+    h = int(key.chunk_hash)
+    return connector_key(h.to_bytes(max(1, (h.bit_length() + 8) // 8), "big", signed=True))
+
+
+class KvtierStorageBackend(StoragePluginInterface):
+    """LMCache storage backend on kvtierd."""
+
+    def __init__(
+        self,
+        dst_device: str = "cpu",
+        config: Optional[LMCacheEngineConfig] = None,
+        metadata: Optional[LMCacheMetadata] = None,
+        local_cpu_backend: Any = None,
+        loop: Optional[asyncio.AbstractEventLoop] = None,
+    ) -> None:
+        super().__init__(
+            dst_device=dst_device,
+            config=config,
+            metadata=metadata,
+            local_cpu_backend=local_cpu_backend,
+            loop=loop,
+        )
+        if config is None or metadata is None:
+            raise KvtierConfigError("KvtierStorageBackend needs LMCache's config and metadata")
+        if local_cpu_backend is None:
+            raise KvtierConfigError(
+                "KvtierStorageBackend allocates retrieved chunks from LMCache's local CPU "
+                "backend: keep it enabled (it is, unless the engine disables it)"
+            )
+        self.extra = dict(config.extra_config or {})
+        self.counters = Counters()
+        self.fail = FailOpen("lmcache", self.counters)
+        self.client = make_client(self.extra)
+        self.shapes = list(metadata.get_shapes())
+        self.dtypes = list(metadata.get_dtypes())
+        self.fmt = MemoryFormat.KV_MLA_FMT if metadata.use_mla else MemoryFormat.KV_2LTD
+        self.chunk_bytes = sum(
+            int(torch.Size(s).numel()) * torch.tensor([], dtype=d).element_size()
+            for s, d in zip(self.shapes, self.dtypes)
+        )
+        if self.chunk_bytes > kvtier.BLOCK_BYTES_MAX:
+            raise KvtierConfigError(
+                f"an LMCache chunk is {self.chunk_bytes} bytes, over kvtier's "
+                f"{kvtier.BLOCK_BYTES_MAX}: lower chunk_size"
+            )
+        self.layout = kvtier.Layout.with_block_bytes(self.chunk_bytes)
+        self.salt = tenant_salt(self.extra)
+        self.model = setting(self.extra, "model")
+        self._ns: dict[tuple, kvtier.Namespace] = {}
+        self._ns_lock = threading.Lock()
+
+    def __str__(self) -> str:
+        return "KvtierStorageBackend"
+
+    # -- keys -------------------------------------------------------------
+
+    def _namespace(self, key: CacheEngineKey) -> kvtier.Namespace:
+        ident = (key.model_name, key.world_size, key.worker_id, str(key.dtype), key.tags)
+        with self._ns_lock:
+            ns = self._ns.get(ident)
+            if ns is None:
+                shape = ";".join("x".join(str(d) for d in s) for s in self.shapes)
+                model = (
+                    f"{self.model or key.model_name}#lmcache/{str(key.dtype).replace('torch.', '')}"
+                    f"/ws={key.world_size}/shape={shape}/fmt={self.fmt.name}"
+                )
+                adapter = "" if not key.tags else repr(key.tags)
+                ns = kvtier.Namespace(
+                    model, self.layout, adapter, self.salt, hash_mode="opaque",
+                    rank=int(key.worker_id),
+                )
+                if len(self._ns) >= NAMESPACES_MAX:
+                    self._ns.pop(next(iter(self._ns)))
+                self._ns[ident] = ns
+            return ns
+
+    @staticmethod
+    def _buf(obj: MemoryObj) -> tuple:
+        return (int(obj.data_ptr), int(obj.get_size()))
+
+    # -- lookups ----------------------------------------------------------
+
+    def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:
+        return self.batched_contains([key], pin) == 1
+
+    def batched_contains(self, keys: List[CacheEngineKey], pin: bool = False) -> int:
+        if not keys:
+            return 0
+        self.counters.add("lookups")
+        try:
+            # Keys of one lookup share a namespace except across workers.
+            hit = 0
+            while hit < len(keys):
+                ns = self._namespace(keys[hit])
+                run = []
+                for k in keys[hit:]:
+                    if self._namespace(k) is not ns:
+                        break
+                    run.append(k)
+                found = self.client.lookup(ns, [chunk_key(k) for k in run])
+                if found.reason not in (None, "absent"):
+                    self.fail.warn(f"lookup {found.reason}", found.detail)
+                if pin and found.prefix_len:
+                    self.client.pin(ns, [chunk_key(k) for k in run[: found.prefix_len]])
+                hit += found.prefix_len
+                if found.prefix_len < len(run):
+                    break
+        except Exception as e:
+            self.fail.error("contains", e)
+            hit = 0
+        self.counters.add("lookup_hits", hit)
+        self.counters.add("lookup_misses", len(keys) - hit)
+        return hit
+
+    async def batched_async_contains(
+        self, lookup_id: str, keys: List[CacheEngineKey], pin: bool = False
+    ) -> int:
+        return await asyncio.get_running_loop().run_in_executor(
+            None, self.batched_contains, keys, pin
+        )
+
+    def exists_in_put_tasks(self, key: CacheEngineKey) -> bool:
+        # Puts are synchronous: none is ever in flight.
+        return False
+
+    # -- puts -------------------------------------------------------------
+
+    def batched_submit_put_task(
+        self,
+        keys: Sequence[CacheEngineKey],
+        objs: List[MemoryObj],
+        transfer_spec: Any = None,
+        on_complete_callback: Optional[Callable[[CacheEngineKey], None]] = None,
+    ) -> Optional[List[Future]]:
+        self.counters.add("stores")
+        for key, obj in zip(keys, objs):
+            try:
+                if int(obj.get_size()) != self.chunk_bytes:
+                    self.counters.add("store_skipped_partial")
+                    continue
+                res = self.client.offload(self._namespace(key), [chunk_key(key)], [self._buf(obj)])[0]
+            except Exception as e:
+                self.counters.add("store_failures")
+                self.fail.error("put", e)
+                continue
+            if res.status == "stored":
+                self.counters.add("store_blocks")
+                self.counters.add("store_bytes", res.nbytes)
+            elif res.status == "already_present":
+                self.counters.add("store_already_present")
+            else:
+                self.counters.add("store_failures")
+                self.fail.warn(f"store {res.reason}", res.detail)
+                continue
+            if on_complete_callback is not None:
+                try:
+                    on_complete_callback(key)
+                except Exception as e:
+                    self.fail.error("on_complete_callback", e)
+        return None
+
+    # -- gets -------------------------------------------------------------
+
+    def get_blocking(self, key: CacheEngineKey) -> Optional[MemoryObj]:
+        return self.batched_get_blocking([key])[0]
+
+    def batched_get_blocking(self, keys: List[CacheEngineKey]) -> List[Optional[MemoryObj]]:
+        out: List[Optional[MemoryObj]] = []
+        for key in keys:
+            out.append(self._get_one(key))
+        return out
+
+    def _get_one(self, key: CacheEngineKey) -> Optional[MemoryObj]:
+        self.counters.add("loads")
+        try:
+            obj = self.local_cpu_backend.allocate(self.shapes, self.dtypes, self.fmt)
+        except Exception as e:
+            self.fail.error("allocate", e)
+            return None
+        if obj is None:
+            self.counters.add("load_failures")
+            self.fail.warn("no CPU memory for a retrieved chunk", "local_cpu_backend.allocate")
+            return None
+        try:
+            res = self.client.onboard_into(self._namespace(key), [chunk_key(key)], [self._buf(obj)])[0]
+        except Exception as e:
+            obj.ref_count_down()
+            self.counters.add("load_failures")
+            self.fail.error("get", e)
+            return None
+        if not res.ok:
+            obj.ref_count_down()
+            self.counters.add("load_failures")
+            if res.reason != "absent":
+                self.fail.warn(f"load {res.reason}", res.detail)
+            return None
+        self.counters.add("load_blocks")
+        self.counters.add("load_bytes", res.nbytes)
+        return obj
+
+    async def batched_get_non_blocking(
+        self, lookup_id: str, keys: list[CacheEngineKey], transfer_spec: Any = None
+    ) -> list[MemoryObj]:
+        """The chunks of the longest prefix of ``keys`` that could be read."""
+        objs = await asyncio.get_running_loop().run_in_executor(None, self.batched_get_blocking, keys)
+        out: list[MemoryObj] = []
+        for i, obj in enumerate(objs):
+            if obj is None:
+                for rest in objs[i + 1 :]:
+                    if rest is not None:
+                        rest.ref_count_down()
+                break
+            out.append(obj)
+        return out
+
+    # -- pins and removal -------------------------------------------------
+
+    def _per_key(self, key: CacheEngineKey, op: str) -> bool:
+        try:
+            ns = self._namespace(key)
+            st = getattr(self.client, op)(ns, [chunk_key(key)])
+            return st[0] == "ok"
+        except Exception as e:
+            self.fail.error(op, e)
+            return False
+
+    def pin(self, key: CacheEngineKey) -> bool:
+        return self._per_key(key, "pin")
+
+    def unpin(self, key: CacheEngineKey) -> bool:
+        return self._per_key(key, "unpin")
+
+    def remove(self, key: CacheEngineKey, force: bool = True) -> bool:
+        return self._per_key(key, "evict")
+
+    def get_allocator_backend(self):
+        return self.local_cpu_backend
+
+    def close(self) -> None:
+        return None

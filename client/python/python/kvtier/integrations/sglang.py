@@ -1,0 +1,323 @@
+"""kvtier as SGLang's HiCache L3 storage (SGLang 0.5.23, ``HiCacheStorage``).
+
+Load it through SGLang's dynamic backend::
+
+    python -m sglang.launch_server --model-path MODEL --enable-hierarchical-cache \\
+      --hicache-mem-layout page_first --hicache-storage-backend dynamic \\
+      --hicache-storage-backend-extra-config '{"backend_name": "kvtier",
+        "module_path": "kvtier.integrations.sglang", "class_name": "KvtierHiCacheStorage",
+        "interface_v1": 1, "kvtier_socket": "/run/kvtier/kvtierd.sock"}'
+
+``interface_v1: 1`` makes SGLang call ``batch_get_v1`` / ``batch_set_v1``
+with host-pool page indices: kvtier reads and writes the host pool's pages
+where they are (``get_page_buffer_meta``'s pointers as raw segments), with
+no copy of its own for a page that is one run of memory (MLA, and MHA's
+K and V when laid out back to back).
+
+Keys: SGLang's page hashes (hex strings) as kvtier keys (their bytes,
+``hash_mode="opaque"``). The namespace holds the model, the host pool's
+layout, dtype and page size, the TP size and the PP stage, and the TP rank
+unless the model is MLA (MLA's KV is the same on every TP rank; only the
+storage writer stores it).
+
+Fail open: ``batch_exists`` answers 0 and the get/set calls answer False
+for a page they could not move (a miss, a timeout, a dead daemon); SGLang
+then recomputes. Nothing raises into the scheduler; ``counters`` counts.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, List, Optional
+
+import numpy as np
+import torch
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+)
+
+import kvtier
+
+from ._common import (
+    Counters,
+    FailOpen,
+    KvtierConfigError,
+    coalesce,
+    connector_key,
+    make_client,
+    setting,
+    tenant_salt,
+)
+
+SGLANG_VERSION = "0.5.23"
+
+# Keys this backend stored that clear() evicts (kvtier has no namespace-wide
+# delete); older keys beyond this many are left to kvtier's own eviction.
+CLEAR_TRACKED_KEYS_MAX = 1 << 20
+
+
+def page_key(key: str) -> bytes:
+    """SGLang's page hash (hex) as a kvtier key: its bytes when it is hex
+    of at most 64 bytes, else the string's own bytes (hashed when long)."""
+    try:
+        raw = bytes.fromhex(key)
+        if 0 < len(raw) <= 64:
+            return raw
+    except ValueError:
+        pass
+    return connector_key(key)
+
+
+class KvtierHiCacheStorage(HiCacheStorage):
+    """SGLang HiCache L3 backend on kvtierd. SGLang constructs it as
+    ``KvtierHiCacheStorage(storage_config, kwargs)`` and then calls
+    ``register_mem_pool_host(host_pool)``.
+
+    Extra-config keys: ``kvtier_socket``, ``kvtier_timeout_ms`` (2000),
+    ``kvtier_model`` (default SGLang's model name), ``kvtier_tenant_salt``."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None):
+        self.storage_config = storage_config
+        self.extra = dict(storage_config.extra_config or {})
+        self.counters = Counters()
+        self.fail = FailOpen("sglang", self.counters)
+        self.client = make_client(self.extra)
+        self.is_mla = storage_config.is_mla_model
+        self.writer = storage_config.is_storage_writer
+        self.ns: Optional[kvtier.Namespace] = None
+        self.segments_per_page = 0
+        self.page_size = 0
+        self._stored: dict[bytes, None] = {}
+        self._stored_lock = threading.Lock()
+
+    # -- setup ------------------------------------------------------------
+
+    def register_mem_pool_host(self, mem_pool_host) -> None:
+        super().register_mem_pool_host(mem_pool_host)
+        self.page_size = int(mem_pool_host.page_size)
+        ptrs, sizes = mem_pool_host.get_page_buffer_meta(
+            torch.arange(self.page_size, dtype=torch.int64)
+        )
+        if not ptrs:
+            raise KvtierConfigError(
+                f"SGLang's {type(mem_pool_host).__name__} gives no page pointers "
+                "(get_page_buffer_meta): use an MHA or MLA host pool"
+            )
+        self.segments_per_page = len(ptrs)
+        block_bytes = int(sum(sizes))
+        if block_bytes > kvtier.BLOCK_BYTES_MAX:
+            raise KvtierConfigError(
+                f"one HiCache page is {block_bytes} bytes, over kvtier's "
+                f"{kvtier.BLOCK_BYTES_MAX}: lower --page-size"
+            )
+        c = self.storage_config
+        model = setting(self.extra, "model", c.model_name or "unknown-model")
+        layout = getattr(mem_pool_host, "layout", "unknown")
+        dtype = str(getattr(mem_pool_host, "dtype", "unknown")).replace("torch.", "")
+        kind = "mla" if self.is_mla else "mha"
+        desc = (
+            f"{model}#sglang/{kind}/{layout}/{dtype}/page={self.page_size}"
+            f"/tp={c.tp_size}/pp={c.pp_rank}of{c.pp_size}"
+            f"/cp={c.attn_cp_rank}of{c.attn_cp_size}/dcp={c.dcp_rank}of{c.dcp_size}"
+        )
+        if c.should_split_heads:
+            desc += f"/tplcm={c.tp_lcm_size}"
+        self.ns = kvtier.Namespace(
+            desc,
+            kvtier.Layout.with_block_bytes(block_bytes),
+            "",
+            tenant_salt(self.extra),
+            hash_mode="opaque",
+            rank=None if self.is_mla else int(c.tp_rank),
+        )
+
+    def _page_buffers(self, n: int, host_indices: torch.Tensor) -> list:
+        """The raw (ptr, nbytes) segments of ``n`` pages at ``host_indices``."""
+        assert self.mem_pool_host is not None
+        if len(host_indices) != n * self.page_size:
+            raise KvtierConfigError(
+                f"{len(host_indices)} host indices for {n} pages of {self.page_size} tokens"
+            )
+        ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
+        per = self.segments_per_page
+        if len(ptrs) != n * per:
+            raise KvtierConfigError(
+                f"the host pool gave {len(ptrs)} buffers for {n} pages, expected {n * per}"
+            )
+        bufs = []
+        for i in range(n):
+            segs = coalesce([(int(ptrs[j]), int(sizes[j])) for j in range(i * per, (i + 1) * per)])
+            bufs.append(segs[0] if len(segs) == 1 else segs)
+        return bufs
+
+    # -- the v1 (zero-copy) interface SGLang's controller calls -----------
+
+    def batch_exists(
+        self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None
+    ) -> int:
+        if not keys or self.ns is None:
+            return 0
+        self.counters.add("lookups")
+        try:
+            found = self.client.lookup(self.ns, [page_key(k) for k in keys])
+        except Exception as e:
+            self.fail.error("batch_exists", e)
+            return 0
+        if found.reason not in (None, "absent"):
+            self.fail.warn(f"lookup {found.reason}", found.detail)
+        self.counters.add("lookup_hits", found.prefix_len)
+        self.counters.add("lookup_misses", len(keys) - found.prefix_len)
+        return int(found.prefix_len)
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def batch_get_v1(
+        self,
+        keys: List[str],
+        host_indices: torch.Tensor,
+        extra_info: Optional[HiCacheStorageExtraInfo] = None,
+    ) -> List[bool]:
+        if not keys:
+            return []
+        self.counters.add("loads")
+        try:
+            assert self.ns is not None, "register_mem_pool_host was not called"
+            bufs = self._page_buffers(len(keys), host_indices)
+            res = self.client.onboard_into(self.ns, [page_key(k) for k in keys], bufs)
+        except Exception as e:
+            self.counters.add("load_failures", len(keys))
+            self.fail.error("batch_get_v1", e)
+            return [False] * len(keys)
+        out = []
+        for r in res:
+            out.append(bool(r.ok))
+            if r.ok:
+                self.counters.add("load_blocks")
+                self.counters.add("load_bytes", r.nbytes)
+            else:
+                self.counters.add("load_failures")
+                if r.reason != "absent":
+                    self.fail.warn(f"load {r.reason}", r.detail)
+        return out
+
+    def batch_set_v1(
+        self,
+        keys: List[str],
+        host_indices: torch.Tensor,
+        extra_info: Optional[HiCacheStorageExtraInfo] = None,
+    ) -> List[bool]:
+        if not keys:
+            return []
+        if not self.writer:
+            # MLA: another rank stores the same bytes.
+            return [True] * len(keys)
+        self.counters.add("stores")
+        try:
+            assert self.ns is not None, "register_mem_pool_host was not called"
+            bufs = self._page_buffers(len(keys), host_indices)
+            ks = [page_key(k) for k in keys]
+            prefix = extra_info.prefix_keys if extra_info is not None else None
+            parent = page_key(prefix[-1]) if prefix else None
+            res = self.client.offload(self.ns, ks, bufs, parent=parent)
+        except Exception as e:
+            self.counters.add("store_failures", len(keys))
+            self.fail.error("batch_set_v1", e)
+            return [False] * len(keys)
+        out = []
+        for k, r in zip(ks, res):
+            ok = r.status in ("stored", "already_present")
+            out.append(ok)
+            if r.status == "stored":
+                self.counters.add("store_blocks")
+                self.counters.add("store_bytes", r.nbytes)
+                self._remember(k)
+            elif r.status == "already_present":
+                self.counters.add("store_already_present")
+            else:
+                self.counters.add("store_failures")
+                self.fail.warn(f"store {r.reason}", r.detail)
+        return out
+
+    def _remember(self, key: bytes) -> None:
+        with self._stored_lock:
+            self._stored[key] = None
+            if len(self._stored) > CLEAR_TRACKED_KEYS_MAX:
+                self._stored.pop(next(iter(self._stored)))
+
+    def clear(self) -> None:
+        """Evicts the pages this backend stored (SGLang's
+        /clear_hicache_storage_backend); other engines' pages stay."""
+        with self._stored_lock:
+            keys = list(self._stored)
+            self._stored.clear()
+        if not keys or self.ns is None:
+            return
+        try:
+            for i in range(0, len(keys), 1024):
+                self.client.evict(self.ns, keys[i : i + 1024])
+        except Exception as e:
+            self.fail.error("clear", e)
+
+    def get_stats(self):
+        return None
+
+    # -- the generic (copying) interface, for callers without interface_v1 --
+
+    def _tensor_bytes(self, t: torch.Tensor) -> np.ndarray:
+        return t.detach().contiguous().view(torch.uint8).reshape(-1).cpu().numpy()
+
+    def get(
+        self,
+        key: str,
+        target_location: Optional[Any] = None,
+        target_sizes: Optional[Any] = None,
+    ) -> torch.Tensor | None:
+        if self.ns is None or target_location is None:
+            return None
+        try:
+            dst = target_location.view(torch.uint8).reshape(-1)
+            res = self.client.onboard_into(self.ns, [page_key(key)], [dst.numpy()])
+        except Exception as e:
+            self.fail.error("get", e)
+            return None
+        return target_location if res[0].ok else None
+
+    def batch_get(
+        self,
+        keys: List[str],
+        target_locations: Optional[Any] = None,
+        target_sizes: Optional[Any] = None,
+    ) -> List[torch.Tensor | None] | int:
+        locs = target_locations or [None] * len(keys)
+        return [self.get(k, loc) for k, loc in zip(keys, locs)]
+
+    def set(
+        self,
+        key: str,
+        value: Optional[Any] = None,
+        target_location: Optional[Any] = None,
+        target_sizes: Optional[Any] = None,
+    ) -> bool:
+        if self.ns is None or value is None:
+            return False
+        if not self.writer:
+            return True
+        try:
+            res = self.client.offload(self.ns, [page_key(key)], [self._tensor_bytes(value)])
+        except Exception as e:
+            self.fail.error("set", e)
+            return False
+        return res[0].status in ("stored", "already_present")
+
+    def batch_set(
+        self,
+        keys: List[str],
+        values: Optional[Any] = None,
+        target_locations: Optional[Any] = None,
+        target_sizes: Optional[Any] = None,
+    ) -> bool:
+        vals = values or [None] * len(keys)
+        return all([self.set(k, v) for k, v in zip(keys, vals)])

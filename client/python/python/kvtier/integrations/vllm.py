@@ -1,0 +1,516 @@
+"""kvtier as a vLLM KV offloading backend (vLLM 0.33.0, ``vllm.v1.kv_offload``).
+
+Load it by module path from vLLM's OffloadingConnector::
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "OffloadingConnector",
+      "kv_role": "kv_both", "kv_connector_extra_config": {
+        "spec_name": "KvtierOffloadingSpec",
+        "spec_module_path": "kvtier.integrations.vllm",
+        "kvtier_socket": "/run/kvtier/kvtierd.sock"}}'
+
+vLLM's ``OffloadingSpecFactory`` imports ``spec_module_path`` and builds
+``spec_name(config)``; the scheduler uses :class:`KvtierOffloadingManager`
+and each worker a :class:`KvtierOffloadingWorker`.
+
+Keys: vLLM's ``OffloadKey`` (block hash + KV-cache group index) is the kvtier
+key as is (``hash_mode="opaque"``). The namespace is built from the model
+name, vLLM's KV layout (dtype, cache layout, tokens per block, blocks per
+chunk, TP/PP sizes) and the worker's rank (``Namespace(rank=...)``, a TLV
+extension: it never changes other namespaces' identity nor the tenant salt).
+One kvtier block is one offload chunk of one worker: ``blocks_per_chunk``
+GPU blocks of ``worker_kv_bytes_per_block`` bytes each, every tensor's page
+of a GPU block back to back (zero padded when a KV group's pages are
+smaller than that, as for hybrid models).
+
+Fail open: the manager never raises; a dead daemon is a MISS on lookup and
+``None`` (cannot store) on prepare_store. Stores that fail are counted and
+dropped (the blocks are simply not cached). A load that fails after a HIT
+(the daemon died between lookup and load) is reported as a failed transfer:
+vLLM 0.33's OffloadingConnector does not support failed loads (it asserts),
+which is the one case this interface cannot turn into a recompute; the
+manager pins blocks from prepare_load to complete_load so eviction cannot
+cause it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Collection, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    Locality,
+    LoadStoreSpec,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadingSpec,
+    OffloadingWorker,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+    TransferResult,
+    get_offload_group_idx,
+)
+from vllm.v1.kv_offload.config import OffloadingConfig
+
+import kvtier
+
+from ._common import (
+    Counters,
+    FailOpen,
+    KvtierConfigError,
+    coalesce,
+    connector_key,
+    make_client,
+    setting,
+    tenant_salt,
+)
+
+# How long a block stays pinned between prepare_load and complete_load at
+# most (a crashed engine's pins expire by themselves).
+LOAD_PIN_TTL_MS = 120_000
+
+VLLM_VERSION = "0.33.0"
+
+
+class KvtierLoadStoreSpec(LoadStoreSpec):
+    """Where offloaded chunks live in kvtier: their keys, in the order the
+    scheduler pairs them with GPU blocks (by KV group, then chunk order)."""
+
+    def __init__(self, keys: list[OffloadKey]):
+        self.keys = keys
+
+    def __repr__(self) -> str:
+        return f"KvtierLoadStoreSpec({len(self.keys)} keys)"
+
+
+def _group_order(keys: Iterable[OffloadKey]) -> list[OffloadKey]:
+    # The scheduler lists GPU blocks group by group; keep each group's chunk
+    # order (a stable sort by group index).
+    return sorted(keys, key=get_offload_group_idx)
+
+
+def namespace_model(config: OffloadingConfig, extra: Any) -> str:
+    """The namespace's model string: the model and vLLM's KV layout, so two
+    deployments share blocks exactly when their bytes are interchangeable."""
+    model = setting(extra, "model", config.model.name)
+    groups = ",".join(str(g.tokens_per_block) for g in config.groups)
+    p = config.parallel
+    return (
+        f"{model}#vllm/{config.model.dtype}/{config.kv_cache_layout or 'default'}"
+        f"/canonical={int(config.canonical_layout)}/tpb={groups}"
+        f"/bpc={config.cache.blocks_per_chunk}/tp={p.tp_size}/pp={p.pp_size}"
+        f"/pcp={p.pcp_size}/dcp={p.dcp_size}"
+    )
+
+
+class KvtierOffloadingSpec(OffloadingSpec):
+    """vLLM ``OffloadingSpec`` whose blocks live in kvtierd (NVMe + S3).
+
+    ``kv_connector_extra_config`` keys: ``kvtier_socket`` (default
+    $KVTIER_SOCKET), ``kvtier_timeout_ms`` (2000), ``kvtier_model`` (default
+    the served model), ``kvtier_tenant_salt`` (""), ``kvtier_priority`` (0)."""
+
+    def __init__(self, config: OffloadingConfig):
+        super().__init__(config)
+        self.chunk_bytes = config.worker_kv_bytes_per_block * self.blocks_per_chunk
+        if self.chunk_bytes <= 0:
+            raise KvtierConfigError(
+                "vLLM reported worker_kv_bytes_per_block=0 (no KV cache tensors): "
+                "kvtier needs a KV cache with a known size per block"
+            )
+        if self.chunk_bytes > kvtier.BLOCK_BYTES_MAX:
+            raise KvtierConfigError(
+                f"an offload chunk is {self.chunk_bytes} bytes, over kvtier's "
+                f"{kvtier.BLOCK_BYTES_MAX}: lower blocks_per_chunk"
+            )
+        self.counters = Counters()
+        self.fail = FailOpen("vllm", self.counters)
+        self.priority = int(setting(self.extra_config, "priority", 0))
+        layout = kvtier.Layout.with_block_bytes(self.chunk_bytes)
+        model = namespace_model(config, self.extra_config)
+        salt = tenant_salt(self.extra_config)
+        self.namespaces = [
+            kvtier.Namespace(model, layout, "", salt, hash_mode="opaque", rank=r)
+            for r in range(max(1, config.parallel.world_size))
+        ]
+        self._manager: Optional[KvtierOffloadingManager] = None
+        self._worker: Optional[KvtierOffloadingWorker] = None
+
+    def get_manager(self) -> OffloadingManager:
+        if self._manager is None:
+            self._manager = KvtierOffloadingManager(
+                make_client(self.extra_config),
+                self.namespaces,
+                enable_events=self.kv_events_config.enable_kv_cache_events,
+                counters=self.counters,
+                fail=self.fail,
+            )
+        return self._manager
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        if self._worker is None:
+            self._worker = KvtierOffloadingWorker(
+                kv_caches,
+                client=make_client(self.extra_config),
+                ns=self.namespaces[self.config.parallel.rank],
+                worker_block_bytes=self.config.worker_kv_bytes_per_block,
+                blocks_per_chunk=self.blocks_per_chunk,
+                priority=self.priority,
+                counters=self.counters,
+                fail=self.fail,
+            )
+        return self._worker
+
+
+class KvtierOffloadingManager(OffloadingManager):
+    """Scheduler side: kvtierd is the index (no local copy of it), so every
+    engine on the node, and every restart, sees the same blocks."""
+
+    def __init__(
+        self,
+        client: kvtier.Client,
+        namespaces: list[kvtier.Namespace],
+        enable_events: bool,
+        counters: Counters,
+        fail: FailOpen,
+    ) -> None:
+        self.client = client
+        self.namespaces = namespaces
+        self.enable_events = enable_events
+        self.counters = counters
+        self.fail = fail
+        self._storing: set[OffloadKey] = set()
+        self._events: list[OffloadingEvent] = []
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        self.counters.add("lookups")
+        try:
+            k = connector_key(key)
+            for ns in self.namespaces:
+                found = self.client.lookup(ns, [k])
+                if found.prefix_len != 1:
+                    if found.reason not in (None, "absent"):
+                        self.fail.warn(f"lookup {found.reason}", found.detail)
+                    self.counters.add("lookup_misses")
+                    return LookupResult.MISS
+        except Exception as e:  # fail open: a miss
+            self.fail.error("lookup failed", e)
+            self.counters.add("lookup_misses")
+            return LookupResult.MISS
+        self.counters.add("lookup_hits")
+        return LookupResult.HIT
+
+    def _pin(self, keys: list[OffloadKey], pin: bool) -> None:
+        try:
+            ks = [connector_key(k) for k in keys]
+            for ns in self.namespaces:
+                if pin:
+                    self.client.pin(ns, ks, ttl_ms=LOAD_PIN_TTL_MS)
+                else:
+                    self.client.unpin(ns, ks)
+        except Exception as e:  # a pin is an optimisation
+            self.fail.error("pin" if pin else "unpin", e)
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
+        ordered = _group_order(keys)
+        self._pin(ordered, True)
+        return KvtierLoadStoreSpec(ordered)
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self._pin(list(keys), False)
+
+    def _present(self, keys: list[OffloadKey]) -> list[bool]:
+        """Whether every rank holds each key (raises when the daemon is gone)."""
+        ks = [connector_key(k) for k in keys]
+        present = [True] * len(keys)
+        for ns in self.namespaces:
+            for i, st in enumerate(self.client.stat(ns, ks)):
+                if st is None:
+                    present[i] = False
+        return present
+
+    def prepare_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> Optional[PrepareStoreOutput]:
+        keys = list(keys)
+        try:
+            present = self._present(keys)
+        except Exception as e:  # cannot store now: vLLM keeps going without
+            self.fail.error("prepare_store", e)
+            return None
+        new = [k for k, p in zip(keys, present) if not p and k not in self._storing]
+        self._storing.update(new)
+        ordered = _group_order(new)
+        return PrepareStoreOutput(
+            keys_to_store=ordered, store_spec=KvtierLoadStoreSpec(ordered), evicted_keys=[]
+        )
+
+    def complete_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
+    ) -> None:
+        keys = list(keys)
+        self._storing.difference_update(keys)
+        if not (success and self.enable_events and keys):
+            return
+        try:
+            # Announce only what kvtierd holds: a block whose store failed
+            # (no space, dead daemon) must not reach a KV-aware router.
+            stored = [k for k, p in zip(keys, self._present(keys)) if p]
+        except Exception as e:
+            self.fail.error("complete_store", e)
+            return
+        if stored:
+            self._events.append(
+                OffloadingEvent(
+                    keys=stored, medium=Medium.STORAGE, removed=False, locality=Locality.LOCAL
+                )
+            )
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        events, self._events = self._events, []
+        yield from events
+
+    def reset_cache(self) -> None:
+        # kvtier is shared by every engine on the node: a reset of this
+        # engine's cache forgets in-flight bookkeeping, not others' blocks.
+        self._storing.clear()
+
+
+class _Job:
+    __slots__ = ("job_id", "future", "nbytes", "seconds")
+
+    def __init__(self, job_id: int, nbytes: int) -> None:
+        self.job_id = job_id
+        self.future: Optional[Future] = None
+        self.nbytes = nbytes
+        self.seconds: Optional[float] = None
+
+
+class KvtierOffloadingWorker(OffloadingWorker):
+    """Worker side: moves chunks between the GPU KV cache and kvtierd on
+    one background thread (submissions never block the forward pass)."""
+
+    def __init__(
+        self,
+        kv_caches: CanonicalKVCaches,
+        client: kvtier.Client,
+        ns: kvtier.Namespace,
+        worker_block_bytes: int,
+        blocks_per_chunk: int,
+        priority: int,
+        counters: Counters,
+        fail: FailOpen,
+    ) -> None:
+        self.client = client
+        self.ns = ns
+        self.block_bytes = worker_block_bytes
+        self.bpc = blocks_per_chunk
+        self.priority = priority
+        self.counters = counters
+        self.fail = fail
+        # Per KV group: (tensor, row stride in bytes, page bytes) of each
+        # distinct tensor the group's layers live in.
+        self.groups: list[list[tuple[torch.Tensor, int, int]]] = []
+        for refs in kv_caches.group_data_refs:
+            seen: dict[int, tuple[torch.Tensor, int, int]] = {}
+            for ref in refs:
+                if ref.tensor_idx in seen:
+                    continue
+                t = kv_caches.tensors[ref.tensor_idx]
+                stride = t.tensor.stride(0) * t.tensor.element_size()
+                seen[ref.tensor_idx] = (t.tensor, stride, t.page_size_bytes)
+            pages = list(seen.values())
+            total = sum(p for _, _, p in pages)
+            if total > worker_block_bytes:
+                raise KvtierConfigError(
+                    f"a KV group's pages are {total} bytes per block, more than vLLM's "
+                    f"worker_kv_bytes_per_block={worker_block_bytes}"
+                )
+            self.groups.append(pages)
+        self.is_cuda = any(t.is_cuda for g in self.groups for t, _, _ in g)
+        self._zeros = np.zeros(worker_block_bytes, np.uint8)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-vllm")
+        self._jobs: deque[_Job] = deque()
+        self._lock = threading.Lock()
+
+    # -- the layout of one chunk ------------------------------------------
+
+    def _page_segments(self, g: int, block_id: int) -> list:
+        segs: list = []
+        for t, stride, page in self.groups[g]:
+            ptr = t.data_ptr() + block_id * stride
+            segs.append((ptr, page, f"cuda:{t.device.index or 0}") if t.is_cuda else (ptr, page))
+        return segs
+
+    def _chunk_buffers(self, keys: list[OffloadKey], gpu: GPULoadStoreSpec, load: bool) -> list:
+        """One segment list per key: each chunk slot's pages, zero padded
+        to ``block_bytes`` per slot; slots without a GPU block (a partial
+        first or last chunk) read into / write from padding."""
+        block_ids = [int(b) for b in gpu.block_ids]
+        bufs: list = []
+        at_key = 0
+        at_block = 0
+        for g, (size, first) in enumerate(zip(gpu.group_sizes, gpu.block_indices)):
+            if size == 0:
+                continue
+            skip = first % self.bpc
+            nkeys = -(-(size + skip) // self.bpc)
+            for c in range(nkeys):
+                segs: list = []
+                for slot in range(self.bpc):
+                    j = c * self.bpc + slot - skip
+                    if 0 <= j < size:
+                        pages = self._page_segments(g, block_ids[at_block + j])
+                        segs += pages
+                        pad = self.block_bytes - sum(s[1] for s in pages)
+                    else:
+                        pad = self.block_bytes
+                    if pad:
+                        segs.append(np.empty(pad, np.uint8) if load else self._zeros[:pad])
+                segs = coalesce(segs)
+                bufs.append(segs[0] if len(segs) == 1 else segs)
+            at_key += nkeys
+            at_block += size
+        if at_key != len(keys) or at_block != len(block_ids):
+            raise KvtierConfigError(
+                f"the scheduler paired {len(keys)} chunks with {len(block_ids)} GPU blocks "
+                f"in groups {list(gpu.group_sizes)}: expected {at_key} chunks"
+            )
+        return bufs
+
+    # -- jobs -------------------------------------------------------------
+
+    def _submit(self, job_id: int, fn, nbytes: int) -> bool:
+        job = _Job(job_id, nbytes)
+
+        def timed() -> bool:
+            t0 = time.perf_counter()
+            ok = fn()
+            job.seconds = time.perf_counter() - t0
+            return ok
+
+        with self._lock:
+            job.future = self._pool.submit(timed)
+            self._jobs.append(job)
+        return True
+
+    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
+        try:
+            keys = list(dst_spec.keys)  # type: ignore[attr-defined]
+            bufs = self._chunk_buffers(keys, src_spec, load=False)
+            # The model may still be writing these pages on the GPU: the
+            # copy thread waits for what the compute stream has queued.
+            ready = None
+            if self.is_cuda:
+                ready = torch.cuda.Event()
+                ready.record()
+        except Exception as e:
+            self.fail.error("submit_store", e)
+            return self._submit(job_id, lambda: True, 0)
+
+        def run() -> bool:
+            try:
+                if ready is not None:
+                    ready.synchronize()
+                res = self.client.offload(
+                    self.ns, [connector_key(k) for k in keys], bufs, priority=self.priority
+                )
+                self.counters.add("stores")
+                for r in res:
+                    if r.status == "stored":
+                        self.counters.add("store_blocks")
+                        self.counters.add("store_bytes", r.nbytes)
+                    elif r.status == "already_present":
+                        self.counters.add("store_already_present")
+                    else:
+                        self.counters.add("store_failures")
+                        self.fail.warn(f"store {r.reason}", r.detail)
+            except Exception as e:
+                self.counters.add("store_failures", len(keys))
+                self.fail.error("store", e)
+            # A store that did not happen only means those blocks are not
+            # cached: never a failure vLLM has to handle.
+            return True
+
+        return self._submit(job_id, run, len(keys) * self.block_bytes * self.bpc)
+
+    def submit_load(
+        self,
+        job_id: int,
+        src_spec: LoadStoreSpec,
+        dst_spec: GPULoadStoreSpec,
+        expedited: bool = False,
+    ) -> bool:
+        keys = list(src_spec.keys)  # type: ignore[attr-defined]
+        try:
+            bufs = self._chunk_buffers(keys, dst_spec, load=True)
+        except Exception as e:
+            self.fail.error("submit_load", e)
+            return self._submit(job_id, lambda: False, 0)
+
+        def run() -> bool:
+            self.counters.add("loads")
+            try:
+                res = self.client.onboard_into(self.ns, [connector_key(k) for k in keys], bufs)
+            except Exception as e:
+                self.counters.add("load_failures", len(keys))
+                self.fail.error("load", e)
+                return False
+            ok = True
+            for r in res:
+                if r.ok:
+                    self.counters.add("load_blocks")
+                    self.counters.add("load_bytes", r.nbytes)
+                else:
+                    ok = False
+                    self.counters.add("load_failures")
+                    self.fail.warn(f"load {r.reason}", r.detail)
+            return ok
+
+        return self._submit(job_id, run, len(keys) * self.block_bytes * self.bpc)
+
+    def get_finished(self) -> list[TransferResult]:
+        out: list[TransferResult] = []
+        with self._lock:
+            # In submission order, as vLLM's CPU worker reports them.
+            while self._jobs and self._jobs[0].future is not None and self._jobs[0].future.done():
+                job = self._jobs.popleft()
+                out.append(self._result(job))
+        return out
+
+    def _result(self, job: _Job) -> TransferResult:
+        assert job.future is not None
+        try:
+            ok = bool(job.future.result())
+        except Exception as e:  # run() catches; this is belt and braces
+            self.fail.error("transfer", e)
+            ok = False
+        return TransferResult(
+            job_id=job.job_id, success=ok, transfer_size=job.nbytes, transfer_time=job.seconds
+        )
+
+    def wait(self, job_ids: set[int]) -> None:
+        with self._lock:
+            futures = [j.future for j in self._jobs if j.job_id in job_ids and j.future]
+        for f in futures:
+            try:
+                f.result()
+            except Exception as e:
+                self.fail.error("wait", e)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True)

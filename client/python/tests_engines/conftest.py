@@ -1,0 +1,26 @@
+"""The engine connectors' suite: runs in the engines' venv
+(scripts/engines-venv.sh) against real kvtierd processes, reusing the
+package suite's daemon fixtures (tests/conftest.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import pytest
+
+_spec = importlib.util.spec_from_file_location(
+    "kvtier_py_test_support", pathlib.Path(__file__).resolve().parents[1] / "tests" / "conftest.py"
+)
+assert _spec is not None and _spec.loader is not None
+support = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(support)
+
+Daemon = support.Daemon
+
+
+@pytest.fixture
+def daemon():
+    d = Daemon()
+    yield d
+    d.close()

@@ -1,0 +1,95 @@
+"""kvtier's LMCache storage plugin through LMCache 0.5.6's own classes: the
+plugin is loaded by LMCache's storage_plugin_launcher from the config's
+module path and class name, with a real LocalCPUBackend allocating the
+memory objects (on a host-memory allocator, as LMCache's CPU tests use),
+and called as LMCache's storage manager calls a backend: batched_contains
+for the prefix, batched_submit_put_task, get_blocking."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+
+import torch
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.config import LMCacheEngineConfig
+from lmcache.v1.memory_allocators.host_memory_allocator import HostMemoryAllocator
+from lmcache.v1.memory_management import MemoryFormat
+from lmcache.v1.metadata import LMCacheMetadata
+from lmcache.v1.storage_backend import storage_plugin_launcher
+from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
+
+from kvtier.integrations.lmcache import KvtierStorageBackend
+
+CHUNK = 16
+SHAPE = (4, 2, CHUNK, 2, 64)  # layers, K/V, tokens, kv heads, head dim
+
+
+def setup(socket: str):
+    config = LMCacheEngineConfig.from_defaults(
+        chunk_size=CHUNK, local_cpu=True, max_local_cpu_size=0.05,
+        storage_plugins=["kvtier"],
+        extra_config={
+            "storage_plugin.kvtier.module_path": "kvtier.integrations.lmcache",
+            "storage_plugin.kvtier.class_name": "KvtierStorageBackend",
+            "kvtier_socket": socket,
+            "kvtier_timeout_ms": 1000,
+        },
+    )
+    metadata = LMCacheMetadata(
+        model_name="test/mistral", world_size=1, local_world_size=1, worker_id=0,
+        local_worker_id=0, kv_dtype=torch.bfloat16, kv_shape=SHAPE, chunk_size=CHUNK,
+    )
+    cpu = LocalCPUBackend(config, metadata, dst_device="cpu", memory_allocator=HostMemoryAllocator(32 << 20))
+    backends: OrderedDict = OrderedDict()
+    loop = asyncio.new_event_loop()
+    storage_plugin_launcher(config, metadata, loop, cpu, "cpu", backends)
+    return backends["kvtier"], cpu, metadata
+
+
+def key(i: int) -> CacheEngineKey:
+    return CacheEngineKey("test/mistral", 1, 0, (i * 0x9E3779B97F4A7C15) - (1 << 63), torch.bfloat16)
+
+
+def filled(cpu, metadata, seed: int):
+    obj = cpu.allocate(metadata.get_shapes(), metadata.get_dtypes(), MemoryFormat.KV_2LTD)
+    g = torch.Generator().manual_seed(seed)
+    obj.tensor.view(torch.uint8).copy_(
+        torch.randint(0, 256, obj.tensor.view(torch.uint8).shape, dtype=torch.uint8, generator=g)
+    )
+    return obj
+
+
+def test_put_contains_get_round_trip(daemon):
+    b, cpu, md = setup(daemon.socket)
+    assert isinstance(b, KvtierStorageBackend)
+    ks = [key(i) for i in range(4)]
+    assert b.batched_contains(ks) == 0
+    objs = [filled(cpu, md, i) for i in range(3)]
+    done = []
+    assert b.batched_submit_put_task(ks[:3], objs, on_complete_callback=done.append) is None
+    assert done == ks[:3]
+    assert b.batched_contains(ks) == 3 and b.contains(ks[0]) and not b.contains(ks[3])
+    for k, want in zip(ks[:3], objs):
+        got = b.get_blocking(k)
+        assert got is not None and got.data_ptr != want.data_ptr
+        assert torch.equal(got.tensor.view(torch.uint8), want.tensor.view(torch.uint8))
+        got.ref_count_down()
+    assert b.get_blocking(ks[3]) is None
+    assert b.remove(ks[0])
+    c = b.counters.snapshot()
+    assert c["store_blocks"] == 3 and c["load_blocks"] == 3 and c["load_failures"] == 1
+
+
+def test_dead_daemon_is_a_miss(daemon):
+    b, cpu, md = setup(daemon.socket)
+    ks = [key(100 + i) for i in range(2)]
+    assert b.batched_submit_put_task(ks[:1], [filled(cpu, md, 7)]) is None
+    daemon.kill9()
+    assert b.batched_contains(ks) == 0
+    assert b.get_blocking(ks[0]) is None
+    assert b.batched_submit_put_task(ks[1:], [filled(cpu, md, 8)]) is None
+    c = b.counters.snapshot()
+    assert c["load_failures"] == 1 and c["store_failures"] == 1
+    daemon.start()
+    assert b.batched_contains(ks) == 1

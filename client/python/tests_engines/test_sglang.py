@@ -1,0 +1,167 @@
+"""kvtier's HiCache L3 backend through SGLang 0.5.23's own classes: built by
+SGLang's StorageBackendFactory as a ``dynamic`` backend from the module path
+and class name, registered on SGLang's real MHA / MLA host pools (CPU
+tensors, as SGLang's own storage backend unit tests build them), and called
+as HiCacheController calls it with ``interface_v1``: batch_exists for the
+prefix, batch_set_v1 / batch_get_v1 over host page indices."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, HiCacheStorageExtraInfo
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+from kvtier.integrations.sglang import KvtierHiCacheStorage
+
+PAGE = 4
+LAYERS = 4
+SIZE = 256
+
+
+def storage_config(socket: str, mla: bool = False, tp_rank: int = 0, tp_size: int = 1) -> HiCacheStorageConfig:
+    return HiCacheStorageConfig(
+        tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+        is_mla_model=mla, enable_storage_metrics=False, is_page_first_layout=True,
+        model_name="test/qwen",
+        extra_config={
+            "backend_name": "kvtier",
+            "module_path": "kvtier.integrations.sglang",
+            "class_name": "KvtierHiCacheStorage",
+            "interface_v1": 1,
+            "kvtier_socket": socket,
+            "kvtier_timeout_ms": 1000,
+        },
+    )
+
+
+def mha_host(layout: str) -> MHATokenToKVPoolHost:
+    kv = MHATokenToKVPool(SIZE, PAGE, torch.float16, 2, 32, LAYERS, "cpu", False)
+    return MHATokenToKVPoolHost(
+        kv.get_device_pool_infos()[0].buffer_info, 2, 0, PAGE, layout, pin_memory=False,
+        device_capacity_tokens=kv.size if kv.host_capacity_tokens is None else kv.host_capacity_tokens,
+        start_layer=kv.start_layer, end_layer=kv.end_layer,
+        write_back_staging=kv.hicache_write_back_staging,
+    )
+
+
+def mla_host() -> MLATokenToKVPoolHost:
+    kv = MLATokenToKVPool(SIZE, PAGE, torch.float16, 64, 16, LAYERS, "cpu", False)
+    return MLATokenToKVPoolHost(
+        kv.get_device_pool_infos()[0].buffer_info, 2, 0, PAGE, "page_first", pin_memory=False,
+        device_capacity_tokens=kv.size if kv.host_capacity_tokens is None else kv.host_capacity_tokens,
+        start_layer=kv.start_layer, end_layer=kv.end_layer, target_layer_num=kv.layer_num,
+        override_kv_cache_dim=kv.kv_cache_dim,
+    )
+
+
+def backend(cfg, host) -> KvtierHiCacheStorage:
+    b = StorageBackendFactory.create_backend("dynamic", cfg, host)
+    b.register_mem_pool_host(host)  # as HiCacheController does after creating it
+    return b
+
+
+def page_bytes(host, pages: list[int]) -> list[bytes]:
+    """Every byte of each page, read through the pool's own pointers."""
+    import ctypes
+
+    ptrs, sizes = host.get_page_buffer_meta(indices(pages))
+    per = len(ptrs) // len(pages)
+    return [
+        b"".join(ctypes.string_at(ptrs[j], sizes[j]) for j in range(i * per, (i + 1) * per))
+        for i in range(len(pages))
+    ]
+
+
+def indices(pages: list[int]) -> torch.Tensor:
+    return torch.cat([torch.arange(p * PAGE, (p + 1) * PAGE, dtype=torch.int64) for p in pages])
+
+
+def fill_random(host, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for name in ("kv_buffer", "k_buffer"):
+        buf = getattr(host, name, None)
+        if isinstance(buf, torch.Tensor):
+            buf.view(torch.uint8).copy_(torch.randint(0, 256, buf.view(torch.uint8).shape, dtype=torch.uint8, generator=g))
+            return
+    raise AssertionError("no host buffer found")
+
+
+KEYS = [f"{i:064x}" for i in range(1, 7)]
+
+
+@pytest.mark.parametrize("kind", ["mha-page_first", "mha-layer_first", "mla"])
+def test_set_exists_get_round_trip(daemon, kind):
+    mla = kind == "mla"
+    host = mla_host() if mla else mha_host(kind.split("-", 1)[1])
+    fill_random(host, 1)
+    b = backend(storage_config(daemon.socket, mla=mla), host)
+    assert isinstance(b, KvtierHiCacheStorage)
+    assert (b.ns.rank is None) == mla  # the TP rank is in the namespace unless MLA
+    assert b.batch_exists(KEYS[:4]) == 0
+    src = [2, 3, 4, 5]
+    want = page_bytes(host, src)
+    extra = HiCacheStorageExtraInfo(prefix_keys=[])
+    assert b.batch_set_v1(KEYS[:4], indices(src), extra) == [True] * 4
+    assert b.batch_exists(KEYS) == 4  # the cached prefix, in pages
+    assert b.exists(KEYS[0]) and not b.exists(KEYS[5])
+    dst = [10, 11, 12, 13]
+    assert page_bytes(host, dst) != want
+    assert b.batch_get_v1(KEYS[:4], indices(dst)) == [True] * 4
+    assert page_bytes(host, dst) == want
+    # A missing page is False, not an exception; its neighbours still load.
+    assert b.batch_get_v1([KEYS[0], KEYS[5]], indices([20, 21])) == [True, False]
+    c = b.counters.snapshot()
+    assert c["store_blocks"] == 4 and c["load_blocks"] == 5 and c["load_failures"] == 1
+
+
+def test_clear_evicts_the_pages_it_stored():
+    from conftest import Daemon
+
+    d = Daemon(g4=False)  # no S3 copy to find after the eviction
+    try:
+        host = mha_host("page_first")
+        fill_random(host, 5)
+        b = backend(storage_config(d.socket), host)
+        assert b.batch_set_v1(KEYS[:3], indices([1, 2, 3])) == [True] * 3
+        assert b.batch_exists(KEYS[:3]) == 3
+        b.clear()
+        assert b.batch_exists(KEYS[:3]) == 0
+    finally:
+        d.close()
+
+
+def test_tp_ranks_do_not_share_mha_pages_but_mla_does(daemon):
+    host = mha_host("page_first")
+    fill_random(host, 2)
+    r0 = backend(storage_config(daemon.socket, tp_rank=0, tp_size=2), host)
+    r1 = backend(storage_config(daemon.socket, tp_rank=1, tp_size=2), host)
+    assert r0.batch_set_v1(KEYS[:2], indices([1, 2])) == [True, True]
+    assert r0.batch_exists(KEYS[:2]) == 2 and r1.batch_exists(KEYS[:2]) == 0
+    mhost = mla_host()
+    fill_random(mhost, 3)
+    m0 = backend(storage_config(daemon.socket, mla=True, tp_rank=0, tp_size=2), mhost)
+    m1 = backend(storage_config(daemon.socket, mla=True, tp_rank=1, tp_size=2), mhost)
+    # Rank 1 is not MLA's storage writer: its set is a no-op success.
+    assert m1.batch_set_v1(KEYS[:2], indices([1, 2])) == [True, True]
+    assert m1.batch_exists(KEYS[:2]) == 0
+    assert m0.batch_set_v1(KEYS[:2], indices([1, 2])) == [True, True]
+    assert m1.batch_exists(KEYS[:2]) == 2
+
+
+def test_dead_daemon_means_recompute(daemon):
+    host = mha_host("page_first")
+    fill_random(host, 4)
+    b = backend(storage_config(daemon.socket), host)
+    assert b.batch_set_v1(KEYS[:2], indices([1, 2])) == [True, True]
+    daemon.kill9()
+    assert b.batch_exists(KEYS[:2]) == 0
+    assert b.batch_get_v1(KEYS[:2], indices([3, 4])) == [False, False]
+    assert b.batch_set_v1(KEYS[2:4], indices([3, 4])) == [False, False]
+    c = b.counters.snapshot()
+    assert c["load_failures"] == 2 and c["store_failures"] == 2
+    daemon.start()
+    assert b.batch_exists(KEYS[:2]) == 2
