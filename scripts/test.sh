@@ -5,6 +5,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
+# The engines' venv (torch, vLLM, SGLang, LMCache; minutes of downloads on
+# a cold machine) installs in the background while the Rust steps use the
+# CPUs; the Python step waits for it.
+mkdir -p target
+./scripts/engines-venv.sh > target/engines-venv.out 2>&1 &
+engines_venv_pid=$!
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
 echo "== cargo clippy"
@@ -21,4 +27,9 @@ KVTIER_BIN_DIR="$PWD/target/debug" cargo test --manifest-path tests/dynamo-oracl
 echo "== deployment artefacts (systemd unit, container build file, Kubernetes manifest)"
 ./scripts/check-deploy.sh target/debug/kvtierd
 echo "== python package (client/python: pytest against real kvtierd)"
+if ! wait "$engines_venv_pid"; then
+  echo "the engines' venv (scripts/engines-venv.sh) failed to install:" >&2
+  cat target/engines-venv.out >&2
+  exit 1
+fi
 ./scripts/test-python.sh
