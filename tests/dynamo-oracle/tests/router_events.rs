@@ -9,11 +9,10 @@
 
 mod common;
 
-use common::{Daemon, EventsCli};
+use common::{payloads, Daemon, EventsCli};
 use dynamo_kv_router::indexer::RadixTree;
 use dynamo_kv_router::protocols::{
-    compute_block_hash_for_seq, BlockHashOptions, KvCacheEventData, KvCacheEventError, RouterEvent,
-    StorageTier, WorkerWithDpRank,
+    KvCacheEventData, KvCacheEventError, RouterEvent, StorageTier, WorkerWithDpRank,
 };
 use kvtier_client::{Client, HashMode, Hints, KvLayout, Namespace, Onboarded, Tier};
 use std::collections::HashMap;
@@ -80,23 +79,14 @@ impl Router {
 
     /// Dynamo's overlap score for kvtier's worker on `tokens`, in `tier`.
     fn score(&self, tier: StorageTier, tokens: &[u32]) -> u32 {
-        let Some(tree) = self.trees.get(&tier) else {
-            return 0;
-        };
-        let hashes = compute_block_hash_for_seq(
+        common::dynamo_score(
+            self.trees.get(&tier),
+            WORKER,
             tokens,
             BLOCK_TOKENS,
-            BlockHashOptions {
-                cache_namespace: Some(SALT),
-                lora_name: Some(LORA),
-                ..Default::default()
-            },
-        );
-        tree.find_matches(hashes, false)
-            .scores
-            .get(&WorkerWithDpRank::new(WORKER, 0))
-            .copied()
-            .unwrap_or(0)
+            SALT,
+            LORA,
+        )
     }
 
     fn count(&self, tier: StorageTier, stored: bool) -> usize {
@@ -122,12 +112,6 @@ fn namespace() -> Namespace {
     .unwrap()
     .with_hash_mode(HashMode::Dynamo)
     .unwrap()
-}
-
-fn payloads(n: usize, seed: u8) -> Vec<Vec<u8>> {
-    (0..n)
-        .map(|i| (0..4096).map(|j| (i * 31 + j) as u8 ^ seed).collect())
-        .collect()
 }
 
 #[test]

@@ -12,11 +12,10 @@
 
 mod common;
 
-use common::Daemon;
+use common::{payloads, Daemon};
 use dynamo_kv_router::indexer::RadixTree;
 use dynamo_kv_router::protocols::{
-    compute_block_hash_for_seq, BlockHashOptions, KvCacheEventData, KvCacheEventError, RouterEvent,
-    StorageTier, WorkerWithDpRank,
+    KvCacheEventData, KvCacheEventError, RouterEvent, StorageTier, WorkerWithDpRank,
 };
 use dynamo_kv_router::zmq_wire::{decode_event_batch, ZmqEventNormalizer};
 use kvtier_client::{Client, HashMode, Hints, KvLayout, Namespace, Onboarded, Tier};
@@ -40,12 +39,6 @@ fn namespace(salt: &str) -> Namespace {
     .unwrap()
     .with_hash_mode(HashMode::Dynamo)
     .unwrap()
-}
-
-fn payloads(n: usize, seed: u8) -> Vec<Vec<u8>> {
-    (0..n)
-        .map(|i| (0..4096).map(|j| (i * 17 + j) as u8 ^ seed).collect())
-        .collect()
 }
 
 /// A kvtierd config publishing `ns` on ipc endpoints in `dir`, after the
@@ -211,23 +204,14 @@ impl Consumer {
     }
 
     fn score(&self, tier: StorageTier, tokens: &[u32]) -> u32 {
-        let Some(tree) = self.trees.get(&tier) else {
-            return 0;
-        };
-        let hashes = compute_block_hash_for_seq(
+        common::dynamo_score(
+            self.trees.get(&tier),
+            WORKER,
             tokens,
             BLOCK_TOKENS,
-            BlockHashOptions {
-                cache_namespace: Some(SALT),
-                lora_name: Some(LORA),
-                ..Default::default()
-            },
-        );
-        tree.find_matches(hashes, false)
-            .scores
-            .get(&WorkerWithDpRank::new(WORKER, 0))
-            .copied()
-            .unwrap_or(0)
+            SALT,
+            LORA,
+        )
     }
 
     fn n(&self, m: &HashMap<StorageTier, usize>, tier: StorageTier) -> usize {

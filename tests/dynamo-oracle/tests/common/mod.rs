@@ -141,3 +141,40 @@ impl Drop for EventsCli {
         let _ = self.child.wait();
     }
 }
+
+/// `n` 4 KiB payloads, distinct per block and per `seed`.
+pub fn payloads(n: usize, seed: u8) -> Vec<Vec<u8>> {
+    (0..n)
+        .map(|i| (0..4096).map(|j| (i * 31 + j) as u8 ^ seed).collect())
+        .collect()
+}
+
+/// Dynamo's overlap score of `worker` in `tree` for a request of `tokens`
+/// hashed as Dynamo's router hashes requests.
+pub fn dynamo_score(
+    tree: Option<&dynamo_kv_router::indexer::RadixTree>,
+    worker: u64,
+    tokens: &[u32],
+    block_tokens: u32,
+    salt: &str,
+    lora: &str,
+) -> u32 {
+    use dynamo_kv_router::protocols::{
+        compute_block_hash_for_seq, BlockHashOptions, WorkerWithDpRank,
+    };
+    let Some(tree) = tree else { return 0 };
+    let hashes = compute_block_hash_for_seq(
+        tokens,
+        block_tokens,
+        BlockHashOptions {
+            cache_namespace: Some(salt),
+            lora_name: Some(lora),
+            ..Default::default()
+        },
+    );
+    tree.find_matches(hashes, false)
+        .scores
+        .get(&WorkerWithDpRank::new(worker, 0))
+        .copied()
+        .unwrap_or(0)
+}
