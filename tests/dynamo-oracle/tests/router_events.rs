@@ -11,9 +11,7 @@ mod common;
 
 use common::{payloads, Daemon, EventsCli};
 use dynamo_kv_router::indexer::RadixTree;
-use dynamo_kv_router::protocols::{
-    KvCacheEventData, KvCacheEventError, RouterEvent, StorageTier, WorkerWithDpRank,
-};
+use dynamo_kv_router::protocols::{KvCacheEventData, KvCacheEventError, RouterEvent, StorageTier};
 use kvtier_client::{Client, HashMode, Hints, KvLayout, Namespace, Onboarded, Tier};
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
