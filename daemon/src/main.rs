@@ -181,6 +181,18 @@ fn run() -> Result<()> {
             lease_ttl_max_ms: cfg.server.lease_ttl_max_ms,
         },
     )?;
+    // ---- [[tenants]] / [access] (docs/OPERATIONS.md, "Security") ----
+    let policy = std::sync::Arc::new(kvtier_daemon::access::Policy::from_config(
+        &cfg.tenants,
+        &cfg.access,
+    )?);
+    let mut server = server;
+    server.set_access(
+        policy.clone(),
+        kvtier_daemon::access::uid_limits(&cfg, kvtier_daemon::events::SUBSCRIBERS_MAX),
+    )?;
+    tracing::info!(policy = ?policy, "access");
+    // ---- end [[tenants]] ----
     let stop = server.shutdown_handle();
 
     // ---- [mount] (docs/FS.md) ----
