@@ -209,6 +209,24 @@ impl Policy {
         })
     }
 
+    /// Whether `uid`/`gid` may use `ns` (`None`: node-wide views, which
+    /// only admins see) without building a [`Grant`] (the mount asks on
+    /// every request).
+    pub fn may(&self, uid: u32, gid: u32, ns: Option<&NamespaceId>) -> bool {
+        let Some(tenants) = &self.tenants else {
+            return true;
+        };
+        if self.admin_uids.contains(&uid) || self.admin_gids.contains(&gid) {
+            return true;
+        }
+        let Some(ns) = ns else {
+            return false;
+        };
+        tenants
+            .iter()
+            .any(|t| (t.uids.contains(&uid) || t.gids.contains(&gid)) && t.namespaces.contains(ns))
+    }
+
     /// The namespace a request for `ns` runs against: `ns` itself when
     /// allowed, else its decoy, which no block is ever stored under.
     pub fn effective(&self, grant: &Grant, ns: &NamespaceId) -> NamespaceId {
@@ -307,7 +325,10 @@ mod tests {
         let e = Policy::from_config(&t, &AccessSection::default())
             .unwrap_err()
             .to_string();
-        assert!(e.contains("tenants[0]") && e.contains("namespace id"), "{e}");
+        assert!(
+            e.contains("tenants[0]") && e.contains("namespace id"),
+            "{e}"
+        );
         let t = vec![TenantConfig {
             name: "x".into(),
             namespaces: vec![],

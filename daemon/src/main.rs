@@ -200,8 +200,13 @@ fn run() -> Result<()> {
     // through to peers and G4 (the node's fetch hook), and the mount's
     // event log listens to the node's G3 events.
     let mount_handle = if cfg.mount.enabled() {
-        let m = kvtier_daemon::mount::start(&cfg.mount, node.g3().clone(), Some(node.fetch_hook()))
-            .with_context(|| format!("mounting at {}", cfg.mount.dir.display()))?;
+        let m = kvtier_daemon::mount::start_with_policy(
+            &cfg.mount,
+            node.g3().clone(),
+            Some(node.fetch_hook()),
+            policy.clone(),
+        )
+        .with_context(|| format!("mounting at {}", cfg.mount.dir.display()))?;
         node.add_g3_listener(m.events().sink());
         Some(m)
     } else {

@@ -268,7 +268,10 @@ impl Server {
                 .errors
                 .with_label_values(&["denied"])
                 .inc();
-            crate::warn_limited!(DENIED_WARN, "refused a client of uid {uid} gid {gid}: no tenant names it");
+            crate::warn_limited!(
+                DENIED_WARN,
+                "refused a client of uid {uid} gid {gid}: no tenant names it"
+            );
             conn::refuse(
                 &s,
                 proto_code::DENIED,
@@ -280,7 +283,11 @@ impl Server {
             return;
         };
         if !self.shared.quotas.take(uid, quota::Res::Conn) {
-            self.shared.metrics.errors.with_label_values(&["busy"]).inc();
+            self.shared
+                .metrics
+                .errors
+                .with_label_values(&["busy"])
+                .inc();
             conn::refuse(
                 &s,
                 proto_code::BUSY,

@@ -103,8 +103,7 @@ impl Quotas {
             return true;
         };
         let now = Instant::now();
-        let until =
-            now + Duration::from_millis(u64::from(ttl_ms.min(self.limits.pin_ttl_max_ms)));
+        let until = now + Duration::from_millis(u64::from(ttl_ms.min(self.limits.pin_ttl_max_ms)));
         let mut m = self.lock();
         let u = m.entry(uid).or_default();
         if !u.pins.contains_key(&(*ns, *key)) && u.pins.len() >= max {
@@ -145,7 +144,10 @@ mod tests {
         assert!(q.take(1, Res::Conn));
         // Unbounded resources always succeed.
         assert!((0..100).all(|_| q.take(1, Res::Lease)));
-        let (ns, k) = (NamespaceId([1; 16]), BlockKey::from_bytes(&[1; 32]).unwrap());
+        let (ns, k) = (
+            NamespaceId([1; 16]),
+            BlockKey::from_bytes(&[1; 32]).unwrap(),
+        );
         let k2 = BlockKey::from_bytes(&[2; 32]).unwrap();
         assert!(q.pin(1, &ns, &k, 1000));
         assert!(q.pin(1, &ns, &k, 1000), "a refresh of its own pin");
