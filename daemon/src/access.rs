@@ -60,6 +60,12 @@ pub struct AccessSection {
     /// Onboard requests one uid may have in flight at once (each may fetch
     /// up to 4096 blocks from peers and G4; unset: 8).
     pub onboards_per_uid_max: Option<usize>,
+    /// Leases one uid may hold over all its connections (unset: four
+    /// connections' worth, `4 x server.leases_per_conn_max`).
+    pub leases_per_uid_max: Option<usize>,
+    /// Live pins one uid may have made (unset: a quarter of
+    /// `server.pins_max`).
+    pub pins_per_uid_max: Option<usize>,
 }
 
 /// What one caller may do.
@@ -254,8 +260,10 @@ pub fn uid_limits(cfg: &crate::config::Config, subscribers_max: usize) -> crate:
             .or(quarter(cfg.server.max_connections)),
         subscribers_per_uid_max: a.subscribers_per_uid_max.or(quarter(subscribers_max)),
         onboards_per_uid_max: a.onboards_per_uid_max.or(multi.then_some(8)),
-        leases_per_uid_max: multi.then_some(cfg.server.leases_per_conn_max.saturating_mul(4)),
-        pins_per_uid_max: quarter(cfg.server.pins_max),
+        leases_per_uid_max: a
+            .leases_per_uid_max
+            .or(multi.then_some(cfg.server.leases_per_conn_max.saturating_mul(4))),
+        pins_per_uid_max: a.pins_per_uid_max.or(quarter(cfg.server.pins_max)),
         pin_ttl_max_ms: cfg.server.pin_ttl_max_ms,
     }
 }

@@ -148,6 +148,8 @@ admin_gids = []
 # connections_per_uid_max = 256
 # subscribers_per_uid_max = 16
 # onboards_per_uid_max = 8
+# leases_per_uid_max = 16384
+# pins_per_uid_max = 16384
 "#;
 
 /// A size key that may be left out (then the struct default, `None`).
