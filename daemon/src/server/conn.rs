@@ -416,11 +416,10 @@ impl Conn<'_> {
                         let before = self.leases.len();
                         self.leases.retain(|x| x != l);
                         if self.leases.len() == before {
-                            ItemStatus::Absent
-                        } else if {
-                            self.sh.quotas.give(self.who.uid, Res::Lease, 1);
-                            b.release(*l)
-                        } {
+                            return ItemStatus::Absent;
+                        }
+                        self.sh.quotas.give(self.who.uid, Res::Lease, 1);
+                        if b.release(*l) {
                             ItemStatus::Ok
                         } else {
                             ItemStatus::Absent
