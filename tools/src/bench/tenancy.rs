@@ -173,7 +173,11 @@ pub fn ks(a: &[f64], b: &[f64]) -> (f64, f64) {
     }
     let ne = (x.len() * y.len()) as f64 / (x.len() + y.len()) as f64;
     let lambda = (ne.sqrt() + 0.12 + 0.11 / ne.sqrt()) * d;
-    // Q_KS(lambda) = 2 sum (-1)^(k-1) exp(-2 k^2 lambda^2)
+    // Q_KS(lambda) = 2 sum (-1)^(k-1) exp(-2 k^2 lambda^2); the series does
+    // not converge near 0, where Q is 1 (Q(0.3) = 1 - 1e-9).
+    if lambda < 0.3 {
+        return (d, 1.0);
+    }
     let mut p = 0.0;
     for k in 1..=100 {
         let k = k as f64;
