@@ -364,8 +364,20 @@ impl Client {
         let sock = &self.cfg.socket;
         let tmo = self.cfg.timeout_ms;
         let name = Request::op_name(op);
-        proto::send_frame(conn.sock.as_raw_fd(), &frame, fds)
-            .map_err(|e| io_to_error(sock, name, tmo, e))?;
+        if let Err(e) = proto::send_frame(conn.sock.as_raw_fd(), &frame, fds) {
+            // A daemon that refuses a connection (not a tenant, busy)
+            // answers one error frame and closes without reading: the
+            // refusal is still readable and says more than EPIPE.
+            let mut f = Vec::new();
+            if e.kind() == std::io::ErrorKind::BrokenPipe {
+                if let Ok(body) = proto::recv_frame(conn.sock.as_raw_fd(), &mut f) {
+                    if let Ok((_, r @ Response::Error { .. })) = Response::decode(&body, op) {
+                        return Ok((r, Vec::new()));
+                    }
+                }
+            }
+            return Err(io_to_error(sock, name, tmo, e));
+        }
         let mut got_fds = Vec::new();
         let body = proto::recv_frame(conn.sock.as_raw_fd(), &mut got_fds).map_err(|e| match e {
             proto::RecvError::Closed => Error::Unavailable {
@@ -381,7 +393,8 @@ impl Client {
             proto::RecvError::Io(e) => io_to_error(sock, name, tmo, e),
         })?;
         let (rid, resp) = Response::decode(&body, op)?;
-        if rid != id {
+        // Refusals at accept carry request id 0.
+        if rid != id && !(rid == 0 && matches!(resp, Response::Error { .. })) {
             return Err(Error::Protocol {
                 reason: format!("reply to request {rid}, expected {id}"),
             });

@@ -131,6 +131,9 @@ pub mod code {
     pub const INTERNAL: u16 = 6;
     /// The daemon is shutting down.
     pub const SHUTTING_DOWN: u16 = 7;
+    /// The caller's uid/gid may not do this (not a tenant, or an admin
+    /// operation without admin rights).
+    pub const DENIED: u16 = 8;
 }
 
 /// How onboarded bytes reach the client.

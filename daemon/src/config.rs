@@ -151,6 +151,25 @@ passthrough = "auto"
 # the page cache for the passthrough read). Off: passthrough reads are not
 # checksummed by kvtier (the fallback path always verifies).
 verify_on_open = true
+
+# Tenants (docs/OPERATIONS.md, "Security"). Without any, whoever can open
+# the socket (its mode and group) may use every namespace. With them, a
+# uid/gid may use only its tenants' namespaces; others are refused.
+# [[tenants]]
+# name = "team-a"
+# uids = [1001]
+# gids = []
+# namespaces = ["<32 hex digits from `kvtier hash`>"]
+[access]
+# Admins: every namespace, list of all, stats. Unset: root and the daemon's uid.
+# admin_uids = [0]
+admin_gids = []
+# Per-uid shares (unset: a quarter of the global bound; onboards 8).
+# connections_per_uid_max = 256
+# subscribers_per_uid_max = 16
+# onboards_per_uid_max = 8
+# leases_per_uid_max = 16384
+# pins_per_uid_max = 16384
 "#;
 
 /// A size key that may be left out (then the struct default, `None`).
@@ -605,6 +624,10 @@ pub struct Config {
     pub log: LogSection,
     /// `[mount]`.
     pub mount: MountSection,
+    /// `[[tenants]]`: who may use which namespaces (none: single-tenant).
+    pub tenants: Vec<crate::access::TenantConfig>,
+    /// `[access]`: admins and per-uid limits.
+    pub access: crate::access::AccessSection,
 }
 
 /// The default data directory: `$XDG_STATE_HOME/kvtier`, else
@@ -930,6 +953,7 @@ impl Config {
             ));
         }
         self.mount.validate()?;
+        crate::access::Policy::from_config(&self.tenants, &self.access)?;
         Ok(())
     }
 }

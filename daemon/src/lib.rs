@@ -5,6 +5,7 @@
 //! tiers, the local server, the mount and peers together.
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used))]
 
+pub mod access;
 pub mod config;
 #[doc(hidden)]
 pub mod conformance;

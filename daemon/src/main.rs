@@ -182,6 +182,18 @@ fn run() -> Result<()> {
             lease_ttl_max_ms: cfg.server.lease_ttl_max_ms,
         },
     )?;
+    // ---- [[tenants]] / [access] (docs/OPERATIONS.md, "Security") ----
+    let policy = std::sync::Arc::new(kvtier_daemon::access::Policy::from_config(
+        &cfg.tenants,
+        &cfg.access,
+    )?);
+    let mut server = server;
+    server.set_access(
+        policy.clone(),
+        kvtier_daemon::access::uid_limits(&cfg, kvtier_daemon::events::SUBSCRIBERS_MAX),
+    )?;
+    tracing::info!(policy = ?policy, "access");
+    // ---- end [[tenants]] ----
     let stop = server.shutdown_handle();
 
     // ---- [mount] (docs/FS.md) ----
@@ -189,8 +201,13 @@ fn run() -> Result<()> {
     // through to peers and G4 (the node's fetch hook), and the mount's
     // event log listens to the node's G3 events.
     let mount_handle = if cfg.mount.enabled() {
-        let m = kvtier_daemon::mount::start(&cfg.mount, node.g3().clone(), Some(node.fetch_hook()))
-            .with_context(|| format!("mounting at {}", cfg.mount.dir.display()))?;
+        let m = kvtier_daemon::mount::start_with_policy(
+            &cfg.mount,
+            node.g3().clone(),
+            Some(node.fetch_hook()),
+            policy.clone(),
+        )
+        .with_context(|| format!("mounting at {}", cfg.mount.dir.display()))?;
         node.add_g3_listener(m.events().sink());
         Some(m)
     } else {

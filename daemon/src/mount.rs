@@ -102,6 +102,7 @@ pub struct G3Namespace {
     held_bytes: Arc<AtomicU64>,
     verify_failures: AtomicU64,
     fetched: AtomicU64,
+    policy: Arc<crate::access::Policy>,
 }
 
 impl std::fmt::Debug for G3Namespace {
@@ -169,7 +170,15 @@ impl G3Namespace {
             held_bytes: Arc::new(AtomicU64::new(0)),
             verify_failures: AtomicU64::new(0),
             fetched: AtomicU64::new(0),
+            policy: Arc::new(crate::access::Policy::open()),
         }
+    }
+
+    /// Who may see which namespace through the mount (default: everyone
+    /// the mount's permission bits let in).
+    pub fn with_policy(mut self, policy: Arc<crate::access::Policy>) -> Self {
+        self.policy = policy;
+        self
     }
 
     /// Tells the namespace whether the mount reads through passthrough
@@ -460,6 +469,14 @@ impl KvNamespace for G3Namespace {
     fn event_log(&self) -> &EventLog {
         self.events.log()
     }
+
+    fn may_access(&self, caller: kvtier_fs::Caller, ns: Option<&NamespaceId>) -> bool {
+        self.policy.may(caller.uid, caller.gid, ns)
+    }
+
+    fn checks_callers(&self) -> bool {
+        self.policy.is_multi_tenant()
+    }
 }
 
 /// A mounted G3. Dropping it unmounts.
@@ -549,6 +566,17 @@ pub fn start(
     g3: Arc<G3Store>,
     fetch: Option<FetchHook>,
 ) -> crate::Result<MountHandle> {
+    start_with_policy(section, g3, fetch, Arc::new(crate::access::Policy::open()))
+}
+
+/// [`start`] with the daemon's tenants: a uid sees and touches only its
+/// namespaces through the mount, `allow_other` or not.
+pub fn start_with_policy(
+    section: &MountSection,
+    g3: Arc<G3Store>,
+    fetch: Option<FetchHook>,
+    policy: Arc<crate::access::Policy>,
+) -> crate::Result<MountHandle> {
     let dir: PathBuf = section.dir.clone();
     let opts = mount_options(section, &g3.config().root)?;
     let cleaned = kvtier_fs::clean_stale_mount(&dir).map_err(mount_err)?;
@@ -558,12 +586,10 @@ pub fn start(
     std::fs::create_dir_all(&dir)
         .map_err(|e| crate::Error::io("creating the mount point", &dir, e))?;
     let events = Arc::new(MountEvents::default());
-    let namespace = Arc::new(G3Namespace::new(
-        g3,
-        fetch,
-        Arc::clone(&events),
-        section.verify_on_open,
-    ));
+    let namespace = Arc::new(
+        G3Namespace::new(g3, fetch, Arc::clone(&events), section.verify_on_open)
+            .with_policy(policy),
+    );
     let guard = kvtier_fs::mount(namespace.clone(), &dir, &opts).map_err(mount_err)?;
     namespace.set_passthrough(guard.passthrough_active());
     tracing::info!(

@@ -68,3 +68,53 @@ async fn endless_probe_and_404_bodies_are_cut_off_by_size() {
         assert!(mib < 64, "{status}: {mib} MiB sent before the cut");
     }
 }
+
+/// Serves one well-formed block file for every request, as a process that
+/// took a peer's address without the shared secret would: status 200, a
+/// correct block, and an optional forged proof header.
+async fn impostor(file: Vec<u8>, proof: Option<&'static str>) -> String {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            let file = file.clone();
+            tokio::spawn(async move {
+                let mut req = vec![0u8; 8192];
+                let _ = s.read(&mut req).await;
+                let extra = proof
+                    .map(|p| format!("x-kvtier-proof: {p}\r\n"))
+                    .unwrap_or_default();
+                let head = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-length: {}\r\n{extra}\r\n",
+                    file.len()
+                );
+                let _ = s.write_all(head.as_bytes()).await;
+                let _ = s.write_all(&file).await;
+            });
+        }
+    });
+    addr
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_that_cannot_prove_the_secret_is_not_believed() {
+    use kvtier_client::{encode_block, BlockHeader};
+    use kvtier_daemon::peer::PeerFetch;
+    let ns = Namespace::new("m", KvLayout::with_block_bytes(4096).unwrap(), "", "t").unwrap();
+    let key = BlockKey::from_u64(9);
+    let payload = vec![0x5a; 4096];
+    let h = BlockHeader::for_payload(&ns, key, &payload, 0);
+    let file = encode_block(&h, &payload);
+    let client = PeerClient::new(PeerClientConfig::new(vec![7u8; 32])).unwrap();
+    let forged = "00000000000000000000000000000000000000000000000000000000000000ff";
+    for proof in [None, Some(forged)] {
+        let addr = impostor(file.clone(), proof).await;
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let got = client.fetch(&addr, &ns.id(), &key, deadline).await;
+        assert!(
+            !matches!(got, PeerFetch::Hit(_)),
+            "proof {proof:?}: an impostor's block was accepted"
+        );
+        assert!(!client.probe(&addr, &ns.id(), &key, deadline).await);
+    }
+}

@@ -9,7 +9,7 @@
 use crate::error::{Error, Result};
 use crate::mount::{MountOptions, Shared};
 use crate::names::{self, EVENTS_FILE, META_DIR, STATS_FILE};
-use crate::namespace::{check_names, read_full_at, KvNamespace, OpenBlock, StagedBlock};
+use crate::namespace::{check_names, read_full_at, Caller, KvNamespace, OpenBlock, StagedBlock};
 use fuser::{
     BackingId, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo,
     InitFlags, KernelConfig, LockOwner, OpenAccMode, OpenFlags, RenameFlags, ReplyAttr,
@@ -223,6 +223,12 @@ impl KvFs {
     }
 
     fn ttl(&self) -> Duration {
+        // The kernel's entry and attribute caches serve every user alike:
+        // when callers differ in what they may see, nothing is cached, so
+        // every lookup and getattr reaches the check.
+        if self.ns.checks_callers() {
+            return Duration::ZERO;
+        }
         Duration::from_millis(self.opts.attr_ttl_ms)
     }
 
@@ -238,6 +244,39 @@ impl KvFs {
                 .ok_or_else(|| Error::NotFound {
                     what: format!("inode {n}"),
                 }),
+        }
+    }
+
+    /// The caller behind a request (its uid and gid, from the kernel).
+    fn caller(req: &Request) -> Caller {
+        Caller {
+            uid: req.uid(),
+            gid: req.gid(),
+        }
+    }
+
+    /// Whether `caller` may see `node` (the namespace's rule, see
+    /// [`KvNamespace::may_access`]).
+    fn allowed(&self, caller: Caller, node: &Node) -> bool {
+        match node {
+            Node::Root | Node::Meta => true,
+            Node::Stats | Node::Events => self.ns.may_access(caller, None),
+            Node::Ns(ns) | Node::Shard(ns, _) | Node::Block(ns, _) | Node::Import(ns, ..) => {
+                self.ns.may_access(caller, Some(ns))
+            }
+        }
+    }
+
+    /// [`Self::resolve`] for a request: a node the caller may not see
+    /// does not exist for it (`ENOENT`, as an unknown namespace).
+    fn resolve_for(&self, req: &Request, ino: INodeNo) -> Result<Node> {
+        let node = self.resolve(ino)?;
+        if self.allowed(Self::caller(req), &node) {
+            Ok(node)
+        } else {
+            Err(Error::NotFound {
+                what: format!("inode {}", ino.0),
+            })
         }
     }
 
@@ -797,6 +836,7 @@ impl KvFs {
 
     fn readdir_entries(
         &self,
+        caller: Caller,
         node: &Node,
         fh: FileHandle,
         offset: u64,
@@ -815,12 +855,14 @@ impl KvFs {
                 let mut v = vec![(INO_META, FileType::Directory, META_DIR.to_string())];
                 let mut all: BTreeSet<NamespaceId> = self.ns.namespaces()?.into_iter().collect();
                 all.extend(lock(&self.pending_ns).iter().copied());
+                all.retain(|ns| self.ns.may_access(caller, Some(ns)));
                 v.extend(
                     all.into_iter()
                         .map(|ns| (ino_of(&Node::Ns(ns)), FileType::Directory, ns.to_hex())),
                 );
                 v
             }
+            Node::Meta if !self.ns.may_access(caller, None) => Vec::new(),
             Node::Meta => vec![
                 (INO_STATS, FileType::RegularFile, STATS_FILE.to_string()),
                 (INO_EVENTS, FileType::RegularFile, EVENTS_FILE.to_string()),
@@ -918,9 +960,14 @@ impl Filesystem for KvFs {
         Ok(())
     }
 
-    fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
-        let r = self.resolve(parent).and_then(|p| {
+    fn lookup(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        let r = self.resolve_for(req, parent).and_then(|p| {
             let node = self.lookup_node(&p, name)?;
+            if !self.allowed(Self::caller(req), &node) {
+                return Err(Error::NotFound {
+                    what: format!("{name:?}"),
+                });
+            }
             let (attr, ttl) = self.node_attr(&node)?;
             self.remember(node)?;
             Ok((attr, ttl))
@@ -941,8 +988,8 @@ impl Filesystem for KvFs {
         }
     }
 
-    fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
-        match self.resolve(ino).and_then(|n| self.node_attr(&n)) {
+    fn getattr(&self, req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
+        match self.resolve_for(req, ino).and_then(|n| self.node_attr(&n)) {
             Ok((attr, ttl)) => reply.attr(&ttl, &attr),
             Err(e) => reply.error(report("getattr", &e)),
         }
@@ -950,7 +997,7 @@ impl Filesystem for KvFs {
 
     fn setattr(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         mode: Option<u32>,
         uid: Option<u32>,
@@ -966,7 +1013,7 @@ impl Filesystem for KvFs {
         _flags: Option<fuser::BsdFileFlags>,
         reply: ReplyAttr,
     ) {
-        let r = self.resolve(ino).and_then(|node| {
+        let r = self.resolve_for(req, ino).and_then(|node| {
             let (attr, ttl) = self.node_attr(&node)?;
             let pending = match node {
                 Node::Import(ns, key, fh) => lock(&self.pending).get(&(ns, key)) == Some(&fh),
@@ -1024,14 +1071,14 @@ impl Filesystem for KvFs {
 
     fn mkdir(
         &self,
-        _req: &Request,
+        req: &Request,
         parent: INodeNo,
         name: &OsStr,
         _mode: u32,
         _umask: u32,
         reply: ReplyEntry,
     ) {
-        let r = self.resolve(parent).and_then(|p| {
+        let r = self.resolve_for(req, parent).and_then(|p| {
             self.read_only()?;
             let node = match p {
                 Node::Root => {
@@ -1042,6 +1089,12 @@ impl Filesystem for KvFs {
                         });
                     }
                     let ns = names::parse_namespace(name)?;
+                    if !self.allowed(Self::caller(req), &Node::Ns(ns)) {
+                        return Err(Error::NotPermitted {
+                            op: "mkdir",
+                            reason: "this namespace is not one of yours",
+                        });
+                    }
                     if self.ns_exists(&ns)? {
                         return Err(Error::DirExists { path: ns.to_hex() });
                     }
@@ -1077,8 +1130,8 @@ impl Filesystem for KvFs {
         }
     }
 
-    fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        let r = self.resolve(parent).and_then(|p| {
+    fn unlink(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let r = self.resolve_for(req, parent).and_then(|p| {
             self.read_only()?;
             match p {
                 Node::Shard(ns, s) => {
@@ -1174,8 +1227,8 @@ impl Filesystem for KvFs {
         ));
     }
 
-    fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
-        let node = match self.resolve(ino) {
+    fn open(&self, req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+        let node = match self.resolve_for(req, ino) {
             Ok(n) => n,
             Err(e) => return reply.error(report("open", &e)),
         };
@@ -1336,8 +1389,8 @@ impl Filesystem for KvFs {
         reply.ok();
     }
 
-    fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
-        match self.resolve(ino) {
+    fn opendir(&self, req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        match self.resolve_for(req, ino) {
             Ok(_) => {
                 let fh = self.alloc_fh(Handle::Dir(Mutex::new(DirState::default())));
                 reply.opened(FileHandle(fh), FopenFlags::empty());
@@ -1348,15 +1401,16 @@ impl Filesystem for KvFs {
 
     fn readdir(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         fh: FileHandle,
         offset: u64,
         mut reply: ReplyDirectory,
     ) {
+        let caller = Self::caller(req);
         let r = self
-            .resolve(ino)
-            .and_then(|node| self.readdir_entries(&node, fh, offset, &mut reply));
+            .resolve_for(req, ino)
+            .and_then(|node| self.readdir_entries(caller, &node, fh, offset, &mut reply));
         match r {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(report("readdir", &e)),
@@ -1381,7 +1435,7 @@ impl Filesystem for KvFs {
 
     fn setxattr(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         name: &OsStr,
         value: &[u8],
@@ -1390,7 +1444,7 @@ impl Filesystem for KvFs {
         reply: ReplyEmpty,
     ) {
         match self
-            .resolve(ino)
+            .resolve_for(req, ino)
             .and_then(|n| self.set_xattr(&n, name, value))
         {
             Ok(()) => reply.ok(),
@@ -1398,15 +1452,18 @@ impl Filesystem for KvFs {
         }
     }
 
-    fn getxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
-        match self.resolve(ino).and_then(|n| self.xattr_value(&n, name)) {
+    fn getxattr(&self, req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
+        match self
+            .resolve_for(req, ino)
+            .and_then(|n| self.xattr_value(&n, name))
+        {
             Ok(v) => Self::reply_xattr(size, &v, reply),
             Err(e) => reply.error(report("getxattr", &e)),
         }
     }
 
-    fn listxattr(&self, _req: &Request, ino: INodeNo, size: u32, reply: ReplyXattr) {
-        match self.resolve(ino) {
+    fn listxattr(&self, req: &Request, ino: INodeNo, size: u32, reply: ReplyXattr) {
+        match self.resolve_for(req, ino) {
             Ok(Node::Block(..) | Node::Import(..)) => {
                 let mut v = Vec::new();
                 for n in XATTR_NAMES {
@@ -1420,8 +1477,8 @@ impl Filesystem for KvFs {
         }
     }
 
-    fn removexattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        let r = self.resolve(ino).and_then(|_| {
+    fn removexattr(&self, req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let r = self.resolve_for(req, ino).and_then(|_| {
             if XATTR_NAMES.iter().any(|n| n.as_bytes() == name.as_bytes()) {
                 self.read_only()?;
                 Err(Error::NotPermitted {
@@ -1442,7 +1499,7 @@ impl Filesystem for KvFs {
 
     fn create(
         &self,
-        _req: &Request,
+        req: &Request,
         parent: INodeNo,
         name: &OsStr,
         _mode: u32,
@@ -1450,7 +1507,7 @@ impl Filesystem for KvFs {
         _flags: i32,
         reply: ReplyCreate,
     ) {
-        let r = self.resolve(parent).and_then(|p| {
+        let r = self.resolve_for(req, parent).and_then(|p| {
             let (node, fh) = self.start_import(&p, name)?;
             let attr = self.attr(
                 ino_of(&node),

@@ -23,4 +23,6 @@ pub mod namespace;
 pub use error::{Error, Result};
 pub use memory::MemNamespace;
 pub use mount::{clean_stale_mount, mount, Counters, MountGuard, MountOptions, Passthrough};
-pub use namespace::{BlockReader, BlockStat, EventLog, KvNamespace, OpenBlock, StagedBlock};
+pub use namespace::{
+    BlockReader, BlockStat, Caller, EventLog, KvNamespace, OpenBlock, StagedBlock,
+};

@@ -134,6 +134,31 @@ pub trait KvNamespace: Send + Sync + 'static {
 
     /// The log behind `/.kvtier/events`.
     fn event_log(&self) -> &EventLog;
+
+    /// Whether `caller` may see and touch namespace `ns` (`None`: the
+    /// node-wide files under `/.kvtier`). A namespace it may not is absent
+    /// for it (`ENOENT`, as an unknown one); the adapter asks on every
+    /// request. Default: everyone may (the mount's permission bits and
+    /// `allow_other` are then the only boundary).
+    fn may_access(&self, _caller: Caller, _ns: Option<&NamespaceId>) -> bool {
+        true
+    }
+
+    /// Whether [`Self::may_access`] tells callers apart. Then the adapter
+    /// lets the kernel cache no entries or attributes (they would serve
+    /// one user's lookups to another).
+    fn checks_callers(&self) -> bool {
+        false
+    }
+}
+
+/// The process behind a FUSE request: its uid and gid, from the kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Caller {
+    /// User id.
+    pub uid: u32,
+    /// Group id (the primary, effective one).
+    pub gid: u32,
 }
 
 /// A complete block file written through the mount, already verified.

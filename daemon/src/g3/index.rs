@@ -88,7 +88,8 @@ pub fn digests(ns: &NamespaceId, chain: &[BlockKey]) -> Vec<(u64, u64)> {
     chain.iter().map(|k| digest(ns, k)).collect()
 }
 
-/// Passes a u64 key through: map keys are already uniform digests.
+/// Hashes a u64 id by the keyed mix (presence.rs): ids are uniform digests,
+/// but of names a client chooses.
 #[derive(Default, Clone, Copy)]
 pub struct IdHasher(u64);
 
@@ -102,7 +103,9 @@ impl Hasher for IdHasher {
         }
     }
     fn write_u64(&mut self, v: u64) {
-        self.0 = v;
+        // Keyed (presence.rs `mix`): ids are unkeyed digests of names a
+        // client chooses, so their low bits could be aimed at one bucket.
+        self.0 = super::presence::mix(v);
     }
 }
 

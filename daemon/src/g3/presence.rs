@@ -11,6 +11,45 @@
 //! alone (without the id half) makes a false "present" about n / 2^63 per
 //! probe, and `lookup_prefix` is a hint anyway (reads verify).
 
+/// A per-process secret seed for the in-memory tables' slot choice.
+///
+/// Checks and ids are unkeyed xxh3 of client-chosen names, so a client
+/// that may offload can search for names whose digests share their low
+/// bits (about 2^20 hashes per name for 20 bits) and pile them into one
+/// probe run, turning every lookup that lands there into a long scan. The
+/// slot is therefore chosen from a keyed mix of the digest: without the
+/// seed, which never leaves the process, the low bits cannot be aimed at.
+/// Nothing persisted depends on it (the index files and snapshots hold
+/// the digests themselves).
+pub(crate) fn seed() -> u64 {
+    static SEED: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *SEED.get_or_init(|| {
+        let mut b = [0u8; 8];
+        // SAFETY: valid 8-byte buffer.
+        let n = unsafe { libc::getrandom(b.as_mut_ptr() as *mut libc::c_void, 8, 0) };
+        if n == 8 {
+            u64::from_le_bytes(b)
+        } else {
+            // No entropy: time and address-space layout still make the
+            // seed unknown to another process.
+            let t = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(0);
+            t ^ (&b as *const _ as u64).rotate_left(32)
+        }
+    })
+}
+
+/// The keyed mix: `v` xor the seed through the splitmix64 finalizer (a
+/// bijection in which every output bit depends on every input bit).
+pub(crate) fn mix(v: u64) -> u64 {
+    let mut z = v ^ seed();
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
 /// Multiset of checks.
 #[derive(Debug, Default)]
 pub struct Presence {
@@ -25,7 +64,7 @@ fn stored(check: u64) -> u64 {
 
 impl Presence {
     fn home(&self, s: u64) -> usize {
-        (s >> 1) as usize & (self.slots.len() - 1)
+        mix(s) as usize & (self.slots.len() - 1)
     }
 
     /// Number of checks held.
@@ -142,6 +181,22 @@ impl Presence {
 mod tests {
     use super::*;
     use std::collections::HashMap;
+
+    #[test]
+    fn checks_aimed_at_one_slot_spread_over_the_table() {
+        // What an attacker can make cheaply: checks equal in their low 24
+        // bits (identity slot choice would put all of them in one run).
+        let mut p = Presence::default();
+        let n = 4096u64;
+        for i in 0..n {
+            p.insert((i << 24) | 0x5a5a5a);
+        }
+        let homes: std::collections::HashSet<usize> = (0..n)
+            .map(|i| p.home(stored((i << 24) | 0x5a5a5a)))
+            .collect();
+        assert!(homes.len() as u64 > n / 2, "{} distinct slots", homes.len());
+        assert!((0..n).all(|i| p.contains((i << 24) | 0x5a5a5a)));
+    }
 
     #[test]
     fn matches_a_multiset_model_under_random_inserts_and_removes() {

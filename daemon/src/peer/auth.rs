@@ -8,11 +8,22 @@
 //! another block and goes stale. Comparison is constant-time
 //! (`blake3::Hash`'s `PartialEq`). Transport is plain TCP: the secret proves
 //! who asks, it does not hide the bytes (see docs/OPERATIONS.md).
+//!
+//! Mutual: the client also sends a fresh random `x-kvtier-nonce`, and the
+//! server answers with `x-kvtier-proof: <64 hex digits>`, a keyed hash of
+//! the nonce, the client's `Authorization` value and the status code. The
+//! client believes no answer (block, header probe, 404) without a valid
+//! proof, so a process that took a peer's address without the secret
+//! cannot feed this node blocks.
 
 /// Authorization scheme name.
 pub const SCHEME: &str = "kvtier-hmac";
 /// Key-derivation context.
 const CONTEXT: &str = "kvtier peer v1";
+/// Request header carrying the client's nonce.
+pub const NONCE_HEADER: &str = "x-kvtier-nonce";
+/// Response header carrying the server's proof.
+pub const PROOF_HEADER: &str = "x-kvtier-proof";
 /// Shortest secret accepted, in bytes.
 pub const SECRET_BYTES_MIN: usize = 16;
 
@@ -72,6 +83,46 @@ impl PeerKey {
         )
     }
 
+    /// A fresh nonce for one request (32 hex digits).
+    pub fn nonce() -> String {
+        let n: [u8; 16] = rand::random();
+        n.iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    fn proof_mac(&self, nonce: &str, authorization: &str, status: u16) -> blake3::Hash {
+        let mut h = blake3::Hasher::new_keyed(&self.0);
+        h.update(b"kvtier server proof v1\n");
+        for part in [nonce, authorization] {
+            h.update(part.as_bytes());
+            h.update(b"\n");
+        }
+        h.update(status.to_string().as_bytes());
+        h.finalize()
+    }
+
+    /// The server's `x-kvtier-proof` value for an answer with `status` to a
+    /// request carrying `nonce` and `authorization`.
+    pub fn prove(&self, nonce: &str, authorization: &str, status: u16) -> String {
+        self.proof_mac(nonce, authorization, status)
+            .to_hex()
+            .to_string()
+    }
+
+    /// Whether `proof` (the response's header, if any) proves that the
+    /// server holds the secret. Constant-time comparison.
+    pub fn check_proof(
+        &self,
+        proof: Option<&str>,
+        nonce: &str,
+        authorization: &str,
+        status: u16,
+    ) -> bool {
+        let Some(p) = proof.and_then(|p| blake3::Hash::from_hex(p).ok()) else {
+            return false;
+        };
+        self.proof_mac(nonce, authorization, status) == p
+    }
+
     /// Checks an `Authorization` header value against the request, with
     /// `now_unix_ms` and the allowed skew in either direction.
     pub fn verify(
@@ -108,6 +159,21 @@ impl PeerKey {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_server_proof_binds_secret_nonce_request_and_status() {
+        let k = PeerKey::from_secret(&[1u8; 32]).unwrap();
+        let other = PeerKey::from_secret(&[2u8; 32]).unwrap();
+        let (n, a) = (PeerKey::nonce(), k.sign("GET", "/v1/blocks/x/y", "", 5));
+        assert_ne!(n, PeerKey::nonce());
+        let p = k.prove(&n, &a, 200);
+        assert!(k.check_proof(Some(&p), &n, &a, 200));
+        assert!(!k.check_proof(None, &n, &a, 200));
+        assert!(!k.check_proof(Some("zz"), &n, &a, 200));
+        assert!(!k.check_proof(Some(&other.prove(&n, &a, 200)), &n, &a, 200));
+        assert!(!k.check_proof(Some(&p), &PeerKey::nonce(), &a, 200));
+        assert!(!k.check_proof(Some(&p), &n, &a, 404));
+    }
 
     #[test]
     fn sign_verify() {

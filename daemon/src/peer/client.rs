@@ -7,7 +7,9 @@
 //! exactly at the header's file length. Only then is a [`PeerFetch::Hit`]
 //! returned; every other path is a [`PeerMiss`] value.
 
-use super::auth::PeerKey;
+use super::auth::{PeerKey, NONCE_HEADER, PROOF_HEADER};
+
+static PROOF_WARN: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new(10_000);
 use super::unix_ms_now;
 use super::wire::block_url_path;
 use crate::error::Result;
@@ -293,6 +295,8 @@ impl PeerClient {
         use PeerFetch::Miss;
         let path = block_url_path(ns, key);
         let mut idle = self.take_idle(address);
+        let nonce = PeerKey::nonce();
+        let mut auth;
         let (mut conn, resp) = loop {
             // A pooled connection the peer has closed meanwhile fails on
             // first use; that is not the peer being down, so retry fresh.
@@ -310,12 +314,11 @@ impl PeerClient {
                 }
                 return Miss(PeerMiss::Unavailable);
             }
+            auth = self.key.sign("GET", &path, "", unix_ms_now());
             let req = Request::get(path.as_str())
                 .header(header::HOST, address)
-                .header(
-                    header::AUTHORIZATION,
-                    self.key.sign("GET", &path, "", unix_ms_now()),
-                )
+                .header(header::AUTHORIZATION, auth.as_str())
+                .header(NONCE_HEADER, nonce.as_str())
                 .body(Empty::new());
             let Ok(req) = req else {
                 return Miss(PeerMiss::Unavailable);
@@ -326,6 +329,9 @@ impl PeerClient {
                 Err(_) => return Miss(PeerMiss::Unavailable),
             }
         };
+        if !self.server_proved(address, &resp, &nonce, &auth) {
+            return Miss(PeerMiss::Unavailable);
+        }
         match resp.status() {
             StatusCode::OK => {}
             StatusCode::NOT_FOUND => {
@@ -421,6 +427,8 @@ impl PeerClient {
         let path = block_url_path(ns, key);
         let range = format!("bytes=0-{}", HEADER_BYTES - 1);
         let mut idle = self.take_idle(address);
+        let nonce = PeerKey::nonce();
+        let mut auth;
         let (conn, resp) = loop {
             let reused = idle.is_some();
             let mut conn = match idle.take() {
@@ -436,13 +444,12 @@ impl PeerClient {
                 }
                 return false;
             }
+            auth = self.key.sign("GET", &path, &range, unix_ms_now());
             let req = Request::get(path.as_str())
                 .header(header::HOST, address)
                 .header(header::RANGE, range.as_str())
-                .header(
-                    header::AUTHORIZATION,
-                    self.key.sign("GET", &path, &range, unix_ms_now()),
-                )
+                .header(header::AUTHORIZATION, auth.as_str())
+                .header(NONCE_HEADER, nonce.as_str())
                 .body(Empty::new());
             let Ok(req) = req else { return false };
             match conn.sender.send_request(req).await {
@@ -451,6 +458,9 @@ impl PeerClient {
                 Err(_) => return false,
             }
         };
+        if !self.server_proved(address, &resp, &nonce, &auth) {
+            return false;
+        }
         let status = resp.status();
         // The probe asked for the header only: a body past twice its size is
         // a lying peer, cut off rather than buffered.
@@ -468,6 +478,35 @@ impl PeerClient {
         body.len() >= HEADER_BYTES
             && BlockHeader::decode(&body[..HEADER_BYTES])
                 .is_ok_and(|h| h.namespace_id() == *ns && h.key == *key)
+    }
+}
+
+impl PeerClient {
+    /// Whether the answer carries the proof that the server holds the
+    /// shared secret (auth.rs); an answer without it is not believed.
+    fn server_proved<B>(
+        &self,
+        address: &str,
+        resp: &hyper::Response<B>,
+        nonce: &str,
+        auth: &str,
+    ) -> bool {
+        let proof = resp
+            .headers()
+            .get(PROOF_HEADER)
+            .and_then(|v| v.to_str().ok());
+        let ok = self
+            .key
+            .check_proof(proof, nonce, auth, resp.status().as_u16());
+        if !ok {
+            crate::warn_limited!(
+                PROOF_WARN,
+                "peer {address} answered {} without a valid proof of the shared secret: \
+                 not a kvtier peer with our peer.secret (or an older kvtierd); ignored",
+                resp.status()
+            );
+        }
+        ok
     }
 }
 

@@ -269,7 +269,33 @@ fn plain(status: StatusCode, msg: &'static str) -> Response<RespBody> {
     r
 }
 
+/// Answers one request; an authenticated request's answer carries the
+/// server's proof (auth.rs), whatever its status.
 async fn handle(st: &State, req: Request<Incoming>) -> Response<RespBody> {
+    let auth = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    let nonce = req
+        .headers()
+        .get(super::auth::NONCE_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .filter(|n| n.len() <= 64)
+        .map(str::to_owned);
+    let mut r = handle_inner(st, req).await;
+    if r.status() != StatusCode::UNAUTHORIZED {
+        if let (Some(a), Some(n)) = (auth, nonce) {
+            let proof = st.key.prove(&n, &a, r.status().as_u16());
+            if let Ok(v) = header::HeaderValue::from_str(&proof) {
+                r.headers_mut().insert(super::auth::PROOF_HEADER, v);
+            }
+        }
+    }
+    r
+}
+
+async fn handle_inner(st: &State, req: Request<Incoming>) -> Response<RespBody> {
     st.metrics.requests.fetch_add(1, Ordering::Relaxed);
     let reject = |status, msg| {
         st.metrics.rejected.fetch_add(1, Ordering::Relaxed);

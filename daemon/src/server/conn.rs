@@ -1,7 +1,9 @@
 //! One client connection: handshake, then request/reply until the client
 //! leaves, errs, idles out, or subscribes (then it is an event stream).
 
+use super::quota::Res;
 use super::{OffloadBlock, Shared};
+use crate::access::Grant;
 use crate::error::Error;
 use crate::tier::{Lookup, MissReason, PutOutcome};
 use kvtier_client::block::HEADER_BYTES;
@@ -34,13 +36,45 @@ fn send_err(fd: RawFd, req_id: u32, c: u16, message: impl Into<String>) {
 }
 
 pub(super) fn refuse_busy(s: &UnixStream, max: usize) {
-    let _ = s.set_write_timeout(Some(Duration::from_millis(100)));
-    send_err(
-        s.as_raw_fd(),
-        0,
+    refuse(
+        s,
         code::BUSY,
         format!("the daemon serves at most {max} connections"),
     );
+}
+
+/// Answers a connection that will not be served with one error frame.
+pub(super) fn refuse(s: &UnixStream, c: u16, message: String) {
+    let _ = s.set_write_timeout(Some(Duration::from_millis(100)));
+    send_err(s.as_raw_fd(), 0, c, message);
+}
+
+/// The connected process's uid and gid, as the kernel recorded them at
+/// connect (`SO_PEERCRED`): a client cannot claim another identity.
+pub(super) fn peer_cred(s: &UnixStream) -> Option<(u32, u32)> {
+    let mut c = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: a valid socket fd and a ucred-sized out buffer with its length.
+    let r = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            &mut c as *mut libc::ucred as *mut libc::c_void,
+            &mut len,
+        )
+    };
+    (r == 0 && len as usize == std::mem::size_of::<libc::ucred>()).then_some((c.uid, c.gid))
+}
+
+/// Who a connection serves.
+pub(super) struct Caller {
+    pub uid: u32,
+    pub grant: Grant,
 }
 
 fn err_kind(e: &Error) -> (&'static str, ItemStatus) {
@@ -65,12 +99,13 @@ fn miss_status(m: MissReason) -> ItemStatus {
 
 struct Conn<'a> {
     sh: &'a Shared,
+    who: Caller,
     fd: RawFd,
     region: Option<Region>,
     leases: Vec<u64>,
 }
 
-pub(super) fn serve(sh: &Shared, s: UnixStream) {
+pub(super) fn serve(sh: &Shared, s: UnixStream, who: Caller) {
     let idle = Duration::from_millis(sh.limits.idle_timeout_ms.max(1));
     let io = Duration::from_millis(sh.limits.io_timeout_ms.max(1));
     if s.set_read_timeout(Some(idle)).is_err() || s.set_write_timeout(Some(io)).is_err() {
@@ -78,11 +113,13 @@ pub(super) fn serve(sh: &Shared, s: UnixStream) {
     }
     let mut c = Conn {
         sh,
+        who,
         fd: s.as_raw_fd(),
         region: None,
         leases: Vec::new(),
     };
     c.run();
+    sh.quotas.give(c.who.uid, Res::Lease, c.leases.len());
     for l in c.leases.drain(..) {
         sh.backend.release(l);
     }
@@ -286,7 +323,10 @@ impl Conn<'_> {
                 code: code::MALFORMED,
                 message: "hello/subscribe are only valid first".into(),
             },
-            Request::Lookup { ns, keys } => match b.lookup(&ns, &keys) {
+            // A namespace the caller may not use runs as its decoy: a
+            // namespace nothing is stored under, so the answer and its cost
+            // are those of an unknown namespace's miss (access.rs).
+            Request::Lookup { ns, keys } => match b.lookup(&self.ns_for(&ns), &keys) {
                 Ok(mut tiers) => {
                     tiers.truncate(keys.len());
                     for t in &tiers {
@@ -309,6 +349,16 @@ impl Conn<'_> {
                 let Some(region) = self.region.as_ref() else {
                     return (Self::no_region(), Vec::new());
                 };
+                if !self.who.grant.may(&ns) {
+                    // Refused whatever the store holds: nothing learned.
+                    self.error("denied");
+                    return (
+                        Response::Items {
+                            status: vec![ItemStatus::Invalid; items.len()],
+                        },
+                        Vec::new(),
+                    );
+                }
                 // Invalid items are answered here; the valid ones go to
                 // the store as one batch, so their durable steps are
                 // shared (one directory fsync and index commit).
@@ -343,7 +393,20 @@ impl Conn<'_> {
                 mode,
                 lease_ttl_ms,
                 items,
-            } => return self.onboard(ns, mode, lease_ttl_ms, items),
+            } => {
+                let uid = self.who.uid;
+                if !self.sh.quotas.take(uid, Res::Onboard) {
+                    self.error("limit");
+                    let limit = self.sh.quotas.limit_of(Res::Onboard);
+                    tracing::debug!(uid, limit, "onboard refused: the uid's share is in flight");
+                    let items = items.iter().map(|_| limited_result()).collect();
+                    return (Response::Onboard { items }, Vec::new());
+                }
+                let ns = self.ns_for(&ns);
+                let out = self.onboard(ns, mode, lease_ttl_ms, items);
+                self.sh.quotas.give(uid, Res::Onboard, 1);
+                return out;
+            }
             Request::Release { leases } => {
                 let status = leases
                     .iter()
@@ -353,8 +416,10 @@ impl Conn<'_> {
                         let before = self.leases.len();
                         self.leases.retain(|x| x != l);
                         if self.leases.len() == before {
-                            ItemStatus::Absent
-                        } else if b.release(*l) {
+                            return ItemStatus::Absent;
+                        }
+                        self.sh.quotas.give(self.who.uid, Res::Lease, 1);
+                        if b.release(*l) {
                             ItemStatus::Ok
                         } else {
                             ItemStatus::Absent
@@ -363,30 +428,50 @@ impl Conn<'_> {
                     .collect();
                 Response::Items { status }
             }
-            Request::Pin { ns, ttl_ms, keys } => Response::Items {
-                status: keys
-                    .iter()
-                    .map(|k| match b.pin(&ns, k, ttl_ms) {
-                        Ok(Lookup::Hit(())) => ItemStatus::Ok,
-                        Ok(Lookup::Miss(r)) => miss_status(r),
-                        Err(e) => self.status_of(&e),
-                    })
-                    .collect(),
-            },
-            Request::Unpin { ns, keys } => Response::Items {
-                status: keys
-                    .iter()
-                    .map(|k| match b.unpin(&ns, k) {
-                        Ok(true) => ItemStatus::Ok,
-                        Ok(false) => ItemStatus::Absent,
-                        Err(e) => self.status_of(&e),
-                    })
-                    .collect(),
-            },
+            Request::Pin { ns, ttl_ms, keys } => {
+                let ns = self.ns_for(&ns);
+                let uid = self.who.uid;
+                Response::Items {
+                    status: keys
+                        .iter()
+                        .map(|k| {
+                            if !self.sh.quotas.pin(uid, &ns, k, ttl_ms) {
+                                self.error("limit");
+                                return ItemStatus::LimitReached;
+                            }
+                            let st = match b.pin(&ns, k, ttl_ms) {
+                                Ok(Lookup::Hit(())) => ItemStatus::Ok,
+                                Ok(Lookup::Miss(r)) => miss_status(r),
+                                Err(e) => self.status_of(&e),
+                            };
+                            if st != ItemStatus::Ok {
+                                self.sh.quotas.unpin(uid, &ns, k);
+                            }
+                            st
+                        })
+                        .collect(),
+                }
+            }
+            Request::Unpin { ns, keys } => {
+                let ns = self.ns_for(&ns);
+                Response::Items {
+                    status: keys
+                        .iter()
+                        .map(|k| match b.unpin(&ns, k) {
+                            Ok(true) => {
+                                self.sh.quotas.unpin(self.who.uid, &ns, k);
+                                ItemStatus::Ok
+                            }
+                            Ok(false) => ItemStatus::Absent,
+                            Err(e) => self.status_of(&e),
+                        })
+                        .collect(),
+                }
+            }
             Request::Evict { ns, keys } => Response::Items {
                 status: keys
                     .iter()
-                    .map(|k| match b.evict(&ns, k) {
+                    .map(|k| match b.evict(&self.ns_for(&ns), k) {
                         Ok(super::EvictOutcome::Evicted) => ItemStatus::Ok,
                         Ok(super::EvictOutcome::Absent) => ItemStatus::Absent,
                         Ok(super::EvictOutcome::Busy) => ItemStatus::LimitReached,
@@ -396,6 +481,7 @@ impl Conn<'_> {
             },
             Request::Stat { ns, keys } => {
                 let mut entries = Vec::with_capacity(keys.len());
+                let ns = self.ns_for(&ns);
                 for k in &keys {
                     match b.stat(&ns, k) {
                         Ok(s) => entries.push(s),
@@ -407,10 +493,21 @@ impl Conn<'_> {
                 }
                 Response::Stat { entries }
             }
+            Request::Stats if !self.who.grant.is_admin() => {
+                self.error("denied");
+                Response::Error {
+                    code: code::DENIED,
+                    message: format!(
+                        "daemon-wide stats need an admin uid (uid {} is a tenant); \
+                         see [access] admin_uids",
+                        self.who.uid
+                    ),
+                }
+            }
             Request::Stats => Response::Stats {
                 json: self.stats_json(),
             },
-            Request::List { ns, after, limit } => match b.list(ns, after, limit as usize) {
+            Request::List { ns, after, limit } => match self.list(ns, after, limit as usize) {
                 Ok(entries) => {
                     let next = if entries.len() == limit as usize {
                         entries.last().map(|e| (e.ns, e.key))
@@ -426,6 +523,51 @@ impl Conn<'_> {
             },
         };
         (resp, Vec::new())
+    }
+
+    /// The namespace a request for `ns` runs against (itself, or its decoy
+    /// when this caller may not use it).
+    fn ns_for(&self, ns: &NamespaceId) -> NamespaceId {
+        let e = self.sh.policy.effective(&self.who.grant, ns);
+        if e != *ns {
+            self.error("denied");
+        }
+        e
+    }
+
+    /// One list page. All namespaces for an admin; a tenant's listing
+    /// without a namespace walks only its own namespaces, in id order, so
+    /// the cursor pages exactly as over the whole store.
+    fn list(
+        &self,
+        ns: Option<NamespaceId>,
+        after: Option<(NamespaceId, BlockKey)>,
+        limit: usize,
+    ) -> crate::error::Result<Vec<proto::ListEntry>> {
+        let b = &self.sh.backend;
+        let Some(mine) = self.who.grant.namespaces() else {
+            return b.list(ns, after, limit);
+        };
+        if let Some(n) = ns {
+            if !mine.contains(&n) {
+                self.error("denied");
+                return Ok(Vec::new());
+            }
+            return b.list(Some(n), after, limit);
+        }
+        let mut out = Vec::new();
+        for n in mine {
+            if out.len() >= limit {
+                break;
+            }
+            let from = match after {
+                Some((an, _)) if *n < an => continue,
+                Some((an, ak)) if *n == an => Some((an, ak)),
+                _ => None,
+            };
+            out.extend(b.list(Some(*n), from, limit - out.len())?);
+        }
+        Ok(out)
     }
 
     /// Validates one offload item against the region: the block to store,
@@ -513,18 +655,26 @@ impl Conn<'_> {
                     out.push(r);
                     continue;
                 }
+                if !self.sh.quotas.take(self.who.uid, Res::Lease) {
+                    self.error("limit");
+                    r.status = ItemStatus::LimitReached;
+                    out.push(r);
+                    continue;
+                }
                 match b.lease(&ns, &it.key, lease_ttl_ms) {
                     Ok(Lookup::Hit(l)) => {
                         r.lease_id = l;
                         self.leases.push(l);
                     }
                     Ok(Lookup::Miss(reason)) => {
+                        self.sh.quotas.give(self.who.uid, Res::Lease, 1);
                         m.misses.with_label_values(&[reason_name(reason)]).inc();
                         r.status = miss_status(reason);
                         out.push(r);
                         continue;
                     }
                     Err(e) => {
+                        self.sh.quotas.give(self.who.uid, Res::Lease, 1);
                         r.status = self.status_of(&e);
                         out.push(r);
                         continue;
@@ -574,6 +724,7 @@ impl Conn<'_> {
                 Err(e) => r.status = self.status_of(&e),
             }
             if r.status != ItemStatus::Ok && r.lease_id != 0 {
+                self.sh.quotas.give(self.who.uid, Res::Lease, 1);
                 b.release(r.lease_id);
                 self.leases.retain(|x| *x != r.lease_id);
                 r.lease_id = 0;
@@ -617,6 +768,23 @@ impl Conn<'_> {
     }
 
     fn events(&mut self, id: u32) {
+        let uid = self.who.uid;
+        if !self.sh.quotas.take(uid, Res::Sub) {
+            self.error("busy");
+            let max = self.sh.quotas.limit_of(Res::Sub);
+            send_err(
+                self.fd,
+                id,
+                code::BUSY,
+                format!("uid {uid} holds its share of {max} event subscriptions"),
+            );
+            return;
+        }
+        self.subscribed(id);
+        self.sh.quotas.give(uid, Res::Sub, 1);
+    }
+
+    fn subscribed(&mut self, id: u32) {
         let Some(sub) = self.sh.bus.subscribe() else {
             self.error("busy");
             send_err(self.fd, id, code::BUSY, "too many event subscribers");
@@ -658,6 +826,10 @@ impl Conn<'_> {
                             return;
                         }
                     }
+                    // A tenant sees only its namespaces' events.
+                    if !self.who.grant.may(&ev.namespace) {
+                        continue;
+                    }
                     if !send(self.fd, &Response::Event((*ev).clone()), 0, 0, &[]) {
                         return;
                     }
@@ -693,6 +865,19 @@ impl Conn<'_> {
                 std::io::Error::last_os_error().kind(),
                 std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted
             )
+    }
+}
+
+/// The result of an onboard item refused for the caller's share.
+fn limited_result() -> OnboardResult {
+    OnboardResult {
+        status: ItemStatus::LimitReached,
+        tier: Tier::G3,
+        lease_id: 0,
+        payload_len: 0,
+        payload_blake3: [0; 32],
+        fd_index: u32::MAX,
+        file_offset: 0,
     }
 }
 

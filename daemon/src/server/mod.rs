@@ -14,12 +14,15 @@
 pub mod backend;
 mod conn;
 mod mem;
+mod quota;
 
 pub use backend::{
     Backend, BackendStats, EvictOutcome, LeaseId, OffloadBlock, ReadFile, TierStats,
 };
 pub use mem::{MemBackend, MemLimits};
+pub use quota::UidLimits;
 
+use crate::access::Policy;
 use crate::error::{Error, Result};
 use crate::events::EventBus;
 use crate::metrics::Metrics;
@@ -74,6 +77,8 @@ pub(crate) struct Shared {
     pub conns: AtomicUsize,
     pub in_flight: AtomicUsize,
     pub next_session: AtomicU64,
+    pub policy: Arc<Policy>,
+    pub quotas: quota::Quotas,
 }
 
 /// Stops a running server from another thread or a signal handler task.
@@ -116,6 +121,9 @@ pub struct SocketOptions {
 }
 
 static ACCEPT_WARN: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new(1000);
+static DENIED_WARN: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new(1000);
+
+use kvtier_client::proto::code as proto_code;
 
 impl Server {
     /// Binds the socket (replacing a stale one, refusing a live one).
@@ -183,8 +191,23 @@ impl Server {
                 conns: AtomicUsize::new(0),
                 in_flight: AtomicUsize::new(0),
                 next_session: AtomicU64::new(1),
+                policy: Arc::new(Policy::open()),
+                quotas: quota::Quotas::new(UidLimits::default()),
             }),
         })
+    }
+
+    /// Sets who may use what ([`crate::access`]) and the per-uid shares.
+    /// Call before [`Server::run`]; without it the server is single-tenant
+    /// with no per-uid shares.
+    pub fn set_access(&mut self, policy: Arc<Policy>, uid_limits: UidLimits) -> Result<()> {
+        let sh = Arc::get_mut(&mut self.shared).ok_or_else(|| Error::Config {
+            key: "server".into(),
+            problem: "access set after the server started".into(),
+        })?;
+        sh.policy = policy;
+        sh.quotas = quota::Quotas::new(uid_limits);
+        Ok(())
     }
 
     /// A handle that stops [`Server::run`].
@@ -234,9 +257,51 @@ impl Server {
 
     fn spawn(&self, s: UnixStream) {
         let _ = s.set_nonblocking(false);
+        // Who is calling: the kernel's word (SO_PEERCRED), not the client's.
+        let Some((uid, gid)) = conn::peer_cred(&s) else {
+            self.shared.metrics.errors.with_label_values(&["io"]).inc();
+            return;
+        };
+        let Some(grant) = self.shared.policy.grant(uid, gid) else {
+            self.shared
+                .metrics
+                .errors
+                .with_label_values(&["denied"])
+                .inc();
+            crate::warn_limited!(
+                DENIED_WARN,
+                "refused a client of uid {uid} gid {gid}: no tenant names it"
+            );
+            conn::refuse(
+                &s,
+                proto_code::DENIED,
+                format!(
+                    "uid {uid} (gid {gid}) is not a tenant of this daemon; \
+                     an administrator adds it under [[tenants]] in the config"
+                ),
+            );
+            return;
+        };
+        if !self.shared.quotas.take(uid, quota::Res::Conn) {
+            self.shared
+                .metrics
+                .errors
+                .with_label_values(&["busy"])
+                .inc();
+            conn::refuse(
+                &s,
+                proto_code::BUSY,
+                format!(
+                    "uid {uid} holds its share of {} connections; close some",
+                    self.shared.quotas.limit_of(quota::Res::Conn)
+                ),
+            );
+            return;
+        }
         let n = self.shared.conns.fetch_add(1, Ordering::SeqCst) + 1;
         if n > self.shared.limits.max_connections {
             self.shared.conns.fetch_sub(1, Ordering::SeqCst);
+            self.shared.quotas.give(uid, quota::Res::Conn, 1);
             self.shared
                 .metrics
                 .errors
@@ -251,12 +316,14 @@ impl Server {
             .name("kvtier-conn".into())
             .stack_size(512 << 10)
             .spawn(move || {
-                conn::serve(&shared, s);
+                conn::serve(&shared, s, conn::Caller { uid, grant });
                 shared.conns.fetch_sub(1, Ordering::SeqCst);
+                shared.quotas.give(uid, quota::Res::Conn, 1);
                 shared.metrics.connections.dec();
             });
         if spawned.is_err() {
             self.shared.conns.fetch_sub(1, Ordering::SeqCst);
+            self.shared.quotas.give(uid, quota::Res::Conn, 1);
             self.shared.metrics.connections.dec();
         }
     }

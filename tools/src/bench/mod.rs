@@ -9,6 +9,7 @@ pub mod gds;
 pub mod io;
 pub mod replay;
 pub mod replay_daemon;
+pub mod tenancy;
 
 use clap::Subcommand;
 
@@ -30,6 +31,9 @@ pub enum BenchCmd {
     Crossnode(crossnode::CrossnodeArgs),
     /// Cold reads through the FUSE mount vs the G3 files read directly.
     Fs(fs::FsArgs),
+    /// Tenant A's lookups of tenant B's prefixes vs misses (timing side
+    /// channel; Mann-Whitney and Kolmogorov-Smirnov on latency samples).
+    Tenancy(tenancy::TenancyArgs),
 }
 
 /// Runs one benchmark.
@@ -42,5 +46,6 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
         BenchCmd::Io(a) => io::run(a),
         BenchCmd::Crossnode(a) => crossnode::run(a),
         BenchCmd::Fs(a) => fs::run(a),
+        BenchCmd::Tenancy(a) => tenancy::run(a),
     }
 }

@@ -1,0 +1,176 @@
+//! Per-uid shares of the server's bounded resources, so that one local user
+//! cannot lock the others out: each uid may hold at most a share of the
+//! connections, event subscriptions, leases, pins and in-flight onboards
+//! (fetches), and what it cannot take stays free for everyone else.
+
+use kvtier_client::{BlockKey, NamespaceId};
+use std::collections::HashMap;
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+/// Per-uid bounds; `None`: unbounded per uid (only the global bounds hold).
+#[derive(Debug, Clone, Default)]
+pub struct UidLimits {
+    /// Connections one uid holds at once.
+    pub connections_per_uid_max: Option<usize>,
+    /// Event subscriptions one uid holds at once.
+    pub subscribers_per_uid_max: Option<usize>,
+    /// Onboard requests (each up to 4096 fetches) one uid has in flight.
+    pub onboards_per_uid_max: Option<usize>,
+    /// Leases one uid holds over all its connections.
+    pub leases_per_uid_max: Option<usize>,
+    /// Live pins one uid has made.
+    pub pins_per_uid_max: Option<usize>,
+    /// The backend's longest pin (a pin counts against its uid this long
+    /// at most).
+    pub pin_ttl_max_ms: u32,
+}
+
+/// A counted resource.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Res {
+    Conn = 0,
+    Sub = 1,
+    Onboard = 2,
+    Lease = 3,
+}
+
+#[derive(Default)]
+struct Use {
+    held: [usize; 4],
+    pins: HashMap<(NamespaceId, BlockKey), Instant>,
+}
+
+pub(crate) struct Quotas {
+    limits: UidLimits,
+    used: Mutex<HashMap<u32, Use>>,
+}
+
+impl Quotas {
+    pub(crate) fn new(limits: UidLimits) -> Quotas {
+        Quotas {
+            limits,
+            used: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, HashMap<u32, Use>> {
+        // Counters stay consistent under a panic elsewhere (each update is
+        // one statement), so a poisoned lock is still usable.
+        self.used.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn max(&self, r: Res) -> Option<usize> {
+        match r {
+            Res::Conn => self.limits.connections_per_uid_max,
+            Res::Sub => self.limits.subscribers_per_uid_max,
+            Res::Onboard => self.limits.onboards_per_uid_max,
+            Res::Lease => self.limits.leases_per_uid_max,
+        }
+    }
+
+    /// The bound for `r`, for error messages.
+    pub(crate) fn limit_of(&self, r: Res) -> usize {
+        self.max(r).unwrap_or(usize::MAX)
+    }
+
+    /// Takes one `r` for `uid`; false when the uid's share is used up.
+    pub(crate) fn take(&self, uid: u32, r: Res) -> bool {
+        let mut m = self.lock();
+        let u = m.entry(uid).or_default();
+        if self.max(r).is_some_and(|max| u.held[r as usize] >= max) {
+            return false;
+        }
+        u.held[r as usize] += 1;
+        true
+    }
+
+    /// Gives back `n` of `r`.
+    pub(crate) fn give(&self, uid: u32, r: Res, n: usize) {
+        let mut m = self.lock();
+        if let Some(u) = m.get_mut(&uid) {
+            u.held[r as usize] = u.held[r as usize].saturating_sub(n);
+            if u.held == [0; 4] && u.pins.is_empty() {
+                m.remove(&uid);
+            }
+        }
+    }
+
+    /// Whether `uid` may pin `key` now (a refresh of its own live pin
+    /// always may); records it on `true`.
+    pub(crate) fn pin(&self, uid: u32, ns: &NamespaceId, key: &BlockKey, ttl_ms: u32) -> bool {
+        let Some(max) = self.limits.pins_per_uid_max else {
+            return true;
+        };
+        let now = Instant::now();
+        let until = now + Duration::from_millis(u64::from(ttl_ms.min(self.limits.pin_ttl_max_ms)));
+        let mut m = self.lock();
+        let u = m.entry(uid).or_default();
+        if !u.pins.contains_key(&(*ns, *key)) && u.pins.len() >= max {
+            u.pins.retain(|_, t| *t > now);
+            if u.pins.len() >= max {
+                return false;
+            }
+        }
+        u.pins.insert((*ns, *key), until);
+        true
+    }
+
+    /// Forgets a pin (unpinned, or the pin failed).
+    pub(crate) fn unpin(&self, uid: u32, ns: &NamespaceId, key: &BlockKey) {
+        if let Some(u) = self.lock().get_mut(&uid) {
+            u.pins.remove(&(*ns, *key));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn one_uid_exhausting_its_share_leaves_others_served() {
+        let q = Quotas::new(UidLimits {
+            connections_per_uid_max: Some(2),
+            pins_per_uid_max: Some(1),
+            pin_ttl_max_ms: 60_000,
+            ..Default::default()
+        });
+        assert!(q.take(1, Res::Conn) && q.take(1, Res::Conn));
+        assert!(!q.take(1, Res::Conn));
+        assert!(q.take(2, Res::Conn));
+        q.give(1, Res::Conn, 1);
+        assert!(q.take(1, Res::Conn));
+        // Unbounded resources always succeed.
+        assert!((0..100).all(|_| q.take(1, Res::Lease)));
+        let (ns, k) = (
+            NamespaceId([1; 16]),
+            BlockKey::from_bytes(&[1; 32]).unwrap(),
+        );
+        let k2 = BlockKey::from_bytes(&[2; 32]).unwrap();
+        assert!(q.pin(1, &ns, &k, 1000));
+        assert!(q.pin(1, &ns, &k, 1000), "a refresh of its own pin");
+        assert!(!q.pin(1, &ns, &k2, 1000));
+        assert!(q.pin(2, &ns, &k2, 1000));
+        q.unpin(1, &ns, &k);
+        assert!(q.pin(1, &ns, &k2, 1000));
+    }
+
+    #[test]
+    fn expired_pins_stop_counting() {
+        let q = Quotas::new(UidLimits {
+            pins_per_uid_max: Some(1),
+            pin_ttl_max_ms: 60_000,
+            ..Default::default()
+        });
+        let ns = NamespaceId([1; 16]);
+        let (k, k2) = (
+            BlockKey::from_bytes(&[1; 32]).unwrap(),
+            BlockKey::from_bytes(&[2; 32]).unwrap(),
+        );
+        assert!(q.pin(1, &ns, &k, 1));
+        std::thread::sleep(Duration::from_millis(5));
+        assert!(q.pin(1, &ns, &k2, 1000));
+    }
+}
