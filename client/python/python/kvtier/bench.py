@@ -108,35 +108,13 @@ def batches(n: int, depth: int):
     return [(i, min(i + depth, n)) for i in range(0, n, depth)]
 
 
-def py_offload(client, ns, keys, bufs, depth):
+def timed(call, ns, keys, items, depth):
+    """Runs call(ns, keys[i:j], items[i:j]) per request of `depth` blocks;
+    returns (seconds, blocks that failed)."""
     t = time.perf_counter()
     bad = 0
     for i, j in batches(len(keys), depth):
-        bad += sum(not r for r in client.offload(ns, keys[i:j], bufs[i:j]))
-    return time.perf_counter() - t, bad
-
-
-def py_onboard(client, ns, keys, outs, depth):
-    t = time.perf_counter()
-    bad = 0
-    for i, j in batches(len(keys), depth):
-        bad += sum(not r for r in client.onboard_into(ns, keys[i:j], outs[i:j]))
-    return time.perf_counter() - t, bad
-
-
-def pool_offload(client, ns, keys, slots, depth):
-    t = time.perf_counter()
-    bad = 0
-    for i, j in batches(len(keys), depth):
-        bad += sum(not r for r in client.offload_pool(ns, keys[i:j], slots[i:j]))
-    return time.perf_counter() - t, bad
-
-
-def pool_onboard(client, ns, keys, slots, depth):
-    t = time.perf_counter()
-    bad = 0
-    for i, j in batches(len(keys), depth):
-        bad += sum(not r for r in client.onboard_pool(ns, keys[i:j], slots[i:j]))
+        bad += sum(not r for r in call(ns, keys[i:j], items[i:j]))
     return time.perf_counter() - t, bad
 
 
@@ -179,18 +157,19 @@ def main(argv=None) -> int:
         pool.array(bs)[:] = np.stack(bufs)
         slots = list(range(n))
 
-        def rust_offload(client, ns, keys, bufs, depth):
-            return _kvtier._rust_client_round(client, ns, "offload", keys, bufs, depth)
+        def rust(op):
+            return lambda ns, keys, items, depth: _kvtier._rust_client_round(client, ns, op, keys, items, depth)
 
-        def rust_onboard(client, ns, keys, outs, depth):
-            return _kvtier._rust_client_round(client, ns, "onboard", keys, outs, depth)
+        def py(call):
+            return lambda ns, keys, items, depth: timed(call, ns, keys, items, depth)
 
         paths = {
             # (client, offload, onboard, sources, destinations for an order):
             # buffer i receives block perm[i]; a pool block returns to its slot.
-            "python": (client, py_offload, py_onboard, bufs, lambda perm: outs),
-            "rust": (client, rust_offload, rust_onboard, bufs, lambda perm: outs),
-            "pool": (pclient, pool_offload, pool_onboard, slots, lambda perm: [slots[i] for i in perm]),
+            "python": (client, py(client.offload), py(client.onboard_into), bufs, lambda perm: outs),
+            "rust": (client, rust("offload"), rust("onboard"), bufs, lambda perm: outs),
+            "pool": (pclient, py(pclient.offload_pool), py(pclient.onboard_pool), slots,
+                     lambda perm: [slots[i] for i in perm]),
         }
         rounds = {p: ([], []) for p in paths}
         cold = True
@@ -204,13 +183,13 @@ def main(argv=None) -> int:
                 ns = kvtier.Namespace(f"kvtier-bench/{p}/{rnd}", layout, tenant_salt=salt)
                 tokens = np.arange(n * layout.tokens_per_block, dtype=np.uint32)
                 keys = ns.hash_chain(tokens)
-                secs, bad = off_fn(c, ns, keys, src, a.depth)
+                secs, bad = off_fn(ns, keys, src, a.depth)
                 if bad:
                     raise SystemExit(f"{p}: offload failed for {bad} blocks")
                 off = gbps(bs * n, secs)
                 cold &= drop_page_cache()
                 # Onboard in a shuffled order: destination i gets block perm[i].
-                secs, bad = on_fn(c, ns, [keys[i] for i in perm], dst(perm), a.depth)
+                secs, bad = on_fn(ns, [keys[i] for i in perm], dst(perm), a.depth)
                 if bad:
                     raise SystemExit(f"{p}: onboard missed {bad} blocks it had just stored")
                 on = gbps(bs * n, secs)
