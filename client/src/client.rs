@@ -304,16 +304,23 @@ impl Client {
         r
     }
 
-    fn open_now(&self) -> Result<Conn> {
+    /// A new connection to the daemon with the deadline on every read and
+    /// write (`op` names it in errors).
+    fn dial(&self, op: &'static str) -> Result<UnixStream> {
         let sock = &self.cfg.socket;
         let stream = UnixStream::connect(sock).map_err(|e| Error::Unavailable {
             socket: sock.clone(),
             source: e,
         })?;
         let t = Some(Duration::from_millis(self.cfg.timeout_ms.max(1)));
-        let io = |e| io_to_error(sock, "connect", self.cfg.timeout_ms, e);
+        let io = |e| io_to_error(sock, op, self.cfg.timeout_ms, e);
         stream.set_read_timeout(t).map_err(io)?;
         stream.set_write_timeout(t).map_err(io)?;
+        Ok(stream)
+    }
+
+    fn open_now(&self) -> Result<Conn> {
+        let stream = self.dial("connect")?;
         let persistent = self
             .persistent_region
             .lock()
@@ -563,15 +570,7 @@ impl Client {
 
     /// Opens a separate connection that streams KV events.
     pub fn subscribe_events(&self) -> Result<EventStream> {
-        let sock = &self.cfg.socket;
-        let stream = UnixStream::connect(sock).map_err(|e| Error::Unavailable {
-            socket: sock.clone(),
-            source: e,
-        })?;
-        let t = Some(Duration::from_millis(self.cfg.timeout_ms.max(1)));
-        let io = |e| io_to_error(sock, "subscribe", self.cfg.timeout_ms, e);
-        stream.set_read_timeout(t).map_err(io)?;
-        stream.set_write_timeout(t).map_err(io)?;
+        let stream = self.dial("subscribe")?;
         let c = Client::with_config(ClientConfig {
             region_bytes: 0,
             ..self.cfg.clone()
@@ -589,7 +588,7 @@ impl Client {
         match c.exchange(&mut conn, &Request::Subscribe, &[])?.0 {
             Response::Subscribed => Ok(EventStream {
                 sock: conn.sock,
-                socket: sock.clone(),
+                socket: self.cfg.socket.clone(),
             }),
             other => Err(unexpected(other)),
         }
