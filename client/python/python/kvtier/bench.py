@@ -4,8 +4,8 @@ the Rust client on the same blocks in the same run, and beside raw O_DIRECT.
 Method (the same for every path, so a quotient measures the path and not
 the setup): one daemon; one set of source buffers (numpy, 2 MiB by default)
 and one set of destination buffers; per round and path a fresh namespace,
-offload of all blocks in requests of --depth, the page cache dropped
-(where permitted), onboard in one shuffled order shared by all paths, then
+offload of all blocks in requests of --depth, with --drop-caches the page
+cache dropped (root), onboard in one shuffled order shared by all paths, then
 the round's blocks evicted. The paths, in alternating order each round:
 
 - python: ``Client.offload`` / ``Client.onboard_into`` called from Python;
@@ -129,6 +129,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dir", help="where to put the started daemon and the O_DIRECT baseline file")
     ap.add_argument("--kvtier", help="the kvtier CLI (default: the workspace build or $PATH)")
     ap.add_argument("--kvtierd", help="kvtierd (default: the workspace build or $PATH)")
+    ap.add_argument("--drop-caches", action="store_true",
+                    help="sync and drop the page cache before each onboard, as kvtier bench io does (root; "
+                         "slow on a busy machine, and every process there loses its cache)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     import numpy as np
@@ -187,7 +190,8 @@ def main(argv=None) -> int:
                 if bad:
                     raise SystemExit(f"{p}: offload failed for {bad} blocks")
                 off = gbps(bs * n, secs)
-                cold &= drop_page_cache()
+                if a.drop_caches:
+                    cold &= drop_page_cache()
                 # Onboard in a shuffled order: destination i gets block perm[i].
                 secs, bad = on_fn(ns, [keys[i] for i in perm], dst(perm), a.depth)
                 if bad:
@@ -237,7 +241,7 @@ def main(argv=None) -> int:
             "warmup_rounds": a.warmup,
             "clients": 1,
             "mode": "shm",
-            "cold_page_cache": cold,
+            "cold_page_cache": cold and a.drop_caches,
             "python_offload_gbps": med(py_off),
             "python_onboard_gbps": med(py_on),
             "rust_offload_gbps": med(rs_off),
