@@ -10,17 +10,20 @@ use crate::buffers::{all_blocks, Held, Place};
 use crate::client::Client;
 use crate::errors::BufferError;
 use crate::ns::{keys_from, Namespace};
-use kvtier_client::Hints;
+use kvtier_client::{Hints, OffloadBlock};
 use pyo3::prelude::*;
 use std::time::Instant;
 
-/// _rust_client_round(client, ns, op, keys, bufs, depth) -> (seconds, failed)
+/// _rust_client_round(client, ns, op, keys, bufs, depth, chain=True) -> (seconds, failed)
 ///
 /// Benchmark support (not API): runs op ("offload" or "onboard") for
 /// keys[i] / bufs[i] in requests of `depth` blocks through the Rust client
 /// under `client`; returns the wall time of the requests and how many
-/// blocks were not stored (offload) or missed (onboard).
+/// blocks were not stored (offload) or missed (onboard). chain=False
+/// offloads every block without a parent (as `kvtier bench io` does).
 #[pyfunction]
+#[pyo3(signature = (client, ns, op, keys, bufs, depth, chain=true))]
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn _rust_client_round(
     py: Python<'_>,
     client: &Client,
@@ -29,6 +32,7 @@ pub(crate) fn _rust_client_round(
     keys: &Bound<'_, PyAny>,
     bufs: &Bound<'_, PyAny>,
     depth: usize,
+    chain: bool,
 ) -> PyResult<(f64, usize)> {
     let onboard = match op {
         "offload" => false,
@@ -78,8 +82,22 @@ pub(crate) fn _rust_client_round(
                     // SAFETY: as above (read only).
                     .filter_map(|b| unsafe { b.contiguous() })
                     .collect();
-                failed += h
-                    .offload_chain(None, ks, &payloads, Hints::default())
+                let out = if chain {
+                    h.offload_chain(None, ks, &payloads, Hints::default())
+                } else {
+                    let items: Vec<OffloadBlock<'_>> = ks
+                        .iter()
+                        .zip(&payloads)
+                        .map(|(k, p)| OffloadBlock {
+                            key: *k,
+                            parent: None,
+                            payload: p,
+                            hints: Hints::default(),
+                        })
+                        .collect();
+                    h.offload(&items)
+                };
+                failed += out
                     .iter()
                     .filter(|o| **o != kvtier_client::OffloadOutcome::Stored)
                     .count();

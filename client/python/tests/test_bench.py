@@ -51,3 +51,6 @@ def test_rust_baseline_rejects_what_it_cannot_measure(daemon):
     secs, failed = _kvtier._rust_client_round(c, ns, "onboard", keys[::-1], outs, 2)
     assert failed == 0
     assert (outs[0] == 2).all() and (outs[1] == 1).all()
+    ns2 = kvtier.Namespace("bench-test-nochain", kvtier.Layout.with_block_bytes(4096))
+    _, failed = _kvtier._rust_client_round(c, ns2, "offload", ns2.hash_chain(list(range(32))), bufs, 2, chain=False)
+    assert failed == 0
