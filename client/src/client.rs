@@ -304,16 +304,23 @@ impl Client {
         r
     }
 
-    fn open_now(&self) -> Result<Conn> {
+    /// A new connection to the daemon with the deadline on every read and
+    /// write (`op` names it in errors).
+    fn dial(&self, op: &'static str) -> Result<UnixStream> {
         let sock = &self.cfg.socket;
         let stream = UnixStream::connect(sock).map_err(|e| Error::Unavailable {
             socket: sock.clone(),
             source: e,
         })?;
         let t = Some(Duration::from_millis(self.cfg.timeout_ms.max(1)));
-        let io = |e| io_to_error(sock, "connect", self.cfg.timeout_ms, e);
+        let io = |e| io_to_error(sock, op, self.cfg.timeout_ms, e);
         stream.set_read_timeout(t).map_err(io)?;
         stream.set_write_timeout(t).map_err(io)?;
+        Ok(stream)
+    }
+
+    fn open_now(&self) -> Result<Conn> {
+        let stream = self.dial("connect")?;
         let persistent = self
             .persistent_region
             .lock()
@@ -576,15 +583,7 @@ impl Client {
 
     /// Opens a separate connection that streams KV events.
     pub fn subscribe_events(&self) -> Result<EventStream> {
-        let sock = &self.cfg.socket;
-        let stream = UnixStream::connect(sock).map_err(|e| Error::Unavailable {
-            socket: sock.clone(),
-            source: e,
-        })?;
-        let t = Some(Duration::from_millis(self.cfg.timeout_ms.max(1)));
-        let io = |e| io_to_error(sock, "subscribe", self.cfg.timeout_ms, e);
-        stream.set_read_timeout(t).map_err(io)?;
-        stream.set_write_timeout(t).map_err(io)?;
+        let stream = self.dial("subscribe")?;
         let c = Client::with_config(ClientConfig {
             region_bytes: 0,
             ..self.cfg.clone()
@@ -602,7 +601,7 @@ impl Client {
         match c.exchange(&mut conn, &Request::Subscribe, &[])?.0 {
             Response::Subscribed => Ok(EventStream {
                 sock: conn.sock,
-                socket: sock.clone(),
+                socket: self.cfg.socket.clone(),
             }),
             other => Err(unexpected(other)),
         }
@@ -700,6 +699,21 @@ pub struct NsHandle<'a> {
 
 pub(crate) fn slot_bytes(payload_len: u64) -> u64 {
     HEADER_BYTES as u64 + padded_len(payload_len)
+}
+
+/// Where an shm onboard leaves each payload.
+pub(crate) enum Landing<'a, 'b> {
+    /// Copied out of the staging area into the caller's buffers, and
+    /// verified there (where the engine reads it).
+    Copy(&'a mut [&'b mut [u8]]),
+    /// Left in its pool slot and verified in place.
+    Pool(&'a Pool),
+}
+
+/// One miss per block of a call that failed as a whole.
+pub(crate) fn missed(e: &Error, n: usize) -> Vec<Onboarded> {
+    let m = Miss::from_error(e);
+    vec![Onboarded::Miss(m); n]
 }
 
 impl<'a> NsHandle<'a> {
@@ -979,19 +993,43 @@ impl<'a> NsHandle<'a> {
     }
 
     fn onboard_shm(&self, keys: &[BlockKey], bufs: &mut [&mut [u8]], slot: u64) -> Vec<Onboarded> {
-        let r = self.client.call(
+        let offsets: Vec<u64> = (0..keys.len() as u64).map(|j| j * slot).collect();
+        self.onboard_shm_at(keys, &offsets, slot, Landing::Copy(bufs))
+            .unwrap_or_else(|e| missed(&e, keys.len()))
+    }
+
+    /// One shm-mode onboard request, for the staging area and the pool
+    /// alike: the daemon places `keys[j]` (header page, then payload) in the
+    /// region at `offsets[j]`; each hit's header is validated against the
+    /// request and the reply, and its payload lands as `landing` says and
+    /// is verified (blake3) where it lands. An error (no region, a failed
+    /// call, a reply of the wrong length) is the caller's to turn into
+    /// misses.
+    pub(crate) fn onboard_shm_at(
+        &self,
+        keys: &[BlockKey],
+        offsets: &[u64],
+        slot: u64,
+        mut landing: Landing<'_, '_>,
+    ) -> Result<Vec<Onboarded>> {
+        let pool = match &landing {
+            Landing::Pool(p) => Some(*p),
+            Landing::Copy(_) => None,
+        };
+        self.client.call(
             |region| {
-                if region.is_none() {
-                    return Err(Error::Protocol {
-                        reason: "client has no shared region".into(),
-                    });
+                let region = region.ok_or_else(|| Error::Protocol {
+                    reason: "client has no shared region".into(),
+                })?;
+                if let Some(p) = pool {
+                    p.check_region(region)?;
                 }
                 let items = keys
                     .iter()
-                    .enumerate()
-                    .map(|(j, k)| OnboardItem {
+                    .zip(offsets)
+                    .map(|(k, &o)| OnboardItem {
                         key: *k,
-                        shm_offset: j as u64 * slot,
+                        shm_offset: o,
                         shm_len: slot,
                     })
                     .collect();
@@ -1011,48 +1049,62 @@ impl<'a> NsHandle<'a> {
                         reason: "onboard reply length".into(),
                     });
                 }
-                let Some(region) = region else {
-                    return Err(poisoned());
-                };
-                let mut out = Vec::with_capacity(keys.len());
-                for (j, it) in items.iter().enumerate() {
-                    if it.status != ItemStatus::Ok {
-                        out.push(Onboarded::Miss(Miss::from_status(it.status)));
-                        continue;
-                    }
-                    let off = j as u64 * slot;
-                    let mut hb = vec![0u8; HEADER_BYTES];
-                    if !region.read(off, &mut hb) {
-                        out.push(Onboarded::Miss(Miss::new(MissCause::Corrupt, "offset")));
-                        continue;
-                    }
-                    let h = match self.check_header(&hb, &keys[j], it, bufs[j].len()) {
-                        Ok(h) => h,
-                        Err(m) => {
-                            out.push(Onboarded::Miss(m));
-                            continue;
-                        }
-                    };
-                    let len = h.payload_len as usize;
-                    let dst = &mut bufs[j][..len];
-                    if !region.read(off + HEADER_BYTES as u64, dst) {
-                        out.push(Onboarded::Miss(Miss::new(MissCause::TooLarge, "region")));
-                        continue;
-                    }
-                    out.push(match h.verify_payload(dst) {
-                        Ok(()) => Onboarded::Hit {
-                            tier: it.tier,
-                            payload_len: h.payload_len,
-                        },
-                        Err(e) => Onboarded::Miss(Miss::new(MissCause::Corrupt, e.to_string())),
-                    });
-                }
-                Ok(out)
+                let region = region.ok_or_else(poisoned)?;
+                Ok(items
+                    .iter()
+                    .enumerate()
+                    .map(|(j, it)| {
+                        self.land(region, &keys[j], it, offsets[j], j, &mut landing)
+                            .unwrap_or_else(Onboarded::Miss)
+                    })
+                    .collect())
             },
-        );
-        r.unwrap_or_else(|e| {
-            let m = Miss::from_error(&e);
-            keys.iter().map(|_| Onboarded::Miss(m.clone())).collect()
+        )
+    }
+
+    /// One item of an shm onboard reply: its header checked, its payload
+    /// landed and verified.
+    fn land(
+        &self,
+        region: &Region,
+        key: &BlockKey,
+        it: &proto::OnboardResult,
+        at: u64,
+        j: usize,
+        landing: &mut Landing<'_, '_>,
+    ) -> std::result::Result<Onboarded, Miss> {
+        if it.status != ItemStatus::Ok {
+            return Err(Miss::from_status(it.status));
+        }
+        let mut hb = [0u8; HEADER_BYTES];
+        if !region.read(at, &mut hb) {
+            return Err(Miss::new(MissCause::Corrupt, "offset"));
+        }
+        let cap = match landing {
+            Landing::Copy(bufs) => bufs[j].len(),
+            Landing::Pool(_) => self.ns.layout.block_bytes() as usize,
+        };
+        let h = self.check_header(&hb, key, it, cap)?;
+        let (at, len) = (at + HEADER_BYTES as u64, h.payload_len as usize);
+        let verified = match landing {
+            Landing::Copy(bufs) => {
+                let dst = &mut bufs[j][..len];
+                if !region.read(at, dst) {
+                    return Err(Miss::new(MissCause::TooLarge, "region"));
+                }
+                h.verify_payload(dst)
+            }
+            Landing::Pool(_) => {
+                let Some(dst) = region.slice(at, len) else {
+                    return Err(Miss::new(MissCause::TooLarge, "region"));
+                };
+                h.verify_payload(dst)
+            }
+        };
+        verified.map_err(|e| Miss::new(MissCause::Corrupt, e.to_string()))?;
+        Ok(Onboarded::Hit {
+            tier: it.tier,
+            payload_len: h.payload_len,
         })
     }
 
@@ -1081,10 +1133,7 @@ impl<'a> NsHandle<'a> {
         );
         let (items, fds) = match r {
             Ok(x) => x,
-            Err(e) => {
-                let m = Miss::from_error(&e);
-                return keys.iter().map(|_| Onboarded::Miss(m.clone())).collect();
-            }
+            Err(e) => return missed(&e, keys.len()),
         };
         let files: Vec<std::fs::File> = fds.into_iter().map(std::fs::File::from).collect();
         let mut out = Vec::with_capacity(keys.len());
@@ -1176,22 +1225,7 @@ impl<'a> NsHandle<'a> {
 
     /// Metadata of keys.
     pub fn stat(&self, keys: &[BlockKey]) -> Result<Vec<Option<BlockStat>>> {
-        let mut out = Vec::with_capacity(keys.len());
-        for part in keys.chunks(KEYS_MAX) {
-            out.extend(self.client.call(
-                |_| {
-                    Ok(Request::Stat {
-                        ns: self.id,
-                        keys: part.to_vec(),
-                    })
-                },
-                |_, r, _| match r {
-                    Response::Stat { entries } if entries.len() == part.len() => Ok(entries),
-                    other => Err(unexpected(other)),
-                },
-            )?);
-        }
-        Ok(out)
+        self.client.stat_ids(self.id, keys)
     }
 }
 

@@ -41,6 +41,68 @@ impl BlockSpans {
     pub(crate) fn len(&self) -> usize {
         self.spans.iter().map(|s| s.len).sum()
     }
+
+    /// The block's one host span as a slice (None for a segmented block).
+    ///
+    /// # Safety
+    /// The span must be a live host view of `len` bytes (held by a `Held`
+    /// for the whole call) that nothing else writes meanwhile.
+    pub(crate) unsafe fn contiguous(&self) -> Option<&[u8]> {
+        match self.spans.as_slice() {
+            // SAFETY: per this function's contract.
+            [s] => Some(unsafe { std::slice::from_raw_parts(s.ptr as *const u8, s.len) }),
+            _ => None,
+        }
+    }
+
+    /// As [`Self::contiguous`], writable.
+    ///
+    /// # Safety
+    /// As for `contiguous`, and the view must be writable and distinct from
+    /// every other buffer of the call (the caller's promise, as in C).
+    #[allow(clippy::mut_from_ref)]
+    pub(crate) unsafe fn contiguous_mut(&self) -> Option<&mut [u8]> {
+        match self.spans.as_slice() {
+            // SAFETY: per this function's contract.
+            [s] => Some(unsafe { std::slice::from_raw_parts_mut(s.ptr as *mut u8, s.len) }),
+            _ => None,
+        }
+    }
+
+    /// Pairs each segment, in payload order, with its part of `flat` (the
+    /// block laid out contiguously, `self.len()` bytes) and runs `f` on
+    /// each pair: the one loop behind every gather and scatter (host
+    /// memcpy or a CUDA copy).
+    pub(crate) fn each_segment<E>(
+        &self,
+        flat: &mut [u8],
+        mut f: impl FnMut(Span, &mut [u8]) -> Result<(), E>,
+    ) -> Result<(), E> {
+        let mut off = 0;
+        for &s in &self.spans {
+            f(s, &mut flat[off..off + s.len])?;
+            off += s.len;
+        }
+        Ok(())
+    }
+}
+
+impl Span {
+    /// # Safety
+    /// A live host view of `len` bytes, held for the call.
+    pub(crate) unsafe fn host(&self) -> &[u8] {
+        // SAFETY: per this function's contract.
+        unsafe { std::slice::from_raw_parts(self.ptr as *const u8, self.len) }
+    }
+
+    /// # Safety
+    /// A live, writable host view of `len` bytes, held for the call, that
+    /// nothing else reads or writes meanwhile.
+    #[allow(clippy::mut_from_ref)]
+    pub(crate) unsafe fn host_mut(&self) -> &mut [u8] {
+        // SAFETY: per this function's contract.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr as *mut u8, self.len) }
+    }
 }
 
 #[repr(C)]

@@ -8,7 +8,7 @@ use crate::ns::{keys_from, Namespace};
 use crate::results::{BlockResult, Lookup};
 use kvtier_client::proto::ItemStatus;
 use kvtier_client::{
-    BlockKey, Client as RsClient, ClientConfig, EventStream, Hints, OffloadBlock, Pool as RsPool,
+    BlockKey, Client as RsClient, ClientConfig, EventStream, Hints, NsHandle, Pool as RsPool,
     PoolBlock,
 };
 use pyo3::prelude::*;
@@ -95,31 +95,6 @@ fn status_name(s: ItemStatus) -> String {
     out
 }
 
-/// Raw spans cross into the GIL-free closure as plain integers; the views
-/// they point into are held by a `Held` on the caller's stack.
-struct Blocks(Vec<BlockSpans>);
-
-impl Blocks {
-    /// The payload of block `i`: its one span, or its segments gathered.
-    fn payload<'a>(&'a self, i: usize, scratch: &'a mut Vec<u8>) -> &'a [u8] {
-        let b = &self.0[i];
-        if b.spans.len() == 1 {
-            let s = b.spans[0];
-            // SAFETY: the span is a live, exported view of s.len bytes
-            // (held until the call returns).
-            return unsafe { std::slice::from_raw_parts(s.ptr as *const u8, s.len) };
-        }
-        scratch.clear();
-        for s in &b.spans {
-            // SAFETY: as above.
-            scratch.extend_from_slice(unsafe {
-                std::slice::from_raw_parts(s.ptr as *const u8, s.len)
-            });
-        }
-        scratch
-    }
-}
-
 impl Client {
     /// The client for this process: a child after fork() gets a fresh one
     /// (the parent's socket and region stay the parent's).
@@ -162,6 +137,37 @@ impl Client {
             .detach(move || op(&c.namespace(&nsr), &keys))
             .map_err(from_client)?;
         Ok(r.into_iter().map(status_name).collect())
+    }
+
+    /// The shape offload and onboard_into share: keys and buffers checked
+    /// and their views held before anything is sent (misuse raises), device
+    /// buffers routed to gpu.rs, host buffers handed to `host` without the
+    /// GIL as raw spans (plain integers; the views stay held on this
+    /// stack until the call returns).
+    #[allow(clippy::too_many_arguments)]
+    fn data_call<R: Send>(
+        &self,
+        py: Python<'_>,
+        ns: &Namespace,
+        keys: &Bound<'_, PyAny>,
+        bufs: &Bound<'_, PyAny>,
+        writable: bool,
+        device: impl FnOnce(&[BlockKey], &[BlockSpans]) -> PyResult<Vec<BlockResult>>,
+        host: impl FnOnce(&NsHandle<'_>, &[BlockKey], &[BlockSpans]) -> Vec<R> + Send,
+        result: fn(&R) -> BlockResult,
+    ) -> PyResult<Vec<BlockResult>> {
+        let keys = keys_from(keys)?;
+        let bb = ns.inner.layout.block_bytes() as usize;
+        let mut held = Held::default();
+        let blocks = all_blocks(bufs, writable, bb, keys.len(), &mut held)?;
+        if blocks.iter().any(|b| b.place != Place::Host) {
+            return device(&keys, &blocks);
+        }
+        let c = self.inner()?;
+        let nsr = ns.inner.clone();
+        let out = py.detach(|| host(&c.namespace(&nsr), &keys, &blocks));
+        drop(held);
+        Ok(out.iter().map(result).collect())
     }
 }
 
@@ -249,51 +255,43 @@ impl Client {
         ephemeral: bool,
         expected_reuse: u16,
     ) -> PyResult<Vec<BlockResult>> {
-        let keys = keys_from(keys)?;
         let parent = parent.map(crate::ns::key_from).transpose()?;
-        let bb = ns.inner.layout.block_bytes() as usize;
-        let mut held = Held::default();
-        let blocks = all_blocks(bufs, false, bb, keys.len(), &mut held)?;
-        if blocks.iter().any(|b| b.place != Place::Host) {
-            return crate::gpu::offload_device(
-                py,
-                self,
-                ns,
-                &keys,
-                parent,
-                &blocks,
-                hints(priority, pinned, ephemeral, expected_reuse),
-            );
-        }
-        let c = self.inner()?;
-        let nsr = ns.inner.clone();
         let h = hints(priority, pinned, ephemeral, expected_reuse);
-        let blocks = Blocks(blocks);
-        let out = py.detach(move || {
-            let mut scratch: Vec<Vec<u8>> = vec![Vec::new(); blocks.0.len()];
-            let mut payloads: Vec<&[u8]> = Vec::with_capacity(blocks.0.len());
-            for (i, s) in scratch.iter_mut().enumerate() {
-                payloads.push(blocks.payload(i, s));
-            }
-            let mut p = parent;
-            let items: Vec<OffloadBlock<'_>> = keys
-                .iter()
-                .zip(&payloads)
-                .map(|(k, pl)| {
-                    let b = OffloadBlock {
-                        key: *k,
-                        parent: p,
-                        payload: pl,
-                        hints: h,
-                    };
-                    p = Some(*k);
-                    b
-                })
-                .collect();
-            c.namespace(&nsr).offload(&items)
-        });
-        drop(held);
-        Ok(out.iter().map(BlockResult::offloaded).collect())
+        self.data_call(
+            py,
+            ns,
+            keys,
+            bufs,
+            false,
+            |keys, blocks| crate::gpu::offload_device(py, self, ns, keys, parent, blocks, h),
+            |nsh, keys, blocks| {
+                // A segmented block is gathered into one contiguous copy
+                // (the client's copy into the region follows); a contiguous
+                // block is read where it lies.
+                let gathered: Vec<Vec<u8>> = blocks
+                    .iter()
+                    .map(|b| match b.spans.len() {
+                        1 => Vec::new(),
+                        _ => {
+                            let mut g = Vec::with_capacity(b.len());
+                            for s in &b.spans {
+                                // SAFETY: live host views held by data_call.
+                                g.extend_from_slice(unsafe { s.host() });
+                            }
+                            g
+                        }
+                    })
+                    .collect();
+                let payloads: Vec<&[u8]> = blocks
+                    .iter()
+                    .zip(&gathered)
+                    // SAFETY: as above.
+                    .map(|(b, g)| unsafe { b.contiguous() }.unwrap_or(g))
+                    .collect();
+                nsh.offload_chain(parent, keys, &payloads, h)
+            },
+            BlockResult::offloaded,
+        )
     }
 
     /// onboard_into(ns, keys, bufs) -> list[BlockResult]
@@ -309,53 +307,47 @@ impl Client {
         keys: &Bound<'_, PyAny>,
         bufs: &Bound<'_, PyAny>,
     ) -> PyResult<Vec<BlockResult>> {
-        let keys = keys_from(keys)?;
-        let bb = ns.inner.layout.block_bytes() as usize;
-        let mut held = Held::default();
-        let blocks = all_blocks(bufs, true, bb, keys.len(), &mut held)?;
-        if blocks.iter().any(|b| b.place != Place::Host) {
-            return crate::gpu::onboard_device(py, self, ns, &keys, &blocks);
-        }
-        let c = self.inner()?;
-        let nsr = ns.inner.clone();
-        let blocks = Blocks(blocks);
-        let out = py.detach(move || {
-            let segmented: Vec<bool> = blocks.0.iter().map(|b| b.spans.len() > 1).collect();
-            let mut scratch: Vec<Vec<u8>> = segmented
-                .iter()
-                .map(|&s| if s { vec![0u8; bb] } else { Vec::new() })
-                .collect();
-            let mut dsts: Vec<&mut [u8]> = Vec::with_capacity(blocks.0.len());
-            for (b, s) in blocks.0.iter().zip(scratch.iter_mut()) {
-                if b.spans.len() == 1 {
-                    let sp = b.spans[0];
-                    // SAFETY: a live, writable, exported view of sp.len
-                    // bytes, held until the call returns; distinct
-                    // buffers are the caller's promise, as in C.
-                    dsts.push(unsafe { std::slice::from_raw_parts_mut(sp.ptr as *mut u8, sp.len) });
-                } else {
-                    dsts.push(s.as_mut_slice());
+        self.data_call(
+            py,
+            ns,
+            keys,
+            bufs,
+            true,
+            |keys, blocks| crate::gpu::onboard_device(py, self, ns, keys, blocks),
+            |nsh, keys, blocks| {
+                // A segmented block lands in a contiguous scratch copy of
+                // the client's own, is verified there, then scattered.
+                let mut scratch: Vec<Vec<u8>> = blocks
+                    .iter()
+                    .map(|b| match b.spans.len() {
+                        1 => Vec::new(),
+                        _ => vec![0u8; b.len()],
+                    })
+                    .collect();
+                let res = {
+                    let mut dsts: Vec<&mut [u8]> = blocks
+                        .iter()
+                        .zip(scratch.iter_mut())
+                        // SAFETY: live, writable host views held by
+                        // data_call; distinct buffers are the caller's
+                        // promise, as in C.
+                        .map(|(b, s)| unsafe { b.contiguous_mut() }.unwrap_or(s))
+                        .collect();
+                    nsh.onboard_into(keys, &mut dsts)
+                };
+                for ((b, s), r) in blocks.iter().zip(&mut scratch).zip(&res) {
+                    if !s.is_empty() && r.is_hit() {
+                        let _ = b.each_segment(s, |sp, part| {
+                            // SAFETY: as above.
+                            unsafe { sp.host_mut() }.copy_from_slice(part);
+                            Ok::<(), std::convert::Infallible>(())
+                        });
+                    }
                 }
-            }
-            let res = c.namespace(&nsr).onboard_into(&keys, &mut dsts);
-            drop(dsts);
-            // Scatter verified bytes into the segments of segmented blocks.
-            for (i, r) in res.iter().enumerate() {
-                if !segmented[i] || !r.is_hit() {
-                    continue;
-                }
-                let mut off = 0;
-                for sp in &blocks.0[i].spans {
-                    // SAFETY: as above.
-                    let d = unsafe { std::slice::from_raw_parts_mut(sp.ptr as *mut u8, sp.len) };
-                    d.copy_from_slice(&scratch[i][off..off + sp.len]);
-                    off += sp.len;
-                }
-            }
-            res
-        });
-        drop(held);
-        Ok(out.iter().map(BlockResult::onboarded).collect())
+                res
+            },
+            BlockResult::onboarded,
+        )
     }
 
     /// pin(ns, keys, ttl_ms=600000) -> list[str]

@@ -7,12 +7,13 @@
 //! every CUDA call). Without a CUDA driver the call raises
 //! kvtier.DeviceError naming what is missing.
 
-use crate::buffers::{BlockSpans, Place};
+use crate::buffers::{BlockSpans, Place, Span};
 use crate::client::Client;
 use crate::errors::DeviceError;
 use crate::ns::Namespace;
 use crate::results::BlockResult;
-use kvtier_client::{BlockKey, Hints, OffloadBlock};
+use kvtier_client::{BlockKey, Hints, NsHandle};
+use kvtier_gds::cuda::Gpu;
 use pyo3::prelude::*;
 use std::sync::{Arc, Mutex};
 
@@ -45,9 +46,9 @@ fn ordinal(blocks: &[BlockSpans]) -> u32 {
 /// costs milliseconds; a call must not pay it per block).
 static BOUNCE: Mutex<Option<kvtier_gds::cuda::PinnedBuf>> = Mutex::new(None);
 /// Opened GPUs by ordinal.
-static GPUS: Mutex<Vec<(u32, Arc<kvtier_gds::cuda::Gpu>)>> = Mutex::new(Vec::new());
+static GPUS: Mutex<Vec<(u32, Arc<Gpu>)>> = Mutex::new(Vec::new());
 
-fn open_gpu(op: &str, blocks: &[BlockSpans]) -> PyResult<Arc<kvtier_gds::cuda::Gpu>> {
+fn open_gpu(op: &str, blocks: &[BlockSpans]) -> PyResult<Arc<Gpu>> {
     let ord = ordinal(blocks);
     let mut g = GPUS
         .lock()
@@ -66,15 +67,15 @@ fn open_gpu(op: &str, blocks: &[BlockSpans]) -> PyResult<Arc<kvtier_gds::cuda::G
             .unwrap_or(-1);
         return Err(device_unavailable(op, dev));
     }
-    let gpu = kvtier_gds::cuda::Gpu::open(ord)
-        .map_err(|e| DeviceError::new_err(format!("{op}: opening the GPU: {e}")))?;
+    let gpu =
+        Gpu::open(ord).map_err(|e| DeviceError::new_err(format!("{op}: opening the GPU: {e}")))?;
     g.push((ord, gpu.clone()));
     Ok(gpu)
 }
 
 /// Runs `f` with a pinned bounce buffer of at least `len` bytes.
 fn with_bounce<T>(
-    gpu: &Arc<kvtier_gds::cuda::Gpu>,
+    gpu: &Arc<Gpu>,
     len: usize,
     f: impl FnOnce(&mut kvtier_gds::cuda::PinnedBuf) -> Result<T, String>,
 ) -> Result<T, String> {
@@ -91,6 +92,58 @@ fn with_bounce<T>(
     f(b)
 }
 
+/// The shape both device calls share: one call takes host or device
+/// buffers, not both; the GPU is opened; `f` gets the client's namespace
+/// handle, the block size and the pinned bounce buffer for the whole
+/// batch (block i at i * block_bytes), without the GIL.
+fn through_bounce(
+    py: Python<'_>,
+    client: &Client,
+    ns: &Namespace,
+    op: &str,
+    blocks: &[BlockSpans],
+    f: impl FnOnce(&Gpu, &NsHandle<'_>, usize, &mut [u8]) -> Result<Vec<BlockResult>, String> + Send,
+) -> PyResult<Vec<BlockResult>> {
+    if blocks.iter().any(|b| b.place == Place::Host) {
+        return Err(DeviceError::new_err(format!(
+            "{op}: one call takes either host or device buffers, not both"
+        )));
+    }
+    let gpu = open_gpu(op, blocks)?;
+    let c = client.inner()?;
+    let nsr = ns.inner.clone();
+    let bb = nsr.layout.block_bytes() as usize;
+    let len = bb * blocks.len();
+    let r = py.detach(|| {
+        with_bounce(&gpu, len.max(1), |bounce| {
+            f(
+                &gpu,
+                &c.namespace(&nsr),
+                bb,
+                &mut bounce.as_mut_slice()[..len],
+            )
+        })
+    });
+    r.map_err(|e| DeviceError::new_err(format!("{op}: {e}")))
+}
+
+/// Runs one CUDA copy `mv` per segment of each block `pick` selects,
+/// paired with its bytes in the bounce buffer `host` (blocks of `bb`).
+fn each_device_segment(
+    blocks: &[BlockSpans],
+    bb: usize,
+    host: &mut [u8],
+    pick: impl Fn(usize) -> bool,
+    mut mv: impl FnMut(Span, &mut [u8]) -> kvtier_gds::Result<()>,
+) -> Result<(), String> {
+    for (i, (b, flat)) in blocks.iter().zip(host.chunks_mut(bb.max(1))).enumerate() {
+        if pick(i) {
+            b.each_segment(flat, &mut mv).map_err(|e| e.to_string())?;
+        }
+    }
+    Ok(())
+}
+
 /// Onboards into device buffers through a pinned bounce buffer: one
 /// onboard of the whole batch into it, then one copy per segment.
 pub(crate) fn onboard_device(
@@ -100,45 +153,29 @@ pub(crate) fn onboard_device(
     keys: &[BlockKey],
     blocks: &[BlockSpans],
 ) -> PyResult<Vec<BlockResult>> {
-    if blocks.iter().any(|b| b.place == Place::Host) {
-        return Err(DeviceError::new_err(
-            "onboard_into: one call takes either host or device buffers, not both",
-        ));
-    }
-    let gpu = open_gpu("onboard_into", blocks)?;
-    let c = client.inner()?;
-    let nsr = ns.inner.clone();
-    let bb = nsr.layout.block_bytes() as usize;
-    let blocks = blocks.to_vec();
-    let keys = keys.to_vec();
-    let r: Result<Vec<BlockResult>, String> = py.detach(move || {
-        with_bounce(&gpu, bb * keys.len().max(1), |bounce| {
+    through_bounce(
+        py,
+        client,
+        ns,
+        "onboard_into",
+        blocks,
+        |gpu, h, bb, host| {
             let res = {
-                let mut dsts: Vec<&mut [u8]> = bounce.as_mut_slice()[..bb * keys.len()]
-                    .chunks_mut(bb)
-                    .collect();
-                c.namespace(&nsr).onboard_into(&keys, &mut dsts)
+                let mut dsts: Vec<&mut [u8]> = host.chunks_mut(bb.max(1)).collect();
+                h.onboard_into(keys, &mut dsts)
             };
-            let host = bounce.as_slice();
-            for (i, (r, b)) in res.iter().zip(&blocks).enumerate() {
-                if !r.is_hit() {
-                    continue;
-                }
-                let mut off = i * bb;
-                for s in &b.spans {
-                    // SAFETY: the caller's device span of s.len bytes, kept
-                    // alive by the held export for this call.
-                    unsafe {
-                        kvtier_gds::cuda::copy_htod_raw(&gpu, s.ptr as u64, &host[off..off + s.len])
-                    }
-                    .map_err(|e| e.to_string())?;
-                    off += s.len;
-                }
-            }
+            each_device_segment(
+                blocks,
+                bb,
+                host,
+                |i| res[i].is_hit(),
+                // SAFETY: the caller's device span of s.len bytes, kept alive by
+                // the held export for this call.
+                |s, part| unsafe { kvtier_gds::cuda::copy_htod_raw(gpu, s.ptr as u64, part) },
+            )?;
             Ok(res.iter().map(BlockResult::onboarded).collect())
-        })
-    });
-    r.map_err(|e| DeviceError::new_err(format!("onboard_into: {e}")))
+        },
+    )
 }
 
 /// Offloads from device buffers through a pinned bounce buffer: one copy
@@ -152,57 +189,19 @@ pub(crate) fn offload_device(
     blocks: &[BlockSpans],
     hints: Hints,
 ) -> PyResult<Vec<BlockResult>> {
-    if blocks.iter().any(|b| b.place == Place::Host) {
-        return Err(DeviceError::new_err(
-            "offload: one call takes either host or device buffers, not both",
-        ));
-    }
-    let gpu = open_gpu("offload", blocks)?;
-    let c = client.inner()?;
-    let nsr = ns.inner.clone();
-    let bb = nsr.layout.block_bytes() as usize;
-    let blocks = blocks.to_vec();
-    let keys = keys.to_vec();
-    let r: Result<Vec<BlockResult>, String> = py.detach(move || {
-        with_bounce(&gpu, bb * keys.len().max(1), |bounce| {
-            let host = bounce.as_mut_slice();
-            for (i, b) in blocks.iter().enumerate() {
-                let mut off = i * bb;
-                for s in &b.spans {
-                    // SAFETY: as in onboard_device.
-                    unsafe {
-                        kvtier_gds::cuda::copy_dtoh_raw(
-                            &gpu,
-                            s.ptr as u64,
-                            &mut host[off..off + s.len],
-                        )
-                    }
-                    .map_err(|e| e.to_string())?;
-                    off += s.len;
-                }
-            }
-            let host = bounce.as_slice();
-            let mut p = parent;
-            let items: Vec<OffloadBlock<'_>> = keys
-                .iter()
-                .enumerate()
-                .map(|(i, k)| {
-                    let it = OffloadBlock {
-                        key: *k,
-                        parent: p,
-                        payload: &host[i * bb..(i + 1) * bb],
-                        hints,
-                    };
-                    p = Some(*k);
-                    it
-                })
-                .collect();
-            Ok(c.namespace(&nsr)
-                .offload(&items)
-                .iter()
-                .map(BlockResult::offloaded)
-                .collect())
-        })
-    });
-    r.map_err(|e| DeviceError::new_err(format!("offload: {e}")))
+    through_bounce(py, client, ns, "offload", blocks, |gpu, h, bb, host| {
+        each_device_segment(
+            blocks,
+            bb,
+            host,
+            |_| true,
+            // SAFETY: as in onboard_device.
+            |s, part| unsafe { kvtier_gds::cuda::copy_dtoh_raw(gpu, s.ptr as u64, part) },
+        )?;
+        let payloads: Vec<&[u8]> = host.chunks(bb.max(1)).collect();
+        Ok(h.offload_chain(parent, keys, &payloads, hints)
+            .iter()
+            .map(BlockResult::offloaded)
+            .collect())
+    })
 }

@@ -6,6 +6,7 @@
 //! daemon or copies bytes; a miss is a value with a reason; misuse raises a
 //! `kvtier.Error` subclass before anything is sent.
 
+mod baseline;
 mod buffers;
 mod client;
 mod errors;
@@ -29,6 +30,7 @@ fn _kvtier(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("BLOCK_BYTES_MAX", kvtier_client::block::PAYLOAD_BYTES_MAX)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(default_socket, m)?)?;
+    m.add_function(wrap_pyfunction!(baseline::_rust_client_round, m)?)?;
     Ok(())
 }
 

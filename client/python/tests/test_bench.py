@@ -11,7 +11,7 @@ from conftest import kvtierd_bin
 def test_bench_json_contract():
     r = subprocess.run(
         [sys.executable, "-m", "kvtier.bench", "--json", "--block-size", "64KiB", "--blocks", "4",
-         "--depth", "2", "--rounds", "2", "--kvtierd", kvtierd_bin()],
+         "--depth", "2", "--rounds", "2", "--warmup", "1", "--kvtierd", kvtierd_bin()],
         capture_output=True, text=True, timeout=300,
     )
     assert r.returncode == 0, r.stderr
@@ -21,4 +21,36 @@ def test_bench_json_contract():
               "pool_onboard_gbps_vs_baseline", "pool_offload_gbps_vs_baseline"):
         assert isinstance(doc[k], float) and doc[k] > 0, (k, doc.get("note"))
     assert len(doc["python_onboard_gbps_rounds"]) == 2
+    # The Rust client ran the same requests in the same rounds (warm-up not counted).
+    for k in ("rust_onboard_gbps_rounds", "rust_offload_gbps_rounds", "python_pool_offload_gbps_rounds"):
+        assert len(doc[k]) == 2 and all(x > 0 for x in doc[k]), k
+    for k in ("offload_paired_gbps_vs_baseline", "onboard_paired_gbps_vs_baseline",
+              "offload_rust_cli_gbps_vs_baseline", "onboard_rust_cli_gbps_vs_baseline"):
+        assert isinstance(doc[k], float) and doc[k] > 0, k
     assert all(k.endswith("_vs_baseline") or "vs_baseline" not in k for k in doc)
+
+
+def test_rust_baseline_rejects_what_it_cannot_measure(daemon):
+    import numpy as np
+    import pytest
+
+    import kvtier
+    from kvtier import _kvtier
+
+    c = kvtier.Client(socket=daemon.socket)
+    ns = kvtier.Namespace("bench-test", kvtier.Layout.with_block_bytes(4096))
+    keys = ns.hash_chain(list(range(32)))
+    bufs = [np.full(4096, i + 1, np.uint8) for i in range(2)]
+    with pytest.raises(kvtier.BufferError, match="op"):
+        _kvtier._rust_client_round(c, ns, "fetch", keys, bufs, 2)
+    with pytest.raises(kvtier.BufferError, match="contiguous host"):
+        _kvtier._rust_client_round(c, ns, "offload", keys, [[b[:2048], b[2048:]] for b in bufs], 2)
+    secs, failed = _kvtier._rust_client_round(c, ns, "offload", keys, bufs, 1)
+    assert failed == 0 and secs > 0
+    outs = [np.zeros(4096, np.uint8) for _ in range(2)]
+    secs, failed = _kvtier._rust_client_round(c, ns, "onboard", keys[::-1], outs, 2)
+    assert failed == 0
+    assert (outs[0] == 2).all() and (outs[1] == 1).all()
+    ns2 = kvtier.Namespace("bench-test-nochain", kvtier.Layout.with_block_bytes(4096))
+    _, failed = _kvtier._rust_client_round(c, ns2, "offload", ns2.hash_chain(list(range(32))), bufs, 2, chain=False)
+    assert failed == 0

@@ -16,14 +16,12 @@
 //! refuses a mismatch; an onboarded payload is verified in the pool, where
 //! the engine will read it.
 
-use super::{now_ms, poisoned, slot_bytes, unexpected, Client, Miss, MissCause, NsHandle};
-use super::{OffloadOutcome, Onboarded};
+use super::{missed, now_ms, poisoned, slot_bytes, unexpected, Client, Miss, MissCause, NsHandle};
+use super::{Landing, OffloadOutcome, Onboarded};
 use crate::block::{BlockHeader, HEADER_BYTES};
 use crate::error::{Error, Result};
 use crate::key::BlockKey;
-use crate::proto::{
-    ItemStatus, OffloadItem, OnboardItem, OnboardMode, Request, Response, KEYS_MAX,
-};
+use crate::proto::{ItemStatus, OffloadItem, Request, Response, KEYS_MAX};
 use crate::shm::Region;
 use crate::types::Hints;
 use std::path::PathBuf;
@@ -84,8 +82,16 @@ impl Pool {
             .unwrap_or(std::ptr::null_mut())
     }
 
-    fn same_region(&self, r: &Region) -> bool {
-        std::ptr::eq(Arc::as_ptr(&self.region), r as *const Region)
+    /// Refuses a region other than the pool's own (a pool of another
+    /// client, or of this one before a re-made region).
+    pub(super) fn check_region(&self, r: &Region) -> Result<()> {
+        if std::ptr::eq(Arc::as_ptr(&self.region), r as *const Region) {
+            Ok(())
+        } else {
+            Err(Error::Protocol {
+                reason: "the pool is not this client's".into(),
+            })
+        }
     }
 
     fn payload_range(&self, slot_offset: u64, block_bytes: u64) -> Option<u64> {
@@ -156,11 +162,7 @@ impl NsHandle<'_> {
             let r = self.client.call(
                 |region| {
                     let region = region.ok_or_else(poisoned)?;
-                    if !pool.same_region(region) {
-                        return Err(Error::Protocol {
-                            reason: "the pool is not this client's".into(),
-                        });
-                    }
+                    pool.check_region(region)?;
                     let created = now_ms();
                     let mut items = Vec::with_capacity(batch.len());
                     for (j, b) in batch.iter().enumerate() {
@@ -231,101 +233,36 @@ impl NsHandle<'_> {
         let slot = slot_bytes(bb);
         let n = keys.len().min(slot_offsets.len());
         let mut out = Vec::with_capacity(keys.len());
-        let mut i = 0;
-        while i < n {
-            let end = (i + KEYS_MAX).min(n);
-            let ks = &keys[i..end];
-            let offs = &slot_offsets[i..end];
+        for (ks, offs) in keys[..n]
+            .chunks(KEYS_MAX)
+            .zip(slot_offsets[..n].chunks(KEYS_MAX))
+        {
+            // Slots outside the pool are misses here; the rest go in one
+            // request, in order.
             let at: Vec<Option<u64>> = offs.iter().map(|&o| pool.payload_range(o, bb)).collect();
-            let r = self.client.call(
-                |region| {
-                    let region = region.ok_or_else(poisoned)?;
-                    if !pool.same_region(region) {
-                        return Err(Error::Protocol {
-                            reason: "the pool is not this client's".into(),
-                        });
+            let (good, good_at): (Vec<BlockKey>, Vec<u64>) = ks
+                .iter()
+                .zip(&at)
+                .filter_map(|(k, a)| a.map(|a| (*k, a)))
+                .unzip();
+            let got = if good.is_empty() {
+                Vec::new()
+            } else {
+                self.onboard_shm_at(&good, &good_at, slot, Landing::Pool(pool))
+                    .unwrap_or_else(|e| missed(&e, good.len()))
+            };
+            let mut got = got.into_iter();
+            for a in &at {
+                out.push(match a {
+                    // One result per good slot (onboard_shm_at's promise).
+                    Some(_) => got.next().unwrap_or_else(|| {
+                        Onboarded::Miss(Miss::new(MissCause::Refused, "onboard reply length"))
+                    }),
+                    None => {
+                        Onboarded::Miss(Miss::new(MissCause::TooLarge, "slot outside the pool"))
                     }
-                    let items = ks
-                        .iter()
-                        .zip(&at)
-                        .filter_map(|(k, a)| {
-                            a.map(|a| OnboardItem {
-                                key: *k,
-                                shm_offset: a,
-                                shm_len: slot,
-                            })
-                        })
-                        .collect();
-                    Ok(Request::Onboard {
-                        ns: self.id,
-                        mode: OnboardMode::Shm,
-                        lease_ttl_ms: 0,
-                        items,
-                    })
-                },
-                |region, r, _| {
-                    let Response::Onboard { items } = r else {
-                        return Err(unexpected(r));
-                    };
-                    let region = region.ok_or_else(poisoned)?;
-                    let mut it = items.iter();
-                    let mut res = Vec::with_capacity(ks.len());
-                    for (k, a) in ks.iter().zip(&at) {
-                        let Some(a) = a else {
-                            res.push(Onboarded::Miss(Miss::new(
-                                MissCause::TooLarge,
-                                "slot outside the pool",
-                            )));
-                            continue;
-                        };
-                        let Some(item) = it.next() else {
-                            res.push(Onboarded::Miss(Miss::new(
-                                MissCause::Refused,
-                                "onboard reply length",
-                            )));
-                            continue;
-                        };
-                        if item.status != ItemStatus::Ok {
-                            res.push(Onboarded::Miss(Miss::from_status(item.status)));
-                            continue;
-                        }
-                        let mut hb = vec![0u8; HEADER_BYTES];
-                        if !region.read(*a, &mut hb) {
-                            res.push(Onboarded::Miss(Miss::new(MissCause::Corrupt, "offset")));
-                            continue;
-                        }
-                        let h = match self.check_header(&hb, k, item, bb as usize) {
-                            Ok(h) => h,
-                            Err(m) => {
-                                res.push(Onboarded::Miss(m));
-                                continue;
-                            }
-                        };
-                        let Some(dst) =
-                            region.slice(*a + HEADER_BYTES as u64, h.payload_len as usize)
-                        else {
-                            res.push(Onboarded::Miss(Miss::new(MissCause::TooLarge, "region")));
-                            continue;
-                        };
-                        res.push(match h.verify_payload(dst) {
-                            Ok(()) => Onboarded::Hit {
-                                tier: item.tier,
-                                payload_len: h.payload_len,
-                            },
-                            Err(e) => Onboarded::Miss(Miss::new(MissCause::Corrupt, e.to_string())),
-                        });
-                    }
-                    Ok(res)
-                },
-            );
-            match r {
-                Ok(v) => out.extend(v),
-                Err(e) => {
-                    let m = Miss::from_error(&e);
-                    out.extend(ks.iter().map(|_| Onboarded::Miss(m.clone())));
-                }
+                });
             }
-            i = end;
         }
         for _ in n..keys.len() {
             out.push(Onboarded::Miss(Miss::new(

@@ -26,6 +26,11 @@ class DeviceError(Error): ...
 class PoolError(Error): ...
 
 def default_socket() -> str: ...
+def _rust_client_round(
+    client: Client, ns: Namespace, op: str, keys: Sequence[Any], bufs: Sequence[Any], depth: int,
+    chain: bool = True,
+) -> tuple[float, int]:
+    """Benchmark support (kvtier.bench), not API: the same requests from one Rust loop."""
 
 class Layout:
     def __init__(

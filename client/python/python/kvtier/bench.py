@@ -1,8 +1,24 @@
 """``python -m kvtier.bench``: onboard/offload throughput from Python beside
-the Rust client on the same daemon, block size and batch depth, in the same
-run, and beside raw O_DIRECT (the Rust client's figures and the O_DIRECT
-baseline come from ``kvtier bench io`` run against the same daemon, rounds
-interleaved A B A B; medians reported).
+the Rust client on the same blocks in the same run, and beside raw O_DIRECT.
+
+Method (the same for every path, so a quotient measures the path and not
+the setup): one daemon; one set of source buffers (numpy, 2 MiB by default)
+and one set of destination buffers; per round and path a fresh namespace,
+offload of all blocks in requests of --depth, with --drop-caches the page
+cache dropped (root), onboard in one shuffled order shared by all paths, then
+the round's blocks evicted. The paths, in alternating order each round:
+
+- python: ``Client.offload`` / ``Client.onboard_into`` called from Python;
+- rust: the same requests, same client, same buffers, made by kvtier-client
+  in one Rust loop with no Python between requests (``_rust_client_round``):
+  the baseline of ``*_gbps_vs_baseline``;
+- pool: ``offload_pool`` / ``onboard_pool`` (offsets only);
+- ``kvtier bench io`` (its own process and blocks): the raw O_DIRECT
+  baseline of the same sizes and depth, and the Rust client as the CLI
+  measures it (``rust_cli_*``), as a cross-check.
+
+--warmup rounds run first and are not counted (first-touch page faults of
+the buffers and the region, the daemon's first files); medians of --rounds.
 
 Output contract (shared/BENCH.md): with --json, one JSON document on stdout;
 each comparison has its value, its baseline and their quotient under a key
@@ -27,6 +43,7 @@ import tempfile
 import time
 
 import kvtier
+from kvtier import _kvtier
 
 
 def parse_size(s: str) -> int:
@@ -76,45 +93,29 @@ def gbps(nbytes: int, secs: float) -> float:
     return nbytes / max(secs, 1e-9) / 1e9
 
 
-def py_round(client, ns, rnd: int, blocks: int, depth: int, np, bufs, out):
-    """One Python round: offload `blocks` fresh blocks in batches of `depth`,
-    then onboard them; returns (offload GB/s, onboard GB/s)."""
-    keys = ns.hash_chain(np.arange(rnd * blocks * 16, (rnd + 1) * blocks * 16, dtype=np.uint32) + (1 << 30))
-    bb = ns.block_bytes
-    t = time.perf_counter()
-    for i in range(0, blocks, depth):
-        r = client.offload(ns, keys[i : i + depth], bufs[i : i + depth])
-        if not all(r):
-            raise SystemExit(f"offload failed: {r[0]!r}")
-    off = gbps(bb * blocks, time.perf_counter() - t)
-    t = time.perf_counter()
-    for i in range(0, blocks, depth):
-        r = client.onboard_into(ns, keys[i : i + depth], out[i : i + depth])
-        if not all(r):
-            raise SystemExit(f"onboard failed: {r[0]!r}")
-    on = gbps(bb * blocks, time.perf_counter() - t)
-    if not all((a == b).all() for a, b in zip(bufs[:2], out[:2])):
-        raise SystemExit("onboarded bytes differ")
-    return off, on
+def drop_page_cache() -> bool:
+    """As ``kvtier bench io`` does before its onboard (root only)."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
 
 
-def pool_round(client, pool, ns, rnd: int, blocks: int, depth: int, np):
-    """The same round through the shared-memory pool (offsets only)."""
-    keys = ns.hash_chain(np.arange(rnd * blocks * 16, (rnd + 1) * blocks * 16, dtype=np.uint32) + (1 << 31))
-    bb = ns.block_bytes
+def batches(n: int, depth: int):
+    return [(i, min(i + depth, n)) for i in range(0, n, depth)]
+
+
+def timed(call, ns, keys, items, depth):
+    """Runs call(ns, keys[i:j], items[i:j]) per request of `depth` blocks;
+    returns (seconds, blocks that failed)."""
     t = time.perf_counter()
-    for i in range(0, blocks, depth):
-        r = client.offload_pool(ns, keys[i : i + depth], list(range(i, min(i + depth, blocks))))
-        if not all(r):
-            raise SystemExit(f"pool offload failed: {r[0]!r}")
-    off = gbps(bb * blocks, time.perf_counter() - t)
-    t = time.perf_counter()
-    for i in range(0, blocks, depth):
-        r = client.onboard_pool(ns, keys[i : i + depth], list(range(i, min(i + depth, blocks))))
-        if not all(r):
-            raise SystemExit(f"pool onboard failed: {r[0]!r}")
-    on = gbps(bb * blocks, time.perf_counter() - t)
-    return off, on
+    bad = 0
+    for i, j in batches(len(keys), depth):
+        bad += sum(not r for r in call(ns, keys[i:j], items[i:j]))
+    return time.perf_counter() - t, bad
 
 
 def main(argv=None) -> int:
@@ -122,11 +123,15 @@ def main(argv=None) -> int:
     ap.add_argument("--block-size", default="2MiB", type=parse_size)
     ap.add_argument("--blocks", type=int, default=64, help="blocks per round")
     ap.add_argument("--depth", type=int, default=8, help="blocks per request")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5, help="counted rounds (medians)")
+    ap.add_argument("--warmup", type=int, default=1, help="rounds run first and not counted")
     ap.add_argument("--socket", help="a running kvtierd (default: start one in a temp dir)")
     ap.add_argument("--dir", help="where to put the started daemon and the O_DIRECT baseline file")
     ap.add_argument("--kvtier", help="the kvtier CLI (default: the workspace build or $PATH)")
     ap.add_argument("--kvtierd", help="kvtierd (default: the workspace build or $PATH)")
+    ap.add_argument("--drop-caches", action="store_true",
+                    help="sync and drop the page cache before each onboard, as kvtier bench io does (root; "
+                         "slow on a busy machine, and every process there loses its cache)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     import numpy as np
@@ -142,82 +147,160 @@ def main(argv=None) -> int:
             proc = start_daemon(kvtierd, tmp)
             sock = str(tmp / "kvtierd.sock")
         cli = find_binary("kvtier", a.kvtier)
-        ns = kvtier.Namespace("kvtier-bench/python", kvtier.Layout.with_block_bytes(a.block_size), tenant_salt=os.urandom(8))
-        client = kvtier.Client(socket=sock, timeout_ms=30_000, region_bytes=max(64 << 20, (a.depth + 1) * (a.block_size + 8192)))
+        layout = kvtier.Layout.with_block_bytes(a.block_size)
+        salt = os.urandom(8)
+        bs, n = a.block_size, a.blocks
+        # One region for every copying path: room for one request.
+        client = kvtier.Client(socket=sock, timeout_ms=30_000, region_bytes=max(64 << 20, (a.depth + 1) * (bs + 8192)))
         rng = np.random.default_rng(1)
-        bufs = [rng.integers(0, 256, a.block_size, dtype=np.uint8) for _ in range(a.blocks)]
-        out = [np.zeros(a.block_size, np.uint8) for _ in range(a.blocks)]
+        bufs = [rng.integers(0, 256, bs, dtype=np.uint8) for _ in range(n)]
+        outs = [np.zeros(bs, np.uint8) for _ in range(n)]
         pclient = kvtier.Client(socket=sock, timeout_ms=30_000, region_bytes=1 << 20)
-        pool = pclient.alloc_pool(a.blocks * kvtier.Pool.slot_bytes(a.block_size))
-        pool.array(a.block_size)[:] = np.stack(bufs)
-        py_off, py_on, rs_off, rs_on, od_r, od_w, pl_off, pl_on = [], [], [], [], [], [], [], []
-        for rnd in range(a.rounds):
-            o, n = py_round(client, ns, rnd, a.blocks, a.depth, np, bufs, out)
-            py_off.append(o)
-            py_on.append(n)
-            o, n = pool_round(pclient, pool, ns, rnd, a.blocks, a.depth, np)
-            pl_off.append(o)
-            pl_on.append(n)
-            if cli:
+        pool = pclient.alloc_pool(n * kvtier.Pool.slot_bytes(bs))
+        pool.array(bs)[:] = np.stack(bufs)
+        slots = list(range(n))
+
+        def rust(op):
+            return lambda ns, keys, items, depth: _kvtier._rust_client_round(client, ns, op, keys, items, depth)
+
+        def py(call):
+            return lambda ns, keys, items, depth: timed(call, ns, keys, items, depth)
+
+        paths = {
+            # (client, offload, onboard, sources, destinations for an order):
+            # buffer i receives block perm[i]; a pool block returns to its slot.
+            "python": (client, py(client.offload), py(client.onboard_into), bufs, lambda perm: outs),
+            "rust": (client, rust("offload"), rust("onboard"), bufs, lambda perm: outs),
+            "pool": (pclient, py(pclient.offload_pool), py(pclient.onboard_pool), slots,
+                     lambda perm: [slots[i] for i in perm]),
+        }
+        rounds = {p: ([], []) for p in paths}
+        cold = True
+        cli_off, cli_on, od_w, od_r = [], [], [], []
+        for rnd in range(a.warmup + a.rounds):
+            counted = rnd >= a.warmup
+            perm = np.random.default_rng(100 + rnd).permutation(n).tolist()
+            order = list(paths) if rnd % 2 == 0 else list(reversed(paths))
+            for p in order:
+                c, off_fn, on_fn, src, dst = paths[p]
+                ns = kvtier.Namespace(f"kvtier-bench/{p}/{rnd}", layout, tenant_salt=salt)
+                tokens = np.arange(n * layout.tokens_per_block, dtype=np.uint32)
+                keys = ns.hash_chain(tokens)
+                secs, bad = off_fn(ns, keys, src, a.depth)
+                if bad:
+                    raise SystemExit(f"{p}: offload failed for {bad} blocks")
+                off = gbps(bs * n, secs)
+                if a.drop_caches:
+                    cold &= drop_page_cache()
+                # Onboard in a shuffled order: destination i gets block perm[i].
+                secs, bad = on_fn(ns, [keys[i] for i in perm], dst(perm), a.depth)
+                if bad:
+                    raise SystemExit(f"{p}: onboard missed {bad} blocks it had just stored")
+                on = gbps(bs * n, secs)
+                # Every block byte-exact (outside the timing), then the
+                # destinations' first page cleared: the next path must land
+                # its own bytes.
+                for i in range(n):
+                    got = outs[i] if p != "pool" else np.frombuffer(pool.block(perm[i], bs), np.uint8)
+                    if not np.array_equal(got, bufs[perm[i]]):
+                        raise SystemExit(f"{p}: onboarded block {perm[i]} differs")
+                    if p != "pool":
+                        outs[i][:4096] = 0
+                c.evict(ns, keys)
+                if counted:
+                    rounds[p][0].append(off)
+                    rounds[p][1].append(on)
+            if cli and counted:
                 r = subprocess.run(
-                    [cli, "bench", "io", "--socket", sock, "--dir", str(tmp), "--block-size", str(a.block_size),
-                     "--blocks", str(a.blocks), "--depth", str(a.depth), "--clients", "1", "--rounds", "1", "--json"],
+                    [cli, "bench", "io", "--socket", sock, "--dir", str(tmp), "--block-size", str(bs),
+                     "--blocks", str(n), "--depth", str(a.depth), "--clients", "1", "--rounds", "1", "--json"],
                     capture_output=True, text=True, timeout=600,
                 )
                 if r.returncode != 0:
                     raise SystemExit(f"kvtier bench io failed: {r.stderr[-2000:]}")
                 j = json.loads(r.stdout)
-                rs_off += j["offload_gbps_rounds"]
-                rs_on += j["onboard_gbps_rounds"]
+                cli_off += j["offload_gbps_rounds"]
+                cli_on += j["onboard_gbps_rounds"]
                 od_w += j["baseline_write_gbps_rounds"]
                 od_r += j["baseline_read_gbps_rounds"]
         med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
         q = lambda x, b: (x / b) if (x is not None and b) else None  # noqa: E731
+        py_off, py_on = rounds["python"]
+        rs_off, rs_on = rounds["rust"]
+        pl_off, pl_on = rounds["pool"]
+        # Paired quotients: round by round, then their median (drift between
+        # rounds cancels within a pair).
+        pair = lambda xs, bs_: med([x / b for x, b in zip(xs, bs_) if b])  # noqa: E731
+        requests = len(batches(n, a.depth))
         doc = {
             "bench": "python",
-            "block_bytes": a.block_size,
-            "blocks": a.blocks,
+            "block_bytes": bs,
+            "blocks": n,
             "depth": a.depth,
             "rounds": a.rounds,
+            "warmup_rounds": a.warmup,
             "clients": 1,
             "mode": "shm",
+            "cold_page_cache": cold and a.drop_caches,
             "python_offload_gbps": med(py_off),
             "python_onboard_gbps": med(py_on),
             "rust_offload_gbps": med(rs_off),
             "rust_onboard_gbps": med(rs_on),
-            "odirect_write_gbps": med(od_w),
-            "odirect_read_gbps": med(od_r),
             "python_pool_offload_gbps": med(pl_off),
             "python_pool_onboard_gbps": med(pl_on),
-            "python_pool_offload_gbps_rounds": pl_off,
-            "python_pool_onboard_gbps_rounds": pl_on,
+            "rust_cli_offload_gbps": med(cli_off),
+            "rust_cli_onboard_gbps": med(cli_on),
+            "odirect_write_gbps": med(od_w),
+            "odirect_read_gbps": med(od_r),
+            "offload_gbps_vs_baseline": q(med(py_off), med(rs_off)),
+            "onboard_gbps_vs_baseline": q(med(py_on), med(rs_on)),
+            "offload_paired_gbps_vs_baseline": pair(py_off, rs_off),
+            "onboard_paired_gbps_vs_baseline": pair(py_on, rs_on),
             "pool_offload_gbps_vs_baseline": q(med(pl_off), med(rs_off)),
             "pool_onboard_gbps_vs_baseline": q(med(pl_on), med(rs_on)),
+            "offload_rust_cli_gbps_vs_baseline": q(med(py_off), med(cli_off)),
+            "onboard_rust_cli_gbps_vs_baseline": q(med(py_on), med(cli_on)),
+            "offload_odirect_gbps_vs_baseline": q(med(py_off), med(od_w)),
+            "onboard_odirect_gbps_vs_baseline": q(med(py_on), med(od_r)),
+            "rust_offload_odirect_gbps_vs_baseline": q(med(rs_off), med(od_w)),
+            "rust_onboard_odirect_gbps_vs_baseline": q(med(rs_on), med(od_r)),
+            # What Python adds per request (ms): (python - rust) time / requests.
+            "python_offload_overhead_ms_per_request": med(
+                [(bs * n / 1e9 / p - bs * n / 1e9 / r) * 1e3 / requests for p, r in zip(py_off, rs_off)]),
+            "python_onboard_overhead_ms_per_request": med(
+                [(bs * n / 1e9 / p - bs * n / 1e9 / r) * 1e3 / requests for p, r in zip(py_on, rs_on)]),
             "python_offload_gbps_rounds": py_off,
             "python_onboard_gbps_rounds": py_on,
             "rust_offload_gbps_rounds": rs_off,
             "rust_onboard_gbps_rounds": rs_on,
-            "offload_gbps_vs_baseline": q(med(py_off), med(rs_off)),
-            "onboard_gbps_vs_baseline": q(med(py_on), med(rs_on)),
-            "offload_odirect_gbps_vs_baseline": q(med(py_off), med(od_w)),
-            "onboard_odirect_gbps_vs_baseline": q(med(py_on), med(od_r)),
+            "python_pool_offload_gbps_rounds": pl_off,
+            "python_pool_onboard_gbps_rounds": pl_on,
+            "rust_cli_offload_gbps_rounds": cli_off,
+            "rust_cli_onboard_gbps_rounds": cli_on,
             "baselines": {
-                "offload_gbps_vs_baseline": "the Rust client (kvtier bench io, 1 client, same daemon, depth, block size)",
-                "onboard_gbps_vs_baseline": "the Rust client (kvtier bench io, 1 client, same daemon, depth, block size)",
+                "offload_gbps_vs_baseline": "the Rust client: the same requests on the same buffers, client and daemon, "
+                                            "from one Rust loop (medians over rounds)",
+                "onboard_gbps_vs_baseline": "as offload_gbps_vs_baseline",
+                "offload_paired_gbps_vs_baseline": "median of the per-round quotients python / rust",
+                "onboard_paired_gbps_vs_baseline": "median of the per-round quotients python / rust",
+                "pool_offload_gbps_vs_baseline": "the Rust client (copying) vs Python through the shared-memory pool",
+                "pool_onboard_gbps_vs_baseline": "the Rust client (copying) vs Python through the shared-memory pool",
+                "offload_rust_cli_gbps_vs_baseline": "kvtier bench io (1 client, its own process and blocks)",
+                "onboard_rust_cli_gbps_vs_baseline": "kvtier bench io (1 client, its own process and blocks)",
                 "offload_odirect_gbps_vs_baseline": "raw O_DIRECT writes of the same sizes and depth beside the daemon's dir",
                 "onboard_odirect_gbps_vs_baseline": "raw O_DIRECT reads of the same sizes and depth",
-                "pool_offload_gbps_vs_baseline": "the Rust client (copying) vs Python through the shared-memory pool (offsets only)",
-                "pool_onboard_gbps_vs_baseline": "the Rust client (copying) vs Python through the shared-memory pool (offsets only)",
+                "rust_offload_odirect_gbps_vs_baseline": "raw O_DIRECT writes (the Rust client's share of the disk)",
+                "rust_onboard_odirect_gbps_vs_baseline": "raw O_DIRECT reads (the Rust client's share of the disk)",
             },
         }
         if not cli:
-            doc["note"] = "no kvtier CLI found: Rust and O_DIRECT baselines missing (pass --kvtier)"
+            doc["note"] = "no kvtier CLI found: O_DIRECT and rust_cli baselines missing (pass --kvtier)"
         if a.json:
             print(json.dumps(doc))
         else:
             for k, v in doc.items():
                 if not isinstance(v, (list, dict)):
-                    print(f"{k:40} {v:.3f}" if isinstance(v, float) else f"{k:40} {v}")
+                    print(f"{k:44} {v:.3f}" if isinstance(v, float) else f"{k:44} {v}")
         return 0
     finally:
         if proc:
