@@ -111,6 +111,9 @@ promote_queue_max = 64
 endpoint = ""
 # ROUTER socket answering replay requests for missed sequence numbers.
 replay_endpoint = ""
+# Permission bits of ipc:// socket files (owner only by default). With
+# [[tenants]], only ipc:// endpoints are accepted.
+ipc_mode = "0600"
 topic = ""
 replay_batches_max = 10000
 # Blocks a start-up announces (after AllBlocksCleared) at most.
@@ -451,6 +454,10 @@ pub struct ZmqSection {
     /// Allow a TCP endpoint on an address other than loopback (the events
     /// carry token ids, as sensitive as the KV itself).
     pub allow_non_loopback: bool,
+    /// Permission bits of `ipc://` socket files (octal string; default
+    /// owner only: give the router's user access, e.g. `0660` with a
+    /// setgid directory of its group).
+    pub ipc_mode: String,
     /// The namespaces published, with the Dynamo salt and LoRA name their
     /// workers hash with (other namespaces never appear on this stream).
     pub namespaces: Vec<ZmqNamespace>,
@@ -466,6 +473,7 @@ impl Default for ZmqSection {
             announce_blocks_max: 1_000_000,
             dp_rank: None,
             allow_non_loopback: false,
+            ipc_mode: "0600".into(),
             namespaces: Vec::new(),
         }
     }
@@ -491,10 +499,19 @@ impl ZmqSection {
         !self.endpoint.is_empty()
     }
 
+    /// `ipc_mode` as bits.
+    pub fn ipc_mode_bits(&self) -> Result<u32> {
+        u32::from_str_radix(self.ipc_mode.trim_start_matches("0o"), 8)
+            .ok()
+            .filter(|m| *m <= 0o777)
+            .ok_or_else(|| bad("events.zmq.ipc_mode", "not an octal mode like \"0660\""))
+    }
+
     fn validate(&self) -> Result<()> {
         if !self.enabled() {
             return Ok(());
         }
+        self.ipc_mode_bits()?;
         check_zmq_endpoint(
             "events.zmq.endpoint",
             &self.endpoint,
@@ -873,6 +890,19 @@ impl Config {
             ));
         }
         self.events.zmq.validate()?;
+        if !self.tenants.is_empty()
+            && self.events.zmq.enabled()
+            && [&self.events.zmq.endpoint, &self.events.zmq.replay_endpoint]
+                .iter()
+                .any(|e| !e.is_empty() && !e.starts_with("ipc://"))
+        {
+            // Any local user can connect to a loopback TCP port; only an
+            // ipc:// socket file's permissions keep tenants' events apart.
+            return Err(bad(
+                "events.zmq.endpoint",
+                "with [[tenants]] configured, publish on an ipc:// endpoint (guarded by server.socket_mode): any local user could read every tenant's token ids from a TCP port",
+            ));
+        }
         let s = &self.server;
         if s.socket.as_os_str().is_empty() {
             return Err(bad("server.socket", "must not be empty"));

@@ -241,7 +241,7 @@ fn run() -> Result<()> {
             replay_batches_max: z.replay_batches_max,
             announce_blocks_max: z.announce_blocks_max,
             dp_rank: z.dp_rank,
-            ipc_mode: cfg.socket_mode()?,
+            ipc_mode: z.ipc_mode_bits()?,
             published,
         };
         let n = node.clone();

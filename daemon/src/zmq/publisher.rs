@@ -76,7 +76,7 @@ fn bind_err(key: &str, ep: &str, e: impl std::fmt::Display) -> Error {
     }
 }
 
-/// `ipc://` socket files get the daemon socket's permission bits.
+/// `ipc://` socket files get `events.zmq.ipc_mode`.
 fn chmod_ipc(ep: &str, mode: u32) {
     use std::os::unix::fs::PermissionsExt;
     if let Some(path) = ep.strip_prefix("ipc://") {
