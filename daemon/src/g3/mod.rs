@@ -52,12 +52,14 @@ pub mod index;
 mod leases;
 mod lookup;
 mod pool;
+pub mod powerloss;
 mod presence;
 mod quarantine;
 mod read;
 pub mod reclaimer;
 pub mod recover;
 mod remove;
+pub mod seam;
 mod snapshot;
 mod stats;
 #[cfg(test)]
@@ -96,6 +98,8 @@ pub struct G3Store {
     tmp_dir: PathBuf,
     quarantine_dir: PathBuf,
     engine: Arc<dyn IoEngine>,
+    /// Every file operation that changes the disk (seam.rs).
+    fs: Arc<dyn seam::G3Fs>,
     direct_ok: bool,
     mem: RwLock<MemIndex>,
     policy: Mutex<Box<dyn EvictionPolicy>>,
@@ -175,21 +179,34 @@ impl G3Store {
         policy: Box<dyn EvictionPolicy>,
         engine: Arc<dyn IoEngine>,
     ) -> Result<Arc<G3Store>> {
+        Self::open_with_fs(cfg, policy, engine, Arc::new(seam::RealFs))
+    }
+
+    /// Like [`G3Store::open_with_engine`] over a given filesystem seam (a
+    /// [`powerloss::PowerLossFs`] in the crash harness; its
+    /// [`powerloss::PowerLossFs::engine`] wraps `engine`).
+    pub fn open_with_fs(
+        cfg: G3Config,
+        policy: Box<dyn EvictionPolicy>,
+        engine: Arc<dyn IoEngine>,
+        fs: Arc<dyn seam::G3Fs>,
+    ) -> Result<Arc<G3Store>> {
         cfg.validate()?;
         let blocks_dir = cfg.root.join("blocks");
         let tmp_dir = cfg.root.join("tmp");
         let quarantine_dir = cfg.root.join("quarantine");
         for d in [&cfg.root, &blocks_dir, &tmp_dir, &quarantine_dir] {
-            std::fs::create_dir_all(d).map_err(|e| Error::io("creating", d, e))?;
+            fs.create_dir_all(d).map_err(|e| Error::io("creating", d, e))?;
         }
-        let direct_ok = fsops::probe_direct(&tmp_dir)?;
-        let (disk, index_rebuilt) = recover::open_index(&cfg.root)?;
+        let direct_ok = fsops::probe_direct(fs.as_ref(), &tmp_dir)?;
+        let (disk, index_rebuilt) = recover::open_index(fs.as_ref(), &cfg.root)?;
         let pool = BufferPool::new(cfg.buffer_pool_bytes)?;
         let store = Arc::new(G3Store {
             blocks_dir,
             tmp_dir,
             quarantine_dir,
             engine,
+            fs,
             direct_ok,
             mem: RwLock::new(MemIndex::default()),
             policy: Mutex::new(policy),

@@ -32,7 +32,7 @@ impl G3Store {
             return Ok(false);
         }
         let path = self.block_file_path(ns, key);
-        match std::fs::remove_file(&path) {
+        match self.fs.remove_file(&path, super::seam::Unlink::Block) {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => return Err(Error::io("removing", &path, e)),
