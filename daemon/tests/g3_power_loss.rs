@@ -127,9 +127,19 @@ impl Run {
     }
 
     fn open(&self) -> kvtier_daemon::error::Result<Arc<G3Store>> {
+        self.open_with(self.sc.capacity_blocks)
+    }
+
+    /// Opens for the checks: capacity for everything, so that no eviction
+    /// races the checks.
+    fn open_roomy(&self) -> kvtier_daemon::error::Result<Arc<G3Store>> {
+        self.open_with(10_000)
+    }
+
+    fn open_with(&self, capacity_blocks: u64) -> kvtier_daemon::error::Result<Arc<G3Store>> {
         let mut cfg = common::cfg(&self.root(), kvtier_daemon::g3::engine::EngineKind::Auto);
         let file_len = 4096 + self.sc.payload_bytes.div_ceil(4096) * 4096;
-        cfg.capacity_bytes = self.sc.capacity_blocks * file_len;
+        cfg.capacity_bytes = capacity_blocks * file_len;
         G3Store::open_with_fs(
             cfg,
             Box::new(Lru::new()),
@@ -369,7 +379,7 @@ fn iteration(sc: Scenario, seed: u64, skip: Option<SyncSite>) -> Result<Iter, St
     }
     run.fs.crash_now();
     stop(s);
-    let mut cycle = |it: &mut Iter| -> Result<(), String> {
+    let cycle = |it: &mut Iter| -> Result<(), String> {
         let c = run.fs.power_cycle().map_err(|e| err("power cycle", &e))?;
         it.entries_undone += c.entries_undone;
         it.files_dropped += c.files_dropped;
@@ -387,12 +397,14 @@ fn iteration(sc: Scenario, seed: u64, skip: Option<SyncSite>) -> Result<Iter, St
         }
         cycle(&mut it)?;
     }
-    let s = run.open().map_err(|e| err("reopen after power loss", &e))?;
+    let s = run
+        .open_roomy()
+        .map_err(|e| err("reopen after power loss", &e))?;
     run.check(&s).map_err(|e| format!("{} seed {seed} {phase:?}: {e}", sc.name))?;
     // The clean path: close, reopen from the marker, same answers.
     s.close().map_err(|e| err("close after recovery", &e))?;
     drop(s);
-    let s = run.open().map_err(|e| err("clean reopen", &e))?;
+    let s = run.open_roomy().map_err(|e| err("clean reopen", &e))?;
     run.check(&s)
         .map_err(|e| format!("{} seed {seed} {phase:?} (clean reopen): {e}", sc.name))?;
     it.acked = run

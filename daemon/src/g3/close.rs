@@ -45,6 +45,7 @@ impl G3Store {
             self.disk.put(&refs)?;
         }
         self.disk.flush()?;
+        self.sync_removals()?;
         {
             // The in-memory image the next clean open loads instead of
             // iterating redb (snapshot.rs); made visible by the marker's

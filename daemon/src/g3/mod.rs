@@ -112,6 +112,11 @@ pub struct G3Store {
     sink: RwLock<Option<EventSink>>,
     counters: Counters,
     known_dirs: Mutex<HashSet<PathBuf>>,
+    /// Shard directories with an unlink (delete, eviction, quarantine)
+    /// not yet made durable: `close` fsyncs them before the clean marker,
+    /// else a file could come back after a power cut that the trusted
+    /// index no longer lists.
+    unsynced_removals: Mutex<HashSet<PathBuf>>,
     /// Ids a put is writing now (between plan and publish): a name found
     /// in `blocks/` for a claimed id that the index lacks is an orphan.
     writing: Mutex<HashSet<u64>>,
@@ -195,8 +200,28 @@ impl G3Store {
         let blocks_dir = cfg.root.join("blocks");
         let tmp_dir = cfg.root.join("tmp");
         let quarantine_dir = cfg.root.join("quarantine");
+        // Directories this open creates are made durable (an fsync of
+        // each one's parent) before any block goes in: a block's own
+        // fsyncs reach only up to `blocks/`, so a fresh root or `blocks/`
+        // lost to a power cut would take every block with it.
+        let mut created: Vec<PathBuf> = Vec::new();
         for d in [&cfg.root, &blocks_dir, &tmp_dir, &quarantine_dir] {
+            created.extend(
+                d.ancestors()
+                    .take_while(|a| !a.exists())
+                    .map(std::path::Path::to_path_buf),
+            );
             fs.create_dir_all(d).map_err(|e| Error::io("creating", d, e))?;
+        }
+        let mut parents: Vec<PathBuf> = created
+            .iter()
+            .filter_map(|d| d.parent().map(std::path::Path::to_path_buf))
+            .collect();
+        parents.sort_unstable();
+        parents.dedup();
+        for p in parents {
+            fs.sync_dir(&p, seam::SyncSite::OpenDirFsync)
+                .map_err(|e| Error::io("flushing directory", &p, e))?;
         }
         let direct_ok = fsops::probe_direct(fs.as_ref(), &tmp_dir)?;
         let (disk, index_rebuilt) = recover::open_index(fs.as_ref(), &cfg.root)?;
@@ -221,6 +246,7 @@ impl G3Store {
             sink: RwLock::new(None),
             counters: Counters::default(),
             known_dirs: Mutex::new(HashSet::new()),
+            unsynced_removals: Mutex::new(HashSet::new()),
             writing: Mutex::new(HashSet::new()),
             group: group::GroupCommit::default(),
             write_gate: RwLock::new(()),

@@ -38,6 +38,7 @@ impl G3Store {
         if self.fs.rename(path, &to).is_err() {
             let _ = self.fs.remove_file(path, super::seam::Unlink::Housekeeping);
         }
+        self.note_removal(path);
         self.trim_quarantine();
     }
 

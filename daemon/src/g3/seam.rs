@@ -29,6 +29,9 @@ pub enum SyncSite {
     /// fsync of a shard directory after renames, before the index commit
     /// and the ack (group commit, durable.rs).
     CommitDirFsync,
+    /// fsync of the parents of the directories an open creates (root,
+    /// `blocks/`, `tmp/`, `quarantine/`).
+    OpenDirFsync,
     /// fsync of `blocks/` after creating a namespace directory.
     NsDirFsync,
     /// fsync of a namespace directory after creating a shard directory.
@@ -37,6 +40,10 @@ pub enum SyncSite {
     /// (recover.rs): a marker that came back would make the next open
     /// trust an index that misses this session's blocks.
     MarkerRemoveDirFsync,
+    /// fsync, at close, of the shard directories where files were
+    /// unlinked (delete, eviction, quarantine): before the clean marker,
+    /// else an unlinked file comes back that the trusted index lacks.
+    CloseRemovalsFsync,
     /// fsync of the clean marker's temp file (close).
     MarkerFileSync,
     /// fsync of the root after renaming the clean marker into place.
@@ -58,9 +65,11 @@ impl SyncSite {
         SyncSite::BlockFdatasync,
         SyncSite::BlockODsync,
         SyncSite::CommitDirFsync,
+        SyncSite::OpenDirFsync,
         SyncSite::NsDirFsync,
         SyncSite::ShardDirFsync,
         SyncSite::MarkerRemoveDirFsync,
+        SyncSite::CloseRemovalsFsync,
         SyncSite::MarkerFileSync,
         SyncSite::MarkerDirFsync,
         SyncSite::SnapshotFileSync,
@@ -75,9 +84,11 @@ impl SyncSite {
             SyncSite::BlockFdatasync => "block.fdatasync",
             SyncSite::BlockODsync => "block.o_dsync",
             SyncSite::CommitDirFsync => "commit.dir_fsync",
+            SyncSite::OpenDirFsync => "open.dir_fsync",
             SyncSite::NsDirFsync => "mkdir.ns_dir_fsync",
             SyncSite::ShardDirFsync => "mkdir.shard_dir_fsync",
             SyncSite::MarkerRemoveDirFsync => "marker.remove_dir_fsync",
+            SyncSite::CloseRemovalsFsync => "close.removals_dir_fsync",
             SyncSite::MarkerFileSync => "marker.file_sync",
             SyncSite::MarkerDirFsync => "marker.dir_fsync",
             SyncSite::SnapshotFileSync => "snapshot.file_sync",
@@ -96,9 +107,11 @@ impl SyncSite {
             SyncSite::BlockFdatasync
                 | SyncSite::BlockODsync
                 | SyncSite::CommitDirFsync
+                | SyncSite::OpenDirFsync
                 | SyncSite::NsDirFsync
                 | SyncSite::ShardDirFsync
                 | SyncSite::MarkerRemoveDirFsync
+                | SyncSite::CloseRemovalsFsync
         )
     }
 }
