@@ -434,15 +434,21 @@ fn power_loss_short() {
     let mut total = Iter::default();
     for i in 0..n {
         let seed = seed0 + i;
-        let sc = SCENARIOS[(i as usize) % SCENARIOS.len()];
-        match iteration(sc, seed, None) {
+        let sc = match std::env::var("KVTIER_POWER_LOSS_SCENARIO") {
+            Ok(name) => *SCENARIOS.iter().find(|s| s.name == name).expect("scenario name"),
+            Err(_) => SCENARIOS[(i as usize) % SCENARIOS.len()],
+        };
+        let skip = std::env::var("KVTIER_POWER_LOSS_SKIP")
+            .ok()
+            .and_then(|n| SyncSite::ALL.iter().copied().find(|s| s.name() == n));
+        match iteration(sc, seed, skip) {
             Ok(it) => {
                 total.acked += it.acked;
                 total.entries_undone += it.entries_undone;
                 total.files_dropped += it.files_dropped;
                 total.files_torn += it.files_torn;
             }
-            Err(e) => panic!("iteration {i} (replay: KVTIER_POWER_LOSS_SEED={seed} KVTIER_POWER_LOSS_ITERS=1 with scenario {}): {e}", sc.name),
+            Err(e) => panic!("iteration {i} (replay: KVTIER_POWER_LOSS_SEED={seed} KVTIER_POWER_LOSS_ITERS=1 KVTIER_POWER_LOSS_SCENARIO={}): {e}", sc.name),
         }
     }
     println!(

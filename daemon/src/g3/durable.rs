@@ -14,6 +14,10 @@ use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 
+/// How long a put of a key another put is committing waits for that
+/// put's outcome before it tries to place its own file.
+const WRITER_WAIT_MS: u64 = 10_000;
+
 /// Pool buffers one write takes at most.
 const BUFS_PER_WRITE: usize = 4;
 
@@ -134,9 +138,25 @@ impl G3Store {
                     .map_err(cleanup)?
                     .map
                     .contains_key(&id);
-                if indexed || !sole {
+                if indexed {
                     let _ = self.fs.remove_file(&tmp, Unlink::Temp);
                     return Ok(None);
+                }
+                if !sole {
+                    // Another put of this key renamed its file and is
+                    // committing it: answering AlreadyPresent now would ack
+                    // a block that its commit may still fail (or a power
+                    // cut take back) and lookups never see (found by the
+                    // power-loss harness). Its outcome decides ours.
+                    if self.wait_for_writer(id) && self.is_indexed(id) {
+                        let _ = self.fs.remove_file(&tmp, Unlink::Temp);
+                        return Ok(None);
+                    }
+                    // It failed and undid its rename: place ours.
+                    self.fs
+                        .rename_noreplace(&tmp, &final_path)
+                        .map_err(|e| cleanup(Error::io("renaming into place", &final_path, e)))?;
+                    return Ok(Some(dir));
                 }
                 tracing::warn!(%ns, key = %header.key, "g3: replacing an unindexed (orphan) block file");
                 self.counters
@@ -149,6 +169,25 @@ impl G3Store {
             Err(e) => return Err(cleanup(Error::io("renaming into place", &final_path, e))),
         }
         Ok(Some(dir))
+    }
+
+    fn is_indexed(&self, id: u64) -> bool {
+        self.mem.read().is_ok_and(|m| m.map.contains_key(&id))
+    }
+
+    /// Waits until no put claims `id` (bounded: `WRITER_WAIT_MS`); whether
+    /// it was released in time.
+    fn wait_for_writer(&self, id: u64) -> bool {
+        let t = std::time::Instant::now();
+        while t.elapsed() < std::time::Duration::from_millis(WRITER_WAIT_MS) {
+            match self.writing.lock() {
+                Ok(w) if !w.contains(&id) => return true,
+                Ok(_) => {}
+                Err(_) => return false,
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        false
     }
 
     /// The leader's half of a group commit: one fsync per distinct shard

@@ -365,6 +365,28 @@ impl DiskIndex {
         fs: &dyn super::seam::G3Fs,
         path: &Path,
     ) -> std::result::Result<Self, (bool, Error)> {
+        // redb panics (`unreachable!`) on some damaged files rather than
+        // returning an error (found by the power-loss harness with its
+        // sync removed): a panic while opening is a damaged index, which
+        // is rebuilt from the files, never a daemon that cannot start.
+        let opened = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            Self::open_or_damaged_inner(fs, path)
+        }));
+        opened.unwrap_or_else(|_| {
+            Err((
+                true,
+                Error::Index {
+                    path: path.to_path_buf(),
+                    detail: "redb panicked reading the file (damaged)".into(),
+                },
+            ))
+        })
+    }
+
+    fn open_or_damaged_inner(
+        fs: &dyn super::seam::G3Fs,
+        path: &Path,
+    ) -> std::result::Result<Self, (bool, Error)> {
         let fail = |e: &dyn std::fmt::Display| Error::Index {
             path: path.to_path_buf(),
             detail: e.to_string(),
