@@ -10,7 +10,7 @@
 //!   visible, every visible block has its file, also after a clean
 //!   close and reopen (the marker and snapshot path).
 //!
-//! Scenarios: small blocks (O_DSYNC path) and 3 MiB blocks (fdatasync
+//! Scenarios: small blocks (O_DSYNC path) and 1.5 MiB blocks (fdatasync
 //! path), single and batched puts, concurrent writers with shared keys,
 //! eviction (a small capacity), deletes, reads and metadata updates
 //! (priority, in-G4 flag; promotions from G4 or peers are puts through the
@@ -79,7 +79,7 @@ const SCENARIOS: &[Scenario] = &[
     },
     Scenario {
         name: "large-single-deletes",
-        payload_bytes: 3 << 20,
+        payload_bytes: 3 << 19,
         blocks_per_writer: 3,
         batch: 1,
         writers: 2,
@@ -88,7 +88,7 @@ const SCENARIOS: &[Scenario] = &[
     },
     Scenario {
         name: "large-batch-evict",
-        payload_bytes: 3 << 20,
+        payload_bytes: 3 << 19,
         blocks_per_writer: 4,
         batch: 2,
         writers: 1,
@@ -213,7 +213,11 @@ impl Run {
                 1 => {
                     let mut buf = vec![0u8; p.len() + 8192];
                     if let Ok(Lookup::Hit(_)) = store.read_into(&ns_id, key, &mut buf) {
-                        assert_eq!(&buf[4096..4096 + p.len()], &p[..], "a read returned wrong bytes");
+                        assert_eq!(
+                            &buf[4096..4096 + p.len()],
+                            &p[..],
+                            "a read returned wrong bytes"
+                        );
                     }
                 }
                 2 => {
@@ -255,8 +259,7 @@ impl Run {
             }
         }
         for (key, tries) in attempts.iter() {
-            let Some(first_ack) = tries.iter().filter(|t| t.acked).map(|t| t.begun_op).min()
-            else {
+            let Some(first_ack) = tries.iter().filter(|t| t.acked).map(|t| t.begun_op).min() else {
                 continue;
             };
             if visible.contains(key) {
@@ -273,11 +276,17 @@ impl Run {
         }
         let st = store.stats();
         if st.quarantined > 0 {
-            return Err(format!("{} block(s) quarantined: torn data became visible", st.quarantined));
+            return Err(format!(
+                "{} block(s) quarantined: torn data became visible",
+                st.quarantined
+            ));
         }
         let files = block_files(&self.root().join("blocks"));
         for f in &files {
-            let key = f.file_name().and_then(|n| n.to_str()).and_then(|n| BlockKey::from_hex(n).ok());
+            let key = f
+                .file_name()
+                .and_then(|n| n.to_str())
+                .and_then(|n| BlockKey::from_hex(n).ok());
             if !key.is_some_and(|k| visible.contains(&k)) {
                 return Err(format!("file {} is not in the index", f.display()));
             }
@@ -373,7 +382,8 @@ fn iteration(sc: Scenario, seed: u64, skip: Option<SyncSite>) -> Result<Iter, St
         Phase::Close => {
             run.workload(&s, epoch, seed);
             let now = run.fs.ops();
-            run.fs.set_crash_at(Some(now + rng.random_range(0..20 + blocks)));
+            run.fs
+                .set_crash_at(Some(now + rng.random_range(0..20 + blocks)));
             let _ = s.close();
         }
     }
@@ -400,7 +410,8 @@ fn iteration(sc: Scenario, seed: u64, skip: Option<SyncSite>) -> Result<Iter, St
     let s = run
         .open_roomy()
         .map_err(|e| err("reopen after power loss", &e))?;
-    run.check(&s).map_err(|e| format!("{} seed {seed} {phase:?}: {e}", sc.name))?;
+    run.check(&s)
+        .map_err(|e| format!("{} seed {seed} {phase:?}: {e}", sc.name))?;
     // The clean path: close, reopen from the marker, same answers.
     s.close().map_err(|e| err("close after recovery", &e))?;
     drop(s);
@@ -426,7 +437,7 @@ fn iterations_from_env(default: u64) -> u64 {
 
 #[test]
 fn power_loss_short() {
-    let n = iterations_from_env(200);
+    let n = iterations_from_env(40);
     let seed0: u64 = std::env::var("KVTIER_POWER_LOSS_SEED")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -435,7 +446,10 @@ fn power_loss_short() {
     for i in 0..n {
         let seed = seed0 + i;
         let sc = match std::env::var("KVTIER_POWER_LOSS_SCENARIO") {
-            Ok(name) => *SCENARIOS.iter().find(|s| s.name == name).expect("scenario name"),
+            Ok(name) => *SCENARIOS
+                .iter()
+                .find(|s| s.name == name)
+                .expect("scenario name"),
             Err(_) => SCENARIOS[(i as usize) % SCENARIOS.len()],
         };
         let skip = std::env::var("KVTIER_POWER_LOSS_SKIP")
@@ -466,11 +480,18 @@ fn power_loss_short() {
 /// nothing.
 #[test]
 fn mutation_check() {
-    let budget = iterations_from_env(0).max(120);
+    let budget: u64 = std::env::var("KVTIER_MUTATION_ITERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(120);
     let mut report = Vec::new();
     for &site in SyncSite::ALL {
         let mut caught = None;
-        let tries = if site.load_bearing() { budget } else { budget / 4 };
+        let tries = if site.load_bearing() {
+            budget
+        } else {
+            budget / 15
+        };
         for i in 0..tries {
             let sc = SCENARIOS[(i as usize) % SCENARIOS.len()];
             if let Err(e) = iteration(sc, 0xbad0 + i, Some(site)) {

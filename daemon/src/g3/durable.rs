@@ -4,8 +4,8 @@
 //! commit leader's directory fsyncs and redb transaction.
 
 use super::engine::CHUNK_BYTES;
-use super::seam::{SyncSite, Unlink};
 use super::index::Record;
+use super::seam::{SyncSite, Unlink};
 use super::{group, lock_err, G3Store, SyncMode};
 use crate::error::{Error, Result};
 use kvtier_client::block::HEADER_BYTES;

@@ -2,8 +2,8 @@
 //! entries durable, the rename that never replaces a block, and the
 //! O_DIRECT probe run at open.
 
-use crate::error::{Error, Result};
 use super::seam::{G3Fs, Unlink};
+use crate::error::{Error, Result};
 use std::fs::File;
 use std::path::Path;
 

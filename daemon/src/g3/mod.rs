@@ -211,7 +211,8 @@ impl G3Store {
                     .take_while(|a| !a.exists())
                     .map(std::path::Path::to_path_buf),
             );
-            fs.create_dir_all(d).map_err(|e| Error::io("creating", d, e))?;
+            fs.create_dir_all(d)
+                .map_err(|e| Error::io("creating", d, e))?;
         }
         let mut parents: Vec<PathBuf> = created
             .iter()

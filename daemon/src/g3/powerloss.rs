@@ -134,29 +134,27 @@ impl PowerLossFs {
         std::fs::create_dir_all(&grave)?;
         Ok(Arc::new(PowerLossFs {
             shared: Arc::new(Shared {
-            grave,
-            st: Mutex::new(State {
-                ops: 0,
-                crash_at: None,
-                crashed: false,
-                skip: None,
-                dirty: HashMap::new(),
-                changes: Vec::new(),
-                removed_blocks: Vec::new(),
-                graves: 0,
-                rng: rand::rngs::StdRng::seed_from_u64(seed),
-            }),
+                grave,
+                st: Mutex::new(State {
+                    ops: 0,
+                    crash_at: None,
+                    crashed: false,
+                    skip: None,
+                    dirty: HashMap::new(),
+                    changes: Vec::new(),
+                    removed_blocks: Vec::new(),
+                    graves: 0,
+                    rng: rand::rngs::StdRng::seed_from_u64(seed),
+                }),
             }),
         }))
     }
-
 }
 
 impl Shared {
     fn lock(&self) -> MutexGuard<'_, State> {
         self.st.lock().unwrap_or_else(|p| p.into_inner())
     }
-
 }
 
 impl PowerLossFs {
@@ -199,7 +197,6 @@ impl PowerLossFs {
             inner,
         })
     }
-
 }
 
 impl Shared {
@@ -256,14 +253,7 @@ impl Shared {
         }
     }
 
-    fn renamed(
-        &self,
-        st: &mut State,
-        from: &Path,
-        to: &Path,
-        replaced: Option<u64>,
-        ino: u64,
-    ) {
+    fn renamed(&self, st: &mut State, from: &Path, to: &Path, replaced: Option<u64>, ino: u64) {
         let _ = ino;
         st.changes.push(Change {
             dir: parent(from),
@@ -276,7 +266,6 @@ impl Shared {
             old: replaced.map(Node::File),
         });
     }
-
 }
 
 impl PowerLossFs {
@@ -470,7 +459,6 @@ impl G3Fs for PowerLossFs {
         }))
     }
 }
-
 
 /// `index.redb` through the simulator (redb's `StorageBackend`): writes
 /// and `set_len` are unsynced data of the file's inode, `sync_data` makes

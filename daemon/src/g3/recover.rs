@@ -22,8 +22,8 @@
 //! file reads as a miss and leaves the index then; an added one stays
 //! invisible). Deleting the marker forces the full walk.
 
-use super::seam::{G3Fs, SyncSite, Unlink};
 use super::index::{digest, Entry, MemIndex, Record, FLAG_SEEN};
+use super::seam::{G3Fs, SyncSite, Unlink};
 use super::verify::{ReadOutcome, Verifier};
 use super::G3Store;
 use crate::error::{Error, Result};

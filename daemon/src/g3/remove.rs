@@ -65,7 +65,10 @@ impl G3Store {
             .drain()
             .collect();
         for d in dirs {
-            match self.fs.sync_dir(&d, super::seam::SyncSite::CloseRemovalsFsync) {
+            match self
+                .fs
+                .sync_dir(&d, super::seam::SyncSite::CloseRemovalsFsync)
+            {
                 Ok(()) => {}
                 // A shard directory removed behind our back: nothing to sync.
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
