@@ -229,9 +229,8 @@ impl Shared {
 
     /// Saves the synced content of `ino` before its first unsynced write.
     fn before_write(&self, st: &mut State, ino: u64) -> io::Result<()> {
-        if !st.dirty.contains_key(&ino) {
-            let cur = std::fs::read(self.grave_of(ino))?;
-            st.dirty.insert(ino, cur);
+        if let std::collections::hash_map::Entry::Vacant(v) = st.dirty.entry(ino) {
+            v.insert(std::fs::read(self.grave_of(ino))?);
         }
         Ok(())
     }
@@ -254,7 +253,6 @@ impl Shared {
     }
 
     fn renamed(&self, st: &mut State, from: &Path, to: &Path, replaced: Option<u64>, ino: u64) {
-        let _ = ino;
         st.changes.push(Change {
             dir: parent(from),
             path: from.to_path_buf(),
