@@ -510,3 +510,102 @@ fn mutation_check() {
         println!("{r}");
     }
 }
+
+/// Holds the first group commit's directory fsync until the test says so
+/// (or 2 s pass): a deterministic window between a put's rename and its
+/// commit.
+#[derive(Debug)]
+struct GateFs {
+    first: std::sync::atomic::AtomicBool,
+    open: Arc<(Mutex<bool>, std::sync::Condvar)>,
+}
+
+impl kvtier_daemon::g3::seam::G3Fs for GateFs {
+    fn create_new(&self, p: &Path, flags: i32) -> std::io::Result<std::fs::File> {
+        kvtier_daemon::g3::seam::RealFs.create_new(p, flags)
+    }
+    fn write_synced(&self, p: &Path, b: &[u8], s: SyncSite) -> std::io::Result<()> {
+        kvtier_daemon::g3::seam::RealFs.write_synced(p, b, s)
+    }
+    fn sync_dir(&self, d: &Path, s: SyncSite) -> std::io::Result<()> {
+        if s == SyncSite::CommitDirFsync
+            && self.first.swap(false, std::sync::atomic::Ordering::SeqCst)
+        {
+            let (m, cv) = &*self.open;
+            let g = m.lock().unwrap();
+            let _ = cv
+                .wait_timeout_while(g, std::time::Duration::from_secs(2), |open| !*open)
+                .unwrap();
+        }
+        kvtier_daemon::g3::seam::RealFs.sync_dir(d, s)
+    }
+    fn rename(&self, a: &Path, b: &Path) -> std::io::Result<()> {
+        kvtier_daemon::g3::seam::RealFs.rename(a, b)
+    }
+    fn rename_noreplace(&self, a: &Path, b: &Path) -> std::io::Result<()> {
+        kvtier_daemon::g3::seam::RealFs.rename_noreplace(a, b)
+    }
+    fn remove_file(&self, p: &Path, w: kvtier_daemon::g3::seam::Unlink) -> std::io::Result<()> {
+        kvtier_daemon::g3::seam::RealFs.remove_file(p, w)
+    }
+    fn create_dir(&self, p: &Path) -> std::io::Result<()> {
+        kvtier_daemon::g3::seam::RealFs.create_dir(p)
+    }
+    fn create_dir_all(&self, p: &Path) -> std::io::Result<()> {
+        kvtier_daemon::g3::seam::RealFs.create_dir_all(p)
+    }
+    fn remove_dir_all(&self, p: &Path) -> std::io::Result<()> {
+        kvtier_daemon::g3::seam::RealFs.remove_dir_all(p)
+    }
+    fn index_backend(
+        &self,
+        p: &Path,
+    ) -> std::io::Result<Option<kvtier_daemon::g3::powerloss::IndexFile>> {
+        kvtier_daemon::g3::seam::RealFs.index_backend(p)
+    }
+}
+
+/// Two puts of one key; the first renames its file, then its commit
+/// fails. The second, which found the name taken while the first was
+/// committing, must not be acked for a block lookups cannot see (it used
+/// to answer AlreadyPresent at once).
+#[test]
+fn same_key_put_is_not_acked_for_a_block_whose_commit_failed() {
+    let dir = tempfile::tempdir().unwrap();
+    let open = Arc::new((Mutex::new(false), std::sync::Condvar::new()));
+    let fs = Arc::new(GateFs {
+        first: std::sync::atomic::AtomicBool::new(true),
+        open: Arc::clone(&open),
+    });
+    let cfg = common::cfg(dir.path(), kvtier_daemon::g3::engine::EngineKind::Pread);
+    let s = G3Store::open_with_fs(cfg, Box::new(Lru::new()), Arc::new(PreadEngine), fs).unwrap();
+    s.fault_fail_index_commits(1);
+    let ns = namespace(8192, "same-key").unwrap();
+    let (key, h, p) = block(&ns, 7);
+    let ns = ns.id();
+    let first = {
+        let (s, h, p) = (Arc::clone(&s), h.clone(), p.clone());
+        std::thread::spawn(move || s.put_block(&ns, &h, &p, PutMeta::default()))
+    };
+    // The first put is now held between its rename and its commit.
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    let second = s.put_block(&ns, &h, &p, PutMeta::default());
+    *open.0.lock().unwrap() = true;
+    open.1.notify_all();
+    let first = first.join().unwrap();
+    assert!(
+        first.is_err(),
+        "the first put's commit was made to fail: {first:?}"
+    );
+    if let Ok(outcome) = &second {
+        assert!(
+            s.stat(&ns, &key).is_some(),
+            "second put acked {outcome:?} for a block lookups cannot see"
+        );
+        let mut buf = vec![0u8; 8192 + 4096];
+        assert!(matches!(
+            s.read_into(&ns, &key, &mut buf),
+            Ok(Lookup::Hit(_))
+        ));
+    }
+}
