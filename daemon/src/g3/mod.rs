@@ -16,6 +16,9 @@
 //!   rename, shard directories) and the group commit's fsyncs and commit.
 //! - `pool`: the aligned write buffers and the read path's bounce buffers. `fsops`: directory fsync,
 //!   no-replace rename, O_DIRECT probe.
+//! - `seam`: the filesystem seam (`G3Fs`, `RealFs`, the named sync sites);
+//!   every operation that changes the disk goes through `G3Store::fs`.
+//!   `powerloss`: the crash simulator behind it (tests).
 //! - `read`: the onboard path (`read_into`, `open_for_read`). `verify`: the
 //!   streaming block verifier and `verify_all`. `quarantine`: blocks that
 //!   failed verification.
