@@ -54,7 +54,7 @@ g3_power_loss() {
   local iters=${KVTIER_POWER_LOSS_ITERS:-1000}
   local log="$LOG_DIR/g3_power_loss.log"
   KVTIER_POWER_LOSS_ITERS=$iters KVTIER_MUTATION_ITERS=${KVTIER_MUTATION_ITERS:-300} \
-    cargo test -p kvtier-daemon --test g3_power_loss -- --nocapture --test-threads=1 >"$log" 2>&1
+    cargo test -p kvtier-daemon --test g3_power_loss -- --nocapture --test-threads=2 >"$log" 2>&1
   local rc=$?
   local p f
   p=$(grep -cE '^test .* \.\.\. ok$' "$log")
