@@ -45,7 +45,31 @@ g4_faults() {
   echo "g4 faults: see $LOG_DIR"
 }
 
+# G3 power loss (daemon/tests/g3_power_loss.rs): KVTIER_POWER_LOSS_ITERS
+# iterations (default 1000; 4 scenarios round robin, seeds from
+# KVTIER_POWER_LOSS_SEED) of crash + recovery + checks, then the mutation
+# check (each durability site removed in turn) with a larger budget. One
+# scenario per test that passes.
+g3_power_loss() {
+  local iters=${KVTIER_POWER_LOSS_ITERS:-1000}
+  local log="$LOG_DIR/g3_power_loss.log"
+  KVTIER_POWER_LOSS_ITERS=$iters KVTIER_MUTATION_ITERS=${KVTIER_MUTATION_ITERS:-300} \
+    cargo test -p kvtier-daemon --test g3_power_loss -- --nocapture --test-threads=2 >"$log" 2>&1
+  local rc=$?
+  local p f
+  p=$(grep -cE '^test .* \.\.\. ok$' "$log")
+  f=$(grep -cE '^test .* \.\.\. FAILED$' "$log")
+  PASSED=$((PASSED + p))
+  FAILED=$((FAILED + f))
+  if [ "$rc" -ne 0 ] && [ "$f" -eq 0 ]; then
+    echo "g3_power_loss: cargo test failed without a test failure; see $log"
+    FAILED=$((FAILED + 1))
+  fi
+  grep -E '^power loss:|caught at|not load-bearing' "$log"
+}
+
 g4_faults
+g3_power_loss
 
 for s in "${SKIPPED[@]+"${SKIPPED[@]}"}"; do
   echo "skipped: $s"

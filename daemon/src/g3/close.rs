@@ -45,13 +45,14 @@ impl G3Store {
             self.disk.put(&refs)?;
         }
         self.disk.flush()?;
+        self.sync_removals()?;
         {
             // The in-memory image the next clean open loads instead of
             // iterating redb (snapshot.rs); made visible by the marker's
             // directory fsync below.
             let mem = self.mem.read().map_err(|_| lock_err("g3 index"))?;
             let generation = self.disk.generation()?;
-            snapshot::write(&self.cfg.root, generation, &names, &mem)
+            snapshot::write(self.fs.as_ref(), &self.cfg.root, generation, &names, &mem)
                 .map_err(|e| Error::io("writing index snapshot", &self.cfg.root, e))?;
         }
         // Only now is the index a complete, durable account of the files:

@@ -4,17 +4,19 @@
 //! commit leader's directory fsyncs and redb transaction.
 
 use super::engine::CHUNK_BYTES;
-use super::fsops::{fsync_dir, rename_noreplace};
 use super::index::Record;
+use super::seam::{SyncSite, Unlink};
 use super::{group, lock_err, G3Store, SyncMode};
 use crate::error::{Error, Result};
 use kvtier_client::block::HEADER_BYTES;
 use kvtier_client::{BlockHeader, NamespaceId};
-use std::fs::OpenOptions;
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
+
+/// How long a put of a key another put is committing waits for that
+/// put's outcome before it tries to place its own file.
+const WRITER_WAIT_MS: u64 = 10_000;
 
 /// Pool buffers one write takes at most.
 const BUFS_PER_WRITE: usize = 4;
@@ -52,14 +54,12 @@ impl G3Store {
         if dsync {
             flags |= libc::O_DSYNC;
         }
-        let file = OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .custom_flags(flags)
-            .open(&tmp)
+        let file = self
+            .fs
+            .create_new(&tmp, flags)
             .map_err(|e| Error::io("creating", &tmp, e))?;
         let cleanup = |e: Error| {
-            let _ = std::fs::remove_file(&tmp);
+            let _ = self.fs.remove_file(&tmp, Unlink::Temp);
             e
         };
         let head = header.encode();
@@ -128,7 +128,7 @@ impl G3Store {
             .unwrap_or(&self.blocks_dir)
             .to_path_buf();
         self.ensure_dir(&dir).map_err(cleanup)?;
-        match rename_noreplace(&tmp, &final_path) {
+        match self.fs.rename_noreplace(&tmp, &final_path) {
             Ok(()) => {}
             Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {
                 let indexed = self
@@ -138,20 +138,56 @@ impl G3Store {
                     .map_err(cleanup)?
                     .map
                     .contains_key(&id);
-                if indexed || !sole {
-                    let _ = std::fs::remove_file(&tmp);
+                if indexed {
+                    let _ = self.fs.remove_file(&tmp, Unlink::Temp);
                     return Ok(None);
+                }
+                if !sole {
+                    // Another put of this key renamed its file and is
+                    // committing it: answering AlreadyPresent now would ack
+                    // a block that its commit may still fail (or a power
+                    // cut take back) and lookups never see (found by the
+                    // power-loss harness). Its outcome decides ours.
+                    if self.wait_for_writer(id) && self.is_indexed(id) {
+                        let _ = self.fs.remove_file(&tmp, Unlink::Temp);
+                        return Ok(None);
+                    }
+                    // It failed and undid its rename: place ours.
+                    self.fs
+                        .rename_noreplace(&tmp, &final_path)
+                        .map_err(|e| cleanup(Error::io("renaming into place", &final_path, e)))?;
+                    return Ok(Some(dir));
                 }
                 tracing::warn!(%ns, key = %header.key, "g3: replacing an unindexed (orphan) block file");
                 self.counters
                     .orphans_replaced
                     .fetch_add(1, Ordering::Relaxed);
-                std::fs::rename(&tmp, &final_path)
+                self.fs
+                    .rename(&tmp, &final_path)
                     .map_err(|e| cleanup(Error::io("renaming into place", &final_path, e)))?;
             }
             Err(e) => return Err(cleanup(Error::io("renaming into place", &final_path, e))),
         }
         Ok(Some(dir))
+    }
+
+    fn is_indexed(&self, id: u64) -> bool {
+        self.mem.read().is_ok_and(|m| m.map.contains_key(&id))
+    }
+
+    /// Waits until no put claims `id` (bounded: `WRITER_WAIT_MS`); whether
+    /// it was released in time.
+    fn wait_for_writer(&self, id: u64) -> bool {
+        let t = std::time::Instant::now();
+        while t.elapsed() < std::time::Duration::from_millis(WRITER_WAIT_MS) {
+            match self.writing.lock() {
+                Ok(w) if !w.contains(&id) => return true,
+                Ok(_) => {}
+                Err(_) => return false,
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        false
     }
 
     /// The leader's half of a group commit: one fsync per distinct shard
@@ -165,7 +201,7 @@ impl G3Store {
         dirs.sort_unstable();
         dirs.dedup();
         for dir in dirs {
-            if let Err(e) = fsync_dir(dir) {
+            if let Err(e) = self.fs.sync_dir(dir, SyncSite::CommitDirFsync) {
                 self.poison(format!("fsync of directory {}: {e}", dir.display()));
                 return Err(group::Failure::Dir {
                     dir: dir.to_path_buf(),
@@ -187,9 +223,12 @@ impl G3Store {
             return Ok(());
         }
         let ns_dir = dir.parent().unwrap_or(&self.blocks_dir);
-        for (d, parent) in [(ns_dir, &self.blocks_dir as &Path), (dir, ns_dir)] {
-            match std::fs::create_dir(d) {
-                Ok(()) => fsync_dir(parent).map_err(|e| {
+        for (d, parent, site) in [
+            (ns_dir, &self.blocks_dir as &Path, SyncSite::NsDirFsync),
+            (dir, ns_dir, SyncSite::ShardDirFsync),
+        ] {
+            match self.fs.create_dir(d) {
+                Ok(()) => self.fs.sync_dir(parent, site).map_err(|e| {
                     self.poison(format!("fsync of directory {}: {e}", parent.display()));
                     Error::io("flushing directory", parent, e)
                 })?,

@@ -2,9 +2,9 @@
 //! entries durable, the rename that never replaces a block, and the
 //! O_DIRECT probe run at open.
 
+use super::seam::{G3Fs, Unlink};
 use crate::error::{Error, Result};
-use std::fs::{File, OpenOptions};
-use std::os::unix::fs::OpenOptionsExt;
+use std::fs::File;
 use std::path::Path;
 
 /// Opens a directory and fsyncs it (makes entries in it durable).
@@ -14,15 +14,13 @@ pub(super) fn fsync_dir(dir: &Path) -> std::io::Result<()> {
 
 /// Whether files under `dir` can be opened with O_DIRECT (tmpfs and some
 /// others refuse with EINVAL; then the store runs buffered).
-pub(super) fn probe_direct(dir: &Path) -> Result<bool> {
+pub(super) fn probe_direct(fs: &dyn G3Fs, dir: &Path) -> Result<bool> {
     let p = dir.join(format!(".direct-probe.{}", std::process::id()));
-    let r = OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .custom_flags(libc::O_DIRECT | libc::O_CLOEXEC)
-        .open(&p);
-    let _ = std::fs::remove_file(&p);
+    let _ = fs.remove_file(&p, Unlink::Temp);
+    let r = fs.create_new(&p, libc::O_DIRECT | libc::O_CLOEXEC);
+    if r.is_ok() {
+        let _ = fs.remove_file(&p, Unlink::Temp);
+    }
     match r {
         Ok(_) => Ok(true),
         Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {

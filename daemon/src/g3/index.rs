@@ -357,19 +357,49 @@ pub struct DiskIndex {
 impl DiskIndex {
     /// Opens or creates the index file (redb repairs after a crash).
     pub fn open(path: &Path) -> Result<Self> {
-        Self::open_or_damaged(path).map_err(|(_, e)| e)
+        Self::open_or_damaged(&super::seam::RealFs, path).map_err(|(_, e)| e)
     }
 
     /// Like [`DiskIndex::open`]; the flag of the error says whether redb
     /// could not open the file at all (a damaged or foreign file, which
     /// recovery rebuilds) rather than refused its contents (a newer
     /// format, which must not be destroyed by an older build).
-    pub(super) fn open_or_damaged(path: &Path) -> std::result::Result<Self, (bool, Error)> {
+    pub(super) fn open_or_damaged(
+        fs: &dyn super::seam::G3Fs,
+        path: &Path,
+    ) -> std::result::Result<Self, (bool, Error)> {
+        // redb panics (`unreachable!`) on some damaged files rather than
+        // returning an error (found by the power-loss harness with its
+        // sync removed): a panic while opening is a damaged index, which
+        // is rebuilt from the files, never a daemon that cannot start.
+        let opened = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            Self::open_or_damaged_inner(fs, path)
+        }));
+        opened.unwrap_or_else(|_| {
+            Err((
+                true,
+                Error::Index {
+                    path: path.to_path_buf(),
+                    detail: "redb panicked reading the file (damaged)".into(),
+                },
+            ))
+        })
+    }
+
+    fn open_or_damaged_inner(
+        fs: &dyn super::seam::G3Fs,
+        path: &Path,
+    ) -> std::result::Result<Self, (bool, Error)> {
         let fail = |e: &dyn std::fmt::Display| Error::Index {
             path: path.to_path_buf(),
             detail: e.to_string(),
         };
-        let db = Database::create(path).map_err(|e| (true, fail(&e)))?;
+        let backend = fs.index_backend(path).map_err(|e| (false, fail(&e)))?;
+        let db = match backend {
+            None => Database::create(path),
+            Some(b) => redb::Builder::new().create_with_backend(b),
+        }
+        .map_err(|e| (true, fail(&e)))?;
         Self::init(db, path).map_err(|e| (false, e))
     }
 

@@ -16,6 +16,9 @@
 //!   rename, shard directories) and the group commit's fsyncs and commit.
 //! - `pool`: the aligned write buffers and the read path's bounce buffers. `fsops`: directory fsync,
 //!   no-replace rename, O_DIRECT probe.
+//! - `seam`: the filesystem seam (`G3Fs`, `RealFs`, the named sync sites);
+//!   every operation that changes the disk goes through `G3Store::fs`.
+//!   `powerloss`: the crash simulator behind it (tests).
 //! - `read`: the onboard path (`read_into`, `open_for_read`). `verify`: the
 //!   streaming block verifier and `verify_all`. `quarantine`: blocks that
 //!   failed verification.
@@ -52,12 +55,14 @@ pub mod index;
 mod leases;
 mod lookup;
 mod pool;
+pub mod powerloss;
 mod presence;
 mod quarantine;
 mod read;
 pub mod reclaimer;
 pub mod recover;
 mod remove;
+pub mod seam;
 mod snapshot;
 mod stats;
 #[cfg(test)]
@@ -96,6 +101,8 @@ pub struct G3Store {
     tmp_dir: PathBuf,
     quarantine_dir: PathBuf,
     engine: Arc<dyn IoEngine>,
+    /// Every file operation that changes the disk (seam.rs).
+    fs: Arc<dyn seam::G3Fs>,
     direct_ok: bool,
     mem: RwLock<MemIndex>,
     policy: Mutex<Box<dyn EvictionPolicy>>,
@@ -108,6 +115,11 @@ pub struct G3Store {
     sink: RwLock<Option<EventSink>>,
     counters: Counters,
     known_dirs: Mutex<HashSet<PathBuf>>,
+    /// Shard directories with an unlink (delete, eviction, quarantine)
+    /// not yet made durable: `close` fsyncs them before the clean marker,
+    /// else a file could come back after a power cut that the trusted
+    /// index no longer lists.
+    unsynced_removals: Mutex<HashSet<PathBuf>>,
     /// Ids a put is writing now (between plan and publish): a name found
     /// in `blocks/` for a claimed id that the index lacks is an orphan.
     writing: Mutex<HashSet<u64>>,
@@ -175,21 +187,55 @@ impl G3Store {
         policy: Box<dyn EvictionPolicy>,
         engine: Arc<dyn IoEngine>,
     ) -> Result<Arc<G3Store>> {
+        Self::open_with_fs(cfg, policy, engine, Arc::new(seam::RealFs))
+    }
+
+    /// Like [`G3Store::open_with_engine`] over a given filesystem seam (a
+    /// [`powerloss::PowerLossFs`] in the crash harness; its
+    /// [`powerloss::PowerLossFs::engine`] wraps `engine`).
+    pub fn open_with_fs(
+        cfg: G3Config,
+        policy: Box<dyn EvictionPolicy>,
+        engine: Arc<dyn IoEngine>,
+        fs: Arc<dyn seam::G3Fs>,
+    ) -> Result<Arc<G3Store>> {
         cfg.validate()?;
         let blocks_dir = cfg.root.join("blocks");
         let tmp_dir = cfg.root.join("tmp");
         let quarantine_dir = cfg.root.join("quarantine");
+        // Directories this open creates are made durable (an fsync of
+        // each one's parent) before any block goes in: a block's own
+        // fsyncs reach only up to `blocks/`, so a fresh root or `blocks/`
+        // lost to a power cut would take every block with it.
+        let mut created: Vec<PathBuf> = Vec::new();
         for d in [&cfg.root, &blocks_dir, &tmp_dir, &quarantine_dir] {
-            std::fs::create_dir_all(d).map_err(|e| Error::io("creating", d, e))?;
+            created.extend(
+                d.ancestors()
+                    .take_while(|a| !a.exists())
+                    .map(std::path::Path::to_path_buf),
+            );
+            fs.create_dir_all(d)
+                .map_err(|e| Error::io("creating", d, e))?;
         }
-        let direct_ok = fsops::probe_direct(&tmp_dir)?;
-        let (disk, index_rebuilt) = recover::open_index(&cfg.root)?;
+        let mut parents: Vec<PathBuf> = created
+            .iter()
+            .filter_map(|d| d.parent().map(std::path::Path::to_path_buf))
+            .collect();
+        parents.sort_unstable();
+        parents.dedup();
+        for p in parents {
+            fs.sync_dir(&p, seam::SyncSite::OpenDirFsync)
+                .map_err(|e| Error::io("flushing directory", &p, e))?;
+        }
+        let direct_ok = fsops::probe_direct(fs.as_ref(), &tmp_dir)?;
+        let (disk, index_rebuilt) = recover::open_index(fs.as_ref(), &cfg.root)?;
         let pool = BufferPool::new(cfg.buffer_pool_bytes)?;
         let store = Arc::new(G3Store {
             blocks_dir,
             tmp_dir,
             quarantine_dir,
             engine,
+            fs,
             direct_ok,
             mem: RwLock::new(MemIndex::default()),
             policy: Mutex::new(policy),
@@ -204,6 +250,7 @@ impl G3Store {
             sink: RwLock::new(None),
             counters: Counters::default(),
             known_dirs: Mutex::new(HashSet::new()),
+            unsynced_removals: Mutex::new(HashSet::new()),
             writing: Mutex::new(HashSet::new()),
             group: group::GroupCommit::default(),
             write_gate: RwLock::new(()),

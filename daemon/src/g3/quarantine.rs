@@ -35,9 +35,10 @@ impl G3Store {
     pub(super) fn quarantine_file(&self, path: &Path, name: &str) {
         self.counters.quarantined.fetch_add(1, Ordering::Relaxed);
         let to = self.quarantine_dir.join(format!("{name}.{}", now_ms()));
-        if std::fs::rename(path, &to).is_err() {
-            let _ = std::fs::remove_file(path);
+        if self.fs.rename(path, &to).is_err() {
+            let _ = self.fs.remove_file(path, super::seam::Unlink::Housekeeping);
         }
+        self.note_removal(path);
         self.trim_quarantine();
     }
 
@@ -71,9 +72,9 @@ impl G3Store {
                 break;
             }
             let r = if *dir {
-                std::fs::remove_dir_all(p)
+                self.fs.remove_dir_all(p)
             } else {
-                std::fs::remove_file(p)
+                self.fs.remove_file(p, super::seam::Unlink::Housekeeping)
             };
             match r {
                 Ok(()) => {

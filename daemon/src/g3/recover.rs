@@ -23,6 +23,7 @@
 //! invisible). Deleting the marker forces the full walk.
 
 use super::index::{digest, Entry, MemIndex, Record, FLAG_SEEN};
+use super::seam::{G3Fs, SyncSite, Unlink};
 use super::verify::{ReadOutcome, Verifier};
 use super::G3Store;
 use crate::error::{Error, Result};
@@ -75,9 +76,9 @@ fn read_dir(p: &Path) -> Result<std::fs::ReadDir> {
 /// created: the index is a cache of the files, and the clean marker is
 /// removed so that this open walks `blocks/` and re-adopts every block.
 /// Whether it was rebuilt.
-pub(super) fn open_index(root: &Path) -> Result<(super::index::DiskIndex, bool)> {
+pub(super) fn open_index(fs: &dyn G3Fs, root: &Path) -> Result<(super::index::DiskIndex, bool)> {
     let path = root.join("index.redb");
-    let e = match super::index::DiskIndex::open_or_damaged(&path) {
+    let e = match super::index::DiskIndex::open_or_damaged(fs, &path) {
         Ok(d) => return Ok((d, false)),
         Err((true, e)) => e,
         Err((false, e)) => return Err(e),
@@ -89,8 +90,9 @@ pub(super) fn open_index(root: &Path) -> Result<(super::index::DiskIndex, bool)>
     let aside = root.join(format!("index.redb.damaged.{ms}"));
     tracing::error!(index = %path.display(), moved_to = %aside.display(), error = %e,
         "g3: the index cannot be opened; rebuilding it from the block files");
-    std::fs::rename(&path, &aside).map_err(|err| Error::io("moving aside", &path, err))?;
-    match std::fs::remove_file(root.join(CLEAN_MARKER)) {
+    fs.rename(&path, &aside)
+        .map_err(|err| Error::io("moving aside", &path, err))?;
+    match fs.remove_file(&root.join(CLEAN_MARKER), Unlink::Housekeeping) {
         Ok(()) => {}
         Err(err) if err.kind() == std::io::ErrorKind::NotFound => {}
         Err(err) => {
@@ -101,8 +103,10 @@ pub(super) fn open_index(root: &Path) -> Result<(super::index::DiskIndex, bool)>
             ))
         }
     }
-    super::fsops::fsync_dir(root).map_err(|err| Error::io("flushing directory", root, err))?;
-    Ok((super::index::DiskIndex::open(&path)?, true))
+    fs.sync_dir(root, SyncSite::IndexRebuildDirFsync)
+        .map_err(|err| Error::io("flushing directory", root, err))?;
+    let disk = super::index::DiskIndex::open_or_damaged(fs, &path).map_err(|(_, e)| e)?;
+    Ok((disk, true))
 }
 
 impl G3Store {
@@ -111,7 +115,8 @@ impl G3Store {
         let mut rep = RecoveryReport::default();
         for e in read_dir(&self.tmp_dir)? {
             let e = e.map_err(|e| Error::io("listing", &self.tmp_dir, e))?;
-            std::fs::remove_file(e.path())
+            self.fs
+                .remove_file(&e.path(), Unlink::Temp)
                 .map_err(|err| Error::io("removing temp file", e.path(), err))?;
             rep.temp_removed += 1;
         }
@@ -202,8 +207,11 @@ impl G3Store {
         if !valid {
             tracing::warn!(path = %path.display(), generation, "g3: clean marker does not match the index; full recovery");
         }
-        std::fs::remove_file(&path).map_err(|e| Error::io("removing clean marker", &path, e))?;
-        super::fsops::fsync_dir(&self.cfg.root)
+        self.fs
+            .remove_file(&path, Unlink::Housekeeping)
+            .map_err(|e| Error::io("removing clean marker", &path, e))?;
+        self.fs
+            .sync_dir(&self.cfg.root, SyncSite::MarkerRemoveDirFsync)
             .map_err(|e| Error::io("flushing directory", &self.cfg.root, e))?;
         Ok(valid)
     }
@@ -211,16 +219,21 @@ impl G3Store {
     /// Writes the clean-shutdown marker durably (at close, after the index
     /// was made durable).
     pub(super) fn write_clean_marker(&self) -> Result<()> {
-        use std::io::Write;
         let generation = self.disk.generation()?;
         let tmp = self.cfg.root.join(format!("{CLEAN_MARKER}.tmp"));
         let path = self.cfg.root.join(CLEAN_MARKER);
-        let mut f = std::fs::File::create(&tmp).map_err(|e| Error::io("creating", &tmp, e))?;
-        f.write_all(format!("{MARKER_MAGIC} {generation}\n").as_bytes())
-            .and_then(|()| f.sync_all())
+        self.fs
+            .write_synced(
+                &tmp,
+                format!("{MARKER_MAGIC} {generation}\n").as_bytes(),
+                SyncSite::MarkerFileSync,
+            )
             .map_err(|e| Error::io("writing clean marker", &tmp, e))?;
-        std::fs::rename(&tmp, &path).map_err(|e| Error::io("renaming", &path, e))?;
-        super::fsops::fsync_dir(&self.cfg.root)
+        self.fs
+            .rename(&tmp, &path)
+            .map_err(|e| Error::io("renaming", &path, e))?;
+        self.fs
+            .sync_dir(&self.cfg.root, SyncSite::MarkerDirFsync)
             .map_err(|e| Error::io("flushing directory", &self.cfg.root, e))
     }
 
@@ -354,7 +367,7 @@ impl G3Store {
                 .map(|d| d.as_millis())
                 .unwrap_or(0)
         ));
-        if let Err(e) = std::fs::rename(p, &to) {
+        if let Err(e) = self.fs.rename(p, &to) {
             tracing::warn!(path = %p.display(), error = %e, "g3: cannot move a stray entry aside; left in place");
         }
         rep.set_aside += 1;

@@ -32,8 +32,8 @@ impl G3Store {
             return Ok(false);
         }
         let path = self.block_file_path(ns, key);
-        match std::fs::remove_file(&path) {
-            Ok(()) => {}
+        match self.fs.remove_file(&path, super::seam::Unlink::Block) {
+            Ok(()) => self.note_removal(&path),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => return Err(Error::io("removing", &path, e)),
         }
@@ -46,6 +46,36 @@ impl G3Store {
             return Ok(true);
         }
         Ok(false)
+    }
+
+    /// Remembers the directory of an unlinked block file (see
+    /// `unsynced_removals`).
+    pub(super) fn note_removal(&self, path: &std::path::Path) {
+        if let (Some(d), Ok(mut set)) = (path.parent(), self.unsynced_removals.lock()) {
+            set.insert(d.to_path_buf());
+        }
+    }
+
+    /// Makes every unlink so far durable (close, before the marker).
+    pub(super) fn sync_removals(&self) -> Result<()> {
+        let dirs: Vec<std::path::PathBuf> = self
+            .unsynced_removals
+            .lock()
+            .map_err(|_| lock_err("g3 removals"))?
+            .drain()
+            .collect();
+        for d in dirs {
+            match self
+                .fs
+                .sync_dir(&d, super::seam::SyncSite::CloseRemovalsFsync)
+            {
+                Ok(()) => {}
+                // A shard directory removed behind our back: nothing to sync.
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(Error::io("flushing directory", &d, e)),
+            }
+        }
+        Ok(())
     }
 
     /// Drops a block from memory, policy and redb (not the file).

@@ -10,7 +10,7 @@
 
 use super::index::{Entry, MemIndex};
 use kvtier_client::NamespaceId;
-use std::io::{Read, Write};
+use std::io::Read;
 use std::path::Path;
 use std::sync::atomic::{AtomicU32, Ordering};
 
@@ -25,6 +25,7 @@ const ENTRY_BYTES: usize = 16 + 8 + 8 + 4 * 4 + 2;
 /// `blocks` names every block (namespace, id) to write; their entries come
 /// from `mem`.
 pub fn write(
+    fs: &dyn super::seam::G3Fs,
     root: &Path,
     generation: u64,
     blocks: &[(NamespaceId, u64)],
@@ -53,10 +54,8 @@ pub fn write(
     let sum = blake3::hash(&buf);
     buf.extend_from_slice(sum.as_bytes());
     let tmp = root.join(format!("{SNAPSHOT_FILE}.tmp"));
-    let mut f = std::fs::File::create(&tmp)?;
-    f.write_all(&buf)?;
-    f.sync_all()?;
-    std::fs::rename(&tmp, root.join(SNAPSHOT_FILE))
+    fs.write_synced(&tmp, &buf, super::seam::SyncSite::SnapshotFileSync)?;
+    fs.rename(&tmp, &root.join(SNAPSHOT_FILE))
 }
 
 /// One loaded entry: namespace, id, entry.

@@ -56,7 +56,28 @@ pub(super) struct Counters {
 }
 
 impl G3Store {
-    /// Counters and state.
+    /// What recovery at open found and what the store repaired since
+    /// (Prometheus `kvtier_g3_recovery{stat}`): (stat, value) pairs.
+    pub fn recovery_figures(&self) -> Vec<(&'static str, u64)> {
+        let st = self.stats();
+        let r = self.recovery.lock().map(|r| r.clone()).unwrap_or_default();
+        vec![
+            ("index_rebuilt", u64::from(r.index_rebuilt)),
+            ("clean_start", u64::from(r.clean_start)),
+            ("orphans_reindexed", r.adopted),
+            ("entries_dropped", r.dropped),
+            ("temp_removed", r.temp_removed),
+            ("strays_set_aside", r.set_aside),
+            ("quarantined_at_open", r.quarantined),
+            ("quarantined", st.quarantined),
+            ("quarantine_bytes", st.quarantine_bytes),
+            ("quarantine_trimmed", st.quarantine_trimmed),
+            ("renames_undone", st.renames_undone),
+            ("orphans_replaced", st.orphans_replaced),
+        ]
+    }
+
+    /// Counters and occupancy.
     pub fn stats(&self) -> G3Stats {
         let (blocks, used_bytes) = self
             .mem

@@ -415,7 +415,7 @@ impl G3Store {
         let mut dirs: Vec<PathBuf> = Vec::new();
         for job in jobs {
             let path = self.block_file_path(ns, &items[job.at].header.key);
-            match std::fs::remove_file(&path) {
+            match self.fs.remove_file(&path, super::seam::Unlink::Undo) {
                 Ok(()) => {}
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
                 Err(e) => {
@@ -434,7 +434,7 @@ impl G3Store {
         dirs.sort_unstable();
         dirs.dedup();
         for d in dirs {
-            if let Err(e) = super::fsops::fsync_dir(&d) {
+            if let Err(e) = self.fs.sync_dir(&d, super::seam::SyncSite::UndoDirFsync) {
                 self.poison(format!(
                     "fsync of directory {} after an undo: {e}",
                     d.display()

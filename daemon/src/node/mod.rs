@@ -159,6 +159,8 @@ pub struct NodeFigures {
     pub promoted_from_g4: PromoteFigures,
     /// G3 write-through jobs queued by this node.
     pub g4_enqueued: u64,
+    /// G3 recovery and repair counters ([`G3Store::recovery_figures`]).
+    pub g3_recovery: Vec<(&'static str, u64)>,
 }
 
 /// G3 + optional G4 + optional peers. See the module docs.
@@ -454,6 +456,7 @@ impl Node {
             promoted_from_peer: self.staging.figures(Tier::Peer),
             promoted_from_g4: self.staging.figures(Tier::G4),
             g4_enqueued: self.g4_enqueued.load(Ordering::Relaxed),
+            g3_recovery: self.g3.recovery_figures(),
         }
     }
 
