@@ -369,7 +369,7 @@ async fn live(
 /// `[identity, "", start]` (a DEALER's request) or `[identity, start]`.
 fn replay_start(m: &ZmqMessage) -> Option<(Bytes, u64)> {
     let id = m.get(0)?.clone();
-    let last = m.get(m.len() - 1)?;
+    let last = m.get(m.len().checked_sub(1)?)?;
     let start: [u8; 8] = last.as_ref().try_into().ok()?;
     (m.len() == 2 || m.len() == 3).then_some((id, u64::from_be_bytes(start)))
 }
