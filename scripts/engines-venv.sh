@@ -16,7 +16,10 @@ STAMP="$VENV/.kvtier-requirements-$(sha256sum "$REQ" | cut -c1-16)"
 if [ ! -f "$STAMP" ]; then
   rm -rf "$VENV"
   python3 -m venv "$VENV"
-  "$VENV/bin/pip" install -q --no-deps -r "$REQ" >&2
+  # --no-compile: byte-compiling ~34k files of which the tests import a
+  # few is CPU the Rust build running beside it needs; --no-cache-dir: a
+  # second 4 GB copy of the wheels helps nobody on a fresh machine.
+  "$VENV/bin/pip" install -q --no-deps --no-compile --no-cache-dir -r "$REQ" >&2
   touch "$STAMP"
 fi
 echo "$VENV"
