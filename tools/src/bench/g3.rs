@@ -376,11 +376,15 @@ fn lookup_report(n: usize) -> Value {
         json!("HashSet<(NamespaceId, BlockKey)> (SipHash), same 64 keys, take_while contains"),
     );
     for (q, name) in [(50.0, "p50"), (99.0, "p99"), (99.9, "p999")] {
+        let (us, base_us) = (percentile(&lat, q), percentile(&blat, q));
+        m.insert(format!("lookup_{name}_us"), json!(us));
+        m.insert(format!("lookup_{name}_us_baseline"), json!(base_us));
+        // The quotient is of rates, so that higher stays better (BENCH.md).
         compare(
             &mut m,
-            &format!("lookup_{name}_us"),
-            percentile(&lat, q),
-            percentile(&blat, q),
+            &format!("lookup_{name}_per_s"),
+            per_second(us),
+            per_second(base_us),
         );
         m.insert(
             format!("lookup_precomputed_digests_{name}_us"),
@@ -400,6 +404,15 @@ fn lookup_report(n: usize) -> Value {
         json!((rss2.saturating_sub(rss1)) as f64 / n.max(1) as f64),
     );
     Value::Object(m)
+}
+
+/// Lookups per second at a latency in microseconds (0 for no latency).
+fn per_second(us: f64) -> f64 {
+    if us > 0.0 {
+        1e6 / us
+    } else {
+        0.0
+    }
 }
 
 /// Recovery time of `n` indexed blocks (cold cache), beside a bare walk of
