@@ -6,6 +6,7 @@
 
 mod support;
 
+use kvtier_client::proto::ItemStatus;
 use kvtier_client::{
     BlockKey, Client, ClientConfig, Hints, KvLayout, Namespace, OffloadOutcome, Onboarded, Tier,
 };
@@ -201,6 +202,70 @@ fn two_daemons_share_g4_on_s3() {
     let c = client(&b);
     c.namespace(&ns()).evict(&keys[..1]).unwrap();
     assert_eq!(onboard_verified(&b, &keys[..1], &data[..1]), vec![Tier::G4]);
+}
+
+/// Polls B's lookup of `keys` until every block is on `tier`.
+fn wait_lookup(d: &Daemon, keys: &[BlockKey], tier: Tier, within: Duration) {
+    let t = Instant::now();
+    loop {
+        let l = client(d).namespace(&ns()).lookup(keys);
+        if l.tiers.len() == keys.len() && l.tiers.iter().all(|x| *x == tier) {
+            return;
+        }
+        assert!(
+            t.elapsed() < within,
+            "lookup {:?} (miss {:?}), expected all {tier:?} within {within:?}",
+            l.tiers,
+            l.miss
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn a_prefetched_chain_is_on_g3_before_its_request() {
+    let Some(s3) = s3_or_skip("a_prefetched_chain_is_on_g3_before_its_request") else {
+        return;
+    };
+    let cfg_dir = tempfile::tempdir().unwrap();
+    let conf = write_config(cfg_dir.path(), &s3, None);
+    let a = Daemon::start_with(&["--config".into(), conf.clone()], &[]);
+    let b = Daemon::start_with(&["--config".into(), conf], &[]);
+    let (keys, data) = offload(&a, 6, 8);
+    // Uploaded: B, which never saw the chain, finds it in G4.
+    wait_lookup(&b, &keys, Tier::G4, Duration::from_secs(30));
+    let h_client = client(&b);
+    let h = h_client.namespace(&ns());
+    // The prefetch answers at once; the fetches run in the background.
+    let st = h.prefetch(&keys, 30_000, 1).unwrap();
+    assert_eq!(st, vec![ItemStatus::Ok; keys.len()], "{st:?}");
+    wait_lookup(&b, &keys, Tier::G3, Duration::from_secs(30));
+    // The request that follows reads G3 only, byte-identical.
+    assert_eq!(
+        onboard_verified(&b, &keys, &data),
+        vec![Tier::G3; keys.len()]
+    );
+    // Asked again, nothing is left to fetch.
+    let again = h.prefetch(&keys, 30_000, 1).unwrap();
+    assert_eq!(again, vec![ItemStatus::AlreadyPresent; keys.len()]);
+    // A chain nobody wrote: queued, fetched nowhere, never an error; the
+    // daemon keeps serving and the chain stays a miss.
+    let unknown: Vec<BlockKey> = (0..4)
+        .map(|i| BlockKey::from_u64(0xdead_0000 + i))
+        .collect();
+    assert_eq!(
+        h.prefetch(&unknown, 2_000, 2).unwrap(),
+        vec![ItemStatus::Ok; 4]
+    );
+    assert!(h.lookup(&unknown).tiers.is_empty());
+    assert_eq!(lookup(&b, &keys), vec![Tier::G3; keys.len()]);
+    // A G3-only daemon has nowhere to fetch from: absent, not queued.
+    let g3_only = Daemon::start_with(&["--g4".into(), String::new()], &[]);
+    let c = client(&g3_only);
+    assert_eq!(
+        c.namespace(&ns()).prefetch(&keys[..2], 1_000, 0).unwrap(),
+        vec![ItemStatus::Absent; 2]
+    );
 }
 
 #[test]

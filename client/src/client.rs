@@ -1213,6 +1213,33 @@ impl<'a> NsHandle<'a> {
         })
     }
 
+    /// "This chain will be needed within `deadline_ms`": the daemon fetches
+    /// the blocks that are not local (from peers or G4) into G3 in the
+    /// background, so the request that follows finds them local. Returns at
+    /// once; per key `Ok` (queued), `AlreadyPresent` (local), `LimitReached`
+    /// (no room in the daemon's queue or this uid's share; also every key
+    /// past the first `KEYS_MAX`, which one prefetch does not carry) or
+    /// `Absent` (the daemon has no remote tier). A later prefetch with the
+    /// same non-zero `stream` (a request or session id of the caller's
+    /// choosing) drops the queued keys it no longer names; 0 never does.
+    pub fn prefetch(
+        &self,
+        keys: &[BlockKey],
+        deadline_ms: u32,
+        stream: u64,
+    ) -> Result<Vec<ItemStatus>> {
+        // One frame: split in two, the second part would supersede the first.
+        let (sent, rest) = keys.split_at(keys.len().min(KEYS_MAX));
+        let mut out = self.keys_op(sent, |keys| Request::Prefetch {
+            ns: self.id,
+            deadline_ms,
+            stream,
+            keys,
+        })?;
+        out.extend(std::iter::repeat_n(ItemStatus::LimitReached, rest.len()));
+        Ok(out)
+    }
+
     /// Removes pins.
     pub fn unpin(&self, keys: &[BlockKey]) -> Result<Vec<ItemStatus>> {
         self.keys_op(keys, |keys| Request::Unpin { ns: self.id, keys })

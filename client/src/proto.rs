@@ -65,6 +65,9 @@ pub const OP_STATS: u8 = 10;
 pub const OP_LIST: u8 = 11;
 /// Op: turn this connection into a KV event stream.
 pub const OP_SUBSCRIBE: u8 = 12;
+/// Op: fetch the non-local blocks of a chain into G3 in the background.
+/// (16: 13-15 are left for the operator commands being added beside it.)
+pub const OP_PREFETCH: u8 = 16;
 /// Reply bit.
 pub const OP_REPLY: u8 = 0x80;
 /// An event on a subscribed connection.
@@ -254,6 +257,23 @@ pub enum Request {
     },
     /// Turn the connection into an event stream.
     Subscribe,
+    /// "This chain will be needed": the daemon fetches the blocks of `keys`
+    /// that are not local (from peers or G4) into G3 in the background,
+    /// within `deadline_ms`. Per key: `Ok` queued, `AlreadyPresent` local,
+    /// `LimitReached` no room, `Absent` no remote tier. A later prefetch of
+    /// the same uid, `stream` (non-zero) and namespace drops the queued keys
+    /// it no longer names.
+    Prefetch {
+        /// Namespace.
+        ns: NamespaceId,
+        /// How long the blocks are worth fetching (capped by the daemon).
+        deadline_ms: u32,
+        /// The caller's name for what it prefetches for (a request, a
+        /// session); 0: never superseded.
+        stream: u64,
+        /// The chain (or the part of it the caller expects to miss).
+        keys: Vec<BlockKey>,
+    },
 }
 
 /// Per-item result of an onboard.
@@ -636,6 +656,7 @@ impl Request {
             Request::Stats => OP_STATS,
             Request::List { .. } => OP_LIST,
             Request::Subscribe => OP_SUBSCRIBE,
+            Request::Prefetch { .. } => OP_PREFETCH,
         }
     }
 
@@ -654,6 +675,7 @@ impl Request {
             OP_STATS => "stats",
             OP_LIST => "list",
             OP_SUBSCRIBE => "subscribe",
+            OP_PREFETCH => "prefetch",
             _ => "unknown",
         }
     }
@@ -710,6 +732,17 @@ impl Request {
             Request::Pin { ns, ttl_ms, keys } => {
                 w.ns(ns);
                 w.u32(*ttl_ms);
+                write_keys(&mut w, keys);
+            }
+            Request::Prefetch {
+                ns,
+                deadline_ms,
+                stream,
+                keys,
+            } => {
+                w.ns(ns);
+                w.u32(*deadline_ms);
+                w.u64(*stream);
                 write_keys(&mut w, keys);
             }
             Request::Stats | Request::Subscribe => {}
@@ -824,6 +857,12 @@ impl Request {
             OP_PIN => Request::Pin {
                 ns: r.ns()?,
                 ttl_ms: r.u32()?,
+                keys: read_keys(&mut r)?,
+            },
+            OP_PREFETCH => Request::Prefetch {
+                ns: r.ns()?,
+                deadline_ms: r.u32()?,
+                stream: r.u64()?,
                 keys: read_keys(&mut r)?,
             },
             OP_STATS => Request::Stats,
@@ -983,7 +1022,7 @@ impl Response {
                     }
                     Response::Lookup { tiers }
                 }
-                OP_OFFLOAD | OP_RELEASE | OP_PIN | OP_UNPIN | OP_EVICT => {
+                OP_OFFLOAD | OP_RELEASE | OP_PIN | OP_UNPIN | OP_EVICT | OP_PREFETCH => {
                     let n = r.count(KEYS_MAX, 1)?;
                     let mut status = Vec::with_capacity(n);
                     for _ in 0..n {
@@ -1272,6 +1311,12 @@ mod tests {
                 ns,
                 ttl_ms: 10,
                 keys: vec![k(5)],
+            },
+            Request::Prefetch {
+                ns,
+                deadline_ms: 250,
+                stream: 7,
+                keys: vec![k(5), k(6)],
             },
             Request::Stats,
             Request::List {

@@ -366,6 +366,27 @@ impl Client {
         self.per_key(py, ns, keys, move |h, k| h.pin(k, ttl_ms))
     }
 
+    /// prefetch(ns, keys, deadline_ms=10000, stream=0) -> list[str]
+    ///
+    /// "This chain will be needed within deadline_ms": the daemon fetches
+    /// the blocks that are not local (from peers or G4) into G3 in the
+    /// background. Returns at once; per key "ok" (queued),
+    /// "already_present" (local), "limit_reached" (no room in the daemon's
+    /// queue or this uid's share) or "absent" (the daemon has no remote
+    /// tier). A later prefetch with the same non-zero stream (a request or
+    /// session id) drops the queued keys it no longer names.
+    #[pyo3(signature = (ns, keys, deadline_ms=10_000, stream=0))]
+    fn prefetch(
+        &self,
+        py: Python<'_>,
+        ns: &Namespace,
+        keys: &Bound<'_, PyAny>,
+        deadline_ms: u32,
+        stream: u64,
+    ) -> PyResult<Vec<String>> {
+        self.per_key(py, ns, keys, move |h, k| h.prefetch(k, deadline_ms, stream))
+    }
+
     /// unpin(ns, keys) -> list[str]: removes pins ("ok" or "absent" per key).
     fn unpin(
         &self,

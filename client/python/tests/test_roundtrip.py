@@ -1,6 +1,7 @@
 """Round trips through a real kvtierd, byte-exact, with every buffer kind."""
 
 import ctypes
+import time
 
 import numpy as np
 import pytest
@@ -161,3 +162,33 @@ def test_layer_separate_segments(client):
     out = [np.zeros(lay.layer_bytes, np.uint8) for _ in range(4)]
     assert all(client.onboard_into(ns, key, [out]))
     assert all(np.array_equal(a, b) for a, b in zip(layers, out))
+
+
+def test_prefetch_brings_an_evicted_chain_back_before_its_request(daemon, client, ns):
+    keys = ns.hash_chain(list(range(16 * 3)))
+    data = payloads(3, seed=9)
+    assert all(client.offload(ns, keys, data))
+    # Written through to G4 (file:// here): then evicted from G3, the chain
+    # is one fetch away.
+    deadline = time.monotonic() + 20
+    while True:
+        uploaded = [p for p in (daemon.dir / "g4").rglob("*") if p.is_file() and "#" not in p.name]
+        if sum(1 for p in uploaded if "blocks" in p.parts) >= 3:
+            break
+        assert time.monotonic() < deadline, "never written through to G4"
+        time.sleep(0.05)
+    assert client.evict(ns, keys) == ["ok"] * 3
+    assert client.lookup(ns, keys).tiers == ["g4"] * 3
+    assert client.prefetch(ns, keys, deadline_ms=20_000, stream=5) == ["ok"] * 3
+    deadline = time.monotonic() + 20
+    while client.lookup(ns, keys).tiers != ["g3"] * 3:
+        assert time.monotonic() < deadline, client.lookup(ns, keys).tiers
+        time.sleep(0.05)
+    out = [np.zeros(BLOCK, np.uint8) for _ in range(3)]
+    got = client.onboard_into(ns, keys, out)
+    assert [r.tier for r in got] == ["g3"] * 3
+    for a, b in zip(data, out):
+        assert np.array_equal(a, b)
+    assert client.prefetch(ns, keys) == ["already_present"] * 3
+    with pytest.raises(OverflowError):
+        client.prefetch(ns, keys, deadline_ms=-1)

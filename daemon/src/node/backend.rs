@@ -7,7 +7,7 @@ use crate::events::EventBus;
 use crate::g3::{LeaseId as G3Lease, PutItem, PutMeta};
 use crate::policy::admission::AdmissionEvent;
 use crate::server::backend::{
-    Backend, BackendStats, EvictOutcome, LeaseId, OffloadBlock, ReadFile, TierStats,
+    Backend, BackendStats, EvictOutcome, LeaseId, OffloadBlock, PrefetchCaller, ReadFile, TierStats,
 };
 use crate::tier::{Lookup, MissReason, PutOutcome};
 use kvtier_client::block::HEADER_BYTES;
@@ -304,6 +304,16 @@ impl Backend for Node {
             p.remove(&(*ns, *key));
         }
         Ok(self.g3.unpin(ns, key))
+    }
+
+    fn prefetch(
+        &self,
+        caller: PrefetchCaller,
+        ns: &NamespaceId,
+        keys: &[BlockKey],
+        deadline_ms: u32,
+    ) -> Vec<kvtier_client::proto::ItemStatus> {
+        Node::prefetch(self, caller, ns, keys, deadline_ms)
     }
 
     fn evict(&self, ns: &NamespaceId, key: &BlockKey) -> Result<EvictOutcome> {

@@ -46,7 +46,7 @@ pub(super) enum Local {
 }
 
 /// One remote fetch's outcome.
-enum Fetched {
+pub(super) enum Fetched {
     Hit {
         block: Arc<Block>,
         from: Tier,
@@ -57,7 +57,7 @@ enum Fetched {
 
 /// Peers in rendezvous order, then G4, within `deadline`; the bytes are
 /// verified by the peer client and by G4's fetch.
-async fn fetch_remote(
+pub(super) async fn fetch_remote(
     peers: Option<Arc<PeerSet>>,
     g4: Option<Arc<G4Store>>,
     permits: Arc<Semaphore>,
@@ -113,11 +113,11 @@ async fn fetch_remote(
 }
 
 impl Node {
-    fn remote(&self) -> bool {
+    pub(super) fn remote(&self) -> bool {
         self.peers.is_some() || self.g4.is_some()
     }
 
-    fn on_g3(&self, ns: &NamespaceId, key: &BlockKey) -> bool {
+    pub(super) fn on_g3(&self, ns: &NamespaceId, key: &BlockKey) -> bool {
         self.g3.lookup_prefix(ns, std::slice::from_ref(key)) == 1
     }
 

@@ -43,6 +43,7 @@ mod fetch;
 mod g4_order;
 mod locate;
 mod peers;
+mod prefetch;
 mod promote;
 mod uplink;
 
@@ -61,6 +62,7 @@ use std::time::{Duration, Instant};
 use tokio::runtime::{Handle, Runtime};
 
 pub use peers::PeerSetup;
+pub use prefetch::{PrefetchFigures, PrefetchLimits};
 pub use promote::PromoteFigures;
 
 /// Entries of the "promoted from" memo at most (see [`Node`]).
@@ -109,6 +111,8 @@ pub struct NodeConfig {
     pub pins_max: usize,
     /// Longest pin.
     pub pin_ttl_max_ms: u32,
+    /// Bounds of the prefetch queue.
+    pub prefetch: PrefetchLimits,
 }
 
 impl NodeConfig {
@@ -126,6 +130,7 @@ impl NodeConfig {
             promote_queue_max: 64,
             pins_max: 65536,
             pin_ttl_max_ms: 3_600_000,
+            prefetch: PrefetchLimits::default(),
         }
     }
 }
@@ -161,6 +166,8 @@ pub struct NodeFigures {
     pub g4_enqueued: u64,
     /// G3 recovery and repair counters ([`G3Store::recovery_figures`]).
     pub g3_recovery: Vec<(&'static str, u64)>,
+    /// Prefetch counters.
+    pub prefetch: PrefetchFigures,
 }
 
 /// G3 + optional G4 + optional peers. See the module docs.
@@ -186,6 +193,8 @@ pub struct Node {
     activity: Arc<promote::Activity>,
     /// Remote fetches in flight at most (`fetch::FETCH_PARALLEL_MAX`).
     fetch_permits: Arc<tokio::sync::Semaphore>,
+    /// Chains asked for ahead of their requests.
+    prefetcher: prefetch::Prefetcher,
     g4_enqueued: Arc<AtomicU64>,
     /// Blocks evicted because the filesystem filled before capacity did.
     enospc_evictions: AtomicU64,
@@ -293,6 +302,7 @@ impl Node {
             staging,
             activity,
             fetch_permits: Arc::new(tokio::sync::Semaphore::new(fetch::FETCH_PARALLEL_MAX)),
+            prefetcher: prefetch::Prefetcher::new(cfg.prefetch),
             g4_enqueued,
             enospc_evictions: AtomicU64::new(0),
             capacity_problem,
@@ -307,6 +317,9 @@ impl Node {
         if node.g4.is_some() {
             uplink::requeue_unmarked(&node);
         }
+        node.prefetcher
+            .start(&node)
+            .map_err(|e| Error::io("starting the prefetch threads", "", e))?;
         Ok(node)
     }
 
@@ -457,6 +470,7 @@ impl Node {
             promoted_from_g4: self.staging.figures(Tier::G4),
             g4_enqueued: self.g4_enqueued.load(Ordering::Relaxed),
             g3_recovery: self.g3.recovery_figures(),
+            prefetch: self.prefetcher.figures(),
         }
     }
 
@@ -520,6 +534,7 @@ impl Node {
         if let Ok(mut h) = self.heartbeat.lock() {
             h.take();
         }
+        self.prefetcher.stop();
         if !self.staging.wait_idle(g4_flush_timeout) {
             tracing::warn!("promotions still pending at shutdown; dropped (cache fills only)");
         }
@@ -537,6 +552,7 @@ impl Node {
 
 impl Drop for Node {
     fn drop(&mut self) {
+        self.prefetcher.close();
         if let Ok(mut r) = self.runtime.lock() {
             if let Some(rt) = r.take() {
                 rt.shutdown_background();

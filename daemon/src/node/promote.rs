@@ -60,7 +60,7 @@ impl Activity {
         FetchGuard(self.clone())
     }
 
-    fn busy(&self) -> bool {
+    pub(super) fn busy(&self) -> bool {
         let now_us = self.epoch.elapsed().as_micros() as u64;
         self.in_flight.load(Ordering::Relaxed) > 0
             || now_us.saturating_sub(self.last_end_us.load(Ordering::Relaxed)) < QUIET_US

@@ -27,7 +27,7 @@
 use crate::error::Result;
 use crate::events::EventBus;
 use crate::tier::{Lookup, MissReason, PutOutcome};
-use kvtier_client::proto::{BlockStat, ListEntry};
+use kvtier_client::proto::{BlockStat, ItemStatus, ListEntry};
 use kvtier_client::{BlockHeader, BlockKey, Hints, NamespaceId, Tier};
 
 /// A lease handle (never 0).
@@ -98,6 +98,16 @@ pub struct BackendStats {
     pub pins_held: u64,
 }
 
+/// Who asks for a prefetch: its uid has a share of the queue, and a newer
+/// prefetch of the same uid and stream supersedes the older one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrefetchCaller {
+    /// The caller's uid.
+    pub uid: u32,
+    /// The caller's stream (`Request::Prefetch`); 0: never superseded.
+    pub stream: u64,
+}
+
 /// The store behind the local server. See the module docs for the contract.
 pub trait Backend: Send + Sync + 'static {
     /// Short name (`mem`, `g3+g4`), reported in stats and bench JSON.
@@ -150,6 +160,25 @@ pub trait Backend: Send + Sync + 'static {
     /// would miss the same way; `None` otherwise. Default: nothing known.
     fn prepare_onboard(&self, _ns: &NamespaceId, keys: &[BlockKey]) -> Vec<Option<MissReason>> {
         vec![None; keys.len()]
+    }
+
+    /// Queues the blocks of `keys` that are not local for a background
+    /// fetch within `deadline_ms` (see `Request::Prefetch`). Default, for a
+    /// store without remote tiers: nothing to fetch, so `AlreadyPresent`
+    /// for what it holds and `Absent` for the rest.
+    fn prefetch(
+        &self,
+        _caller: PrefetchCaller,
+        ns: &NamespaceId,
+        keys: &[BlockKey],
+        _deadline_ms: u32,
+    ) -> Vec<ItemStatus> {
+        keys.iter()
+            .map(|k| match self.stat(ns, k) {
+                Ok(Some(_)) => ItemStatus::AlreadyPresent,
+                _ => ItemStatus::Absent,
+            })
+            .collect()
     }
 
     /// Opens a block for a direct read by the client.

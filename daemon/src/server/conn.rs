@@ -2,7 +2,7 @@
 //! leaves, errs, idles out, or subscribes (then it is an event stream).
 
 use super::quota::Res;
-use super::{OffloadBlock, Shared};
+use super::{OffloadBlock, PrefetchCaller, Shared};
 use crate::access::Grant;
 use crate::error::Error;
 use crate::tier::{Lookup, MissReason, PutOutcome};
@@ -450,6 +450,21 @@ impl Conn<'_> {
                             st
                         })
                         .collect(),
+                }
+            }
+            Request::Prefetch {
+                ns,
+                deadline_ms,
+                stream,
+                keys,
+            } => {
+                let ns = self.ns_for(&ns);
+                let caller = PrefetchCaller {
+                    uid: self.who.uid,
+                    stream,
+                };
+                Response::Items {
+                    status: b.prefetch(caller, &ns, &keys, deadline_ms),
                 }
             }
             Request::Unpin { ns, keys } => {

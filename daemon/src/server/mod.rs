@@ -17,7 +17,7 @@ mod mem;
 mod quota;
 
 pub use backend::{
-    Backend, BackendStats, EvictOutcome, LeaseId, OffloadBlock, ReadFile, TierStats,
+    Backend, BackendStats, EvictOutcome, LeaseId, OffloadBlock, PrefetchCaller, ReadFile, TierStats,
 };
 pub use mem::{MemBackend, MemLimits};
 pub use quota::UidLimits;

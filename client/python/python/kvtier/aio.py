@@ -56,6 +56,10 @@ class Client:
         """See :meth:`kvtier.Client.pin`."""
         return await self._run(self.sync.pin, ns, keys, ttl_ms)
 
+    async def prefetch(self, ns, keys, deadline_ms: int = 10_000, stream: int = 0):
+        """See :meth:`kvtier.Client.prefetch`."""
+        return await self._run(self.sync.prefetch, ns, keys, deadline_ms, stream)
+
     async def unpin(self, ns, keys):
         """See :meth:`kvtier.Client.unpin`."""
         return await self._run(self.sync.unpin, ns, keys)
