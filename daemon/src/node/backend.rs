@@ -161,6 +161,9 @@ impl Backend for Node {
         key: &BlockKey,
         dst: &mut [u8],
     ) -> Result<Lookup<(BlockHeader, Tier)>> {
+        // Background work (promotions, prefetches) yields to onboards,
+        // G3 hits included: they share the disk and the cores.
+        let _busy = self.activity.fetching();
         // A fetched block is served from the bytes the fetcher verified
         // while its promotion into G3 runs in the background.
         let (block, tier) = match self.ensure_available(ns, key, true)? {

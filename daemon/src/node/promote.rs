@@ -36,8 +36,9 @@ const QUIET_US: u64 = 5_000;
 /// full (sustained onboards still promote, up to the queue's bound).
 const DEFER_MAX: Duration = Duration::from_millis(1_000);
 
-/// Remote fetches in flight on the node, for the promotion workers to
-/// yield to.
+/// Foreground onboard work in flight on the node (remote fetches, and
+/// reads into a client's region), for the background work (promotions,
+/// prefetches) to yield to.
 #[derive(Debug)]
 pub(super) struct Activity {
     in_flight: AtomicUsize,

@@ -36,6 +36,20 @@ pub fn percentile(v: &[f64], p: f64) -> f64 {
     s[rank.clamp(1, s.len()) - 1]
 }
 
+/// `len` bytes of xorshift noise from `seed` (incompressible, distinct per
+/// seed), for block payloads.
+pub fn noise(seed: u64, len: usize) -> Vec<u8> {
+    let mut v = vec![0u8; len];
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    for c in v.chunks_mut(8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        c.copy_from_slice(&x.to_le_bytes()[..c.len()]);
+    }
+    v
+}
+
 /// A measured figure beside its baseline: `{name}`, `{name}_baseline`,
 /// `{name}_vs_baseline` (measured / baseline, higher is better).
 pub fn compare(out: &mut Map<String, Value>, name: &str, measured: f64, baseline: f64) {

@@ -57,7 +57,7 @@ pub struct CrossnodeArgs {
     pub json: bool,
 }
 
-struct Node {
+pub(super) struct Node {
     child: Child,
     dir: tempfile::TempDir,
     socket: PathBuf,
@@ -71,13 +71,13 @@ impl Drop for Node {
     }
 }
 
-fn free_port() -> Result<u16> {
+pub(super) fn free_port() -> Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
         .port())
 }
 
-fn start_node(config: &str, name: &str) -> Result<Node> {
+pub(super) fn start_node(config: &str, name: &str) -> Result<Node> {
     let dir = tempfile::Builder::new()
         .prefix(&format!("kvtier-xn-{name}-"))
         .tempdir()?;
@@ -144,7 +144,7 @@ fn scrape(n: &Node, name: &str, label: &str) -> Result<f64> {
     Ok(sum)
 }
 
-fn client(n: &Node, block_bytes: u64, request_blocks: usize) -> Client {
+pub(super) fn client(n: &Node, block_bytes: u64, request_blocks: usize) -> Client {
     let mut c = ClientConfig::new(&n.socket);
     c.region_bytes = (block_bytes + 8192) * request_blocks.max(4) as u64;
     c.timeout_ms = 60_000;
@@ -217,7 +217,7 @@ fn promote_us(n: &Node, source: &str) -> Result<(f64, f64)> {
     ))
 }
 
-fn config(s3: &S3Server, peer: Option<(&str, u16, &str, &Path)>) -> String {
+pub(super) fn config(s3: &S3Server, peer: Option<(&str, u16, &str, &Path)>) -> String {
     let mut t = format!(
         "[g4]\nurl = \"s3://{}/bench\"\nendpoint = \"{}\"\nregion = \"us-east-1\"\nallow_http = true\npath_style = true\naccess_key_id = \"{ACCESS_KEY_ID}\"\nsecret_access_key = \"{}\"\n",
         s3.bucket,
@@ -283,17 +283,7 @@ pub fn run(a: CrossnodeArgs) -> Result<()> {
         "bench",
     )?;
     let data: Vec<Vec<u8>> = (0..a.blocks)
-        .map(|i| {
-            let mut v = vec![0u8; bs];
-            let mut x = (i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-            for c in v.chunks_mut(8) {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                c.copy_from_slice(&x.to_le_bytes()[..c.len()]);
-            }
-            v
-        })
+        .map(|i| common::noise(i as u64 + 1, bs))
         .collect();
     let tokens: Vec<u32> = (0..a.blocks as u32 * 16).collect();
     let ca = client(&na, a.block_size, 4);

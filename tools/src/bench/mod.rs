@@ -7,6 +7,7 @@ pub mod g3;
 pub mod g4;
 pub mod gds;
 pub mod io;
+pub mod prefetch;
 pub mod replay;
 pub mod replay_daemon;
 pub mod tenancy;
@@ -31,6 +32,9 @@ pub enum BenchCmd {
     Crossnode(crossnode::CrossnodeArgs),
     /// Cold reads through the FUSE mount vs the G3 files read directly.
     Fs(fs::FsArgs),
+    /// Foreground onboards with and without a background prefetch beside
+    /// them (two kvtierd on a real S3 server).
+    Prefetch(prefetch::PrefetchArgs),
     /// Tenant A's lookups of tenant B's prefixes vs misses (timing side
     /// channel; Mann-Whitney and Kolmogorov-Smirnov on latency samples).
     Tenancy(tenancy::TenancyArgs),
@@ -47,5 +51,6 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
         BenchCmd::Crossnode(a) => crossnode::run(a),
         BenchCmd::Fs(a) => fs::run(a),
         BenchCmd::Tenancy(a) => tenancy::run(a),
+        BenchCmd::Prefetch(a) => prefetch::run(a),
     }
 }
