@@ -487,3 +487,193 @@ fn a_trickled_frame_is_cut_at_the_frame_deadline() {
     let client = Client::with_config(ClientConfig::new(&d.socket));
     assert!(client.stats().is_ok());
 }
+
+// ---- shared-memory pages and memory cgroups ------------------------------
+
+/// A child memory cgroup of this process's own (v2 if it has the memory
+/// controller, else v1's memory hierarchy), removed on drop.
+struct Memcg {
+    dir: std::path::PathBuf,
+}
+
+impl Memcg {
+    fn create(name: &str) -> Result<Memcg, String> {
+        let own = std::fs::read_to_string("/proc/self/cgroup").map_err(|e| e.to_string())?;
+        let v2_root = std::path::Path::new("/sys/fs/cgroup");
+        let v2_memory = std::fs::read_to_string(v2_root.join("cgroup.controllers"))
+            .is_ok_and(|c| c.split_whitespace().any(|x| x == "memory"));
+        let parent = if v2_memory {
+            let rel = own
+                .lines()
+                .find_map(|l| l.strip_prefix("0::"))
+                .ok_or("no cgroup v2 entry in /proc/self/cgroup")?;
+            let p = v2_root.join(rel.trim_start_matches('/'));
+            // Children get the memory controller (fails where this cgroup
+            // holds processes and is not the root: then skip).
+            std::fs::write(p.join("cgroup.subtree_control"), "+memory")
+                .map_err(|e| format!("enabling memory in {}: {e}", p.display()))?;
+            p
+        } else {
+            let rel = own
+                .lines()
+                .find_map(|l| {
+                    let (_, rest) = l.split_once(':')?;
+                    let (ctl, path) = rest.split_once(':')?;
+                    ctl.split(',').any(|c| c == "memory").then_some(path)
+                })
+                .ok_or("no memory cgroup (v1 or v2) for this process")?;
+            std::path::Path::new("/sys/fs/cgroup/memory").join(rel.trim_start_matches('/'))
+        };
+        let dir = parent.join(name);
+        std::fs::create_dir(&dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
+        let cg = Memcg { dir };
+        cg.shmem_bytes().ok_or("no shmem in memory.stat")?;
+        Ok(cg)
+    }
+
+    fn add(&self, pid: i32) {
+        std::fs::write(self.dir.join("cgroup.procs"), pid.to_string()).unwrap();
+    }
+
+    /// Shared-memory bytes charged to this cgroup (memory.stat `shmem`).
+    fn shmem_bytes(&self) -> Option<u64> {
+        std::fs::read_to_string(self.dir.join("memory.stat"))
+            .ok()?
+            .lines()
+            .find_map(|l| l.strip_prefix("shmem ")?.trim().parse().ok())
+    }
+}
+
+impl Drop for Memcg {
+    fn drop(&mut self) {
+        // Its processes have exited by now (or go back to the parent).
+        for _ in 0..100 {
+            if std::fs::remove_dir(&self.dir).is_ok() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+const SHM_BLOCK: u64 = 1 << 20;
+const SHM_BLOCKS: usize = 32;
+
+fn shm_ns() -> Namespace {
+    Namespace::new(
+        "m",
+        KvLayout::with_block_bytes(SHM_BLOCK).unwrap(),
+        "",
+        "shm",
+    )
+    .unwrap()
+}
+
+/// Not a test of its own: the client of the cgroup test, in its own
+/// cgroup, onboarding through a fresh shared region.
+#[test]
+fn shm_cgroup_worker() {
+    let Ok(dir) = std::env::var("KVTIER_SHM_WORKER_DIR") else {
+        return;
+    };
+    let dir = std::path::PathBuf::from(dir);
+    let sock = std::env::var("KVTIER_SHM_WORKER_SOCK").unwrap();
+    std::fs::write(
+        std::env::var("KVTIER_SHM_WORKER_CGROUP").unwrap(),
+        std::process::id().to_string(),
+    )
+    .unwrap();
+    let c = Client::with_config(ClientConfig {
+        region_bytes: 2 * SHM_BLOCK * SHM_BLOCKS as u64,
+        ..ClientConfig::new(&sock)
+    });
+    let ns = shm_ns();
+    let h = c.namespace(&ns);
+    let keys = h.hash_chain(&(0..(16 * SHM_BLOCKS) as u32).collect::<Vec<u32>>());
+    let mut bufs: Vec<Vec<u8>> = keys.iter().map(|_| vec![0u8; SHM_BLOCK as usize]).collect();
+    let mut refs: Vec<&mut [u8]> = bufs.iter_mut().map(|v| &mut v[..]).collect();
+    let got = h.onboard_into(&keys, &mut refs);
+    assert!(got.iter().all(|o| o.is_hit()), "{got:?}");
+    // Keep the region (and its pages) until the test has measured.
+    std::fs::write(dir.join("onboarded"), b"").unwrap();
+    let t = std::time::Instant::now();
+    while !dir.join("measured").exists() && t.elapsed() < Duration::from_secs(30) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn shared_region_pages_are_charged_to_the_client_not_the_daemon() {
+    let tag = std::process::id();
+    let (cg_d, cg_c) = match (
+        Memcg::create(&format!("kvtier-test-daemon-{tag}")),
+        Memcg::create(&format!("kvtier-test-client-{tag}")),
+    ) {
+        (Ok(d), Ok(c)) => (d, c),
+        (Err(e), _) | (_, Err(e)) => {
+            eprintln!("SKIP shared_region_pages_are_charged_to_the_client: {e}");
+            return;
+        }
+    };
+    let d = Daemon::start_with(&["--g4".into(), "".into()], &[]);
+    // Seeded by this process (whose own region pages are its own).
+    {
+        let c = Client::with_config(ClientConfig::new(&d.socket));
+        let ns = shm_ns();
+        let h = c.namespace(&ns);
+        let keys = h.hash_chain(&(0..(16 * SHM_BLOCKS) as u32).collect::<Vec<u32>>());
+        let payload = vec![0x42u8; SHM_BLOCK as usize];
+        let p: Vec<&[u8]> = keys.iter().map(|_| &payload[..]).collect();
+        let out = h.offload_chain(None, &keys, &p, Hints::default());
+        assert!(
+            out.iter().all(|o| matches!(o, OffloadOutcome::Stored)),
+            "{out:?}"
+        );
+    }
+    cg_d.add(d.pid());
+    let sig = tempfile::tempdir().unwrap();
+    let (d0, c0) = (cg_d.shmem_bytes().unwrap(), cg_c.shmem_bytes().unwrap());
+    let w = support::spawn_worker(
+        "shm_cgroup_worker",
+        &[
+            ("KVTIER_SHM_WORKER_DIR", sig.path().display().to_string()),
+            ("KVTIER_SHM_WORKER_SOCK", d.socket.display().to_string()),
+            (
+                "KVTIER_SHM_WORKER_CGROUP",
+                cg_c.dir.join("cgroup.procs").display().to_string(),
+            ),
+        ],
+    );
+    let t = std::time::Instant::now();
+    while !sig.path().join("onboarded").exists() {
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "the worker never onboarded"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let (d1, c1) = (cg_d.shmem_bytes().unwrap(), cg_c.shmem_bytes().unwrap());
+    std::fs::write(sig.path().join("measured"), b"").unwrap();
+    let (ok, out) = support::wait_child(w, Duration::from_secs(30));
+    assert!(ok, "worker failed: {out}");
+    let mib = |b: u64| b as f64 / (1 << 20) as f64;
+    let (daemon, client) = (d1.saturating_sub(d0), c1.saturating_sub(c0));
+    eprintln!(
+        "{SHM_BLOCKS} x {} MiB onboarded through a fresh region: shmem charged to the daemon's \
+         cgroup {:.1} MiB, to the client's {:.1} MiB",
+        SHM_BLOCK >> 20,
+        mib(daemon),
+        mib(client)
+    );
+    let onboarded = SHM_BLOCK * SHM_BLOCKS as u64;
+    assert!(
+        daemon < onboarded / 8,
+        "the daemon's cgroup was charged {:.1} MiB of a client's region",
+        mib(daemon)
+    );
+    assert!(
+        client >= onboarded,
+        "the client's cgroup got {:.1} MiB",
+        mib(client)
+    );
+}
