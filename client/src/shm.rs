@@ -6,6 +6,15 @@
 //! The daemon refuses a region whose size is not sealed: a client that could
 //! shrink it would make the daemon's accesses fault (SIGBUS).
 //!
+//! Memory accounting: a shared-memory page is charged to the memory cgroup
+//! of the process that first faults it in. The client therefore populates
+//! its whole region at creation (`MAP_POPULATE`), so its pages count
+//! against the client's cgroup; the daemon refuses a region with holes, and
+//! checks the range of every access for holes again (a client may punch
+//! one later), so that a tenant cannot make the daemon's cgroup pay for its
+//! memory and push the daemon into OOM (measured: 32 MiB onboarded through
+//! a sparse region were charged to the daemon before this).
+//!
 //! Safety model: the other side may write the region at any time. All
 //! access goes through bounds-checked raw copies or short-lived slices, and
 //! nothing read from the region is trusted before it is validated (and, for
@@ -67,7 +76,7 @@ impl Region {
         if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
             return Err(os_err("sealing memfd"));
         }
-        Self::map(fd, len)
+        Self::map(fd, len, true)
     }
 
     /// Maps a region received from a client after checking that its size is
@@ -98,10 +107,21 @@ impl Region {
                 st.st_size
             )));
         }
-        Self::map(fd, len)
+        let r = Self::map(fd, len, false)?;
+        if !r.populated(0, r.len) {
+            return Err(bad(
+                "the region has unpopulated pages (they would be charged to the daemon's \
+                 memory cgroup); create it with kvtier-client's Region::create, which \
+                 populates it"
+                    .into(),
+            ));
+        }
+        Ok(r)
     }
 
-    fn map(fd: OwnedFd, len: u64) -> std::io::Result<Region> {
+    /// `populate`: fault every page in now (charged to this process).
+    fn map(fd: OwnedFd, len: u64, populate: bool) -> std::io::Result<Region> {
+        let flags = libc::MAP_SHARED | if populate { libc::MAP_POPULATE } else { 0 };
         // SAFETY: mapping a valid fd of at least len bytes (its size is
         // sealed) with no fixed address.
         let ptr = unsafe {
@@ -109,7 +129,7 @@ impl Region {
                 std::ptr::null_mut(),
                 len as usize,
                 libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
+                flags,
                 fd.as_raw_fd(),
                 0,
             )
@@ -122,6 +142,23 @@ impl Region {
             ptr: ptr as *mut u8,
             len: len as usize,
         })
+    }
+
+    /// Whether every page of `len` bytes at `off` is in memory (no hole),
+    /// so that touching them charges nothing new to this process's memory
+    /// cgroup. False when out of bounds. One `lseek(SEEK_HOLE)`.
+    pub fn populated(&self, off: u64, len: usize) -> bool {
+        let Some(start) = self.check(off, len) else {
+            return false;
+        };
+        if len == 0 {
+            return true;
+        }
+        // SAFETY: lseek on a valid fd. The file offset it moves is unused
+        // (both sides only map the memfd).
+        let hole =
+            unsafe { libc::lseek(self.fd.as_raw_fd(), start as libc::off_t, libc::SEEK_HOLE) };
+        hole >= 0 && hole as u64 >= (start + len) as u64
     }
 
     /// Length in bytes.
@@ -214,6 +251,49 @@ mod tests {
         assert!(b.slice(u64::MAX, 1).is_none());
         let fd = a.fd().try_clone_to_owned().unwrap();
         assert!(Region::adopt(fd, 4096).is_err(), "size mismatch accepted");
+    }
+
+    #[test]
+    fn a_sparse_region_is_refused_and_a_punched_hole_is_seen() {
+        // Created: populated, adoptable.
+        let r = Region::create(1 << 20).unwrap();
+        assert!(r.populated(0, r.len()));
+        // Sized and sealed but never touched: refused.
+        // SAFETY: a NUL-terminated name and valid flags.
+        let raw = unsafe {
+            libc::memfd_create(c"t".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING)
+        };
+        // SAFETY: fresh fd we own.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        // SAFETY: valid fd.
+        unsafe {
+            assert_eq!(libc::ftruncate(fd.as_raw_fd(), 1 << 20), 0);
+            assert_eq!(
+                libc::fcntl(
+                    fd.as_raw_fd(),
+                    libc::F_ADD_SEALS,
+                    libc::F_SEAL_SHRINK | libc::F_SEAL_GROW
+                ),
+                0
+            );
+        }
+        let e = Region::adopt(fd, 1 << 20).unwrap_err().to_string();
+        assert!(e.contains("unpopulated"), "{e}");
+        // A hole punched later shows in the range that holds it only.
+        // SAFETY: valid fd; punching a page of our own memfd.
+        let punched = unsafe {
+            libc::fallocate(
+                r.fd().as_raw_fd(),
+                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                8192,
+                4096,
+            )
+        };
+        assert_eq!(punched, 0);
+        assert!(r.populated(0, 8192));
+        assert!(!r.populated(4096, 8192));
+        assert!(r.populated(12288, 4096));
+        assert!(!r.populated(0, r.len() + 1));
     }
 
     #[test]
