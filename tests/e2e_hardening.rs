@@ -677,3 +677,57 @@ fn shared_region_pages_are_charged_to_the_client_not_the_daemon() {
         mib(client)
     );
 }
+
+#[test]
+fn the_daemon_does_not_fault_in_region_pages_the_client_did_not_populate() {
+    use kvtier_client::shm::Region;
+    use std::os::fd::AsRawFd;
+    let d = Daemon::start_with(&["--g4".into(), "".into()], &[]);
+    let ns = shm_ns();
+    let c = Client::with_config(ClientConfig::new(&d.socket));
+    let h = c.namespace(&ns);
+    let keys = h.hash_chain(&(0..16u32).collect::<Vec<u32>>());
+    let payload = vec![0x42u8; SHM_BLOCK as usize];
+    let out = h.offload_chain(None, &keys, &[&payload[..]], Hints::default());
+    assert!(matches!(out[0], OffloadOutcome::Stored), "{out:?}");
+    // A raw client whose region is never populated.
+    let region = Region::create(4 * SHM_BLOCK).unwrap();
+    let mut s = UnixStream::connect(&d.socket).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let hello = Request::Hello {
+        shm_bytes: region.len() as u64,
+        pid: std::process::id(),
+    };
+    proto::send_frame(s.as_raw_fd(), &hello.encode(1), &[region.fd().as_raw_fd()]).unwrap();
+    assert!(matches!(
+        Response::decode(&read_frame(&mut s), proto::OP_HELLO)
+            .unwrap()
+            .1,
+        Response::Hello { .. }
+    ));
+    let slot = 2 * SHM_BLOCK;
+    let onboard = Request::Onboard {
+        ns: ns.id(),
+        mode: OnboardMode::Shm,
+        lease_ttl_ms: 0,
+        items: vec![OnboardItem {
+            key: keys[0],
+            shm_offset: 0,
+            shm_len: slot,
+        }],
+    };
+    let Response::Onboard { items } = call(&mut s, &onboard, 2) else {
+        panic!("onboard reply")
+    };
+    assert_eq!(items[0].status, ItemStatus::Invalid, "wrote into holes");
+    assert!(
+        !region.populated(0, slot as usize),
+        "the daemon faulted pages in"
+    );
+    // Populated by the client: served.
+    assert!(region.populate(0, slot as usize));
+    let Response::Onboard { items } = call(&mut s, &onboard, 3) else {
+        panic!("onboard reply")
+    };
+    assert_eq!(items[0].status, ItemStatus::Ok);
+}
