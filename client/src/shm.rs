@@ -11,7 +11,8 @@
 //! every range before it asks the daemon to write there
 //! ([`Region::populate`], once per range: a no-op after), so its pages
 //! count against the client's cgroup; the daemon checks each range it
-//! touches for holes ([`Region::populated`]) and refuses the item, so that
+//! touches for pages not in memory ([`Region::populated`], `mincore`) and
+//! refuses the item, so that
 //! a tenant cannot make the daemon's cgroup pay for its memory and push the
 //! daemon into OOM (measured: 32 MiB onboarded through a fresh region were
 //! charged to the daemon before this). Populating lazily, not at creation,
@@ -139,7 +140,10 @@ impl Region {
 
     /// Whether every page of `len` bytes at `off` is in memory (no hole),
     /// so that touching them charges nothing new to this process's memory
-    /// cgroup. False when out of bounds. One `lseek(SEEK_HOLE)`.
+    /// cgroup. False when out of bounds. `mincore` over the range only (a
+    /// `SEEK_HOLE` would walk to the end of a populated region each time);
+    /// a page swapped out counts as absent (the caller's populate swaps it
+    /// back in, charged to the caller).
     pub fn populated(&self, off: u64, len: usize) -> bool {
         let Some(start) = self.check(off, len) else {
             return false;
@@ -147,16 +151,32 @@ impl Region {
         if len == 0 {
             return true;
         }
-        // SAFETY: lseek on a valid fd. The file offset it moves is unused
-        // (both sides only map the memfd).
-        let hole =
-            unsafe { libc::lseek(self.fd.as_raw_fd(), start as libc::off_t, libc::SEEK_HOLE) };
-        hole >= 0 && hole as u64 >= (start + len) as u64
+        const PAGE: usize = 4096;
+        const CHUNK_PAGES: usize = 512;
+        let first = start / PAGE * PAGE;
+        let end = (start + len)
+            .div_ceil(PAGE)
+            .saturating_mul(PAGE)
+            .min(self.len);
+        let mut vec = [0u8; CHUNK_PAGES];
+        let mut at = first;
+        while at < end {
+            let n = (end - at).min(CHUNK_PAGES * PAGE);
+            let pages = n.div_ceil(PAGE);
+            // SAFETY: a page-aligned range inside the live mapping and a
+            // vector of at least one byte per page.
+            let r = unsafe { libc::mincore(self.ptr.add(at).cast(), n, vec.as_mut_ptr()) };
+            if r != 0 || vec[..pages].iter().any(|v| v & 1 == 0) {
+                return false;
+            }
+            at += n;
+        }
+        true
     }
 
     /// Faults in, in this process (so charged to its memory cgroup), the
     /// pages of `len` bytes at `off` not yet in memory; a no-op (one
-    /// `lseek`) when they are. False when out of bounds or not populated.
+    /// `mincore`) when they are. False when out of bounds or not populated.
     pub fn populate(&self, off: u64, len: usize) -> bool {
         if self.populated(off, len) {
             return true;

@@ -585,7 +585,7 @@ impl Conn<'_> {
             self.error("invalid");
             ItemStatus::Invalid
         };
-        // A hole (a page the client punched out) would be faulted in, and
+        // A page not in memory (never populated, punched out) would be faulted in, and
         // charged, to the daemon: refused like an out-of-bounds offset.
         if !region.populated(it.shm_offset, HEADER_BYTES) || !region.read(it.shm_offset, &mut hb) {
             return Err(invalid());
