@@ -6,8 +6,9 @@
 //! Tenant A cannot list, look up, read (shared region or passed fd),
 //! evict, pin, stat, offload into or subscribe to tenant B's blocks, on the
 //! socket or through the mount (with `allow_other`); a stranger is refused;
-//! one uid exhausting its connections, leases, pins or subscriptions leaves
-//! another uid served.
+//! one uid exhausting its connections, leases, pins, subscriptions or
+//! in-flight fetches (onboards waiting on a G4 that never answers) leaves
+//! another uid served, and gets `LimitReached` at once, never a stall.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod support;
@@ -30,6 +31,8 @@ const UID_A: u32 = 61001;
 const UID_B: u32 = 61002;
 const UID_STRANGER: u32 = 61003;
 const BLOCK: u64 = 4096;
+/// Fetch deadline of the fetch-flood test (its G4 never answers).
+const FETCH_DEADLINE_MS: u64 = 3000;
 
 fn ns_of(tenant: &str) -> Namespace {
     Namespace::new(
@@ -68,6 +71,12 @@ struct Tenancy {
 
 impl Tenancy {
     fn start(access: &str, mount: bool) -> Tenancy {
+        Self::start_with(access, "", mount)
+    }
+
+    /// Like [`Tenancy::start`] with more config; a `[g4]` there replaces
+    /// the default of no G4.
+    fn start_with(access: &str, extra_cfg: &str, mount: bool) -> Tenancy {
         let dir = tempfile::tempdir().unwrap();
         // Other uids must reach the socket (and the mount) inside.
         std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
@@ -79,7 +88,7 @@ impl Tenancy {
             "[server]\nsocket_mode = \"0666\"\n\n\
              [[tenants]]\nname = \"a\"\nuids = [{UID_A}]\nnamespaces = [\"{}\"]\n\n\
              [[tenants]]\nname = \"b\"\nuids = [{UID_B}]\nnamespaces = [\"{}\"]\n\n\
-             [access]\n{access}\n\n[mount]\nallow_other = true\n",
+             [access]\n{access}\n\n[mount]\nallow_other = true\n\n{extra_cfg}\n",
             ns_of("a").id().to_hex(),
             ns_of("b").id().to_hex(),
         );
@@ -97,11 +106,12 @@ impl Tenancy {
             .args([
                 "--g3-capacity",
                 "256MiB",
-                "--g4",
-                "",
                 "--metrics-addr",
                 &format!("127.0.0.1:{}", free_port()),
             ]);
+        if !extra_cfg.contains("[g4]") {
+            cmd.args(["--g4", ""]);
+        }
         if let Some(m) = &mnt {
             cmd.arg("--mount").arg(m);
         }
@@ -183,17 +193,20 @@ impl Tenancy {
 
 impl Drop for Tenancy {
     fn drop(&mut self) {
-        // SAFETY: kill(2) on our own child.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let t = Instant::now();
-        while t.elapsed() < Duration::from_secs(10) {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
+        // A test may have killed it already.
+        if !matches!(self.child.try_wait(), Ok(Some(_))) {
+            // SAFETY: kill(2) on our own, unreaped child.
+            unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+            let t = Instant::now();
+            while t.elapsed() < Duration::from_secs(10) {
+                if let Ok(Some(_)) = self.child.try_wait() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(20));
             }
-            std::thread::sleep(Duration::from_millis(20));
+            let _ = self.child.kill();
+            let _ = self.child.wait();
         }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
         if let Some(m) = &self.mnt {
             let _ = Command::new("fusermount3").arg("-uz").arg(m).status();
         }
@@ -205,6 +218,28 @@ struct Worker {
 }
 
 impl Worker {
+    /// Waits for `p`; panics with the worker's output when it exits first.
+    fn wait_file(&mut self, p: &Path) {
+        let t = Instant::now();
+        while !p.exists() {
+            if self.child.try_wait().unwrap().is_some() {
+                let w = Worker {
+                    child: std::mem::replace(
+                        &mut self.child,
+                        Command::new("true").spawn().unwrap(),
+                    ),
+                };
+                let (_, out) = w.finish();
+                panic!("worker exited before {p:?}:\n{out}");
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(30),
+                "{p:?} never appeared"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
     fn finish(mut self) -> (bool, String) {
         let t = Instant::now();
         loop {
@@ -439,6 +474,86 @@ fn tenancy_worker() {
             assert!(
                 matches!(r, Response::Lookup { ref tiers } if tiers.len() == 4),
                 "{r:?}"
+            );
+        }
+        "flood-fetches" => {
+            // onboards_per_uid_max = 2: two onboards of absent keys, each
+            // waiting on a G4 that never answers, hold A's whole share...
+            let deadline = Duration::from_millis(FETCH_DEADLINE_MS);
+            let flood: Vec<_> = (0..2u64)
+                .map(|t| {
+                    let (sock, a) = (sock.clone(), a.clone());
+                    std::thread::spawn(move || {
+                        let mut s = conn(&sock);
+                        let absent: Vec<BlockKey> = (0..64)
+                            .map(|i| BlockKey::from_u64(0xf100d + t * 1000 + i))
+                            .collect();
+                        loop {
+                            let t0 = Instant::now();
+                            let st = statuses(call(&mut s, &onboard_req(&a, &absent, 0)).0);
+                            // Refused while the probe below held a slot:
+                            // again, until this flood is in.
+                            if st.iter().any(|s| *s != ItemStatus::LimitReached) {
+                                return (st, t0.elapsed());
+                            }
+                            std::thread::sleep(Duration::from_millis(5));
+                        }
+                    })
+                })
+                .collect();
+            // ...so a third gets LimitReached at once (a G3 hit of A's own
+            // block: served, not refused, until both floods are in flight).
+            let mut s = conn(&sock);
+            let t = Instant::now();
+            loop {
+                assert!(t.elapsed() < deadline, "the floods never held A's share");
+                let t0 = Instant::now();
+                let st = statuses(call(&mut s, &onboard_req(&a, &ka[..1], 0)).0);
+                if st == vec![ItemStatus::LimitReached] {
+                    assert!(
+                        t0.elapsed() < deadline / 4,
+                        "refused only after {:?}",
+                        t0.elapsed()
+                    );
+                    break;
+                }
+                assert_eq!(st, vec![ItemStatus::Ok]);
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            std::fs::write(dir.join("sig/hog-full"), b"").unwrap();
+            for f in flood {
+                let (st, took) = f.join().unwrap();
+                // Typed misses by the fetch deadline, never a stall.
+                assert!(
+                    st.iter()
+                        .all(|s| matches!(s, ItemStatus::Unavailable | ItemStatus::Absent)),
+                    "{st:?}"
+                );
+                assert!(
+                    took < deadline + Duration::from_secs(5),
+                    "a flood took {took:?}"
+                );
+            }
+            std::fs::write(dir.join("sig/flood-done"), b"").unwrap();
+        }
+        "b-prompt" => {
+            // While A's floods hold the node's fetches, B's G3 blocks are
+            // served: the flood has not ended when B is done.
+            let mut s = conn(&sock);
+            let st = statuses(call(&mut s, &onboard_req(&b, &kb, 30_000)).0);
+            assert_eq!(st, vec![ItemStatus::Ok; 4], "B's onboard");
+            let c = Client::with_config(ClientConfig::new(&sock));
+            let h = c.namespace(&b);
+            let mut bufs: Vec<Vec<u8>> = kb.iter().map(|_| vec![0u8; 2 * BLOCK as usize]).collect();
+            let mut refs: Vec<&mut [u8]> = bufs.iter_mut().map(|v| &mut v[..]).collect();
+            let got = h.onboard_into(&kb, &mut refs);
+            assert!(
+                got.iter().all(|o| matches!(o, Onboarded::Hit { .. })),
+                "{got:?}"
+            );
+            assert!(
+                !dir.join("sig/flood-done").exists(),
+                "B was served only after A's flood ended"
             );
         }
         r => panic!("unknown role {r}"),
@@ -724,4 +839,37 @@ fn a_uid_exhausting_leases_pins_and_subscriptions_leaves_another_served() {
     let (ok, out) = hog.finish();
     assert!(ok, "hog failed:\n{out}");
     assert!(other.0, "B was starved by A:\n{}", other.1);
+}
+
+#[test]
+fn a_uid_exhausting_its_fetches_gets_limit_reached_and_leaves_another_served() {
+    if skip_unless_root("a_uid_exhausting_its_fetches_leaves_another_served") {
+        return;
+    }
+    // G4 accepts connections and never answers: every fetch of an absent
+    // key waits the whole fetch deadline (the breaker never opens).
+    let silent = kvtier_daemon::testkit::fault_proxy::SilentEndpoint::start().unwrap();
+    let g4 = format!(
+        "[g4]\nurl = \"s3://b/p\"\nendpoint = \"{}\"\nallow_http = true\npath_style = true\n\
+         region = \"us-east-1\"\ncredentials = \"anonymous\"\n\
+         response_timeout_ms = {FETCH_DEADLINE_MS}\nstartup_check_timeout_ms = 300\n\
+         breaker_failures_max = 1000000\n\n[node]\nfetch_deadline_ms = {FETCH_DEADLINE_MS}\n",
+        silent.endpoint()
+    );
+    let d = Tenancy::start_with("onboards_per_uid_max = 2", &g4, false);
+    let mut hog = d.spawn_as(UID_A, "flood-fetches", &[]);
+    hog.wait_file(&d.dir.path().join("sig/hog-full"));
+    let other = d.spawn_as(UID_B, "b-prompt", &[]).finish();
+    let (ok, out) = hog.finish();
+    assert!(ok, "flooder failed:\n{out}");
+    assert!(other.0, "B was starved by A's fetches:\n{}", other.1);
+    assert!(
+        silent.accepted.load(std::sync::atomic::Ordering::SeqCst) > 0,
+        "no fetch reached G4"
+    );
+    // Not a graceful stop: its G4 flush would wait 10 s for a G4 that
+    // never answers.
+    let mut d = d;
+    d.child.kill().unwrap();
+    d.child.wait().unwrap();
 }

@@ -1024,6 +1024,12 @@ impl<'a> NsHandle<'a> {
                 if let Some(p) = pool {
                     p.check_region(region)?;
                 }
+                // The daemon writes these ranges: their pages must be this
+                // process's (charged to its memory cgroup, see shm.rs); it
+                // refuses ranges with holes. A no-op once populated.
+                for &o in offsets {
+                    region.populate(o, slot as usize);
+                }
                 let items = keys
                     .iter()
                     .zip(offsets)

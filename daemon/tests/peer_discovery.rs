@@ -73,6 +73,19 @@ async fn heartbeats_find_live_peers_and_ignore_stale(store: Arc<dyn ObjectStore>
     s.put(&"nodes/.hidden.json".into(), PutPayload::from_static(b"{}"))
         .await
         .unwrap();
+    // Oversized (issue #14: heartbeat bodies are capped): a valid
+    // heartbeat padded past HEARTBEAT_BYTES_MAX is skipped, not read.
+    let huge = Heartbeat {
+        node_id: "node-huge".into(),
+        address: "127.0.0.1:7409".into(),
+        expires_unix_ms: u64::MAX,
+        written_unix_ms: 0,
+    };
+    let mut body = serde_json::to_vec(&huge).unwrap();
+    body.resize(1 << 20, b' ');
+    s.put(&heartbeat_path("node-huge"), PutPayload::from(body))
+        .await
+        .unwrap();
 
     let seen = discovery::discover(s, "node-c", unix_ms_now())
         .await

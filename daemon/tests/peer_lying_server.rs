@@ -1,6 +1,10 @@
 //! A lying peer (issue #14): a server that answers a header probe, or a 404,
 //! with an endless body is cut off by the size cap long before the deadline,
-//! instead of being read until time runs out.
+//! instead of being read until time runs out; a server that cannot prove
+//! the secret is not believed. And the peer listener against hostile
+//! clients: a silent, idle or trickling connection is cut at the header
+//! deadline; past `connections_max` a connection is closed at once (and
+//! counted), and slots come back when the holders go.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use kvtier_client::{BlockKey, KvLayout, Namespace};
@@ -116,5 +120,125 @@ async fn a_server_that_cannot_prove_the_secret_is_not_believed() {
             "proof {proof:?}: an impostor's block was accepted"
         );
         assert!(!client.probe(&addr, &ns.id(), &key, deadline).await);
+    }
+}
+
+// ---- the peer listener against hostile clients ---------------------------
+
+/// Whether the server closed `s` (EOF or reset) within `within`.
+async fn closed_within(s: &mut tokio::net::TcpStream, within: Duration) -> bool {
+    let mut buf = [0u8; 4096];
+    let end = Instant::now() + within;
+    loop {
+        let left = end.saturating_duration_since(Instant::now());
+        match tokio::time::timeout(left, s.read(&mut buf)).await {
+            Err(_) => return false,
+            Ok(Ok(0)) | Ok(Err(_)) => return true,
+            // An error response (408, 400) before the close.
+            Ok(Ok(_)) => continue,
+        }
+    }
+}
+
+async fn listener_under_test(
+    header_read_timeout_ms: u64,
+    connections_max: usize,
+) -> (kvtier_daemon::peer::PeerServer, tempfile::TempDir) {
+    use kvtier_daemon::peer::{DirSource, PeerServer, PeerServerConfig};
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = PeerServerConfig::new(vec![7u8; 32]);
+    cfg.header_read_timeout_ms = header_read_timeout_ms;
+    cfg.connections_max = connections_max;
+    cfg.transfers_max = connections_max.min(16);
+    let server = PeerServer::start(cfg, Arc::new(DirSource::new(dir.path())))
+        .await
+        .unwrap();
+    (server, dir)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_client_that_trickles_or_stays_silent_is_cut_at_the_header_deadline() {
+    let (server, _dir) = listener_under_test(300, 64).await;
+    let addr = server.local_addr();
+    // Silent: connects and sends nothing.
+    let mut silent = tokio::net::TcpStream::connect(addr).await.unwrap();
+    // Idle after one answered request (keep-alive).
+    let mut idle = tokio::net::TcpStream::connect(addr).await.unwrap();
+    idle.write_all(b"GET /nope HTTP/1.1\r\nHost: p\r\n\r\n")
+        .await
+        .unwrap();
+    // Trickling: a request line and headers, one byte every 50 ms; each
+    // byte comes well inside any per-read timeout, the head never ends.
+    let mut trickle = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let start = Instant::now();
+    let head = b"GET /v1/blocks/x/y HTTP/1.1\r\nHost: p\r\nX-Pad: ".repeat(4);
+    let mut cut = false;
+    for b in head.iter() {
+        if trickle.write_all(&[*b]).await.is_err() {
+            cut = true;
+            break;
+        }
+        if closed_within(&mut trickle, Duration::from_millis(50)).await {
+            cut = true;
+            break;
+        }
+    }
+    let took = start.elapsed();
+    assert!(cut, "a trickling peer client kept its connection {took:?}");
+    assert!(took < Duration::from_secs(3), "cut only after {took:?}");
+    assert!(
+        closed_within(&mut silent, Duration::from_secs(3)).await,
+        "a silent connection was held past the header deadline"
+    );
+    assert!(
+        closed_within(&mut idle, Duration::from_secs(3)).await,
+        "an idle keep-alive connection was held past the header deadline"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_peer_listener_closes_connections_past_its_cap_and_serves_again_after() {
+    let (server, _dir) = listener_under_test(30_000, 4).await;
+    let addr = server.local_addr();
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        held.push(tokio::net::TcpStream::connect(addr).await.unwrap());
+    }
+    // The accept loop takes them in order; wait until all four are served.
+    let t = Instant::now();
+    while server.metrics().connections.load(Ordering::Relaxed) < 4 {
+        assert!(t.elapsed() < Duration::from_secs(5), "never accepted 4");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // Past the cap: closed at once, counted, the held ones untouched.
+    for i in 0..8 {
+        let mut extra = tokio::net::TcpStream::connect(addr).await.unwrap();
+        assert!(
+            closed_within(&mut extra, Duration::from_secs(2)).await,
+            "connection {i} past the cap was kept"
+        );
+    }
+    assert_eq!(
+        server.metrics().connections_refused.load(Ordering::Relaxed),
+        8
+    );
+    for h in &mut held {
+        assert!(!closed_within(h, Duration::from_millis(1)).await);
+    }
+    drop(held);
+    // Slots come back once the holders are gone: a request is answered.
+    let t = Instant::now();
+    loop {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        s.write_all(b"GET /nope HTTP/1.1\r\nHost: p\r\nConnection: close\r\n\r\n")
+            .await
+            .unwrap();
+        let mut out = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(2), s.read_to_end(&mut out)).await;
+        if out.starts_with(b"HTTP/1.1 ") {
+            break;
+        }
+        assert!(t.elapsed() < Duration::from_secs(5), "not served again");
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }

@@ -68,6 +68,8 @@ pub struct Daemon {
     pub extra_args: Vec<String>,
     /// Environment of the daemon process.
     pub envs: Vec<(String, String)>,
+    /// Where the daemon's stderr (its log) goes; `None`: inherited.
+    pub log_file: Option<PathBuf>,
 }
 
 impl Daemon {
@@ -88,6 +90,25 @@ impl Daemon {
             child: None,
             extra_args: extra_args.to_vec(),
             envs: envs.to_vec(),
+            log_file: None,
+        };
+        d.spawn();
+        d
+    }
+
+    /// Like [`Daemon::start_with`], its log (stderr) written to `log`.
+    pub fn start_logged(extra_args: &[String], log: &Path) -> Daemon {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("kvtierd.sock");
+        let metrics_addr = format!("127.0.0.1:{}", free_port());
+        let mut d = Daemon {
+            dir,
+            socket,
+            metrics_addr,
+            child: None,
+            extra_args: extra_args.to_vec(),
+            envs: Vec::new(),
+            log_file: Some(log.to_path_buf()),
         };
         d.spawn();
         d
@@ -109,7 +130,16 @@ impl Daemon {
             .envs(self.envs.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .env("RUST_LOG", "warn")
             .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
+            .stderr(match &self.log_file {
+                Some(p) => Stdio::from(
+                    std::fs::OpenOptions::new()
+                        .create(true)
+                        .append(true)
+                        .open(p)
+                        .unwrap(),
+                ),
+                None => Stdio::inherit(),
+            })
             .spawn()
             .expect("spawning kvtierd");
         self.child = Some(child);

@@ -176,6 +176,9 @@ impl NsHandle<'_> {
                                 Some(Miss::new(MissCause::TooLarge, "slot outside the region"));
                             continue;
                         };
+                        // A slot never written still needs its pages to be
+                        // this process's before the daemon reads it.
+                        region.populate(at, HEADER_BYTES + bb as usize);
                         let h = BlockHeader::for_payload(&self.ns, b.key, payload, created);
                         let mut hb = [0u8; HEADER_BYTES];
                         h.encode_into(&mut hb);

@@ -600,7 +600,9 @@ impl Conn<'_> {
             self.error("invalid");
             ItemStatus::Invalid
         };
-        if !region.read(it.shm_offset, &mut hb) {
+        // A page not in memory (never populated, punched out) would be faulted in, and
+        // charged, to the daemon: refused like an out-of-bounds offset.
+        if !region.populated(it.shm_offset, HEADER_BYTES) || !region.read(it.shm_offset, &mut hb) {
             return Err(invalid());
         }
         let Ok(header) = BlockHeader::decode(&hb) else {
@@ -609,10 +611,9 @@ impl Conn<'_> {
         if header.namespace_id() != *ns {
             return Err(invalid());
         }
-        let Some(payload) = region.slice(
-            it.shm_offset + HEADER_BYTES as u64,
-            header.payload_len as usize,
-        ) else {
+        let at = it.shm_offset + HEADER_BYTES as u64;
+        let len = header.payload_len as usize;
+        let Some(payload) = region.slice(at, len).filter(|_| region.populated(at, len)) else {
             return Err(invalid());
         };
         Ok(OffloadBlock {
@@ -701,6 +702,7 @@ impl Conn<'_> {
                     let Some(dst) = self
                         .region
                         .as_ref()
+                        .filter(|reg| reg.populated(it.shm_offset, it.shm_len as usize))
                         .and_then(|reg| reg.slice_mut(it.shm_offset, it.shm_len as usize))
                     else {
                         self.error("invalid");
