@@ -12,7 +12,9 @@
 
 mod support;
 
-use kvtier_client::proto::{self, code, ItemStatus, OnboardItem, OnboardMode, Request, Response};
+use kvtier_client::proto::{
+    self, code, EvictTier, ItemStatus, OnboardItem, OnboardMode, Request, Response,
+};
 use kvtier_client::{
     block_path, BlockKey, Client, ClientConfig, Hints, KvLayout, Namespace, OffloadOutcome,
     Onboarded,
@@ -522,7 +524,7 @@ fn a_socket(sock: &Path, a: &Namespace, b: &Namespace, ka: &[BlockKey], kb: &[Bl
     let (r, nfds) = call(&mut s, &onboard_req(b, kb, 30_000));
     assert_eq!(statuses(r), vec![ItemStatus::Absent; 4]);
     assert_eq!(nfds, 0, "an fd of B's block was passed to A");
-    // Stat, pin, unpin, evict: all absent.
+    // Stat, pin, unpin: all absent; evict is an admin's (denied).
     let (r, _) = call(
         &mut s,
         &Request::Stat {
@@ -542,11 +544,34 @@ fn a_socket(sock: &Path, a: &Namespace, b: &Namespace, ka: &[BlockKey], kb: &[Bl
         keys: kb.to_vec(),
     };
     assert_eq!(statuses(call(&mut s, &pin).0), vec![ItemStatus::Absent; 4]);
-    let ev = Request::Evict {
-        ns: b.id(),
-        keys: kb.to_vec(),
+    for tier in [EvictTier::G3, EvictTier::All] {
+        let ev = Request::Evict {
+            ns: b.id(),
+            keys: kb.to_vec(),
+            tier,
+        };
+        let (r, _) = call(&mut s, &ev);
+        assert!(
+            matches!(r, Response::Error { code: code::DENIED, ref message } if message.contains("admin")),
+            "{r:?}"
+        );
+    }
+    // Not even its own namespace: deleting is the operator's.
+    let own = Request::Evict {
+        ns: a.id(),
+        keys: ka[..1].to_vec(),
+        tier: EvictTier::G3,
     };
-    assert_eq!(statuses(call(&mut s, &ev).0), vec![ItemStatus::Absent; 4]);
+    assert!(
+        matches!(
+            call(&mut s, &own).0,
+            Response::Error {
+                code: code::DENIED,
+                ..
+            }
+        ),
+        "a tenant evicted its own block"
+    );
     // Daemon-wide stats are an admin's.
     let (r, _) = call(&mut s, &Request::Stats);
     assert!(

@@ -113,7 +113,7 @@ async fn fetch_remote(
 }
 
 impl Node {
-    fn remote(&self) -> bool {
+    pub(super) fn remote(&self) -> bool {
         self.peers.is_some() || self.g4.is_some()
     }
 
