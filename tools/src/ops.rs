@@ -47,7 +47,9 @@ pub struct StatsArgs {
     sock: SocketArg,
 }
 
-/// `kvtier ls`.
+/// `kvtier ls`: a header line, then one line per block: path (as in the
+/// mount), tier, payload bytes, block file bytes (what the mount's `stat`
+/// shows).
 #[derive(Debug, Args)]
 pub struct LsArgs {
     #[command(flatten)]
@@ -163,9 +165,16 @@ pub fn stats(a: StatsArgs) -> Result<()> {
 pub fn ls(a: LsArgs) -> Result<()> {
     let c = a.sock.client()?;
     let ns = a.namespace.as_deref().map(parse_ns).transpose()?;
+    // Both sizes, named: the payload (what the engine stored) and the
+    // block file (header + padded payload: what `stat` on the mount and
+    // `du` show).
+    println!("PATH\tTIER\tPAYLOAD_BYTES\tFILE_BYTES");
     for (n, k, st) in all_blocks(&c, ns, a.limit)? {
+        let file_bytes = kvtier_client::block::HEADER_BYTES as u64
+            + st.payload_len
+                .next_multiple_of(kvtier_client::block::ALIGN_BYTES as u64);
         println!(
-            "{n}/{}/{k}\t{}\t{}",
+            "{n}/{}/{k}\t{}\t{}\t{file_bytes}",
             k.shard(),
             st.tier.name(),
             st.payload_len

@@ -603,3 +603,5 @@ pub(crate) fn run_on<T: Send + 'static>(
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_ops;
