@@ -34,6 +34,9 @@ impl Node {
         }
         Ok(match self.ensure_local(ns, key)? {
             Lookup::Hit(tier) => {
+                // No client read follows this promotion: the next onboard
+                // is an ordinary G3 hit, not reported as from `tier`.
+                self.take_promoted(ns, key);
                 tracing::info!(%ns, %key, from = tier.name(), "verify: repaired from a verified copy");
                 VerifyOutcome::Repaired(tier)
             }

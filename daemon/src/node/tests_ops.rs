@@ -109,7 +109,10 @@ fn evict_by_tier_removes_where_asked_and_announces_each_tier() {
         EvictOutcome::Absent
     );
     // Pinned: refused as a whole, G4 untouched.
-    assert!(matches!(n.pin(&id, &h2.key, 60_000).unwrap(), Lookup::Hit(())));
+    assert!(matches!(
+        n.pin(&id, &h2.key, 60_000).unwrap(),
+        Lookup::Hit(())
+    ));
     assert_eq!(
         n.evict_tier(&id, &h2.key, EvictTier::All).unwrap(),
         EvictOutcome::Busy
@@ -151,8 +154,8 @@ fn verify_repairs_a_bad_g3_copy_from_g4_and_drops_one_without_a_good_copy() {
     assert_eq!(n.verify(&id, &h0.key, true).unwrap(), VerifyOutcome::Ok);
     let mut buf = vec![0u8; (BLOCK + 8192) as usize];
     match n.read_into(&id, &h0.key, &mut buf).unwrap() {
-        Lookup::Hit((h, _)) => {
-            assert_eq!(h.key, h0.key);
+        Lookup::Hit((h, tier)) => {
+            assert_eq!((h.key, tier), (h0.key, Tier::G3));
             assert!(buf[4096..4096 + BLOCK as usize] == p0[..], "bytes differ");
         }
         Lookup::Miss(r) => panic!("{r:?}"),
