@@ -544,13 +544,14 @@ fn a_socket(sock: &Path, a: &Namespace, b: &Namespace, ka: &[BlockKey], kb: &[Bl
         keys: kb.to_vec(),
     };
     assert_eq!(statuses(call(&mut s, &pin).0), vec![ItemStatus::Absent; 4]);
+    // (An error reply ends the connection: a fresh one per refusal.)
     for tier in [EvictTier::G3, EvictTier::All] {
         let ev = Request::Evict {
             ns: b.id(),
             keys: kb.to_vec(),
             tier,
         };
-        let (r, _) = call(&mut s, &ev);
+        let (r, _) = call(&mut conn(sock), &ev);
         assert!(
             matches!(r, Response::Error { code: code::DENIED, ref message } if message.contains("admin")),
             "{r:?}"
@@ -564,7 +565,7 @@ fn a_socket(sock: &Path, a: &Namespace, b: &Namespace, ka: &[BlockKey], kb: &[Bl
     };
     assert!(
         matches!(
-            call(&mut s, &own).0,
+            call(&mut conn(sock), &own).0,
             Response::Error {
                 code: code::DENIED,
                 ..
@@ -573,7 +574,7 @@ fn a_socket(sock: &Path, a: &Namespace, b: &Namespace, ka: &[BlockKey], kb: &[Bl
         "a tenant evicted its own block"
     );
     // Daemon-wide stats are an admin's.
-    let (r, _) = call(&mut s, &Request::Stats);
+    let (r, _) = call(&mut conn(sock), &Request::Stats);
     assert!(
         matches!(
             r,
