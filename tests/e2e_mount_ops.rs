@@ -105,14 +105,6 @@ fn client(d: &Daemon) -> Client {
     Client::with_config(c)
 }
 
-fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
-    let t = Instant::now();
-    while !f() {
-        assert!(t.elapsed() < Duration::from_secs(20), "{what}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 fn has(evs: &[KvEvent], tier: StorageTier, stored: bool, key: &BlockKey) -> bool {
     evs.iter().any(|e| {
         e.storage_tier == tier
