@@ -4,6 +4,7 @@
 //! Needs root and /dev/fuse (skips visibly otherwise).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod mount_ops;
 mod support;
 
 use kvtier_client::{block_path, encode_block, BlockHeader, BlockKey, KvLayout, Namespace};

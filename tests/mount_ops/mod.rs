@@ -6,10 +6,12 @@
 //! `user.kvtier.evict` and `kvtier evict --tier all` delete everywhere;
 //! `df` shows G3's capacity; a second daemon on a live mount is refused
 //! and leaves no socket behind. Needs root and /dev/fuse (skips visibly).
+//!
+//! Part of the e2e_mount test binary (`mod mount_ops;` there), so it costs
+//! no test binary of its own to build and link.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod support;
-
+use super::support::{self, kvtierd_bin, metric, Daemon};
 use kvtier_client::events::{KvEvent, KvEventData, StorageTier};
 use kvtier_client::{
     block_path, encode_block, BlockHeader, BlockKey, Client, ClientConfig, KvLayout, Namespace,
@@ -18,7 +20,6 @@ use kvtier_client::{
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
-use support::{kvtierd_bin, metric, Daemon};
 
 const BLOCK: usize = 64 << 10;
 const FILE_BYTES: u64 = BLOCK as u64 + 4096;
