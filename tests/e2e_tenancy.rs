@@ -653,6 +653,16 @@ fn a_mount(mnt: &Path, a: &Namespace, b: &Namespace, ka: &[BlockKey], kb: &[Bloc
         std::fs::read(stats).map_err(nf).err() == Some(true),
         "node-wide stats"
     );
+    // Deleting is an admin's, even of A's own blocks: refused, kept
+    // (EACCES from the directory modes first; EPERM from the daemon when
+    // dir_mode lets others write).
+    let pa = mnt.join(block_path(&a.id(), &ka[0]));
+    let e = std::fs::remove_file(&pa).unwrap_err();
+    assert!(
+        matches!(e.raw_os_error(), Some(libc::EPERM | libc::EACCES)),
+        "{e}"
+    );
+    assert!(pa.exists(), "A's rm removed its block");
 }
 
 // ---- the tests --------------------------------------------------------

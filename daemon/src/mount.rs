@@ -634,6 +634,12 @@ impl KvNamespace for G3Namespace {
         self.policy.may(caller.uid, caller.gid, ns)
     }
 
+    /// With tenants, deleting is an admin's (as `kvtier evict` is): a
+    /// tenant's `rm` is EPERM.
+    fn may_remove(&self, caller: kvtier_fs::Caller) -> bool {
+        self.policy.may(caller.uid, caller.gid, None)
+    }
+
     fn checks_callers(&self) -> bool {
         self.policy.is_multi_tenant()
     }

@@ -1152,6 +1152,12 @@ impl Filesystem for KvFs {
     fn unlink(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         let r = self.resolve_for(req, parent).and_then(|p| {
             self.read_only()?;
+            if !self.ns.may_remove(Self::caller(req)) {
+                return Err(Error::NotPermitted {
+                    op: "rm",
+                    reason: "deleting blocks is an admin's operation here ([access] admin_uids)",
+                });
+            }
             match p {
                 Node::Shard(ns, s) => {
                     let key = names::parse_block(name, s).map_err(|_| Error::NotFound {
@@ -1479,10 +1485,16 @@ impl Filesystem for KvFs {
         _position: u32,
         reply: ReplyEmpty,
     ) {
-        match self
-            .resolve_for(req, ino)
-            .and_then(|n| self.set_xattr(&n, name, value))
-        {
+        let removing = name.as_bytes() == b"user.kvtier.evict";
+        match self.resolve_for(req, ino).and_then(|n| {
+            if removing && !self.ns.may_remove(Self::caller(req)) {
+                return Err(Error::NotPermitted {
+                    op: "user.kvtier.evict",
+                    reason: "deleting blocks is an admin's operation here ([access] admin_uids)",
+                });
+            }
+            self.set_xattr(&n, name, value)
+        }) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(report("setxattr", &e)),
         }

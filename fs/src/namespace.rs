@@ -162,6 +162,12 @@ pub trait KvNamespace: Send + Sync + 'static {
         true
     }
 
+    /// Whether `caller` may delete blocks (`rm`, `user.kvtier.evict`) of
+    /// namespaces it may access. Default: yes.
+    fn may_remove(&self, _caller: Caller) -> bool {
+        true
+    }
+
     /// Whether [`Self::may_access`] tells callers apart. Then the adapter
     /// lets the kernel cache no entries or attributes (they would serve
     /// one user's lookups to another).
