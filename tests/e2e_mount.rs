@@ -4,6 +4,7 @@
 //! Needs root and /dev/fuse (skips visibly otherwise).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod mount_ops;
 mod support;
 
 use kvtier_client::{block_path, encode_block, BlockHeader, BlockKey, KvLayout, Namespace};
@@ -266,7 +267,16 @@ fn shell_tools_on_a_kvtierd_mount() {
         p0.display()
     ));
     assert!(out.contains(&k0.to_hex()), "{out}");
-    // rm evicts: gone from the mount and from G3, event emitted.
+    // rm of a pinned block: EBUSY, kept (a pin protects from every
+    // eviction); unpinned, rm evicts: gone from the mount and from G3,
+    // event emitted.
+    let (removed, _, err) = bash(&format!("rm {}", p0.display()));
+    assert!(!removed && err.contains("busy"), "{err}");
+    assert!(p0.exists());
+    ok(&format!(
+        "setfattr -n user.kvtier.pinned -v 0 {}",
+        p0.display()
+    ));
     ok(&format!("rm {}", p0.display()));
     assert!(!p0.exists());
     assert!(!d

@@ -13,7 +13,9 @@
 
 mod support;
 
-use kvtier_client::proto::{self, code, ItemStatus, OnboardItem, OnboardMode, Request, Response};
+use kvtier_client::proto::{
+    self, code, EvictTier, ItemStatus, OnboardItem, OnboardMode, Request, Response,
+};
 use kvtier_client::{
     block_path, BlockKey, Client, ClientConfig, Hints, KvLayout, Namespace, OffloadOutcome,
     Onboarded,
@@ -637,7 +639,7 @@ fn a_socket(sock: &Path, a: &Namespace, b: &Namespace, ka: &[BlockKey], kb: &[Bl
     let (r, nfds) = call(&mut s, &onboard_req(b, kb, 30_000));
     assert_eq!(statuses(r), vec![ItemStatus::Absent; 4]);
     assert_eq!(nfds, 0, "an fd of B's block was passed to A");
-    // Stat, pin, unpin, evict: all absent.
+    // Stat, pin, unpin: all absent; evict is an admin's (denied).
     let (r, _) = call(
         &mut s,
         &Request::Stat {
@@ -657,13 +659,37 @@ fn a_socket(sock: &Path, a: &Namespace, b: &Namespace, ka: &[BlockKey], kb: &[Bl
         keys: kb.to_vec(),
     };
     assert_eq!(statuses(call(&mut s, &pin).0), vec![ItemStatus::Absent; 4]);
-    let ev = Request::Evict {
-        ns: b.id(),
-        keys: kb.to_vec(),
+    // (An error reply ends the connection: a fresh one per refusal.)
+    for tier in [EvictTier::G3, EvictTier::All] {
+        let ev = Request::Evict {
+            ns: b.id(),
+            keys: kb.to_vec(),
+            tier,
+        };
+        let (r, _) = call(&mut conn(sock), &ev);
+        assert!(
+            matches!(r, Response::Error { code: code::DENIED, ref message } if message.contains("admin")),
+            "{r:?}"
+        );
+    }
+    // Not even its own namespace: deleting is the operator's.
+    let own = Request::Evict {
+        ns: a.id(),
+        keys: ka[..1].to_vec(),
+        tier: EvictTier::G3,
     };
-    assert_eq!(statuses(call(&mut s, &ev).0), vec![ItemStatus::Absent; 4]);
+    assert!(
+        matches!(
+            call(&mut conn(sock), &own).0,
+            Response::Error {
+                code: code::DENIED,
+                ..
+            }
+        ),
+        "a tenant evicted its own block"
+    );
     // Daemon-wide stats are an admin's.
-    let (r, _) = call(&mut s, &Request::Stats);
+    let (r, _) = call(&mut conn(sock), &Request::Stats);
     assert!(
         matches!(
             r,
@@ -742,6 +768,16 @@ fn a_mount(mnt: &Path, a: &Namespace, b: &Namespace, ka: &[BlockKey], kb: &[Bloc
         std::fs::read(stats).map_err(nf).err() == Some(true),
         "node-wide stats"
     );
+    // Deleting is an admin's, even of A's own blocks: refused, kept
+    // (EACCES from the directory modes first; EPERM from the daemon when
+    // dir_mode lets others write).
+    let pa = mnt.join(block_path(&a.id(), &ka[0]));
+    let e = std::fs::remove_file(&pa).unwrap_err();
+    assert!(
+        matches!(e.raw_os_error(), Some(libc::EPERM | libc::EACCES)),
+        "{e}"
+    );
+    assert!(pa.exists(), "A's rm removed its block");
 }
 
 // ---- the tests --------------------------------------------------------

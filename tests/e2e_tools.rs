@@ -56,20 +56,28 @@ fn demo_ls_stat_verify_events_stats() {
     let ls = loop {
         let (ok, ls, _) = run(&["ls"], s);
         assert!(ok);
-        if ls.lines().count() == 4 || t.elapsed() > std::time::Duration::from_secs(10) {
+        if ls.lines().count() == 5 || t.elapsed() > std::time::Duration::from_secs(10) {
             break ls;
         }
         std::thread::sleep(std::time::Duration::from_millis(50));
     };
-    assert_eq!(ls.lines().count(), 4, "{ls}");
-    let first = ls
-        .lines()
-        .next()
-        .unwrap()
-        .split('\t')
-        .next()
-        .unwrap()
-        .to_string();
+    // A header naming both sizes, then one line per block: the payload
+    // and the block file (what `stat` on the mount shows).
+    assert_eq!(ls.lines().count(), 5, "{ls}");
+    assert_eq!(
+        ls.lines().next().unwrap(),
+        "PATH\tTIER\tPAYLOAD_BYTES\tFILE_BYTES"
+    );
+    let cols: Vec<&str> = ls.lines().nth(1).unwrap().split('\t').collect();
+    assert_eq!(
+        cols[1..],
+        [
+            "g3",
+            &(256 << 10).to_string(),
+            &((256 << 10) + 4096).to_string()
+        ]
+    );
+    let first = cols[0].to_string();
     let (ok, st, err) = run(&["stat", &first], s);
     assert!(ok, "{err}");
     let j: serde_json::Value = serde_json::from_str(&st).unwrap();

@@ -514,6 +514,49 @@ impl Client {
         Ok(out)
     }
 
+    /// Evicts keys of `ns` from `tier`: G3, G4 or both (`All` deletes a
+    /// block everywhere this node reaches). Leased or pinned G3 copies are
+    /// refused (`LimitReached`). With tenants configured this is an admin
+    /// operation.
+    pub fn evict_ids(
+        &self,
+        ns: NamespaceId,
+        keys: &[BlockKey],
+        tier: crate::proto::EvictTier,
+    ) -> Result<Vec<ItemStatus>> {
+        self.items_ids(keys, |keys| Request::Evict { ns, keys, tier })
+    }
+
+    /// Verifies keys of `ns` on the daemon's side; with `repair`, a bad G3
+    /// copy is quarantined and replaced from G4 or a peer (verified). Per
+    /// key: Ok, Repaired, Corrupt (dropped: no good copy anywhere), Absent.
+    pub fn verify_on_daemon(
+        &self,
+        ns: NamespaceId,
+        keys: &[BlockKey],
+        repair: bool,
+    ) -> Result<Vec<ItemStatus>> {
+        self.items_ids(keys, |keys| Request::Verify { ns, keys, repair })
+    }
+
+    fn items_ids(
+        &self,
+        keys: &[BlockKey],
+        mk: impl Fn(Vec<BlockKey>) -> Request,
+    ) -> Result<Vec<ItemStatus>> {
+        let mut out = Vec::with_capacity(keys.len());
+        for part in keys.chunks(KEYS_MAX) {
+            out.extend(self.call(
+                |_| Ok(mk(part.to_vec())),
+                |_, r, _| match r {
+                    Response::Items { status } if status.len() == part.len() => Ok(status),
+                    other => Err(unexpected(other)),
+                },
+            )?);
+        }
+        Ok(out)
+    }
+
     /// Re-checksums stored blocks end to end (`kvtier verify`): each block
     /// file is passed over a direct-read fd and fully decoded here (header,
     /// length, padding, payload blake3), and must name `ns` and its key.
@@ -1251,9 +1294,19 @@ impl<'a> NsHandle<'a> {
         self.keys_op(keys, |keys| Request::Unpin { ns: self.id, keys })
     }
 
-    /// Evicts keys from the node (leased or pinned keys are refused).
+    /// Evicts keys from the node's disk (leased or pinned keys are
+    /// refused); G4 keeps its copies. See [`Self::evict_from`].
     pub fn evict(&self, keys: &[BlockKey]) -> Result<Vec<ItemStatus>> {
-        self.keys_op(keys, |keys| Request::Evict { ns: self.id, keys })
+        self.evict_from(keys, crate::proto::EvictTier::G3)
+    }
+
+    /// Evicts keys from `tier` ([`Client::evict_ids`]).
+    pub fn evict_from(
+        &self,
+        keys: &[BlockKey],
+        tier: crate::proto::EvictTier,
+    ) -> Result<Vec<ItemStatus>> {
+        self.client.evict_ids(self.id, keys, tier)
     }
 
     /// Metadata of keys.

@@ -65,8 +65,10 @@ pub const OP_STATS: u8 = 10;
 pub const OP_LIST: u8 = 11;
 /// Op: turn this connection into a KV event stream.
 pub const OP_SUBSCRIBE: u8 = 12;
+/// Op: verify blocks on the daemon's side (and repair bad ones).
+pub const OP_VERIFY: u8 = 13;
 /// Op: fetch the non-local blocks of a chain into G3 in the background.
-/// (16: 13-15 are left for the operator commands being added beside it.)
+/// (16: 14 and 15 are free.)
 pub const OP_PREFETCH: u8 = 16;
 /// Reply bit.
 pub const OP_REPLY: u8 = 0x80;
@@ -97,6 +99,68 @@ pub enum ItemStatus {
     LimitReached = 7,
     /// Any other storage failure.
     Failed = 8,
+    /// The block failed verification, was quarantined and replaced by a
+    /// verified copy from G4 or a peer (`Verify` with repair).
+    Repaired = 9,
+}
+
+/// Which tiers an [`Request::Evict`] removes a block from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[repr(u8)]
+pub enum EvictTier {
+    /// This node's disk only (G4 keeps its copy): the default, and what
+    /// frames without a tier byte mean.
+    #[default]
+    G3 = 0,
+    /// The shared object store only.
+    G4 = 1,
+    /// Everywhere this node can reach: G3 and G4.
+    All = 2,
+}
+
+impl EvictTier {
+    /// From the wire code.
+    pub fn from_code(c: u8) -> Option<Self> {
+        Some(match c {
+            0 => EvictTier::G3,
+            1 => EvictTier::G4,
+            2 => EvictTier::All,
+            _ => return None,
+        })
+    }
+
+    /// Includes G3.
+    pub fn g3(self) -> bool {
+        matches!(self, EvictTier::G3 | EvictTier::All)
+    }
+
+    /// Includes G4.
+    pub fn g4(self) -> bool {
+        matches!(self, EvictTier::G4 | EvictTier::All)
+    }
+
+    /// `g3`, `g4` or `all`.
+    pub fn name(self) -> &'static str {
+        match self {
+            EvictTier::G3 => "g3",
+            EvictTier::G4 => "g4",
+            EvictTier::All => "all",
+        }
+    }
+}
+
+impl std::str::FromStr for EvictTier {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim() {
+            "g3" => Ok(EvictTier::G3),
+            "g4" => Ok(EvictTier::G4),
+            "all" => Ok(EvictTier::All),
+            other => Err(proto(format!(
+                "evict tier {other:?}: expected g3, g4 or all"
+            ))),
+        }
+    }
 }
 
 impl ItemStatus {
@@ -113,6 +177,7 @@ impl ItemStatus {
             6 => NoSpace,
             7 => LimitReached,
             8 => Failed,
+            9 => Repaired,
             _ => return None,
         })
     }
@@ -230,12 +295,27 @@ pub enum Request {
         /// Keys.
         keys: Vec<BlockKey>,
     },
-    /// Evict keys from every local tier.
+    /// Evict keys from `tier` (G3 by default). On the wire the tier is a
+    /// trailing byte, sent only when not G3, so frames of older clients
+    /// (no byte) still decode, as G3.
     Evict {
         /// Namespace.
         ns: NamespaceId,
         /// Keys.
         keys: Vec<BlockKey>,
+        /// Which tiers.
+        tier: EvictTier,
+    },
+    /// Verify blocks on the daemon: a G3 copy that fails is quarantined
+    /// and, with `repair`, replaced by a verified copy from G4 or a peer.
+    /// Reply: `Items` (Ok, Repaired, Corrupt = dropped, Absent).
+    Verify {
+        /// Namespace.
+        ns: NamespaceId,
+        /// Keys.
+        keys: Vec<BlockKey>,
+        /// Re-fetch a good copy of a bad block.
+        repair: bool,
     },
     /// Metadata of keys.
     Stat {
@@ -652,6 +732,7 @@ impl Request {
             Request::Pin { .. } => OP_PIN,
             Request::Unpin { .. } => OP_UNPIN,
             Request::Evict { .. } => OP_EVICT,
+            Request::Verify { .. } => OP_VERIFY,
             Request::Stat { .. } => OP_STAT,
             Request::Stats => OP_STATS,
             Request::List { .. } => OP_LIST,
@@ -675,6 +756,7 @@ impl Request {
             OP_STATS => "stats",
             OP_LIST => "list",
             OP_SUBSCRIBE => "subscribe",
+            OP_VERIFY => "verify",
             OP_PREFETCH => "prefetch",
             _ => "unknown",
         }
@@ -690,10 +772,21 @@ impl Request {
             }
             Request::Lookup { ns, keys }
             | Request::Unpin { ns, keys }
-            | Request::Evict { ns, keys }
             | Request::Stat { ns, keys } => {
                 w.ns(ns);
                 write_keys(&mut w, keys);
+            }
+            Request::Evict { ns, keys, tier } => {
+                w.ns(ns);
+                write_keys(&mut w, keys);
+                if *tier != EvictTier::G3 {
+                    w.u8(*tier as u8);
+                }
+            }
+            Request::Verify { ns, keys, repair } => {
+                w.ns(ns);
+                write_keys(&mut w, keys);
+                w.u8(u8::from(*repair));
             }
             Request::Offload { ns, items } => {
                 w.ns(ns);
@@ -785,9 +878,21 @@ impl Request {
                 ns: r.ns()?,
                 keys: read_keys(&mut r)?,
             },
-            OP_EVICT => Request::Evict {
+            OP_EVICT => {
+                let ns = r.ns()?;
+                let keys = read_keys(&mut r)?;
+                let tier = if r.remaining() > 0 {
+                    let c = r.u8()?;
+                    EvictTier::from_code(c).ok_or_else(|| proto(format!("evict tier {c}")))?
+                } else {
+                    EvictTier::G3
+                };
+                Request::Evict { ns, keys, tier }
+            }
+            OP_VERIFY => Request::Verify {
                 ns: r.ns()?,
                 keys: read_keys(&mut r)?,
+                repair: r.bool()?,
             },
             OP_STAT => Request::Stat {
                 ns: r.ns()?,
@@ -1022,7 +1127,8 @@ impl Response {
                     }
                     Response::Lookup { tiers }
                 }
-                OP_OFFLOAD | OP_RELEASE | OP_PIN | OP_UNPIN | OP_EVICT | OP_PREFETCH => {
+                OP_OFFLOAD | OP_RELEASE | OP_PIN | OP_UNPIN | OP_EVICT | OP_VERIFY
+                | OP_PREFETCH => {
                     let n = r.count(KEYS_MAX, 1)?;
                     let mut status = Vec::with_capacity(n);
                     for _ in 0..n {
@@ -1325,6 +1431,21 @@ mod tests {
                 limit: 10,
             },
             Request::Subscribe,
+            Request::Evict {
+                ns,
+                keys: vec![k(7)],
+                tier: EvictTier::All,
+            },
+            Request::Evict {
+                ns,
+                keys: vec![k(7)],
+                tier: EvictTier::G3,
+            },
+            Request::Verify {
+                ns,
+                keys: vec![k(8), k(9)],
+                repair: true,
+            },
         ];
         for r in reqs {
             let f = r.encode(9);
@@ -1332,6 +1453,34 @@ mod tests {
             assert_eq!(id, 9);
             assert_eq!(back, r);
         }
+    }
+
+    #[test]
+    fn evict_frames_of_older_clients_decode_as_g3_and_bad_tiers_are_refused() {
+        // An older client's evict: namespace and keys, no tier byte.
+        let ns = NamespaceId([5; 16]);
+        let mut w = Writer::frame(OP_EVICT, 3);
+        w.ns(&ns);
+        write_keys(&mut w, &[k(1)]);
+        let f = w.finish();
+        let (_, r) = Request::decode(&f[4..]).unwrap();
+        assert_eq!(
+            r,
+            Request::Evict {
+                ns,
+                keys: vec![k(1)],
+                tier: EvictTier::G3
+            }
+        );
+        let mut w = Writer::frame(OP_EVICT, 3);
+        w.ns(&ns);
+        write_keys(&mut w, &[k(1)]);
+        w.u8(7);
+        let f = w.finish();
+        assert!(Request::decode(&f[4..]).is_err());
+        assert_eq!("all".parse::<EvictTier>().unwrap(), EvictTier::All);
+        assert!("g5".parse::<EvictTier>().is_err());
+        assert_eq!(ItemStatus::from_code(9), Some(ItemStatus::Repaired));
     }
 
     #[test]

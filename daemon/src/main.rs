@@ -182,6 +182,9 @@ fn run() -> Result<()> {
             lease_ttl_max_ms: cfg.server.lease_ttl_max_ms,
         },
     )?;
+    // From here a failed start (mount point in use, ZMQ or metrics
+    // address taken) must not leave the bound socket file behind.
+    let mut socket_guard = SocketGuard(Some(cfg.server.socket.clone()));
     // ---- [[tenants]] / [access] (docs/OPERATIONS.md, "Security") ----
     let policy = std::sync::Arc::new(kvtier_daemon::access::Policy::from_config(
         &cfg.tenants,
@@ -200,11 +203,26 @@ fn run() -> Result<()> {
     // The mount shows the node's G3; a read of a block G3 lacks falls
     // through to peers and G4 (the node's fetch hook), and the mount's
     // event log listens to the node's G3 events.
+    // Imports are stored as offloads (event, G4 write-through, metrics);
+    // `rm` and `user.kvtier.evict` go through the node's evict.
     let mount_handle = if cfg.mount.enabled() {
-        let m = kvtier_daemon::mount::start_with_policy(
+        let m_metrics = metrics.clone();
+        let on_imported = Arc::new(move |h: &kvtier_client::BlockHeader| {
+            m_metrics.offload_bytes.inc_by(h.payload_len);
+            m_metrics
+                .requests
+                .with_label_values(&["mount_import"])
+                .inc();
+        });
+        let hooks = kvtier_daemon::mount::MountHooks {
+            fetch: Some(node.fetch_hook()),
+            import: Some(node.import_hook(on_imported)),
+            evict: Some(node.evict_hook()),
+        };
+        let m = kvtier_daemon::mount::start_with_hooks(
             &cfg.mount,
             node.g3().clone(),
-            Some(node.fetch_hook()),
+            hooks,
             policy.clone(),
         )
         .with_context(|| format!("mounting at {}", cfg.mount.dir.display()))?;
@@ -292,6 +310,8 @@ fn run() -> Result<()> {
         peer_addr = %node.peer_addr().map(|a| a.to_string()).unwrap_or_default(),
         "kvtierd ready"
     );
+    // The server removes its socket itself when it stops.
+    socket_guard.0 = None;
     let r = server.run();
     let _ = tx.send(true);
     if let Some(m) = mount_handle {
@@ -302,6 +322,18 @@ fn run() -> Result<()> {
     rt.shutdown_timeout(std::time::Duration::from_secs(1));
     r?;
     Ok(())
+}
+
+/// Removes the socket file on drop while armed (a start that fails after
+/// binding).
+struct SocketGuard(Option<PathBuf>);
+
+impl Drop for SocketGuard {
+    fn drop(&mut self) {
+        if let Some(p) = self.0.take() {
+            let _ = std::fs::remove_file(p);
+        }
+    }
 }
 
 /// `id=host:port,id=host:port`.

@@ -19,8 +19,10 @@
 
 use crate::config::{MountSection, PassthroughMode};
 use crate::g3::{EventSink, G3Event, G3Store, PutMeta, RemoveReason};
+use crate::server::backend::EvictOutcome;
 use crate::tier::{Lookup, MissReason, PutOutcome};
 use kvtier_client::block::HEADER_BYTES;
+use kvtier_client::proto::EvictTier;
 use kvtier_client::{BlockKey, NamespaceId, Tier};
 use kvtier_fs::{
     BlockReader, BlockStat, Error as FsError, EventLog, KvNamespace, MountGuard, MountOptions,
@@ -28,13 +30,58 @@ use kvtier_fs::{
 };
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// Brings a block that G3 lacks (G4-only, peer-only) into G3, verified.
 /// `Ok(true)`: it is in G3 now; `Ok(false)`: nobody has it. Called from
 /// FUSE threads; it may block for the duration of a fetch.
 pub type FetchHook =
     Arc<dyn Fn(&NamespaceId, &BlockKey) -> crate::Result<bool> + Send + Sync + 'static>;
+
+/// Stores a block imported through the mount the way a client offload is
+/// stored (the node's path: G3 put, the stored event on the bus, G4
+/// write-through admission, metrics). Without one, imports go straight to
+/// G3 (and are neither announced nor uploaded).
+pub type ImportHook = Arc<
+    dyn Fn(&NamespaceId, &kvtier_client::BlockHeader, &[u8]) -> crate::Result<PutOutcome>
+        + Send
+        + Sync
+        + 'static,
+>;
+
+/// Removes a block from tiers (the node's evict: leases and pins refuse
+/// it, G4 deletions are announced). `Ok(false)`: no tier had it.
+pub type EvictHook = Arc<
+    dyn Fn(&NamespaceId, &BlockKey, EvictTier) -> crate::Result<EvictOutcome>
+        + Send
+        + Sync
+        + 'static,
+>;
+
+/// What the mount asks of the node beyond G3.
+#[derive(Clone, Default)]
+pub struct MountHooks {
+    /// Brings in blocks G3 lacks (G4, peers).
+    pub fetch: Option<FetchHook>,
+    /// Stores imports as offloads.
+    pub import: Option<ImportHook>,
+    /// Deletes across tiers (`rm`, `user.kvtier.evict`).
+    pub evict: Option<EvictHook>,
+}
+
+impl std::fmt::Debug for MountHooks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MountHooks")
+            .field("fetch", &self.fetch.is_some())
+            .field("import", &self.import.is_some())
+            .field("evict", &self.evict.is_some())
+            .finish()
+    }
+}
+
+/// Names removed with `rm` that the mount does not fetch back from G4 or
+/// a peer by name, at most (oldest forgotten first).
+pub const UNLINKED_NAMES_MAX: usize = 65_536;
 
 /// Lines kept by `/.kvtier/events`.
 pub const EVENT_LINES_MAX: usize = 10_000;
@@ -96,6 +143,11 @@ impl MountEvents {
 pub struct G3Namespace {
     g3: Arc<G3Store>,
     fetch: Option<FetchHook>,
+    import: Option<ImportHook>,
+    evict: Option<EvictHook>,
+    /// Blocks removed with `rm` (G3 only): not fetched back by name until
+    /// this node holds them again (an import, a client's onboard).
+    unlinked: Mutex<Unlinked>,
     events: Arc<MountEvents>,
     verify_on_open: bool,
     passthrough: AtomicBool,
@@ -124,6 +176,33 @@ fn fs_err(e: crate::Error) -> FsError {
         other => FsError::Unavailable {
             reason: other.to_string(),
         },
+    }
+}
+
+/// Bounded set of names removed with `rm` (insertion order kept for
+/// forgetting the oldest).
+#[derive(Default)]
+struct Unlinked {
+    set: std::collections::HashSet<(NamespaceId, BlockKey)>,
+    order: std::collections::VecDeque<(NamespaceId, BlockKey)>,
+}
+
+impl Unlinked {
+    fn insert(&mut self, id: (NamespaceId, BlockKey)) {
+        if self.set.insert(id) {
+            self.order.push_back(id);
+        }
+        while self.order.len() > UNLINKED_NAMES_MAX {
+            if let Some(old) = self.order.pop_front() {
+                self.set.remove(&old);
+            }
+        }
+    }
+
+    fn remove(&mut self, id: &(NamespaceId, BlockKey)) {
+        if self.set.remove(id) {
+            self.order.retain(|x| x != id);
+        }
     }
 }
 
@@ -164,6 +243,9 @@ impl G3Namespace {
         G3Namespace {
             g3,
             fetch,
+            import: None,
+            evict: None,
+            unlinked: Mutex::new(Unlinked::default()),
             events,
             verify_on_open,
             passthrough: AtomicBool::new(false),
@@ -172,6 +254,13 @@ impl G3Namespace {
             fetched: AtomicU64::new(0),
             policy: Arc::new(crate::access::Policy::open()),
         }
+    }
+
+    /// Imports and removals through the node (see [`MountHooks`]).
+    pub fn with_hooks(mut self, import: Option<ImportHook>, evict: Option<EvictHook>) -> Self {
+        self.import = import;
+        self.evict = evict;
+        self
     }
 
     /// Who may see which namespace through the mount (default: everyone
@@ -187,6 +276,50 @@ impl G3Namespace {
         self.passthrough.store(on, Ordering::Relaxed);
     }
 
+    fn unlinked_has(&self, ns: &NamespaceId, key: &BlockKey) -> bool {
+        self.unlinked
+            .lock()
+            .map(|u| u.set.contains(&(*ns, *key)))
+            .unwrap_or(false)
+    }
+
+    fn unlinked_set(&self, ns: &NamespaceId, key: &BlockKey, gone: bool) {
+        if let Ok(mut u) = self.unlinked.lock() {
+            if gone {
+                u.insert((*ns, *key));
+            } else {
+                u.remove(&(*ns, *key));
+            }
+        }
+    }
+
+    fn evict_via_node(
+        &self,
+        ns: &NamespaceId,
+        key: &BlockKey,
+        tier: EvictTier,
+    ) -> kvtier_fs::Result<()> {
+        let outcome = match &self.evict {
+            Some(hook) => hook(ns, key, tier).map_err(fs_err)?,
+            // G3 alone (no node behind the mount): only G3 exists.
+            None if tier.g3() => {
+                if self.g3.delete_block(ns, key).map_err(fs_err)? {
+                    EvictOutcome::Evicted
+                } else {
+                    EvictOutcome::Absent
+                }
+            }
+            None => EvictOutcome::Absent,
+        };
+        match outcome {
+            EvictOutcome::Evicted => Ok(()),
+            EvictOutcome::Absent => Err(FsError::block_not_found(ns, key)),
+            EvictOutcome::Busy => Err(FsError::Busy {
+                what: format!("block {key} is leased or pinned (unpin it, or wait for the lease)"),
+            }),
+        }
+    }
+
     /// Verify failures seen at open (each one quarantined by G3).
     pub fn verify_failures(&self) -> u64 {
         self.verify_failures.load(Ordering::Relaxed)
@@ -195,6 +328,9 @@ impl G3Namespace {
     fn g3_or_fetch(&self, ns: &NamespaceId, key: &BlockKey) -> kvtier_fs::Result<bool> {
         if self.g3.stat(ns, key).is_some() {
             return Ok(true);
+        }
+        if self.unlinked_has(ns, key) {
+            return Ok(false);
         }
         let Some(hook) = &self.fetch else {
             return Ok(false);
@@ -410,22 +546,46 @@ impl KvNamespace for G3Namespace {
         let payload = bytes.get(HEADER_BYTES..end).ok_or(FsError::BadWrite {
             reason: "the staged file is shorter than its header declares".into(),
         })?;
-        match self
-            .g3
-            .put_block(ns, &header, payload, PutMeta::default())
-            .map_err(fs_err)?
-        {
-            PutOutcome::Stored => Ok(()),
+        let stored = match &self.import {
+            Some(hook) => hook(ns, &header, payload),
+            None => self.g3.put_block(ns, &header, payload, PutMeta::default()),
+        }
+        .map_err(fs_err)?;
+        match stored {
+            PutOutcome::Stored => {
+                self.unlinked_set(ns, &key, false);
+                Ok(())
+            }
             PutOutcome::AlreadyPresent => Err(FsError::Exists { ns: *ns, key }),
         }
     }
 
+    /// `rm` (and the unlink half of `mv` out of the mount): removes the
+    /// block from this node's G3 (G4 keeps its copy for other nodes and
+    /// onboards) and from the mount's view: the name is not fetched back
+    /// from G4 or a peer until this node holds the block again. Leased or
+    /// pinned: EBUSY, nothing removed.
     fn remove(&self, ns: &NamespaceId, key: &BlockKey) -> kvtier_fs::Result<()> {
-        if self.g3.delete_block(ns, key).map_err(fs_err)? {
-            Ok(())
-        } else {
-            Err(FsError::block_not_found(ns, key))
+        self.evict_via_node(ns, key, EvictTier::G3)?;
+        self.unlinked_set(ns, key, true);
+        Ok(())
+    }
+
+    fn evict(&self, ns: &NamespaceId, key: &BlockKey, tier: EvictTier) -> kvtier_fs::Result<()> {
+        self.evict_via_node(ns, key, tier)?;
+        if tier.g3() {
+            self.unlinked_set(ns, key, true);
         }
+        Ok(())
+    }
+
+    fn space(&self) -> Option<kvtier_fs::Space> {
+        let s = self.g3.stats();
+        Some(kvtier_fs::Space {
+            capacity_bytes: s.capacity_bytes,
+            used_bytes: s.used_bytes,
+            blocks: s.blocks,
+        })
     }
 
     fn set_pinned(&self, ns: &NamespaceId, key: &BlockKey, pinned: bool) -> kvtier_fs::Result<()> {
@@ -472,6 +632,12 @@ impl KvNamespace for G3Namespace {
 
     fn may_access(&self, caller: kvtier_fs::Caller, ns: Option<&NamespaceId>) -> bool {
         self.policy.may(caller.uid, caller.gid, ns)
+    }
+
+    /// With tenants, deleting is an admin's (as `kvtier evict` is): a
+    /// tenant's `rm` is EPERM.
+    fn may_remove(&self, caller: kvtier_fs::Caller) -> bool {
+        self.policy.may(caller.uid, caller.gid, None)
     }
 
     fn checks_callers(&self) -> bool {
@@ -577,17 +743,50 @@ pub fn start_with_policy(
     fetch: Option<FetchHook>,
     policy: Arc<crate::access::Policy>,
 ) -> crate::Result<MountHandle> {
+    let hooks = MountHooks {
+        fetch,
+        ..MountHooks::default()
+    };
+    start_with_hooks(section, g3, hooks, policy)
+}
+
+/// [`start_with_policy`] with the node behind the mount: imports stored
+/// as offloads, `rm` and `user.kvtier.evict` through the node's evict.
+/// A mount point where a live filesystem is mounted (another kvtierd's
+/// mount, say) is refused: mounting over it would hide its blocks.
+pub fn start_with_hooks(
+    section: &MountSection,
+    g3: Arc<G3Store>,
+    hooks: MountHooks,
+    policy: Arc<crate::access::Policy>,
+) -> crate::Result<MountHandle> {
     let dir: PathBuf = section.dir.clone();
-    let opts = mount_options(section, &g3.config().root)?;
     let cleaned = kvtier_fs::clean_stale_mount(&dir).map_err(mount_err)?;
     if cleaned {
         tracing::warn!(dir = %dir.display(), "mount: cleaned a stale mount left by an earlier daemon");
     }
+    // Only a FUSE mount is refused: a bind mount or volume at the mount
+    // point (a container's hostPath) is where kvtierd is meant to mount.
+    if let Some(what) = kvtier_fs::mounted_at(&dir)
+        .map_err(mount_err)?
+        .filter(|m| m.is_fuse())
+    {
+        return Err(crate::Error::Config {
+            key: "mount.dir".into(),
+            problem: format!(
+                "{} is in use: a {what} is mounted there (another kvtierd's mount?); \
+                 stop it or choose another mount.dir / --mount",
+                dir.display()
+            ),
+        });
+    }
+    let opts = mount_options(section, &g3.config().root)?;
     std::fs::create_dir_all(&dir)
         .map_err(|e| crate::Error::io("creating the mount point", &dir, e))?;
     let events = Arc::new(MountEvents::default());
     let namespace = Arc::new(
-        G3Namespace::new(g3, fetch, Arc::clone(&events), section.verify_on_open)
+        G3Namespace::new(g3, hooks.fetch, Arc::clone(&events), section.verify_on_open)
+            .with_hooks(hooks.import, hooks.evict)
             .with_policy(policy),
     );
     let guard = kvtier_fs::mount(namespace.clone(), &dir, &opts).map_err(mount_err)?;

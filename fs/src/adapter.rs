@@ -802,6 +802,25 @@ impl KvFs {
                 reason: "only block files carry user.kvtier.* attributes",
             });
         };
+        if name.as_bytes() == b"user.kvtier.evict" {
+            // An action, not a stored attribute: delete the block from
+            // the tiers named now (`rm` deletes from this node's disk only).
+            let v = String::from_utf8_lossy(value);
+            let tier =
+                v.parse::<kvtier_client::proto::EvictTier>()
+                    .map_err(|_| Error::InvalidName {
+                        name: v.chars().take(40).collect(),
+                        reason: "user.kvtier.evict takes g3, g4 or all",
+                    })?;
+            if lock(&self.pending).contains_key(&(*ns, *key)) {
+                return Err(Error::Busy {
+                    what: format!("block {key} is being imported"),
+                });
+            }
+            self.ns.evict(ns, key, tier)?;
+            self.shared.removes.fetch_add(1, Ordering::Relaxed);
+            return Ok(());
+        }
         if name.as_bytes() != b"user.kvtier.pinned" {
             if XATTR_NAMES.iter().any(|n| n.as_bytes() == name.as_bytes()) {
                 return Err(Error::NotPermitted {
@@ -1133,6 +1152,12 @@ impl Filesystem for KvFs {
     fn unlink(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         let r = self.resolve_for(req, parent).and_then(|p| {
             self.read_only()?;
+            if !self.ns.may_remove(Self::caller(req)) {
+                return Err(Error::NotPermitted {
+                    op: "rm",
+                    reason: "deleting blocks is an admin's operation here ([access] admin_uids)",
+                });
+            }
             match p {
                 Node::Shard(ns, s) => {
                     let key = names::parse_block(name, s).map_err(|_| Error::NotFound {
@@ -1430,7 +1455,24 @@ impl Filesystem for KvFs {
     }
 
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
-        reply.statfs(0, 0, 0, 0, 0, 4096, 255, 4096);
+        // The store's capacity and use in 4 KiB units (what `df` shows);
+        // free inodes: as many as free 4 KiB units (a block file is at
+        // least one), so `df -i` does not report the mount full.
+        const UNIT: u64 = 4096;
+        let s = self.ns.space().unwrap_or_default();
+        let blocks = s.capacity_bytes / UNIT;
+        let free = s.capacity_bytes.saturating_sub(s.used_bytes) / UNIT;
+        let files = s.blocks + free;
+        reply.statfs(
+            blocks,
+            free,
+            free,
+            files,
+            free,
+            UNIT as u32,
+            255,
+            UNIT as u32,
+        );
     }
 
     fn setxattr(
@@ -1443,10 +1485,16 @@ impl Filesystem for KvFs {
         _position: u32,
         reply: ReplyEmpty,
     ) {
-        match self
-            .resolve_for(req, ino)
-            .and_then(|n| self.set_xattr(&n, name, value))
-        {
+        let removing = name.as_bytes() == b"user.kvtier.evict";
+        match self.resolve_for(req, ino).and_then(|n| {
+            if removing && !self.ns.may_remove(Self::caller(req)) {
+                return Err(Error::NotPermitted {
+                    op: "user.kvtier.evict",
+                    reason: "deleting blocks is an admin's operation here ([access] admin_uids)",
+                });
+            }
+            self.set_xattr(&n, name, value)
+        }) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(report("setxattr", &e)),
         }

@@ -22,7 +22,10 @@ pub mod namespace;
 
 pub use error::{Error, Result};
 pub use memory::MemNamespace;
-pub use mount::{clean_stale_mount, mount, Counters, MountGuard, MountOptions, Passthrough};
+pub use mount::{
+    clean_stale_mount, mount, mounted_at, Counters, MountGuard, MountOptions, MountedFs,
+    Passthrough,
+};
 pub use namespace::{
-    BlockReader, BlockStat, Caller, EventLog, KvNamespace, OpenBlock, StagedBlock,
+    BlockReader, BlockStat, Caller, EventLog, KvNamespace, OpenBlock, Space, StagedBlock,
 };

@@ -341,6 +341,83 @@ fn statfs(path: &Path) -> std::io::Result<()> {
     }
 }
 
+/// A filesystem mounted at a path (`/proc/self/mountinfo`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MountedFs {
+    /// Type, e.g. `fuse.kvtier`, `ext4`.
+    pub fstype: String,
+    /// Source, e.g. `kvtier`, `/dev/nvme0n1`.
+    pub source: String,
+}
+
+impl MountedFs {
+    /// A FUSE filesystem (`fuse`, `fuse.NAME`, `fuseblk`).
+    pub fn is_fuse(&self) -> bool {
+        self.fstype.starts_with("fuse")
+    }
+}
+
+impl std::fmt::Display for MountedFs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} filesystem from {:?}", self.fstype, self.source)
+    }
+}
+
+/// What is mounted at `path` now, from `/proc/self/mountinfo`: the
+/// top-most mount whose mount point is `path`, `None` when nothing is.
+/// For refusing to mount over a live mount (another daemon's): call after
+/// [`clean_stale_mount`].
+pub fn mounted_at(path: &Path) -> Result<Option<MountedFs>> {
+    let want = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
+    let info = match std::fs::read_to_string("/proc/self/mountinfo") {
+        Ok(t) => t,
+        Err(e) => return Err(Error::io("reading /proc/self/mountinfo", path, e)),
+    };
+    Ok(mountinfo_entry(&info, &want))
+}
+
+/// The last (top-most) entry of mountinfo text `info` mounted at `want`.
+fn mountinfo_entry(info: &str, want: &Path) -> Option<MountedFs> {
+    let mut found = None;
+    for line in info.lines() {
+        let Some((left, right)) = line.split_once(" - ") else {
+            continue;
+        };
+        let Some(point) = left.split(' ').nth(4) else {
+            continue;
+        };
+        if Path::new(&unescape_mountinfo(point)) != want {
+            continue;
+        }
+        let mut r = right.split(' ');
+        found = Some(MountedFs {
+            fstype: r.next().unwrap_or("?").to_string(),
+            source: r.next().unwrap_or("?").to_string(),
+        });
+    }
+    found
+}
+
+/// mountinfo escapes space, tab, newline and backslash as `\ooo`.
+fn unescape_mountinfo(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'\\'
+            && i + 3 < b.len()
+            && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c))
+        {
+            out.push((b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0'));
+            i += 4;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
 /// Detects a FUSE mount whose server died (`stat` fails with ENOTCONN) and
 /// detaches it: `umount2(MNT_DETACH)` as root, else `fusermount3 -uz`.
 /// Returns whether something was cleaned.
@@ -373,5 +450,31 @@ pub fn clean_stale_mount(path: &Path) -> Result<bool> {
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
         Err(e) => Err(Error::io("checking for a stale mount", path, e)),
+    }
+}
+
+#[cfg(test)]
+mod mountinfo_tests {
+    use super::*;
+
+    #[test]
+    fn the_top_most_mount_at_a_path_is_named_with_escapes_undone() {
+        let info = "\
+22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/vda rw
+90 22 0:50 / /tmp/a\\040b rw,nosuid,nodev,relatime shared:60 - fuse.kvtier kvtier rw,user_id=0
+91 90 0:51 / /tmp/a\\040b rw - tmpfs none rw
+";
+        let top = mountinfo_entry(info, Path::new("/tmp/a b")).unwrap();
+        assert_eq!(top.to_string(), "tmpfs filesystem from \"none\"");
+        assert!(!top.is_fuse());
+        let lines: Vec<&str> = info.lines().take(2).collect();
+        let fuse = mountinfo_entry(&lines.join("\n"), Path::new("/tmp/a b")).unwrap();
+        assert!(fuse.is_fuse() && fuse.source == "kvtier", "{fuse:?}");
+        assert_eq!(mountinfo_entry(info, Path::new("/tmp/a")), None);
+        assert_eq!(
+            mountinfo_entry(info, Path::new("/")).unwrap().fstype,
+            "ext4"
+        );
+        assert_eq!(unescape_mountinfo("x\\134y\\04"), "x\\y\\04");
     }
 }

@@ -126,6 +126,24 @@ pub trait KvNamespace: Send + Sync + 'static {
     /// Evicts a block from this node (`rm`). [`Error::NotFound`] if absent.
     fn remove(&self, ns: &NamespaceId, key: &BlockKey) -> Result<()>;
 
+    /// Removes a block from the tiers `tier` names (`setfattr -n
+    /// user.kvtier.evict -v g3|g4|all`). Default: refused (only `rm`).
+    fn evict(
+        &self,
+        _ns: &NamespaceId,
+        _key: &BlockKey,
+        _tier: kvtier_client::proto::EvictTier,
+    ) -> Result<()> {
+        Err(Error::UnsupportedAttribute {
+            name: "user.kvtier.evict".into(),
+        })
+    }
+
+    /// Space figures for `statfs` (`df`); `None`: unknown (all zero).
+    fn space(&self) -> Option<Space> {
+        None
+    }
+
     /// Pins (`true`) or unpins a block (`setfattr -n user.kvtier.pinned`).
     fn set_pinned(&self, ns: &NamespaceId, key: &BlockKey, pinned: bool) -> Result<()>;
 
@@ -144,12 +162,29 @@ pub trait KvNamespace: Send + Sync + 'static {
         true
     }
 
+    /// Whether `caller` may delete blocks (`rm`, `user.kvtier.evict`) of
+    /// namespaces it may access. Default: yes.
+    fn may_remove(&self, _caller: Caller) -> bool {
+        true
+    }
+
     /// Whether [`Self::may_access`] tells callers apart. Then the adapter
     /// lets the kernel cache no entries or attributes (they would serve
     /// one user's lookups to another).
     fn checks_callers(&self) -> bool {
         false
     }
+}
+
+/// What `df` shows for the mount: the store's capacity, not the disk's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Space {
+    /// Bytes the store may hold.
+    pub capacity_bytes: u64,
+    /// Bytes of block files held now.
+    pub used_bytes: u64,
+    /// Blocks held now.
+    pub blocks: u64,
 }
 
 /// The process behind a FUSE request: its uid and gid, from the kernel.

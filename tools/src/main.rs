@@ -3,6 +3,7 @@
 mod bench;
 mod identity;
 mod ops;
+mod remove;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -30,8 +31,11 @@ enum Cmd {
     Ls(ops::LsArgs),
     /// One block's metadata.
     Stat(ops::StatArgs),
-    /// Re-checksum stored blocks (exit 1 if any is bad).
+    /// Verify stored blocks on the daemon and repair bad ones from G4 or a
+    /// peer (exit 1 if any was bad).
     Verify(ops::VerifyArgs),
+    /// Delete blocks from G3 (default), G4 or both (--tier all).
+    Evict(remove::EvictArgs),
     /// Follow the KV event stream (JSON lines).
     Events(ops::EventsArgs),
     /// Offload/lookup/onboard round trip (starts kvtierd if none runs).
@@ -53,6 +57,7 @@ fn main() -> Result<()> {
         Cmd::Ls(a) => ops::ls(a),
         Cmd::Stat(a) => ops::stat(a),
         Cmd::Verify(a) => ops::verify(a),
+        Cmd::Evict(a) => remove::evict(a),
         Cmd::Events(a) => ops::events(a),
         Cmd::Demo(a) => ops::demo(a),
     }

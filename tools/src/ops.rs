@@ -3,6 +3,7 @@
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use kvtier_client::proto::ItemStatus;
 use kvtier_client::{
     BlockKey, Client, ClientConfig, HashMode, Hints, KvLayout, Namespace, NamespaceId,
     OffloadOutcome, Onboarded, Tier,
@@ -27,7 +28,7 @@ impl SocketArg {
             .or_else(|| std::env::var_os("KVTIER_SOCKET").map(PathBuf::from))
             .unwrap_or_else(|| kvtier_daemon::config::default_data_dir().join("kvtierd.sock"))
     }
-    fn client(&self) -> Result<Client> {
+    pub(crate) fn client(&self) -> Result<Client> {
         let p = self.path();
         let mut c = ClientConfig::new(&p);
         c.region_bytes = 0;
@@ -46,7 +47,9 @@ pub struct StatsArgs {
     sock: SocketArg,
 }
 
-/// `kvtier ls`.
+/// `kvtier ls`: a header line, then one line per block: path (as in the
+/// mount), tier, payload bytes, block file bytes (what the mount's `stat`
+/// shows).
 #[derive(Debug, Args)]
 pub struct LsArgs {
     #[command(flatten)]
@@ -79,6 +82,10 @@ pub struct VerifyArgs {
     /// Only this namespace.
     #[arg(long)]
     namespace: Option<String>,
+    /// Only check: a bad block is still quarantined (never served), but
+    /// no good copy is fetched from G4 or a peer to replace it.
+    #[arg(long)]
+    no_repair: bool,
     /// Blocks to verify, as `NAMESPACE/KEY`.
     keys: Vec<String>,
 }
@@ -110,11 +117,11 @@ pub struct DemoArgs {
     mode: String,
 }
 
-fn parse_ns(s: &str) -> Result<NamespaceId> {
+pub(crate) fn parse_ns(s: &str) -> Result<NamespaceId> {
     NamespaceId::from_hex(s).with_context(|| format!("namespace {s:?}"))
 }
 
-fn parse_qualified(s: &str) -> Result<(Option<NamespaceId>, BlockKey)> {
+pub(crate) fn parse_qualified(s: &str) -> Result<(Option<NamespaceId>, BlockKey)> {
     // `KEY`, `NS/KEY` or the path form `NS/SHARD/KEY`.
     let parts: Vec<&str> = s.split('/').collect();
     match parts.as_slice() {
@@ -158,9 +165,16 @@ pub fn stats(a: StatsArgs) -> Result<()> {
 pub fn ls(a: LsArgs) -> Result<()> {
     let c = a.sock.client()?;
     let ns = a.namespace.as_deref().map(parse_ns).transpose()?;
+    // Both sizes, named: the payload (what the engine stored) and the
+    // block file (header + padded payload: what `stat` on the mount and
+    // `du` show).
+    println!("PATH\tTIER\tPAYLOAD_BYTES\tFILE_BYTES");
     for (n, k, st) in all_blocks(&c, ns, a.limit)? {
+        let file_bytes = kvtier_client::block::HEADER_BYTES as u64
+            + st.payload_len
+                .next_multiple_of(kvtier_client::block::ALIGN_BYTES as u64);
         println!(
-            "{n}/{}/{k}\t{}\t{}",
+            "{n}/{}/{k}\t{}\t{}\t{file_bytes}",
             k.shard(),
             st.tier.name(),
             st.payload_len
@@ -209,7 +223,10 @@ pub fn stat(a: StatArgs) -> Result<()> {
     Ok(())
 }
 
-/// Re-checksums blocks; exits non-zero if any fails.
+/// Verifies blocks on the daemon, repairing by default: a G3 copy that
+/// fails is quarantined and replaced by a verified copy from G4 or a peer.
+/// One line per block (`ok`, `repaired`, `dropped`, `absent`); exits
+/// non-zero when any block was bad (repaired or dropped).
 pub fn verify(a: VerifyArgs) -> Result<()> {
     let c = a.sock.client()?;
     let mut targets: Vec<(NamespaceId, BlockKey)> = Vec::new();
@@ -230,7 +247,8 @@ pub fn verify(a: VerifyArgs) -> Result<()> {
     if targets.is_empty() {
         bail!("nothing to verify: pass --all, --namespace or NAMESPACE/KEY");
     }
-    let (mut ok, mut bad, mut bytes) = (0u64, 0u64, 0u64);
+    let repair = !a.no_repair;
+    let (mut ok, mut repaired, mut dropped, mut absent) = (0u64, 0u64, 0u64, 0u64);
     let mut i = 0;
     while i < targets.len() {
         let ns = targets[i].0;
@@ -239,23 +257,40 @@ pub fn verify(a: VerifyArgs) -> Result<()> {
             j += 1;
         }
         let keys: Vec<BlockKey> = targets[i..j].iter().map(|t| t.1).collect();
-        for (k, r) in keys.iter().zip(c.verify_ids(ns, &keys)?) {
-            match r {
-                Ok(n) => {
+        for (k, st) in keys.iter().zip(c.verify_on_daemon(ns, &keys, repair)?) {
+            let word = match st {
+                ItemStatus::Ok => {
                     ok += 1;
-                    bytes += n;
+                    "ok"
                 }
-                Err(e) => {
-                    bad += 1;
-                    println!("BAD {ns}/{k}: {e}");
+                ItemStatus::Repaired => {
+                    repaired += 1;
+                    "repaired"
                 }
-            }
+                ItemStatus::Corrupt => {
+                    dropped += 1;
+                    "dropped"
+                }
+                ItemStatus::Absent => {
+                    absent += 1;
+                    "absent"
+                }
+                other => bail!("verify {ns}/{k}: daemon answered {other:?}"),
+            };
+            println!("{word}\t{}", kvtier_client::block_path(&ns, k));
         }
         i = j;
     }
-    println!("verified {ok} blocks ({bytes} payload bytes), {bad} bad");
-    if bad > 0 {
-        bail!("{bad} blocks failed verification");
+    println!(
+        "verified {} blocks: {ok} ok, {repaired} repaired, {dropped} dropped, {absent} absent",
+        ok + repaired + dropped + absent
+    );
+    if repaired + dropped > 0 {
+        bail!(
+            "{} blocks failed verification ({repaired} repaired from a good copy, {dropped} \
+             dropped: quarantined under the G3 directory's quarantine/)",
+            repaired + dropped
+        );
     }
     Ok(())
 }

@@ -101,6 +101,29 @@ impl G3Store {
         true
     }
 
+    /// Forgets that G4 holds a copy (the sweeper or an evict deleted it),
+    /// so a restart does not announce an External copy that is gone and the
+    /// block is eligible for write-through again. False when it was not
+    /// marked (or the block is no longer here).
+    pub fn clear_in_g4(&self, ns: &NamespaceId, key: &BlockKey) -> bool {
+        let id = {
+            let Ok(mut mem) = self.mem.write() else {
+                return false;
+            };
+            let (id, check) = digest(ns, key);
+            let Some(e) = mem.map.get_mut(&id).filter(|e| e.check == check) else {
+                return false;
+            };
+            if e.flags & FLAG_IN_G4 == 0 {
+                return false;
+            }
+            e.flags &= !FLAG_IN_G4;
+            id
+        };
+        self.update_record(id, |r| r.flags &= !FLAG_IN_G4);
+        true
+    }
+
     fn update_record(&self, id: u64, f: impl FnOnce(&mut Record)) {
         if let Ok(Some(mut r)) = self.disk.get(id) {
             f(&mut r);

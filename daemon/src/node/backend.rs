@@ -344,6 +344,24 @@ impl Backend for Node {
         })
     }
 
+    fn evict_tier(
+        &self,
+        ns: &NamespaceId,
+        key: &BlockKey,
+        tier: kvtier_client::proto::EvictTier,
+    ) -> Result<EvictOutcome> {
+        self.evict_tiers(ns, key, tier)
+    }
+
+    fn verify(
+        &self,
+        ns: &NamespaceId,
+        key: &BlockKey,
+        repair: bool,
+    ) -> Result<crate::server::backend::VerifyOutcome> {
+        self.verify_repair(ns, key, repair)
+    }
+
     fn stat(&self, ns: &NamespaceId, key: &BlockKey) -> Result<Option<BlockStat>> {
         Ok(self.g3.stat(ns, key).map(|i| stat_of(&i)))
     }

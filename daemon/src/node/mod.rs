@@ -14,6 +14,9 @@
 //!   source, marking blocks safe in G4, re-queueing after a restart).
 //! - `peers`: starting the peer server, the peer set and heartbeats.
 //! - `events`: G3/G4 happenings turned into KV events on the bus.
+//! - `remove`: deletion across tiers (`evict --tier g3|g4|all`).
+//! - `repair`: daemon-side verify; a bad G3 copy is quarantined and
+//!   re-fetched (verified) from a peer or G4.
 //!
 //! Threading: the server calls the `Backend` methods from its own
 //! connection threads. G4 and peers are async: the node owns a small tokio
@@ -45,6 +48,8 @@ mod locate;
 mod peers;
 mod prefetch;
 mod promote;
+mod remove;
+mod repair;
 mod uplink;
 
 use crate::error::{Error, Result};
@@ -452,6 +457,45 @@ impl Node {
         })
     }
 
+    /// The mount's imports, stored as a client's offload is: G3 put (with
+    /// ENOSPC eviction), the stored event on the bus (socket subscribers,
+    /// the ZMQ publisher), G4 write-through admission. `on_stored` runs
+    /// after each newly stored block (metrics).
+    pub fn import_hook(
+        self: &Arc<Self>,
+        on_stored: Arc<dyn Fn(&kvtier_client::BlockHeader) + Send + Sync>,
+    ) -> crate::mount::ImportHook {
+        let node = Arc::clone(self);
+        Arc::new(
+            move |ns: &NamespaceId, header: &kvtier_client::BlockHeader, payload: &[u8]| {
+                let parent = header
+                    .dynamo
+                    .as_ref()
+                    .and_then(|d| d.parent)
+                    .map(BlockKey::from_u64);
+                let out = crate::server::Backend::offload(
+                    node.as_ref(),
+                    ns,
+                    header,
+                    payload,
+                    parent,
+                    kvtier_client::Hints::default(),
+                )?;
+                if out == crate::tier::PutOutcome::Stored {
+                    on_stored(header);
+                }
+                Ok(out)
+            },
+        )
+    }
+
+    /// The mount's `rm` and `user.kvtier.evict`: the node's evict across
+    /// tiers (see `remove`).
+    pub fn evict_hook(self: &Arc<Self>) -> crate::mount::EvictHook {
+        let node = Arc::clone(self);
+        Arc::new(move |ns: &NamespaceId, key: &BlockKey, tier| node.evict_tiers(ns, key, tier))
+    }
+
     /// Figures for `/metrics` beyond the backend stats.
     pub fn figures(&self) -> NodeFigures {
         NodeFigures {
@@ -575,3 +619,5 @@ pub(crate) fn run_on<T: Send + 'static>(
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_ops;

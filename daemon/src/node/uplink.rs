@@ -28,9 +28,24 @@ use std::sync::Arc;
 
 /// Starts G4's upload workers over `g3`.
 pub(super) fn start(g3: &Arc<G3Store>, g4: &Arc<G4Store>, slot: Slot) -> Result<()> {
-    // The sweeper's TTL and capacity deletions are `Removed` in External.
+    // The sweeper's TTL and capacity deletions are `Removed` in External,
+    // and G3 forgets its `in_g4` mark for them: a restart must not
+    // announce a G4 copy that is gone (and the block may be written
+    // through again).
     let removed_slot = slot.clone();
+    let marks = g3.clone();
     g4.set_on_deleted(Arc::new(move |ns: NamespaceId, keys: Vec<BlockKey>| {
+        // Index writes: off the async workers the sweeper runs on.
+        let (marks, cleared) = (marks.clone(), keys.clone());
+        let clear = move || {
+            for k in &cleared {
+                marks.clear_in_g4(&ns, k);
+            }
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(h) => drop(h.spawn_blocking(clear)),
+            Err(_) => clear(),
+        }
         events::g4_removed(&removed_slot, &ns, keys)
     }));
     let src = g3.clone();

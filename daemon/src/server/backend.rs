@@ -70,6 +70,21 @@ pub enum EvictOutcome {
     Busy,
 }
 
+/// Outcome of a daemon-side verification (`kvtier verify`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VerifyOutcome {
+    /// The stored copy verified.
+    Ok,
+    /// The copy failed, was quarantined, and a verified copy from this
+    /// tier replaced it.
+    Repaired(kvtier_client::Tier),
+    /// The copy failed and was quarantined; no good copy was found (or
+    /// repair was not asked for).
+    Dropped,
+    /// Not stored here.
+    Absent,
+}
+
 /// Occupancy of one tier.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TierStats {
@@ -198,6 +213,40 @@ pub trait Backend: Send + Sync + 'static {
 
     /// Removes a block from the node unless leased or pinned.
     fn evict(&self, ns: &NamespaceId, key: &BlockKey) -> Result<EvictOutcome>;
+
+    /// Removes a block from `tier` (G3: [`Self::evict`]; G4: the shared
+    /// object store). Default: only G3 exists.
+    fn evict_tier(
+        &self,
+        ns: &NamespaceId,
+        key: &BlockKey,
+        tier: kvtier_client::proto::EvictTier,
+    ) -> Result<EvictOutcome> {
+        if tier.g3() {
+            self.evict(ns, key)
+        } else {
+            Ok(EvictOutcome::Absent)
+        }
+    }
+
+    /// Re-reads a stored block through the verifying read path; a copy
+    /// that fails is quarantined (the read path does that) and, with
+    /// `repair` on a backend with other tiers, replaced by a verified copy.
+    /// Default: verify only.
+    fn verify(&self, ns: &NamespaceId, key: &BlockKey, _repair: bool) -> Result<VerifyOutcome> {
+        let Some(st) = self.stat(ns, key)? else {
+            return Ok(VerifyOutcome::Absent);
+        };
+        let len = kvtier_client::block::HEADER_BYTES as u64
+            + st.payload_len
+                .next_multiple_of(kvtier_client::block::ALIGN_BYTES as u64);
+        let mut buf = vec![0u8; len as usize];
+        Ok(match self.read_into(ns, key, &mut buf)? {
+            Lookup::Hit(_) => VerifyOutcome::Ok,
+            Lookup::Miss(MissReason::Corrupt) => VerifyOutcome::Dropped,
+            Lookup::Miss(_) => VerifyOutcome::Absent,
+        })
+    }
 
     /// Metadata of a block, `None` when absent.
     fn stat(&self, ns: &NamespaceId, key: &BlockKey) -> Result<Option<BlockStat>>;

@@ -483,10 +483,38 @@ impl Conn<'_> {
                         .collect(),
                 }
             }
-            Request::Evict { ns, keys } => Response::Items {
+            // Deleting is an operator's act: with [[tenants]], a tenant's
+            // engine may not remove blocks (other tenants' workers share
+            // its prefixes' G4 copies, and eviction is the node's policy).
+            Request::Evict { .. } if !self.who.grant.is_admin() => {
+                self.error("denied");
+                Response::Error {
+                    code: code::DENIED,
+                    message: format!(
+                        "evict needs an admin uid (uid {} is a tenant); see [access] admin_uids",
+                        self.who.uid
+                    ),
+                }
+            }
+            Request::Verify { ns, keys, repair } => {
+                let ns = self.ns_for(&ns);
+                Response::Items {
+                    status: keys
+                        .iter()
+                        .map(|k| match b.verify(&ns, k, repair) {
+                            Ok(super::backend::VerifyOutcome::Ok) => ItemStatus::Ok,
+                            Ok(super::backend::VerifyOutcome::Repaired(_)) => ItemStatus::Repaired,
+                            Ok(super::backend::VerifyOutcome::Dropped) => ItemStatus::Corrupt,
+                            Ok(super::backend::VerifyOutcome::Absent) => ItemStatus::Absent,
+                            Err(e) => self.status_of(&e),
+                        })
+                        .collect(),
+                }
+            }
+            Request::Evict { ns, keys, tier } => Response::Items {
                 status: keys
                     .iter()
-                    .map(|k| match b.evict(&self.ns_for(&ns), k) {
+                    .map(|k| match b.evict_tier(&self.ns_for(&ns), k, tier) {
                         Ok(super::EvictOutcome::Evicted) => ItemStatus::Ok,
                         Ok(super::EvictOutcome::Absent) => ItemStatus::Absent,
                         Ok(super::EvictOutcome::Busy) => ItemStatus::LimitReached,
