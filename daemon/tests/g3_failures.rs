@@ -527,7 +527,11 @@ fn onboard_verifies_in_daemon_memory_a_scribbling_client_quarantines_nothing() {
     let got = s.read_into(&id, &k, dst).unwrap();
     assert!(engine.fired.load(Ordering::Relaxed) > 0, "never scribbled");
     *engine.armed.lock().unwrap() = None;
-    assert_eq!(s.stats().quarantined, 0, "a client got a good block quarantined");
+    assert_eq!(
+        s.stats().quarantined,
+        0,
+        "a client got a good block quarantined"
+    );
     assert!(
         matches!(got, Lookup::Hit(_)),
         "a good block read as {got:?}"
