@@ -895,9 +895,10 @@ mod fall_through {
                 }
                 Ok(())
             });
+            let pm = b.figures().peer.unwrap_or_default();
             eprintln!(
-                "fall-through case '{}': {:?} (peak +{grew_mib} MiB)",
-                case.name, r
+                "fall-through case '{}': {:?} (peak +{grew_mib} MiB; peer fetches {} corrupt {} timeout {} unavailable {})",
+                case.name, r, pm.fetches, pm.corrupt, pm.timeout, pm.unavailable
             );
             if let Err(e) = r {
                 failures.push(format!("{}: {e}", case.name));
