@@ -649,7 +649,7 @@ fn same_key_put_is_not_acked_for_a_block_whose_commit_failed() {
 }
 
 /// The deterministic simulation (tests/sim/mod.rs): `KVTIER_SIM_SEEDS`
-/// seeds (30 in CI) from `KVTIER_SIM_SEED0`, or the one seed in
+/// seeds (20 in CI) from `KVTIER_SIM_SEED0`, or the one seed in
 /// `KVTIER_SIM_SEED`. Prints `sim: N passed, N failed` and the figures.
 #[test]
 fn simulation_short() {
@@ -658,7 +658,7 @@ fn simulation_short() {
         Some(s) => (s, 1),
         None => (
             env("KVTIER_SIM_SEED0").unwrap_or(0x51u64 << 8),
-            env("KVTIER_SIM_SEEDS").unwrap_or(30),
+            env("KVTIER_SIM_SEEDS").unwrap_or(20),
         ),
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -693,7 +693,7 @@ fn simulation_short() {
         failed.len()
     );
     assert!(failed.is_empty(), "{failed:#?}");
-    if n >= 30 {
+    if n >= 20 {
         // The run exercised what it claims.
         assert!(
             total.evictions > 0 && total.power_cuts > 0 && total.hits_g4 > 0,

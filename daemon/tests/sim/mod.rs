@@ -38,7 +38,7 @@
 //!   rule; counted as `g4_objects_deleted`).
 //!
 //! `KVTIER_SIM_SEED=<seed>` replays one seed (a failure prints it);
-//! `KVTIER_SIM_SEEDS=<n>` sets how many (CI: 60; scripts/fault-suite.sh
+//! `KVTIER_SIM_SEEDS=<n>` sets how many (CI: 20; scripts/fault-suite.sh
 //! runs thousands).
 
 use bytes::Bytes;
