@@ -54,7 +54,8 @@ g3_power_loss() {
   local iters=${KVTIER_POWER_LOSS_ITERS:-1000}
   local log="$LOG_DIR/g3_power_loss.log"
   KVTIER_POWER_LOSS_ITERS=$iters KVTIER_MUTATION_ITERS=${KVTIER_MUTATION_ITERS:-300} \
-    cargo test -p kvtier-daemon --test g3_power_loss -- --nocapture --test-threads=2 >"$log" 2>&1
+    cargo test -p kvtier-daemon --test g3_power_loss -- --nocapture --test-threads=2 \
+    --skip simulation_short >"$log" 2>&1
   local rc=$?
   local p f
   p=$(grep -cE '^test .* \.\.\. ok$' "$log")
@@ -68,8 +69,58 @@ g3_power_loss() {
   grep -E '^power loss:|caught at|not load-bearing' "$log"
 }
 
+# The deterministic simulation (daemon/tests/sim, run by g3_power_loss's
+# simulation_short): KVTIER_SIM_SEEDS seeds (default 2000), each a
+# scenario; its "sim: N passed, N failed" line is added to the totals.
+simulation() {
+  local seeds=${KVTIER_SIM_SEEDS:-2000}
+  local log="$LOG_DIR/simulation.log"
+  KVTIER_SIM_SEEDS=$seeds cargo test -p kvtier-daemon --test g3_power_loss simulation_short \
+    -- --nocapture >"$log" 2>&1
+  local rc=$?
+  local line p f
+  line=$(grep -m1 -E '^sim: [0-9]+ passed, [0-9]+ failed' "$log")
+  p=$(echo "$line" | sed -E 's/^sim: ([0-9]+) passed.*/\1/')
+  f=$(echo "$line" | sed -E 's/.* ([0-9]+) failed$/\1/')
+  if [ -z "$line" ]; then
+    echo "simulation: no result line; see $log"
+    p=0
+    f=1
+  fi
+  PASSED=$((PASSED + p))
+  FAILED=$((FAILED + f))
+  if [ "$rc" -ne 0 ] && [ "$f" -eq 0 ]; then
+    echo "simulation: cargo test failed without a seed failure; see $log"
+    FAILED=$((FAILED + 1))
+  fi
+  grep -E '^sim: seeds|^sim FAILED' "$log" | head -20
+}
+
+# The node's peer fall-through under faults (daemon/tests/peer_fetch.rs
+# fall_through): one scenario per case line.
+peer_fall_through() {
+  if [ ! -x .venv/bin/weed ] && [ -z "${KVTIER_WEED:-}" ]; then
+    SKIPPED+=("peer fall-through: no .venv/bin/weed (run scripts/setup.sh)")
+    return
+  fi
+  local log="$LOG_DIR/peer_fall_through.log"
+  cargo test -p kvtier-daemon --test peer_fetch fall_through -- --nocapture >"$log" 2>&1
+  local rc=$?
+  local p f
+  p=$(grep -cE "^fall-through case .*: Ok" "$log")
+  f=$(grep -cE "^fall-through case .*: Err" "$log")
+  PASSED=$((PASSED + p))
+  FAILED=$((FAILED + f))
+  if [ "$rc" -ne 0 ] && [ "$f" -eq 0 ]; then
+    echo "peer fall-through: cargo test failed without a case failure; see $log"
+    FAILED=$((FAILED + 1))
+  fi
+}
+
 g4_faults
 g3_power_loss
+simulation
+peer_fall_through
 
 for s in "${SKIPPED[@]+"${SKIPPED[@]}"}"; do
   echo "skipped: $s"

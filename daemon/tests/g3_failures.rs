@@ -254,3 +254,291 @@ fn quarantine_is_bounded_and_counts_against_capacity() {
     assert!(s.stats().quarantine_bytes <= 128 << 10);
     assert!(s.stats().quarantine_bytes > 0);
 }
+
+// ---------------------------------------------------------------------------
+// Hostile clients, deterministically: the client's region (its shared
+// memory, played here by a raw allocation the test writes behind the
+// store's back, exactly as a client process writes its mapping) changes at
+// the one point that matters, through test seams: on the write path
+// between the daemon's copy of a chunk and its hash (`G3Fs::payload_copied`),
+// on the read path while the daemon verifies (an engine wrapper that
+// scribbles the client's region before each piece is verified). The e2e
+// version (tests/e2e_hostile_client.rs) races a real client and can pass
+// on broken code; these cannot.
+
+use kvtier_daemon::g3::engine::{AlignedBuf, FillFn, IoEngine, PreadEngine, ReadyFn, UringEngine};
+use kvtier_daemon::g3::seam::{G3Fs, RealFs, SyncSite, Unlink};
+use kvtier_daemon::tier::MissReason;
+use std::io;
+use std::os::fd::RawFd;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+/// A client's region: memory the store sees as `&[u8]` (or `&mut [u8]`)
+/// while the "client" (a test seam) rewrites it through a raw pointer.
+struct Region {
+    mem: Box<[u8]>,
+}
+
+impl Region {
+    fn new(bytes: &[u8]) -> Self {
+        Region {
+            mem: bytes.to_vec().into_boxed_slice(),
+        }
+    }
+    fn ptr(&mut self) -> usize {
+        self.mem.as_mut_ptr() as usize
+    }
+}
+
+/// What the client writes into its region, and when.
+#[derive(Clone)]
+struct Scribble {
+    at: usize,
+    bytes: Vec<u8>,
+}
+
+/// Writes `s` at `ptr` with volatile stores: another process's writes to
+/// shared memory, as far as the store's code is concerned.
+fn client_writes(ptr: usize, s: &Scribble) {
+    for (i, b) in s.bytes.iter().enumerate() {
+        // SAFETY: `ptr` is the start of a live test `Region` of at least
+        // `s.at + s.bytes.len()` bytes (checked by the callers).
+        unsafe { (ptr as *mut u8).add(s.at + i).write_volatile(*b) };
+    }
+}
+
+/// RealFs plus a one-shot client write in the copy-to-hash window.
+#[derive(Debug, Default)]
+struct CopyWindowFs {
+    armed: Mutex<Option<(usize, Vec<u8>, usize)>>,
+    fired: AtomicU64,
+}
+
+impl CopyWindowFs {
+    fn arm(&self, ptr: usize, s: &Scribble) {
+        *self.armed.lock().unwrap() = Some((ptr, s.bytes.clone(), s.at));
+    }
+}
+
+impl G3Fs for CopyWindowFs {
+    fn create_new(&self, path: &Path, custom_flags: i32) -> io::Result<std::fs::File> {
+        RealFs.create_new(path, custom_flags)
+    }
+    fn write_synced(&self, path: &Path, bytes: &[u8], site: SyncSite) -> io::Result<()> {
+        RealFs.write_synced(path, bytes, site)
+    }
+    fn sync_dir(&self, dir: &Path, site: SyncSite) -> io::Result<()> {
+        RealFs.sync_dir(dir, site)
+    }
+    fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
+        RealFs.rename(from, to)
+    }
+    fn rename_noreplace(&self, from: &Path, to: &Path) -> io::Result<()> {
+        RealFs.rename_noreplace(from, to)
+    }
+    fn remove_file(&self, path: &Path, why: Unlink) -> io::Result<()> {
+        RealFs.remove_file(path, why)
+    }
+    fn create_dir(&self, path: &Path) -> io::Result<()> {
+        RealFs.create_dir(path)
+    }
+    fn create_dir_all(&self, path: &Path) -> io::Result<()> {
+        RealFs.create_dir_all(path)
+    }
+    fn remove_dir_all(&self, path: &Path) -> io::Result<()> {
+        RealFs.remove_dir_all(path)
+    }
+    fn index_backend(
+        &self,
+        path: &Path,
+    ) -> io::Result<Option<kvtier_daemon::g3::powerloss::IndexFile>> {
+        RealFs.index_backend(path)
+    }
+    fn payload_copied(&self, _file_off: u64) {
+        if let Some((ptr, bytes, at)) = self.armed.lock().unwrap().take() {
+            client_writes(ptr, &Scribble { at, bytes });
+            self.fired.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// The real engine plus a client that rewrites its read region before
+/// every piece is verified.
+struct ScribbleReadEngine {
+    inner: Arc<dyn IoEngine>,
+    armed: Mutex<Option<(usize, usize)>>,
+    fired: AtomicU64,
+}
+
+impl IoEngine for ScribbleReadEngine {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+    fn write_file(
+        &self,
+        fd: RawFd,
+        len: u64,
+        bufs: &mut [AlignedBuf],
+        fill: FillFn<'_>,
+    ) -> io::Result<()> {
+        self.inner.write_file(fd, len, bufs, fill)
+    }
+    fn read_file(&self, fd: RawFd, dst: &mut [u8], on_ready: ReadyFn<'_>) -> io::Result<usize> {
+        let target = *self.armed.lock().unwrap();
+        let fired = &self.fired;
+        let mut scribbling = |piece: &[u8]| {
+            if let Some((ptr, len)) = target {
+                // The client zeroes its whole region mid-read.
+                client_writes(
+                    ptr,
+                    &Scribble {
+                        at: 0,
+                        bytes: vec![0u8; len],
+                    },
+                );
+                fired.fetch_add(1, Ordering::Relaxed);
+            }
+            on_ready(piece)
+        };
+        self.inner.read_file(fd, dst, &mut scribbling)
+    }
+    fn sync_data(&self, fd: RawFd) -> io::Result<()> {
+        self.inner.sync_data(fd)
+    }
+}
+
+fn real_engine() -> Arc<dyn IoEngine> {
+    match UringEngine::new(4) {
+        Ok(u) => Arc::new(u),
+        Err(_) => Arc::new(PreadEngine),
+    }
+}
+
+#[test]
+fn offload_hashes_the_daemons_copy_not_the_clients_region() {
+    let dir = tempfile::tempdir().unwrap();
+    let fs = Arc::new(CopyWindowFs::default());
+    let s = kvtier_daemon::g3::G3Store::open_with_fs(
+        common::cfg(dir.path(), EngineKind::Auto),
+        Box::new(kvtier_daemon::policy::Lru::new()),
+        real_engine(),
+        fs.clone(),
+    )
+    .unwrap();
+    let ns = namespace(65536, "copy-window").unwrap();
+    let id = ns.id();
+
+    // 1. The region holds other bytes than the header's when the daemon
+    //    copies, and the header's bytes by the time it hashes: hashing the
+    //    region (the old code) acked a block whose file fails its checksum.
+    let (k1, h1, good1) = block(&ns, 1);
+    let mut bad = good1.clone();
+    bad[17] ^= 0x40;
+    let mut region = Region::new(&bad);
+    fs.arm(
+        region.ptr(),
+        &Scribble {
+            at: 17,
+            bytes: vec![good1[17]],
+        },
+    );
+    // SAFETY: `region` outlives `payload`; only the seam writes to it.
+    let payload = unsafe { std::slice::from_raw_parts(region.ptr() as *const u8, bad.len()) };
+    let r = s.put_block(&id, &h1, payload, PutMeta::default());
+    assert_eq!(fs.fired.load(Ordering::Relaxed), 1, "the seam never fired");
+    match r {
+        Err(kvtier_daemon::Error::InvalidInput { .. }) => {
+            assert!(s.stat(&id, &k1).is_none());
+            assert!(!s.block_file_path(&id, &k1).exists());
+        }
+        Ok(PutOutcome::Stored) => {
+            let mut dst = vec![0u8; h1.file_len() as usize];
+            let got = s.read_into(&id, &k1, &mut dst).unwrap();
+            panic!(
+                "acked a block whose file holds the bytes copied, not the bytes hashed: \
+                 read back {got:?} (quarantined {})",
+                s.stats().quarantined
+            );
+        }
+        other => panic!("unexpected outcome {other:?}"),
+    }
+
+    // 2. The region holds the header's bytes when copied and is rewritten
+    //    before the hash: the copy is good, so it is stored and reads back.
+    let (k2, h2, good2) = block(&ns, 2);
+    let mut region2 = Region::new(&good2);
+    fs.arm(
+        region2.ptr(),
+        &Scribble {
+            at: 0,
+            bytes: vec![0xAA; 4096],
+        },
+    );
+    // SAFETY: as above.
+    let payload2 = unsafe { std::slice::from_raw_parts(region2.ptr() as *const u8, good2.len()) };
+    let r = s.put_block(&id, &h2, payload2, PutMeta::default());
+    assert_eq!(fs.fired.load(Ordering::Relaxed), 2);
+    assert_eq!(
+        r.unwrap(),
+        PutOutcome::Stored,
+        "the bytes copied were the header's"
+    );
+    let mut dst = vec![0u8; h2.file_len() as usize];
+    assert!(matches!(
+        s.read_into(&id, &k2, &mut dst).unwrap(),
+        Lookup::Hit(_)
+    ));
+    assert_eq!(&dst[4096..4096 + good2.len()], &good2[..]);
+    assert_eq!(s.stats().quarantined, 0);
+    drop(region);
+    drop(region2);
+}
+
+#[test]
+fn onboard_verifies_in_daemon_memory_a_scribbling_client_quarantines_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = Arc::new(ScribbleReadEngine {
+        inner: real_engine(),
+        armed: Mutex::new(None),
+        fired: AtomicU64::new(0),
+    });
+    let s = kvtier_daemon::g3::G3Store::open_with_engine(
+        common::cfg(dir.path(), EngineKind::Auto),
+        Box::new(kvtier_daemon::policy::Lru::new()),
+        engine.clone(),
+    )
+    .unwrap();
+    // Two chunks, so the client scribbles between verified pieces too.
+    let ns = namespace(1 << 20, "read-window").unwrap();
+    let id = ns.id();
+    let (k, h, good) = block(&ns, 3);
+    assert_eq!(
+        s.put_block(&id, &h, &good, PutMeta::default()).unwrap(),
+        PutOutcome::Stored
+    );
+    let len = h.file_len() as usize;
+    let mut region = Region::new(&vec![0u8; len]);
+    *engine.armed.lock().unwrap() = Some((region.ptr(), len));
+    // SAFETY: `region` outlives `dst`; the engine's scribbler writes it
+    // as the client would.
+    let dst = unsafe { std::slice::from_raw_parts_mut(region.ptr() as *mut u8, len) };
+    let got = s.read_into(&id, &k, dst).unwrap();
+    assert!(engine.fired.load(Ordering::Relaxed) > 0, "never scribbled");
+    *engine.armed.lock().unwrap() = None;
+    assert_eq!(
+        s.stats().quarantined,
+        0,
+        "a client got a good block quarantined"
+    );
+    assert!(
+        matches!(got, Lookup::Hit(_)),
+        "a good block read as {got:?}"
+    );
+    assert_eq!(&dst[4096..4096 + good.len()], &good[..]);
+    // And it still reads for everyone else.
+    assert!(read_hits(&s, &id, &k, h.file_len()));
+    assert!(!matches!(got, Lookup::Miss(MissReason::Corrupt)));
+    drop(region);
+}

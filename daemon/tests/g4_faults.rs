@@ -576,3 +576,35 @@ fn no_credentials_never_contact_instance_metadata_unless_asked() {
         assert_eq!(contacted, want_contact, "credentials {creds:?}");
     }
 }
+
+/// An `http://` endpoint without `allow_http` (a missing setting, found
+/// silent in issue #15): degraded at start with a reason that names the
+/// setting, no connection attempted, reads miss at once.
+#[test]
+fn http_endpoint_without_allow_http_is_degraded_and_says_so() {
+    let silent = SilentEndpoint::start().unwrap();
+    let cfg = G4Config {
+        endpoint: Some(silent.endpoint()),
+        allow_http: false,
+        path_style: true,
+        region: Some("us-east-1".into()),
+        access_key_id: Some("kvtier-test-access-key".into()),
+        secret_access_key: Some("kvtier-test-secret-key".into()),
+        response_timeout_ms: RESPONSE_MS,
+        startup_check_timeout_ms: 500,
+        ..G4Config::new("s3://b/p")
+    };
+    let g4 = G4Store::open(cfg).unwrap();
+    let e = g4.startup_check().unwrap_err();
+    assert!(e.contains("allow_http"), "not actionable: {e}");
+    assert_eq!(g4.stats().startup_check_ok, 0);
+    assert!(!g4.health().is_empty());
+    let ns = namespace(4096, "no-allow-http").unwrap();
+    let t = Instant::now();
+    assert!(matches!(
+        g4.fetch(&ns.id(), &block(&ns, 1).0, Duration::from_secs(10)),
+        Lookup::Miss(_)
+    ));
+    assert!(t.elapsed() < Duration::from_millis(RESPONSE_MS * 4));
+    assert_eq!(silent.accepted.load(SeqCst), 0, "connected over plain http");
+}

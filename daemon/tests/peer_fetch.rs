@@ -601,3 +601,362 @@ async fn idle_connections_closed_by_the_server_are_replaced() {
     assert_eq!(client.metrics().snapshot().unavailable, 0);
     assert_eq!(a.server.metrics().connections.load(Ordering::Relaxed), 3);
 }
+
+// ---------------------------------------------------------------------------
+// The node's fall-through under faults (issue #15, item 2): a real node B
+// whose lookup and onboard fall through to peer A (a real node's peer
+// server) behind the fault proxy, then to G4 (the real test S3 server)
+// behind another fault proxy. Hung, slow, cut mid-transfer, lying,
+// truncated and oversized peers; G4 good, absent, hung, cut or lying.
+// Every answer comes within the deadline, is a miss or the verified block
+// (never wrong bytes), and memory stays bounded.
+
+mod fall_through {
+    use kvtier_client::{AlignedBuf, BlockHeader, BlockKey, Hints, KvLayout, Namespace, Tier};
+    use kvtier_daemon::g3::G3Config;
+    use kvtier_daemon::g4::{G4Config, G4Store};
+    use kvtier_daemon::node::{Node, NodeConfig, PeerSetup};
+    use kvtier_daemon::peer::{PeerConfig, PeerInfo};
+    use kvtier_daemon::server::Backend;
+    use kvtier_daemon::testkit::fault_proxy::{Fault, FaultProxy, FaultRule};
+    use kvtier_daemon::testkit::s3::S3Server;
+    use kvtier_daemon::tier::{BlockTier, Lookup};
+    use std::sync::atomic::Ordering::SeqCst;
+    use std::time::{Duration, Instant};
+
+    const BLOCK: u64 = 64 << 10;
+    const SECRET: &[u8] = b"fall-through-secret-0123456789";
+    /// B's deadlines.
+    const FETCH_MS: u64 = 1_500;
+    const LOOKUP_MS: u64 = 300;
+    const PER_PEER_MS: u64 = 400;
+    const G4_RESPONSE_MS: u64 = 300;
+    /// Scheduling slack on a loaded 2-core machine.
+    const SLACK_MS: u64 = 1_000;
+
+    fn ns() -> Namespace {
+        Namespace::new(
+            "fall-through",
+            KvLayout::with_block_bytes(BLOCK).unwrap(),
+            "",
+            "t",
+        )
+        .unwrap()
+    }
+
+    fn block(i: u64) -> (BlockHeader, Vec<u8>) {
+        let payload: Vec<u8> = (0..BLOCK).map(|j| (j * 11 + i * 5) as u8).collect();
+        let h = BlockHeader::for_payload(&ns(), BlockKey::from_u64(0xf000 + i), &payload, 1);
+        (h, payload)
+    }
+
+    fn peer_setup(id: &str, peers: Vec<PeerInfo>) -> PeerSetup {
+        PeerSetup {
+            cfg: PeerConfig {
+                enabled: true,
+                bind: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+                peers,
+                discovery: false,
+                secret_file: Some("/nonexistent/peer.secret".into()),
+                per_peer_timeout_ms: PER_PEER_MS,
+                connect_timeout_ms: 200,
+                ..Default::default()
+            },
+            node_id: id.into(),
+            secret: SECRET.to_vec(),
+            corrupt_responses_for_tests: false,
+        }
+    }
+
+    fn g4_through(server: &S3Server, endpoint: &str) -> G4Config {
+        G4Config {
+            endpoint: Some(endpoint.to_string()),
+            response_timeout_ms: G4_RESPONSE_MS,
+            body_idle_timeout_ms: G4_RESPONSE_MS,
+            connect_timeout_ms: G4_RESPONSE_MS,
+            request_timeout_ms: FETCH_MS,
+            retry_backoff_ms: 10,
+            retry_backoff_max_ms: 50,
+            startup_check_timeout_ms: 1_000,
+            ..server.g4_config("fall-through")
+        }
+    }
+
+    fn vm_hwm_kib() -> u64 {
+        let s = std::fs::read_to_string("/proc/self/status").unwrap();
+        s.lines()
+            .find(|l| l.starts_with("VmHWM:"))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse().ok())
+            .unwrap()
+    }
+
+    #[derive(Clone, Copy, Debug, PartialEq)]
+    enum G4Has {
+        /// The good copy, served faithfully.
+        Good,
+        /// Not there.
+        Absent,
+        /// There, behind this fault on every GET and HEAD.
+        Faulted(&'static str),
+    }
+
+    struct Case {
+        name: &'static str,
+        peer: Option<Fault>,
+        g4: G4Has,
+        g4_fault: Option<Fault>,
+        /// Keys onboarded together (a batched onboard when > 1).
+        blocks: u64,
+    }
+
+    #[test]
+    fn node_falls_through_faulty_peers_and_g4_to_a_verified_copy_or_a_miss_in_time() {
+        let Some(server) = S3Server::start("kvtier-fall-through").unwrap() else {
+            eprintln!(
+                "SKIP node_falls_through_...: weed (SeaweedFS) not installed (scripts/setup.sh)"
+            );
+            return;
+        };
+        let direct = G4Store::open(server.g4_config("fall-through")).unwrap();
+        let g4_proxy = FaultProxy::start(&server.endpoint()).unwrap();
+        // A: holds every block in G3 and serves it to peers.
+        let da = tempfile::tempdir().unwrap();
+        let mut ca = NodeConfig::new(G3Config::new(da.path().join("g3"), 64 << 20));
+        ca.peer = Some(peer_setup("a", vec![]));
+        let a = Node::open(ca).unwrap();
+        let peer_proxy = FaultProxy::start(&format!("http://{}", a.peer_addr().unwrap())).unwrap();
+        let peer_addr = peer_proxy
+            .endpoint()
+            .trim_start_matches("http://")
+            .to_string();
+        // A peer that is gone: a port nothing listens on.
+        let dead_addr = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap().to_string()
+        };
+        let id = ns().id();
+        let gib3 = 3u64 << 30;
+        let cases = [
+            Case {
+                name: "hung peer, good G4",
+                peer: Some(Fault::NoAnswer),
+                g4: G4Has::Good,
+                g4_fault: None,
+                blocks: 1,
+            },
+            Case {
+                name: "slow peer, good G4",
+                peer: Some(Fault::SlowBody {
+                    chunk_bytes: 1024,
+                    delay_ms: 200,
+                }),
+                g4: G4Has::Good,
+                g4_fault: None,
+                blocks: 1,
+            },
+            Case {
+                name: "peer cut mid-transfer, good G4",
+                peer: Some(Fault::CutAfter { bytes: 6000 }),
+                g4: G4Has::Good,
+                g4_fault: None,
+                blocks: 1,
+            },
+            Case {
+                name: "lying peer, good G4, batched",
+                peer: Some(Fault::WrongBytes { offset: 4096 + 100 }),
+                g4: G4Has::Good,
+                g4_fault: None,
+                blocks: 3,
+            },
+            Case {
+                name: "dead peer, good G4",
+                peer: None,
+                g4: G4Has::Good,
+                g4_fault: None,
+                blocks: 1,
+            },
+            Case {
+                name: "oversized peer (3 GiB), G4 absent",
+                peer: Some(Fault::Oversized {
+                    bytes: gib3,
+                    content_length: true,
+                }),
+                g4: G4Has::Absent,
+                g4_fault: None,
+                blocks: 1,
+            },
+            Case {
+                name: "oversized chunked peer, G4 absent",
+                peer: Some(Fault::Oversized {
+                    bytes: gib3,
+                    content_length: false,
+                }),
+                g4: G4Has::Absent,
+                g4_fault: None,
+                blocks: 1,
+            },
+            Case {
+                name: "truncated peer, hung G4",
+                peer: Some(Fault::Truncate {
+                    keep_bytes: 6000,
+                    content_length: false,
+                }),
+                g4: G4Has::Faulted("hung"),
+                g4_fault: Some(Fault::NoAnswer),
+                blocks: 1,
+            },
+            Case {
+                name: "lying peer, lying G4 (changing ETag)",
+                peer: Some(Fault::WrongBytes { offset: 4096 + 7 }),
+                g4: G4Has::Faulted("lying"),
+                g4_fault: Some(Fault::WrongBytes { offset: 4096 + 7 }),
+                blocks: 2,
+            },
+            Case {
+                name: "peer cut, G4 cut mid-GET",
+                peer: Some(Fault::CutAfter { bytes: 6000 }),
+                g4: G4Has::Faulted("cut"),
+                g4_fault: Some(Fault::CutAfter { bytes: 5000 }),
+                blocks: 1,
+            },
+        ];
+        let mut failures = Vec::new();
+        let mut seed = 0u64;
+        for case in &cases {
+            let keys: Vec<(BlockHeader, Vec<u8>)> = (0..case.blocks)
+                .map(|_| {
+                    seed += 1;
+                    block(seed)
+                })
+                .collect();
+            for (h, p) in &keys {
+                a.offload(&id, h, p, None, Hints::default()).unwrap();
+                if case.g4 != G4Has::Absent {
+                    direct.put(&id, h, p).unwrap();
+                }
+            }
+            match &case.peer {
+                Some(f) => peer_proxy.set(FaultRule::new(f.clone())),
+                None => peer_proxy.clear(),
+            }
+            match &case.g4_fault {
+                Some(f) => g4_proxy.set(FaultRule::new(f.clone()).with_changing_etag()),
+                None => g4_proxy.clear(),
+            }
+            let peer_sent_before = peer_proxy.counters().body_bytes_sent.load(SeqCst);
+            let peer_faulted_before = peer_proxy.counters().faulted.load(SeqCst);
+            let g4_faulted_before = g4_proxy.counters().faulted.load(SeqCst);
+            // A fresh B per case: no peer marked down or quarantined by
+            // the case before.
+            let db = tempfile::tempdir().unwrap();
+            let mut cb = NodeConfig::new(G3Config::new(db.path().join("g3"), 64 << 20));
+            let to = if case.peer.is_none() {
+                &dead_addr
+            } else {
+                &peer_addr
+            };
+            cb.peer = Some(peer_setup(
+                "b",
+                vec![PeerInfo::new("a", to.clone()).unwrap()],
+            ));
+            cb.g4 = Some(g4_through(&server, &g4_proxy.endpoint()));
+            cb.fetch_deadline_ms = FETCH_MS;
+            cb.lookup_remote_deadline_ms = LOOKUP_MS;
+            let b = Node::open(cb).unwrap();
+            let hwm0 = vm_hwm_kib();
+            let r = run_case(&b, case, &keys);
+            let grew_mib = vm_hwm_kib().saturating_sub(hwm0) >> 10;
+            let sent_mib =
+                (peer_proxy.counters().body_bytes_sent.load(SeqCst) - peer_sent_before) >> 20;
+            let r = r.and_then(|()| {
+                // The faults really struck (else the case proves nothing).
+                if case.peer.is_some()
+                    && peer_proxy.counters().faulted.load(SeqCst) == peer_faulted_before
+                {
+                    return Err("no request reached the faulty peer".into());
+                }
+                if case.g4_fault.is_some()
+                    && g4_proxy.counters().faulted.load(SeqCst) == g4_faulted_before
+                {
+                    return Err("no request reached the faulty G4".into());
+                }
+                if grew_mib >= 256 {
+                    return Err(format!("peak memory grew {grew_mib} MiB"));
+                }
+                if sent_mib >= 64 {
+                    return Err(format!("{sent_mib} MiB taken from the peer"));
+                }
+                // A lying or failing read never deletes the shared copy.
+                for (h, _) in &keys {
+                    if case.g4 != G4Has::Absent && !direct.contains(&id, &h.key).unwrap() {
+                        return Err("the G4 object was deleted".into());
+                    }
+                }
+                Ok(())
+            });
+            let pm = b.figures().peer.unwrap_or_default();
+            eprintln!(
+                "fall-through case '{}': {:?} (peak +{grew_mib} MiB; peer fetches {} corrupt {} timeout {} unavailable {})",
+                case.name, r, pm.fetches, pm.corrupt, pm.timeout, pm.unavailable
+            );
+            if let Err(e) = r {
+                failures.push(format!("{}: {e}", case.name));
+            }
+        }
+        assert!(failures.is_empty(), "{failures:#?}");
+        drop(a);
+    }
+
+    fn run_case(b: &Node, case: &Case, keys: &[(BlockHeader, Vec<u8>)]) -> Result<(), String> {
+        let id = ns().id();
+        let chain: Vec<BlockKey> = keys.iter().map(|(h, _)| h.key).collect();
+        let t = Instant::now();
+        let tiers = b.lookup(&id, &chain).map_err(|e| format!("lookup: {e}"))?;
+        let took = t.elapsed();
+        if took > Duration::from_millis(LOOKUP_MS + SLACK_MS) {
+            return Err(format!("lookup took {took:?}"));
+        }
+        if tiers.contains(&Tier::G3) {
+            return Err(format!("lookup says G3 for blocks B never had: {tiers:?}"));
+        }
+        let expect_hit = case.g4 == G4Has::Good;
+        let t = Instant::now();
+        if keys.len() > 1 {
+            let _ = b.prepare_onboard(&id, &chain);
+        }
+        let mut buf = AlignedBuf::rounded((BLOCK + 8192) as usize).unwrap();
+        for (h, p) in keys {
+            let got = b
+                .read_into(&id, &h.key, buf.as_mut_slice())
+                .map_err(|e| format!("read: {e}"))?;
+            match got {
+                Lookup::Hit((gh, tier)) => {
+                    let bytes = &buf.as_slice()[4096..4096 + p.len()];
+                    if gh.key != h.key || bytes != &p[..] {
+                        return Err(format!("WRONG BYTES served (from {tier:?})"));
+                    }
+                    if !expect_hit {
+                        return Err(format!("a hit from {tier:?} with no good copy anywhere"));
+                    }
+                    // Every peer here is faulty or gone: the good copy is G4's.
+                    if tier != Tier::G4 {
+                        return Err(format!("served from {tier:?}, not G4"));
+                    }
+                }
+                Lookup::Miss(r) => {
+                    if expect_hit {
+                        return Err(format!("a miss ({r:?}) though G4 holds a good copy"));
+                    }
+                }
+            }
+        }
+        let took = t.elapsed();
+        // Each block gets its own fetch deadline; a batch fetches at once.
+        let bound = Duration::from_millis(FETCH_MS * keys.len() as u64 + SLACK_MS);
+        if took > bound {
+            return Err(format!("onboard took {took:?} (bound {bound:?})"));
+        }
+        Ok(())
+    }
+}

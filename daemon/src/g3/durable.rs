@@ -81,6 +81,7 @@ impl G3Store {
                     [(p0 - HEADER_BYTES as u64) as usize..(p1 - HEADER_BYTES as u64) as usize];
                 let own = &mut buf[(p0 - off) as usize..(p1 - off) as usize];
                 own.copy_from_slice(src);
+                self.fs.payload_copied(off);
                 // Hash our copy, the bytes the kernel will write: `payload`
                 // may be a client's shared memory, which it can still
                 // change, so hashing it would ack a block whose file fails

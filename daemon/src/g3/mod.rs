@@ -141,10 +141,27 @@ impl std::fmt::Debug for G3Store {
 }
 
 pub(crate) fn now_s() -> u32 {
+    if let Some(t) = SIM_CLOCK_S.with(std::cell::Cell::get) {
+        return t;
+    }
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs() as u32)
         .unwrap_or(0)
+}
+
+thread_local! {
+    /// The simulated clock of this thread (`None`: the wall clock).
+    static SIM_CLOCK_S: std::cell::Cell<Option<u32>> = const { std::cell::Cell::new(None) };
+}
+
+/// Test seam (the deterministic simulation, daemon/tests/sim): G3 calls
+/// made on this thread read `t` (unix seconds) as the time, for access
+/// stamps, LRU order at recovery and pin expiry; `None` restores the
+/// wall clock. Per thread, so tests running beside it are unaffected.
+#[doc(hidden)]
+pub fn set_sim_clock_s(t: Option<u32>) {
+    SIM_CLOCK_S.with(|c| c.set(t));
 }
 
 fn lock_err(what: &'static str) -> Error {

@@ -155,6 +155,12 @@ pub trait G3Fs: Send + Sync + std::fmt::Debug {
     /// The storage behind `index.redb`: `None` lets redb open the file
     /// itself (production).
     fn index_backend(&self, path: &Path) -> io::Result<Option<super::powerloss::IndexFile>>;
+    /// Test seam, not a filesystem operation: called by the write path
+    /// after it copied the payload bytes of the chunk at `file_off` into
+    /// its own buffer and before it hashes them, so that a test can play a
+    /// client that rewrites its shared memory exactly in that window
+    /// (tests/g3_failures.rs). Production does nothing here.
+    fn payload_copied(&self, _file_off: u64) {}
 }
 
 /// Production: std::fs and libc directly.

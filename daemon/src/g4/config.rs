@@ -280,6 +280,21 @@ impl G4Config {
             && (self.secret_access_key.is_some() || env("AWS_SECRET_ACCESS_KEY"))
     }
 
+    /// Why this config cannot reach its endpoint at all, if it cannot: a
+    /// plain `http://` endpoint without `allow_http` (the S3 client refuses
+    /// every request with a bare "builder error").
+    pub fn endpoint_problem(&self) -> Option<String> {
+        let http = self
+            .endpoint
+            .as_deref()
+            .is_some_and(|e| e.trim_start().to_ascii_lowercase().starts_with("http://"));
+        (http && !self.allow_http).then(|| {
+            "g4.endpoint is a plain http:// URL but g4.allow_http is false, so every request \
+             is refused: set g4.allow_http = true (a local or test store) or use https://"
+                .to_string()
+        })
+    }
+
     /// Why this config cannot authenticate to an S3 store, if it cannot:
     /// `auto` with no static keys sends unsigned requests.
     pub fn credentials_problem(&self) -> Option<String> {

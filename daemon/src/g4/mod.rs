@@ -162,17 +162,21 @@ impl G4Store {
         let inner = &self.inner;
         let probe = inner.blocks_root.clone().join(".kvtier-startup-probe");
         let t = Duration::from_millis(inner.cfg.startup_check_timeout_ms);
-        let mut problem = match tokio::time::timeout(t, inner.store.head(&probe)).await {
-            Err(_) => Some(format!(
-                "G4 store did not answer within g4.startup_check_timeout_ms ({} ms): \
+        let mut problem = match inner.cfg.endpoint_problem() {
+            // Every request would fail the same way: say why, send none.
+            Some(p) => Some(p),
+            None => match tokio::time::timeout(t, inner.store.head(&probe)).await {
+                Err(_) => Some(format!(
+                    "G4 store did not answer within g4.startup_check_timeout_ms ({} ms): \
                  check g4.url / g4.endpoint and the network",
-                inner.cfg.startup_check_timeout_ms
-            )),
-            Ok(Ok(_)) | Ok(Err(object_store::Error::NotFound { .. })) => None,
-            Ok(Err(e)) => Some(format!(
-                "G4 start-up check failed: {}",
-                inner.err("head", &probe, &e)
-            )),
+                    inner.cfg.startup_check_timeout_ms
+                )),
+                Ok(Ok(_)) | Ok(Err(object_store::Error::NotFound { .. })) => None,
+                Ok(Err(e)) => Some(format!(
+                    "G4 start-up check failed: {}",
+                    inner.err("head", &probe, &e)
+                )),
+            },
         };
         if problem.is_none() {
             problem = inner.cfg.credentials_problem();
