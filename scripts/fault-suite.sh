@@ -53,7 +53,7 @@ g4_faults() {
 g3_power_loss() {
   local iters=${KVTIER_POWER_LOSS_ITERS:-1000}
   local log="$LOG_DIR/g3_power_loss.log"
-  KVTIER_POWER_LOSS_ITERS=$iters KVTIER_MUTATION_ITERS=${KVTIER_MUTATION_ITERS:-300} \
+  KVTIER_POWER_LOSS_ITERS=$iters KVTIER_MUTATION_ITERS=${KVTIER_MUTATION_ITERS:-1200} \
     cargo test -p kvtier-daemon --test g3_power_loss -- --nocapture --test-threads=2 \
     --skip simulation_short >"$log" 2>&1
   local rc=$?
