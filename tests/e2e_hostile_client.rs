@@ -63,6 +63,10 @@ impl Raw {
         sock.set_read_timeout(Some(Duration::from_secs(30)))
             .unwrap();
         let region = Arc::new(Region::create(region_bytes).unwrap());
+        // As kvtier-client does before the daemon writes a range: the
+        // daemon refuses (Invalid) to fault in pages the client did not
+        // populate, so that they are charged to the client's cgroup.
+        assert!(region.populate(0, region.len()));
         let mut r = Raw {
             sock,
             region,
