@@ -209,6 +209,7 @@ fn run() -> Result<()> {
         )
         .with_context(|| format!("mounting at {}", cfg.mount.dir.display()))?;
         node.add_g3_listener(m.events().sink());
+        metrics.set_mount(m.figures_source());
         Some(m)
     } else {
         None
