@@ -209,3 +209,40 @@ fn kvtierd_check_config_validates_without_starting() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("log.format") && err.contains("xml"), "{err}");
 }
+
+/// `KVTIERD_*` variables reach kvtierd's configuration: a bad value is an
+/// error naming the variable, an unknown one a warning (exit 0).
+#[test]
+fn kvtierd_environment_overrides_are_checked() {
+    let run = |envs: &[(&str, &str)]| {
+        let mut c = Command::new(support::kvtierd_bin());
+        c.arg("--check-config");
+        for (k, v) in envs {
+            c.env(k, v);
+        }
+        c.output().unwrap()
+    };
+    let out = run(&[
+        ("KVTIERD_G3_CAPACITY", "1.5TiB"),
+        ("KVTIERD_G4_URL", "memory://"),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = run(&[("KVTIERD_G3_CAPACITY", "lots")]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("KVTIERD_G3_CAPACITY") && err.contains("g3.capacity"),
+        "{err}"
+    );
+    let out = run(&[("KVTIERD_G3_CAPACTY", "1GiB")]);
+    assert!(out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("warning") && err.contains("KVTIERD_G3_CAPACTY"),
+        "{err}"
+    );
+}
