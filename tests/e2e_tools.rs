@@ -70,18 +70,40 @@ fn demo_ls_stat_verify_events_stats() {
         .next()
         .unwrap()
         .to_string();
-    let (ok, st, err) = run(&["stat", &first], s);
+    let (ok, st, err) = run(&["stat", "--json", &first], s);
     assert!(ok, "{err}");
     let j: serde_json::Value = serde_json::from_str(&st).unwrap();
     assert_eq!(j["payload_len"], 256 << 10);
     assert_eq!(j["path"], first);
+    assert_eq!(j["pinned"], false);
+    assert!(j["pinned_until_unix_ms"].is_null());
+    let (ok, st, _) = run(&["stat", &first], s);
+    assert!(
+        ok && st.contains("pinned: no") && !st.contains("18446744073709551615"),
+        "{st}"
+    );
+    let (ok, ls_json, _) = run(&["ls", "--json", "--limit", "2"], s);
+    assert!(ok);
+    let v: serde_json::Value = serde_json::from_str(&ls_json).unwrap();
+    assert_eq!(v.as_array().unwrap().len(), 2);
+    assert_eq!(v[0]["path"], first);
+    let (ok, _, err) = run(&["ls", "--namespace", "nothex"], s);
+    assert!(!ok && err.contains("not a namespace id"), "{err}");
+    let (ok, help, _) = run(&["ls", "--help"], s);
+    assert!(ok && !help.contains("18446744073709551615"), "{help}");
     let (ok, v, err) = run(&["verify", "--all"], s);
     assert!(ok, "{v}{err}");
     assert!(v.contains("verified 4 blocks"), "{v}");
-    let (ok, st, _) = run(&["stats"], s);
+    let (ok, st, _) = run(&["stats", "--json"], s);
     assert!(ok);
     let j: serde_json::Value = serde_json::from_str(&st).unwrap();
     assert_eq!(j["tiers"]["g3"]["blocks"], 4);
+    let (ok, st, _) = run(&["stats"], s);
+    assert!(ok && st.contains("g3: 4 blocks"), "{st}");
+    let (ok, v, _) = run(&["verify", "--all", "--json"], s);
+    assert!(ok);
+    let j: serde_json::Value = serde_json::from_str(&v).unwrap();
+    assert_eq!(j["verified"], 4);
     let (ok, _, err) = run(&["stat", "00ff"], s);
     assert!(!ok && err.contains("not stored"), "{err}");
 }
@@ -245,4 +267,19 @@ fn kvtierd_environment_overrides_are_checked() {
         err.contains("warning") && err.contains("KVTIERD_G3_CAPACTY"),
         "{err}"
     );
+}
+
+/// `kvtier demo` given a socket (here `$KVTIER_SOCKET`) with no daemon says
+/// so and exits non-zero instead of quietly starting a daemon of its own.
+#[test]
+fn demo_with_a_dead_named_socket_fails_and_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let dead = dir.path().join("nobody.sock");
+    let (ok, out, err) = run(&["demo"], &dead);
+    assert!(!ok, "{out}");
+    assert!(
+        err.contains("no kvtierd answers on") && err.contains("nobody.sock"),
+        "{err}"
+    );
+    assert!(!out.contains("started kvtierd"), "{out}");
 }
