@@ -283,3 +283,100 @@ fn demo_with_a_dead_named_socket_fails_and_says_so() {
     );
     assert!(!out.contains("started kvtierd"), "{out}");
 }
+
+/// The docs name only commands and flags that exist: every `kvtier ...`
+/// and `kvtierd ...` command line in README.md and docs/OPERATIONS.md
+/// (inline code and fenced blocks) is checked against the tools' own
+/// `--help` (subcommand exists, each `--flag` is one of its flags). Cheap:
+/// one `--help` per subcommand, no daemon.
+#[test]
+fn docs_name_only_commands_and_flags_that_exist() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    // Documented by the `opsdata` half of #16, which adds the command.
+    let pending: &[&str] = &["evict"];
+    let mut lines: Vec<String> = Vec::new();
+    for doc in ["README.md", "docs/OPERATIONS.md"] {
+        let text = std::fs::read_to_string(root.join(doc)).unwrap();
+        let mut fenced = false;
+        for l in text.lines() {
+            if l.trim_start().starts_with("```") {
+                fenced = !fenced;
+                continue;
+            }
+            // Whole lines in fenced blocks, inline code spans elsewhere.
+            let spans: Vec<&str> = if fenced {
+                vec![l.trim()]
+            } else {
+                l.split('`').skip(1).step_by(2).collect()
+            };
+            for s in spans {
+                let s = s
+                    .trim()
+                    .trim_start_matches("$ ")
+                    .trim_start_matches("./target/debug/");
+                if s.starts_with("kvtier ") || s.starts_with("kvtierd ") {
+                    // One command: up to a pipe, a `;`, `&&` or a comment.
+                    let cmd = s.split(['|', ';', '#', ')']).next().unwrap();
+                    let cmd = cmd.split("&&").next().unwrap();
+                    lines.push(cmd.trim().to_string());
+                }
+            }
+        }
+    }
+    assert!(lines.len() > 10, "{lines:?}");
+    let mut helps: std::collections::HashMap<Vec<String>, String> = Default::default();
+    let mut checked = 0;
+    for cmd in &lines {
+        let mut words = cmd.split_whitespace();
+        let bin = words.next().unwrap();
+        let rest: Vec<&str> = words.collect();
+        let mut sub: Vec<String> = Vec::new();
+        if bin == "kvtier" {
+            let is_word = |w: &str| {
+                w.chars().all(|c| c.is_ascii_lowercase() || c == '-') && !w.starts_with('-')
+            };
+            let Some(s) = rest.first().copied().filter(|w| is_word(w)) else {
+                continue;
+            };
+            if pending.contains(&s) {
+                continue;
+            }
+            sub.push(s.to_string());
+            if s == "bench" {
+                if let Some(s2) = rest.get(1).copied().filter(|w| is_word(w)) {
+                    sub.push(s2.to_string());
+                }
+            }
+        }
+        let key: Vec<String> = std::iter::once(bin.to_string())
+            .chain(sub.clone())
+            .collect();
+        let help = helps.entry(key.clone()).or_insert_with(|| {
+            let exe = if bin == "kvtier" {
+                kvtier()
+            } else {
+                support::kvtierd_bin()
+            };
+            let out = Command::new(exe).args(&sub).arg("--help").output().unwrap();
+            assert!(
+                out.status.success(),
+                "{key:?} --help failed (docs: {cmd:?})"
+            );
+            String::from_utf8_lossy(&out.stdout).into_owned()
+        });
+        for flag in rest.iter().filter(|w| w.starts_with("--")) {
+            let flag = flag.split(['=', ']', ',']).next().unwrap();
+            if flag.len() <= 2 {
+                continue;
+            }
+            assert!(
+                help.contains(&format!("{flag} "))
+                    || help.contains(&format!("{flag}\n"))
+                    || help.contains(&format!("{flag} <")),
+                "docs use {flag} in {cmd:?}, which {key:?} does not take"
+            );
+            checked += 1;
+        }
+    }
+    assert!(checked > 5, "{lines:?}");
+}
