@@ -297,6 +297,7 @@ fn metrics_follow_prometheus_conventions_and_show_every_figure() {
             SampleType::Counter,
         ),
         ("kvtier_events_dynamo_worker_info", SampleType::Gauge),
+        ("kvtier_backend_info", SampleType::Gauge),
     ] {
         assert_eq!(types.get(name), Some(&ty), "{name} in\n{text}");
     }
@@ -310,6 +311,11 @@ fn metrics_follow_prometheus_conventions_and_show_every_figure() {
         stats["events_published"].as_f64().unwrap()
     );
     assert!(metric(&m, "kvtier_queue_depth", &[("queue", "in_flight_requests")]) >= 0.0);
+    let backend = stats["backend"].as_str().unwrap();
+    assert_eq!(
+        metric(&m, "kvtier_backend_info", &[("backend", backend)]),
+        1.0
+    );
     let g4_blocks = metric(&m, "kvtier_blocks", &[("tier", "g4")]);
     assert!(
         g4_blocks >= (G4_AT_START + 3) as f64 && g4_blocks <= (G4_AT_START + ours) as f64,

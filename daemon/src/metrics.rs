@@ -100,6 +100,7 @@ const SCRAPED_GAUGES: &[(&str, &str, &[&str])] = &[
     ("kvtier_capacity_bytes", "Configured capacity, by tier (0: unbounded)", &["tier"]),
     ("kvtier_leases_held", "Leases held now", &[]),
     ("kvtier_pins_held", "Blocks pinned now (client pins, setfattr on the mount, pinned hints)", &[]),
+    ("kvtier_backend_info", "The tiers this node serves from (value 1; `backend` as in `kvtier stats`)", &["backend"]),
     ("kvtier_events_dynamo_worker_info", "The Dynamo worker id events are stamped with (value 1)", &["worker_id"]),
     ("kvtier_g4_upload_queue_depth", "G4 upload jobs waiting in the queue", &[]),
     ("kvtier_g4_uploads_in_flight", "G4 uploads in flight", &[]),
@@ -272,6 +273,7 @@ impl Metrics {
     /// Refreshes the backend gauges and renders the text exposition format.
     pub fn render(&self, backend: &dyn Backend) -> String {
         let s = backend.stats();
+        self.gauge("kvtier_backend_info", &[backend.name()], 1);
         for t in &s.tiers {
             let n = t.tier.name();
             if t.known {
