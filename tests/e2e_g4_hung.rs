@@ -87,8 +87,8 @@ fn hung_g4_is_degraded_and_the_mount_answers_within_its_deadlines() {
     assert!(body.contains("startup_check_timeout_ms"), "{body}");
     let m = d.scrape();
     assert_eq!(
-        metric(&m, "kvtier_g4", &[("stat", "startup_check_ok")]),
-        0.0
+        metric(&m, "kvtier_g4_startup_check", &[("state", "failed")]),
+        1.0
     );
 
     // The client: lookup of absent blocks and an onboard of them answer as
@@ -157,6 +157,6 @@ fn hung_g4_is_degraded_and_the_mount_answers_within_its_deadlines() {
     let (st, body) = d.http_get("/healthz");
     assert!(st.contains("200") && body.contains("breaker"), "{body}");
     let m = d.scrape();
-    assert_eq!(metric(&m, "kvtier_g4", &[("stat", "breaker_open")]), 1.0);
-    assert!(metric(&m, "kvtier_g4", &[("stat", "breaker_rejected")]) >= 1.0);
+    assert_eq!(metric(&m, "kvtier_g4_breaker_open", &[]), 1.0);
+    assert!(metric(&m, "kvtier_g4_breaker_rejected_total", &[]) >= 1.0);
 }

@@ -78,18 +78,40 @@ fn demo_ls_stat_verify_events_stats() {
         ]
     );
     let first = cols[0].to_string();
-    let (ok, st, err) = run(&["stat", &first], s);
+    let (ok, st, err) = run(&["stat", "--json", &first], s);
     assert!(ok, "{err}");
     let j: serde_json::Value = serde_json::from_str(&st).unwrap();
     assert_eq!(j["payload_len"], 256 << 10);
     assert_eq!(j["path"], first);
+    assert_eq!(j["pinned"], false);
+    assert!(j["pinned_until_unix_ms"].is_null());
+    let (ok, st, _) = run(&["stat", &first], s);
+    assert!(
+        ok && st.contains("pinned: no") && !st.contains("18446744073709551615"),
+        "{st}"
+    );
+    let (ok, ls_json, _) = run(&["ls", "--json", "--limit", "2"], s);
+    assert!(ok);
+    let v: serde_json::Value = serde_json::from_str(&ls_json).unwrap();
+    assert_eq!(v.as_array().unwrap().len(), 2);
+    assert_eq!(v[0]["path"], first);
+    let (ok, _, err) = run(&["ls", "--namespace", "nothex"], s);
+    assert!(!ok && err.contains("not a namespace id"), "{err}");
+    let (ok, help, _) = run(&["ls", "--help"], s);
+    assert!(ok && !help.contains("18446744073709551615"), "{help}");
     let (ok, v, err) = run(&["verify", "--all"], s);
     assert!(ok, "{v}{err}");
     assert!(v.contains("verified 4 blocks"), "{v}");
-    let (ok, st, _) = run(&["stats"], s);
+    let (ok, st, _) = run(&["stats", "--json"], s);
     assert!(ok);
     let j: serde_json::Value = serde_json::from_str(&st).unwrap();
     assert_eq!(j["tiers"]["g3"]["blocks"], 4);
+    let (ok, st, _) = run(&["stats"], s);
+    assert!(ok && st.contains("g3: 4 blocks"), "{st}");
+    let (ok, v, _) = run(&["verify", "--all", "--json"], s);
+    assert!(ok);
+    let j: serde_json::Value = serde_json::from_str(&v).unwrap();
+    assert_eq!(j["verified"], 4);
     let (ok, _, err) = run(&["stat", "00ff"], s);
     assert!(!ok && err.contains("not stored"), "{err}");
 }
@@ -216,4 +238,148 @@ fn kvtierd_check_config_validates_without_starting() {
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("log.format") && err.contains("xml"), "{err}");
+}
+
+/// `KVTIERD_*` variables reach kvtierd's configuration: a bad value is an
+/// error naming the variable, an unknown one a warning (exit 0).
+#[test]
+fn kvtierd_environment_overrides_are_checked() {
+    let run = |envs: &[(&str, &str)]| {
+        let mut c = Command::new(support::kvtierd_bin());
+        c.arg("--check-config");
+        for (k, v) in envs {
+            c.env(k, v);
+        }
+        c.output().unwrap()
+    };
+    let out = run(&[
+        ("KVTIERD_G3_CAPACITY", "1.5TiB"),
+        ("KVTIERD_G4_URL", "memory://"),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = run(&[("KVTIERD_G3_CAPACITY", "lots")]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("KVTIERD_G3_CAPACITY") && err.contains("g3.capacity"),
+        "{err}"
+    );
+    let out = run(&[("KVTIERD_G3_CAPACTY", "1GiB")]);
+    assert!(out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("warning") && err.contains("KVTIERD_G3_CAPACTY"),
+        "{err}"
+    );
+}
+
+/// `kvtier demo` given a socket (here `$KVTIER_SOCKET`) with no daemon says
+/// so and exits non-zero instead of quietly starting a daemon of its own.
+#[test]
+fn demo_with_a_dead_named_socket_fails_and_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let dead = dir.path().join("nobody.sock");
+    let (ok, out, err) = run(&["demo"], &dead);
+    assert!(!ok, "{out}");
+    assert!(
+        err.contains("no kvtierd answers on") && err.contains("nobody.sock"),
+        "{err}"
+    );
+    assert!(!out.contains("started kvtierd"), "{out}");
+}
+
+/// The docs name only commands and flags that exist: every `kvtier ...`
+/// and `kvtierd ...` command line in README.md and docs/OPERATIONS.md
+/// (inline code and fenced blocks) is checked against the tools' own
+/// `--help` (subcommand exists, each `--flag` is one of its flags). Cheap:
+/// one `--help` per subcommand, no daemon.
+#[test]
+fn docs_name_only_commands_and_flags_that_exist() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut lines: Vec<String> = Vec::new();
+    for doc in ["README.md", "docs/OPERATIONS.md"] {
+        let text = std::fs::read_to_string(root.join(doc)).unwrap();
+        let mut fenced = false;
+        for l in text.lines() {
+            if l.trim_start().starts_with("```") {
+                fenced = !fenced;
+                continue;
+            }
+            // Whole lines in fenced blocks, inline code spans elsewhere.
+            let spans: Vec<&str> = if fenced {
+                vec![l.trim()]
+            } else {
+                l.split('`').skip(1).step_by(2).collect()
+            };
+            for s in spans {
+                let s = s
+                    .trim()
+                    .trim_start_matches("$ ")
+                    .trim_start_matches("./target/debug/");
+                if s.starts_with("kvtier ") || s.starts_with("kvtierd ") {
+                    // One command: up to a pipe, a `;`, `&&` or a comment.
+                    let cmd = s.split(['|', ';', '#', ')']).next().unwrap();
+                    let cmd = cmd.split("&&").next().unwrap();
+                    lines.push(cmd.trim().to_string());
+                }
+            }
+        }
+    }
+    assert!(lines.len() > 10, "{lines:?}");
+    let mut helps: std::collections::HashMap<Vec<String>, String> = Default::default();
+    let mut checked = 0;
+    for cmd in &lines {
+        let mut words = cmd.split_whitespace();
+        let bin = words.next().unwrap();
+        let rest: Vec<&str> = words.collect();
+        let mut sub: Vec<String> = Vec::new();
+        if bin == "kvtier" {
+            let is_word = |w: &str| {
+                w.chars().all(|c| c.is_ascii_lowercase() || c == '-') && !w.starts_with('-')
+            };
+            let Some(s) = rest.first().copied().filter(|w| is_word(w)) else {
+                continue;
+            };
+            sub.push(s.to_string());
+            if s == "bench" {
+                if let Some(s2) = rest.get(1).copied().filter(|w| is_word(w)) {
+                    sub.push(s2.to_string());
+                }
+            }
+        }
+        let key: Vec<String> = std::iter::once(bin.to_string())
+            .chain(sub.clone())
+            .collect();
+        let help = helps.entry(key.clone()).or_insert_with(|| {
+            let exe = if bin == "kvtier" {
+                kvtier()
+            } else {
+                support::kvtierd_bin()
+            };
+            let out = Command::new(exe).args(&sub).arg("--help").output().unwrap();
+            assert!(
+                out.status.success(),
+                "{key:?} --help failed (docs: {cmd:?})"
+            );
+            String::from_utf8_lossy(&out.stdout).into_owned()
+        });
+        for flag in rest.iter().filter(|w| w.starts_with("--")) {
+            let flag = flag.split(['=', ']', ',']).next().unwrap();
+            if flag.len() <= 2 {
+                continue;
+            }
+            assert!(
+                help.contains(&format!("{flag} "))
+                    || help.contains(&format!("{flag}\n"))
+                    || help.contains(&format!("{flag} <")),
+                "docs use {flag} in {cmd:?}, which {key:?} does not take"
+            );
+            checked += 1;
+        }
+    }
+    assert!(checked > 5, "{lines:?}");
 }

@@ -7,6 +7,7 @@
 
 pub mod access;
 pub mod config;
+pub mod config_env;
 #[doc(hidden)]
 pub mod conformance;
 pub mod error;

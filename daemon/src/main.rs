@@ -84,10 +84,9 @@ fn run() -> Result<()> {
         print!("{}", Config::default_toml());
         return Ok(());
     }
-    let mut cfg = match &args.config {
-        Some(p) => Config::load(p)?,
-        None => Config::default(),
-    };
+    // Flags > KVTIERD_* environment > file > default (config_env.rs).
+    let env: Vec<(String, String)> = std::env::vars().collect();
+    let (mut cfg, env_report) = Config::load_layered(args.config.as_deref(), &env)?;
     if let Some(d) = args.g3_dir {
         cfg.g3.dir = d;
     }
@@ -130,6 +129,9 @@ fn run() -> Result<()> {
     }
     cfg.validate()?;
     if args.check_config {
+        for w in &env_report.warnings {
+            eprintln!("kvtierd: warning: environment: {w}");
+        }
         println!("kvtierd: configuration is valid");
         return Ok(());
     }
@@ -147,6 +149,12 @@ fn run() -> Result<()> {
         // or a file.
         use std::io::IsTerminal;
         fmt.with_ansi(std::io::stderr().is_terminal()).init();
+    }
+    for w in &env_report.warnings {
+        tracing::warn!("environment: {w}");
+    }
+    for (var, key) in &env_report.applied {
+        tracing::info!(variable = %var, key = %key, "configuration from the environment");
     }
 
     std::fs::create_dir_all(&cfg.g3.dir)
@@ -227,6 +235,7 @@ fn run() -> Result<()> {
         )
         .with_context(|| format!("mounting at {}", cfg.mount.dir.display()))?;
         node.add_g3_listener(m.events().sink());
+        metrics.set_mount(m.figures_source());
         Some(m)
     } else {
         None

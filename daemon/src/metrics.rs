@@ -1,18 +1,118 @@
 //! Prometheus metrics and the `/metrics` + `/healthz` HTTP endpoint.
 //!
+//! Conventions (checked by tests/e2e_metrics.rs with a Prometheus text
+//! parser): counters end in `_total`; units are base units at the end of
+//! the name (`_seconds`, `_bytes`), never ms or us; one family per meaning,
+//! its variants as labels; no family mixes counters and gauges; every
+//! family has HELP.
+//!
 //! Counters are bumped by the server as requests run; occupancy gauges
-//! (blocks and bytes per tier, leases, evictions, quarantined) are read from
-//! the backend at scrape time so they can never drift from the store.
+//! (blocks and bytes per tier, leases, pins) are read from the backend at
+//! scrape time so they can never drift from the store. Figures other
+//! parts keep as plain atomics (G4, peers, promotions, the mount, the event
+//! bus, ZMQ, G3 recovery) are copied in at scrape time: a counter is
+//! advanced to the source's value, so it stays a true Prometheus counter.
 
+use crate::events::EventBus;
 use crate::server::backend::Backend;
 use prometheus::{
-    Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
-    Registry, TextEncoder,
+    CounterVec, Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec,
+    IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
 };
+use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
 
 /// Where node-level figures (G4, peers, promotions) come from at scrape time.
 pub type FiguresFn = Arc<dyn Fn() -> crate::node::NodeFigures + Send + Sync>;
+
+/// Where the mount's figures come from at scrape time.
+pub type MountFiguresFn = Arc<dyn Fn() -> MountFigures + Send + Sync>;
+
+/// What the mount did since start (`kvtier_mount_*`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MountFigures {
+    /// The fs adapter's counters.
+    pub fs: kvtier_fs::Counters,
+    /// Opens refused because the block failed verification.
+    pub verify_failures: u64,
+}
+
+/// Families filled at scrape time: (name, help, labels). Counters.
+const SCRAPED_COUNTERS: &[(&str, &str, &[&str])] = &[
+    ("kvtier_evictions_total", "Blocks evicted from G3 (capacity pressure or request) since start", &[]),
+    ("kvtier_quarantined_total", "Blocks found corrupt and quarantined since start", &[]),
+    ("kvtier_events_published_total", "KV events published on the event bus since start", &[]),
+    ("kvtier_events_dynamo_skipped_blocks_total", "Stored blocks of dynamo-mode namespaces sent without routing facts (kvtier's event form only)", &[]),
+    // G4 write-through.
+    ("kvtier_g4_uploads_enqueued_total", "G4 write-through jobs queued by this node", &[]),
+    ("kvtier_g4_uploads_total", "G4 upload jobs finished, by outcome (stored, already_present, given_up, dropped_queue_full, skipped_ephemeral, source_missing, source_corrupt)", &["outcome"]),
+    ("kvtier_g4_upload_attempt_failures_total", "Failed G4 upload attempts (each retry counts)", &[]),
+    ("kvtier_g4_uploaded_bytes_total", "Bytes (whole block files) newly written to G4 by this node", &[]),
+    // G4 fetch.
+    ("kvtier_g4_fetch_requests_total", "G4 fetch calls (onboard fall-through)", &[]),
+    ("kvtier_g4_fetches_total", "G4 fetches by outcome (hit, absent, corrupt, unavailable)", &["outcome"]),
+    ("kvtier_g4_gets_total", "GET requests sent to G4 (single-flight: at most one per block at a time)", &[]),
+    ("kvtier_g4_fetch_rereads_total", "G4 objects re-read after a failed verification", &[]),
+    ("kvtier_g4_corrupt_deleted_total", "Corrupt G4 objects deleted (same ETag read corrupt twice)", &[]),
+    ("kvtier_g4_fetch_refused_size_total", "G4 objects refused by size before buffering", &[]),
+    ("kvtier_g4_fetch_body_failures_total", "G4 bodies that ended early, stalled or broke (a miss, never a delete)", &[]),
+    ("kvtier_g4_exists_checks_total", "G4 existence answers, by source (cache, head)", &["source"]),
+    // G4 lifecycle and breaker.
+    ("kvtier_g4_sweeps_total", "G4 sweeper runs", &[]),
+    ("kvtier_g4_swept_blocks_total", "G4 objects deleted by the sweeper (capacity, TTL)", &[]),
+    ("kvtier_g4_swept_bytes_total", "G4 bytes deleted by the sweeper", &[]),
+    ("kvtier_g4_breaker_opened_total", "Times the G4 circuit breaker opened", &[]),
+    ("kvtier_g4_breaker_rejected_total", "G4 calls refused by the open breaker (no request sent)", &[]),
+    // Peers.
+    ("kvtier_peer_fetches_total", "Peer fetches by outcome (hit, absent, unavailable, corrupt, timeout, skipped)", &["outcome"]),
+    ("kvtier_peer_bytes_total", "Block bytes moved between peers, by direction (received, sent)", &["direction"]),
+    ("kvtier_peer_requests_total", "Peer server requests by outcome (all, unauthorized, rejected)", &["outcome"]),
+    // Promotions.
+    ("kvtier_promotions_total", "Blocks promoted into G3, by source tier", &["source"]),
+    ("kvtier_promotions_skipped_total", "Fetched blocks served but not promoted into G3 (promotion queue full or no room), by source tier", &["source"]),
+    // G3 repairs since start.
+    ("kvtier_g3_quarantine_trimmed_total", "Quarantined G3 entries deleted to stay within the quarantine bounds", &[]),
+    ("kvtier_g3_renames_undone_total", "G3 renames undone after a failed group commit", &[]),
+    ("kvtier_g3_orphans_replaced_total", "Unindexed G3 block files replaced by a fresh offload", &[]),
+    // The mount.
+    ("kvtier_mount_opens_total", "Opens of block files on the mount, by mode (passthrough, fallback)", &["mode"]),
+    ("kvtier_mount_fallback_reads_total", "Read requests on the mount answered by the daemon (not passthrough)", &[]),
+    ("kvtier_mount_fallback_read_bytes_total", "Bytes read through the mount answered by the daemon", &[]),
+    ("kvtier_mount_imports_total", "Block files written into the mount, by outcome (stored, refused)", &["outcome"]),
+    ("kvtier_mount_removes_total", "Blocks removed with rm on the mount", &[]),
+    ("kvtier_mount_verify_failures_total", "Opens on the mount refused because the block failed verification", &[]),
+    // The ZMQ publisher ([events.zmq]).
+    ("kvtier_events_zmq_batches_total", "ZMQ KVEventBatch messages published", &[]),
+    ("kvtier_events_zmq_blocks_total", "Blocks seen by the ZMQ publisher, by outcome (stored: announced, skipped: no routing facts, mismatched: facts disagree)", &["outcome"]),
+    ("kvtier_events_zmq_lagged_events_total", "Bus events the ZMQ publisher lost while behind", &[]),
+    ("kvtier_events_zmq_resyncs_total", "ZMQ publisher restarts with AllBlocksCleared and the holdings", &[]),
+    ("kvtier_events_zmq_announce_truncated_total", "Holdings announcements cut at their size bound", &[]),
+    ("kvtier_events_zmq_orphans_total", "Held blocks left out of an announcement (parent not held)", &[]),
+    ("kvtier_events_zmq_replays_total", "Replay requests answered", &[]),
+    ("kvtier_events_zmq_replay_snapshots_total", "Replays answered with a holdings snapshot (asked-for batches no longer kept)", &[]),
+    ("kvtier_events_zmq_send_errors_total", "ZMQ sends that failed", &[]),
+];
+
+/// Families filled at scrape time: (name, help, labels). Gauges.
+const SCRAPED_GAUGES: &[(&str, &str, &[&str])] = &[
+    ("kvtier_blocks", "Blocks stored, by tier (g4: last listing plus this node's uploads since; absent until the first listing)", &["tier"]),
+    ("kvtier_bytes", "Bytes stored (block files), by tier (g4 as kvtier_blocks)", &["tier"]),
+    ("kvtier_capacity_bytes", "Configured capacity, by tier (0: unbounded)", &["tier"]),
+    ("kvtier_leases_held", "Leases held now", &[]),
+    ("kvtier_pins_held", "Blocks pinned now (client pins, setfattr on the mount, pinned hints)", &[]),
+    ("kvtier_backend_info", "The tiers this node serves from (value 1; `backend` as in `kvtier stats`)", &["backend"]),
+    ("kvtier_events_dynamo_worker_info", "The Dynamo worker id events are stamped with (value 1)", &["worker_id"]),
+    ("kvtier_g4_upload_queue_depth", "G4 upload jobs waiting in the queue", &[]),
+    ("kvtier_g4_uploads_in_flight", "G4 uploads in flight", &[]),
+    ("kvtier_g4_breaker_open", "1 while the G4 circuit breaker is open (G4 calls refused)", &[]),
+    ("kvtier_g4_startup_check", "The G4 start-up check, 1 for its state (passed, failed, not_run)", &["state"]),
+    ("kvtier_g4_listing_truncated", "1 when the last G4 listing stopped at sweep_list_max (kvtier_blocks{tier=\"g4\"} is a floor)", &[]),
+    ("kvtier_g3_recovered_at_open", "What G3's recovery found at this open (orphans_reindexed, entries_dropped, temp_removed, strays_set_aside, quarantined)", &["found"]),
+    ("kvtier_g3_index_rebuilt_at_open", "1 when G3's index was rebuilt from the files at this open", &[]),
+    ("kvtier_g3_clean_start", "1 when G3 found a clean shutdown at this open", &[]),
+    ("kvtier_g3_quarantine_bytes", "Bytes in G3's quarantine/ now", &[]),
+    ("kvtier_mount_passthrough_active", "1 while new opens on the mount use FUSE passthrough", &[]),
+];
 
 /// Every metric kvtierd exports.
 #[derive(Clone)]
@@ -38,24 +138,14 @@ pub struct Metrics {
     pub connections: IntGauge,
     /// Queue depths (in_flight_requests, event_subscribers).
     pub queue_depth: IntGaugeVec,
-    blocks: IntGaugeVec,
-    bytes: IntGaugeVec,
-    capacity: IntGaugeVec,
-    evictions: IntGauge,
-    quarantined: IntGauge,
-    leases: IntGauge,
-    pins: IntGauge,
-    g4: IntGaugeVec,
-    peer_fetches: IntGaugeVec,
-    peer_bytes: IntGaugeVec,
-    peer_served: IntGaugeVec,
-    promotions: IntGaugeVec,
-    promote_us: IntGaugeVec,
-    promotions_skipped: IntGaugeVec,
-    zmq: IntGaugeVec,
+    counters: Arc<HashMap<&'static str, IntCounterVec>>,
+    gauges: Arc<HashMap<&'static str, IntGaugeVec>>,
+    promote_seconds: CounterVec,
+    upload_lag_seconds: GaugeVec,
     zmq_stats: Arc<RwLock<Option<Arc<crate::zmq::ZmqStats>>>>,
-    g3_recovery: IntGaugeVec,
     figures: Arc<RwLock<Option<FiguresFn>>>,
+    mount: Arc<RwLock<Option<MountFiguresFn>>>,
+    bus: Arc<RwLock<Option<EventBus>>>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -77,6 +167,14 @@ impl Metrics {
         let r = Registry::new();
         let cv = |n: &str, h: &str, l: &[&str]| IntCounterVec::new(Opts::new(n, h), l);
         let gv = |n: &str, h: &str, l: &[&str]| IntGaugeVec::new(Opts::new(n, h), l);
+        let mut counters = HashMap::new();
+        for (n, h, l) in SCRAPED_COUNTERS {
+            counters.insert(*n, reg(&r, cv(n, h, l)?));
+        }
+        let mut gauges = HashMap::new();
+        for (n, h, l) in SCRAPED_GAUGES {
+            gauges.insert(*n, reg(&r, gv(n, h, l)?));
+        }
         Ok(Metrics {
             requests: reg(&r, cv("kvtier_requests_total", "Requests by op", &["op"])?),
             errors: reg(&r, cv("kvtier_errors_total", "Errors by kind", &["kind"])?),
@@ -115,127 +213,81 @@ impl Metrics {
                 &r,
                 IntGauge::new("kvtier_connections", "Open client connections")?,
             ),
-            queue_depth: reg(&r, gv("kvtier_queue_depth", "Queue depths", &["queue"])?),
-            blocks: reg(
-                &r,
-                gv("kvtier_blocks", "Blocks stored, by tier", &["tier"])?,
-            ),
-            bytes: reg(&r, gv("kvtier_bytes", "Bytes stored, by tier", &["tier"])?),
-            capacity: reg(
+            queue_depth: reg(
                 &r,
                 gv(
-                    "kvtier_capacity_bytes",
-                    "Configured capacity, by tier",
-                    &["tier"],
+                    "kvtier_queue_depth",
+                    "Requests in flight and event subscribers now, by queue",
+                    &["queue"],
                 )?,
             ),
-            evictions: reg(
+            promote_seconds: reg(
                 &r,
-                IntGauge::new("kvtier_evictions_total", "Blocks evicted since start")?,
-            ),
-            quarantined: reg(
-                &r,
-                IntGauge::new("kvtier_quarantined_total", "Corrupt blocks quarantined")?,
-            ),
-            leases: reg(&r, IntGauge::new("kvtier_leases_held", "Leases held")?),
-            pins: reg(&r, IntGauge::new("kvtier_pins_held", "Pins held")?),
-            g4: reg(
-                &r,
-                gv(
-                    "kvtier_g4",
-                    "G4 write-through and fetch figures (queue_depth, uploads_in_flight, \
-                     upload_lag_ms_last, upload_lag_ms_max are gauges; the rest count since start)",
-                    &["stat"],
-                )?,
-            ),
-            peer_fetches: reg(
-                &r,
-                gv(
-                    "kvtier_peer_fetches_total",
-                    "Peer fetches by outcome (hit, absent, unavailable, corrupt, timeout, skipped)",
-                    &["outcome"],
-                )?,
-            ),
-            peer_bytes: reg(
-                &r,
-                gv(
-                    "kvtier_peer_bytes_total",
-                    "Block bytes moved between peers, by direction",
-                    &["direction"],
-                )?,
-            ),
-            peer_served: reg(
-                &r,
-                gv(
-                    "kvtier_peer_requests_total",
-                    "Peer server requests by outcome (all, unauthorized, rejected)",
-                    &["outcome"],
-                )?,
-            ),
-            promotions: reg(
-                &r,
-                gv(
-                    "kvtier_promotions_total",
-                    "Blocks promoted into G3, by source tier",
-                    &["source"],
-                )?,
-            ),
-            promote_us: reg(
-                &r,
-                gv(
-                    "kvtier_promote_microseconds_total",
-                    "Time spent promoting, by source and stage (fetch: transfer + verify; store: G3 write)",
+                CounterVec::new(
+                    Opts::new(
+                        "kvtier_promote_seconds_total",
+                        "Time spent promoting, by source and stage (fetch: transfer + verify; store: G3 write)",
+                    ),
                     &["source", "stage"],
                 )?,
             ),
-            promotions_skipped: reg(
+            upload_lag_seconds: reg(
                 &r,
-                gv(
-                    "kvtier_promotions_skipped_total",
-                    "Fetched blocks served but not promoted into G3 (promotion queue full or no room), by source tier",
-                    &["source"],
+                GaugeVec::new(
+                    Opts::new(
+                        "kvtier_g4_upload_lag_seconds",
+                        "Enqueue-to-stored time of G4 uploads, by which (last: the last finished, max: the largest since start)",
+                    ),
+                    &["which"],
                 )?,
             ),
-            zmq: reg(
-                &r,
-                gv(
-                    "kvtier_events_zmq",
-                    "The ZMQ event publisher ([events.zmq]): batches, blocks_stored, skipped_blocks, mismatched_blocks, lagged_events, resyncs, announce_truncated, orphans, replays, replay_snapshots, send_errors",
-                    &["what"],
-                )?,
-            ),
+            counters: Arc::new(counters),
+            gauges: Arc::new(gauges),
             zmq_stats: Arc::new(RwLock::new(None)),
-            g3_recovery: reg(
-                &r,
-                gv(
-                    "kvtier_g3_recovery",
-                    "G3 recovery at open and repairs since (index_rebuilt, clean_start: 0/1; \
-                     orphans_reindexed, entries_dropped, temp_removed, strays_set_aside, \
-                     quarantined_at_open: this open; quarantined, quarantine_trimmed, \
-                     renames_undone, orphans_replaced: since start; quarantine_bytes: now)",
-                    &["stat"],
-                )?,
-            ),
             figures: Arc::new(RwLock::new(None)),
+            mount: Arc::new(RwLock::new(None)),
+            bus: Arc::new(RwLock::new(None)),
             registry: r,
         })
+    }
+
+    /// Advances scraped counter `name{labels}` to `x` (the source only
+    /// grows; a smaller value, e.g. a source replaced, is ignored).
+    fn count(&self, name: &str, labels: &[&str], x: u64) {
+        if let Some(c) = self.counters.get(name) {
+            let c = c.with_label_values(labels);
+            let cur = c.get();
+            if x > cur {
+                c.inc_by(x - cur);
+            }
+        }
+    }
+
+    /// Sets scraped gauge `name{labels}` to `x`.
+    fn gauge(&self, name: &str, labels: &[&str], x: u64) {
+        if let Some(g) = self.gauges.get(name) {
+            g.with_label_values(labels).set(x as i64);
+        }
     }
 
     /// Refreshes the backend gauges and renders the text exposition format.
     pub fn render(&self, backend: &dyn Backend) -> String {
         let s = backend.stats();
+        self.gauge("kvtier_backend_info", &[backend.name()], 1);
         for t in &s.tiers {
             let n = t.tier.name();
-            self.blocks.with_label_values(&[n]).set(t.blocks as i64);
-            self.bytes.with_label_values(&[n]).set(t.bytes as i64);
-            self.capacity
-                .with_label_values(&[n])
-                .set(t.capacity_bytes as i64);
+            if t.known {
+                self.gauge("kvtier_blocks", &[n], t.blocks);
+                self.gauge("kvtier_bytes", &[n], t.bytes);
+            }
+            self.gauge("kvtier_capacity_bytes", &[n], t.capacity_bytes);
         }
-        self.evictions.set(s.evictions as i64);
-        self.quarantined.set(s.quarantined as i64);
-        self.leases.set(s.leases_held as i64);
-        self.pins.set(s.pins_held as i64);
+        self.count("kvtier_evictions_total", &[], s.evictions);
+        self.count("kvtier_quarantined_total", &[], s.quarantined);
+        self.gauge("kvtier_leases_held", &[], s.leases_held);
+        self.gauge("kvtier_pins_held", &[], s.pins_held);
+        self.render_bus();
+        self.render_mount();
         self.render_figures();
         let mut buf = Vec::new();
         if TextEncoder::new()
@@ -256,6 +308,20 @@ impl Metrics {
         }
     }
 
+    /// Sets where the mount's figures come from (kvtierd with `--mount`).
+    pub fn set_mount(&self, f: MountFiguresFn) {
+        if let Ok(mut g) = self.mount.write() {
+            *g = Some(f);
+        }
+    }
+
+    /// Sets the event bus whose figures /metrics shows (the server does).
+    pub fn set_bus(&self, bus: EventBus) {
+        if let Ok(mut g) = self.bus.write() {
+            *g = Some(bus);
+        }
+    }
+
     /// Sets the ZMQ publisher whose counters /metrics shows.
     pub fn set_zmq_stats(&self, s: Arc<crate::zmq::ZmqStats>) {
         if let Ok(mut g) = self.zmq_stats.write() {
@@ -263,51 +329,80 @@ impl Metrics {
         }
     }
 
-    fn render_figures(&self) {
-        if let Some(z) = self.zmq_stats.read().ok().and_then(|g| g.clone()) {
-            for (what, x) in z.figures() {
-                self.zmq.with_label_values(&[what]).set(x as i64);
+    fn render_bus(&self) {
+        let Some(bus) = self.bus.read().ok().and_then(|g| g.clone()) else {
+            return;
+        };
+        self.count("kvtier_events_published_total", &[], bus.published());
+        self.count(
+            "kvtier_events_dynamo_skipped_blocks_total",
+            &[],
+            bus.dynamo_skipped_blocks(),
+        );
+        if let Some(w) = bus.dynamo_worker() {
+            self.gauge("kvtier_events_dynamo_worker_info", &[&w.to_string()], 1);
+        }
+    }
+
+    fn render_mount(&self) {
+        let Some(f) = self.mount.read().ok().and_then(|g| g.clone()) else {
+            return;
+        };
+        let m = f();
+        let c = &m.fs;
+        self.count(
+            "kvtier_mount_opens_total",
+            &["passthrough"],
+            c.passthrough_opens,
+        );
+        self.count("kvtier_mount_opens_total", &["fallback"], c.fallback_opens);
+        self.count("kvtier_mount_fallback_reads_total", &[], c.fallback_reads);
+        self.count(
+            "kvtier_mount_fallback_read_bytes_total",
+            &[],
+            c.fallback_read_bytes,
+        );
+        self.count("kvtier_mount_imports_total", &["stored"], c.imports);
+        self.count(
+            "kvtier_mount_imports_total",
+            &["refused"],
+            c.imports_refused,
+        );
+        self.count("kvtier_mount_removes_total", &[], c.removes);
+        self.count("kvtier_mount_verify_failures_total", &[], m.verify_failures);
+        self.gauge(
+            "kvtier_mount_passthrough_active",
+            &[],
+            u64::from(c.passthrough_active),
+        );
+    }
+
+    fn render_zmq(&self) {
+        let Some(z) = self.zmq_stats.read().ok().and_then(|g| g.clone()) else {
+            return;
+        };
+        for (what, x) in z.figures() {
+            match what {
+                "blocks_stored" => self.count("kvtier_events_zmq_blocks_total", &["stored"], x),
+                "skipped_blocks" => self.count("kvtier_events_zmq_blocks_total", &["skipped"], x),
+                "mismatched_blocks" => {
+                    self.count("kvtier_events_zmq_blocks_total", &["mismatched"], x)
+                }
+                other => self.count(&format!("kvtier_events_zmq_{other}_total"), &[], x),
             }
         }
+    }
+
+    fn render_figures(&self) {
+        self.render_zmq();
         let f = match self.figures.read() {
             Ok(g) => g.clone(),
             Err(_) => None,
         };
         let Some(f) = f else { return };
         let n = f();
-        let set = |v: &IntGaugeVec, l: &[&str], x: u64| v.with_label_values(l).set(x as i64);
         if let Some(g) = &n.g4 {
-            for (k, x) in [
-                ("queue_depth", g.upload_queue_depth),
-                ("uploads_in_flight", g.uploads_in_flight),
-                ("uploads_stored", g.uploads_stored),
-                ("uploads_already_present", g.uploads_already_present),
-                ("upload_attempt_failures", g.upload_attempt_failures),
-                ("uploads_given_up", g.uploads_given_up),
-                ("uploads_dropped_queue_full", g.uploads_dropped_queue_full),
-                ("uploads_skipped_ephemeral", g.uploads_skipped_ephemeral),
-                ("uploads_source_missing", g.uploads_source_missing),
-                ("upload_lag_ms_last", g.upload_lag_ms_last),
-                ("upload_lag_ms_max", g.upload_lag_ms_max),
-                ("fetch_requests", g.fetch_requests),
-                ("fetch_hits", g.fetch_hits),
-                ("fetch_absent", g.fetch_absent),
-                ("fetch_corrupt", g.fetch_corrupt),
-                ("fetch_unavailable", g.fetch_unavailable),
-                ("exists_heads", g.exists_heads),
-                ("sweep_deleted", g.sweep_deleted),
-                ("breaker_open", g.breaker_open),
-                ("breaker_opened", g.breaker_opened),
-                ("breaker_rejected", g.breaker_rejected),
-                ("fetch_rereads", g.fetch_rereads),
-                ("fetch_corrupt_deleted", g.fetch_corrupt_deleted),
-                ("fetch_refused_size", g.fetch_refused_size),
-                ("fetch_body_failures", g.fetch_body_failures),
-                ("startup_check_ok", g.startup_check_ok),
-                ("enqueued", n.g4_enqueued),
-            ] {
-                set(&self.g4, &[k], x);
-            }
+            self.render_g4(g, n.g4_enqueued);
         }
         if let Some(p) = &n.peer {
             for (k, x) in [
@@ -318,25 +413,114 @@ impl Metrics {
                 ("timeout", p.timeout),
                 ("skipped", p.skipped),
             ] {
-                set(&self.peer_fetches, &[k], x);
+                self.count("kvtier_peer_fetches_total", &[k], x);
             }
-            set(&self.peer_bytes, &["received"], p.bytes);
+            self.count("kvtier_peer_bytes_total", &["received"], p.bytes);
         }
         if let Some(s) = &n.peer_served {
-            set(&self.peer_bytes, &["sent"], s.bytes_sent);
-            set(&self.peer_served, &["all"], s.requests);
-            set(&self.peer_served, &["unauthorized"], s.unauthorized);
-            set(&self.peer_served, &["rejected"], s.rejected);
+            self.count("kvtier_peer_bytes_total", &["sent"], s.bytes_sent);
+            self.count("kvtier_peer_requests_total", &["all"], s.requests);
+            self.count(
+                "kvtier_peer_requests_total",
+                &["unauthorized"],
+                s.unauthorized,
+            );
+            self.count("kvtier_peer_requests_total", &["rejected"], s.rejected);
         }
         for (k, x) in &n.g3_recovery {
-            set(&self.g3_recovery, &[k], *x);
+            let x = *x;
+            match *k {
+                "index_rebuilt" => self.gauge("kvtier_g3_index_rebuilt_at_open", &[], x),
+                "clean_start" => self.gauge("kvtier_g3_clean_start", &[], x),
+                "orphans_reindexed" | "entries_dropped" | "temp_removed" | "strays_set_aside" => {
+                    self.gauge("kvtier_g3_recovered_at_open", &[k], x)
+                }
+                "quarantined_at_open" => {
+                    self.gauge("kvtier_g3_recovered_at_open", &["quarantined"], x)
+                }
+                "quarantine_bytes" => self.gauge("kvtier_g3_quarantine_bytes", &[], x),
+                // Also kvtier_quarantined_total (the backend's figure).
+                "quarantined" => {}
+                other => self.count(&format!("kvtier_g3_{other}_total"), &[], x),
+            }
         }
         for (src, p) in [("peer", n.promoted_from_peer), ("g4", n.promoted_from_g4)] {
-            set(&self.promotions, &[src], p.count);
-            set(&self.promote_us, &[src, "fetch"], p.fetch_us);
-            set(&self.promote_us, &[src, "store"], p.store_us);
-            set(&self.promotions_skipped, &[src], p.skipped);
+            self.count("kvtier_promotions_total", &[src], p.count);
+            self.count("kvtier_promotions_skipped_total", &[src], p.skipped);
+            for (stage, us) in [("fetch", p.fetch_us), ("store", p.store_us)] {
+                let c = self.promote_seconds.with_label_values(&[src, stage]);
+                let target = us as f64 / 1e6;
+                if target > c.get() {
+                    c.inc_by(target - c.get());
+                }
+            }
         }
+    }
+
+    fn render_g4(&self, g: &crate::g4::G4StatsSnapshot, enqueued: u64) {
+        self.gauge("kvtier_g4_upload_queue_depth", &[], g.upload_queue_depth);
+        self.gauge("kvtier_g4_uploads_in_flight", &[], g.uploads_in_flight);
+        self.gauge("kvtier_g4_breaker_open", &[], g.breaker_open);
+        for (state, v) in [("failed", 0), ("passed", 1), ("not_run", 2)] {
+            self.gauge(
+                "kvtier_g4_startup_check",
+                &[state],
+                u64::from(g.startup_check_ok == v),
+            );
+        }
+        self.upload_lag_seconds
+            .with_label_values(&["last"])
+            .set(g.upload_lag_ms_last as f64 / 1e3);
+        self.upload_lag_seconds
+            .with_label_values(&["max"])
+            .set(g.upload_lag_ms_max as f64 / 1e3);
+        self.count("kvtier_g4_uploads_enqueued_total", &[], enqueued);
+        for (outcome, x) in [
+            ("stored", g.uploads_stored),
+            ("already_present", g.uploads_already_present),
+            ("given_up", g.uploads_given_up),
+            ("dropped_queue_full", g.uploads_dropped_queue_full),
+            ("skipped_ephemeral", g.uploads_skipped_ephemeral),
+            ("source_missing", g.uploads_source_missing),
+            ("source_corrupt", g.uploads_source_corrupt),
+        ] {
+            self.count("kvtier_g4_uploads_total", &[outcome], x);
+        }
+        for (outcome, x) in [
+            ("hit", g.fetch_hits),
+            ("absent", g.fetch_absent),
+            ("corrupt", g.fetch_corrupt),
+            ("unavailable", g.fetch_unavailable),
+        ] {
+            self.count("kvtier_g4_fetches_total", &[outcome], x);
+        }
+        self.count(
+            "kvtier_g4_exists_checks_total",
+            &["cache"],
+            g.exists_cache_hits,
+        );
+        self.count("kvtier_g4_exists_checks_total", &["head"], g.exists_heads);
+        for (name, x) in [
+            (
+                "kvtier_g4_upload_attempt_failures_total",
+                g.upload_attempt_failures,
+            ),
+            ("kvtier_g4_uploaded_bytes_total", g.uploads_stored_bytes),
+            ("kvtier_g4_fetch_requests_total", g.fetch_requests),
+            ("kvtier_g4_gets_total", g.fetch_gets),
+            ("kvtier_g4_fetch_rereads_total", g.fetch_rereads),
+            ("kvtier_g4_corrupt_deleted_total", g.fetch_corrupt_deleted),
+            ("kvtier_g4_fetch_refused_size_total", g.fetch_refused_size),
+            ("kvtier_g4_fetch_body_failures_total", g.fetch_body_failures),
+            ("kvtier_g4_sweeps_total", g.sweep_runs),
+            ("kvtier_g4_swept_blocks_total", g.sweep_deleted),
+            ("kvtier_g4_swept_bytes_total", g.sweep_deleted_bytes),
+            ("kvtier_g4_breaker_opened_total", g.breaker_opened),
+            ("kvtier_g4_breaker_rejected_total", g.breaker_rejected),
+        ] {
+            self.count(name, &[], x);
+        }
+        self.gauge("kvtier_g4_listing_truncated", &[], g.listing_truncated);
     }
 }
 
@@ -480,13 +664,56 @@ mod tests {
         let b = MemBackend::new(MemLimits::default(), std::env::temp_dir());
         let text = m.render(&b);
         for line in [
-            "kvtier_g3_recovery{stat=\"index_rebuilt\"} 1",
-            "kvtier_g3_recovery{stat=\"strays_set_aside\"} 1",
-            "kvtier_g3_recovery{stat=\"orphans_reindexed\"} 0",
-            "kvtier_g3_recovery{stat=\"renames_undone\"} 0",
-            "kvtier_g3_recovery{stat=\"quarantine_bytes\"}",
+            "kvtier_g3_index_rebuilt_at_open 1",
+            "kvtier_g3_recovered_at_open{found=\"strays_set_aside\"} 1",
+            "kvtier_g3_recovered_at_open{found=\"orphans_reindexed\"} 0",
+            "kvtier_g3_renames_undone_total 0",
+            "kvtier_g3_quarantine_bytes",
         ] {
             assert!(text.contains(line), "{line} missing in\n{text}");
+        }
+    }
+
+    /// Every scraped family gets a sample when every source is there: a
+    /// name in the tables that render never sets would be a family that
+    /// never shows up.
+    #[test]
+    fn every_scraped_family_is_filled() {
+        let m = Metrics::new().unwrap();
+        m.set_figures(Arc::new(|| crate::node::NodeFigures {
+            g4: Some(Default::default()),
+            peer: Some(Default::default()),
+            peer_served: Some(Default::default()),
+            g3_recovery: vec![
+                ("index_rebuilt", 0),
+                ("clean_start", 1),
+                ("orphans_reindexed", 0),
+                ("entries_dropped", 0),
+                ("temp_removed", 0),
+                ("strays_set_aside", 0),
+                ("quarantined_at_open", 0),
+                ("quarantined", 0),
+                ("quarantine_bytes", 0),
+                ("quarantine_trimmed", 0),
+                ("renames_undone", 0),
+                ("orphans_replaced", 0),
+            ],
+            ..Default::default()
+        }));
+        m.set_mount(Arc::new(MountFigures::default));
+        let bus = EventBus::new();
+        bus.set_dynamo_worker(7);
+        m.set_bus(bus);
+        m.set_zmq_stats(Arc::new(crate::zmq::ZmqStats::default()));
+        let b = MemBackend::new(MemLimits::default(), std::env::temp_dir());
+        let text = m.render(&b);
+        for (name, _, _) in SCRAPED_COUNTERS.iter().chain(SCRAPED_GAUGES) {
+            let sample = text.lines().any(|l| {
+                !l.starts_with('#')
+                    && l.starts_with(name)
+                    && l[name.len()..].starts_with([' ', '{'])
+            });
+            assert!(sample, "{name} has no sample in\n{text}");
         }
     }
 }

@@ -682,6 +682,16 @@ impl MountHandle {
             .unwrap_or_default()
     }
 
+    /// Where /metrics reads the mount's figures (`kvtier_mount_*`).
+    pub fn figures_source(&self) -> crate::metrics::MountFiguresFn {
+        let fs = self.guard.as_ref().map(|g| g.counters_source());
+        let ns = Arc::clone(&self.namespace);
+        Arc::new(move || crate::metrics::MountFigures {
+            fs: fs.as_ref().map(|f| f()).unwrap_or_default(),
+            verify_failures: ns.verify_failures(),
+        })
+    }
+
     /// Unmounts now.
     pub fn unmount(mut self) -> crate::Result<()> {
         match self.guard.take() {

@@ -280,6 +280,13 @@ impl MountGuard {
         self.shared.counters()
     }
 
+    /// Reads the counters later, after the guard itself has moved (the
+    /// daemon's /metrics keeps one).
+    pub fn counters_source(&self) -> impl Fn() -> Counters + Send + Sync + 'static {
+        let shared = Arc::clone(&self.shared);
+        move || shared.counters()
+    }
+
     /// Unmounts now and reports how it went.
     pub fn unmount(mut self) -> Result<()> {
         self.unmount_inner()

@@ -25,7 +25,7 @@ enum Cmd {
     /// Benchmarks, each measured beside a baseline in the same run.
     #[command(subcommand)]
     Bench(bench::BenchCmd),
-    /// Daemon statistics (JSON).
+    /// Daemon statistics (text; --json for JSON).
     Stats(ops::StatsArgs),
     /// List stored blocks.
     Ls(ops::LsArgs),

@@ -22,6 +22,13 @@ pub struct SocketArg {
 }
 
 impl SocketArg {
+    /// The socket named by `--socket` or `$KVTIER_SOCKET`, if any.
+    fn explicit(&self) -> Option<PathBuf> {
+        self.socket
+            .clone()
+            .or_else(|| std::env::var_os("KVTIER_SOCKET").map(PathBuf::from))
+    }
+
     fn path(&self) -> PathBuf {
         self.socket
             .clone()
@@ -40,11 +47,21 @@ impl SocketArg {
     }
 }
 
+/// `--json`: one JSON document instead of text for people.
+#[derive(Debug, Args, Clone, Copy)]
+pub struct JsonArg {
+    /// Print JSON (one document) instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
 /// `kvtier stats`.
 #[derive(Debug, Args)]
 pub struct StatsArgs {
     #[command(flatten)]
     sock: SocketArg,
+    #[command(flatten)]
+    out: JsonArg,
 }
 
 /// `kvtier ls`: a header line, then one line per block: path (as in the
@@ -57,9 +74,11 @@ pub struct LsArgs {
     /// Only this namespace (32 hex digits).
     #[arg(long)]
     namespace: Option<String>,
-    /// Stop after this many blocks.
-    #[arg(long, default_value_t = u64::MAX)]
-    limit: u64,
+    /// Stop after this many blocks (default: all).
+    #[arg(long)]
+    limit: Option<u64>,
+    #[command(flatten)]
+    out: JsonArg,
 }
 
 /// `kvtier stat`.
@@ -69,6 +88,8 @@ pub struct StatArgs {
     sock: SocketArg,
     /// `NAMESPACE/KEY` or `KEY` (then every namespace is searched).
     key: String,
+    #[command(flatten)]
+    out: JsonArg,
 }
 
 /// `kvtier verify`.
@@ -88,6 +109,8 @@ pub struct VerifyArgs {
     no_repair: bool,
     /// Blocks to verify, as `NAMESPACE/KEY`.
     keys: Vec<String>,
+    #[command(flatten)]
+    out: JsonArg,
 }
 
 /// `kvtier events`.
@@ -118,7 +141,22 @@ pub struct DemoArgs {
 }
 
 pub(crate) fn parse_ns(s: &str) -> Result<NamespaceId> {
-    NamespaceId::from_hex(s).with_context(|| format!("namespace {s:?}"))
+    NamespaceId::from_hex(s).map_err(|_| {
+        anyhow::anyhow!(
+            "namespace {s:?} is not a namespace id: expected 32 hex digits (as `kvtier ls` \
+             and `kvtier hash` print them)"
+        )
+    })
+}
+
+/// A pin time as people read it: `None` when not pinned, "forever" for a
+/// pin without end (G3 reports those as `u64::MAX`).
+fn pinned_until(ms: u64) -> Option<String> {
+    match ms {
+        0 => None,
+        u64::MAX => Some("forever".into()),
+        t => Some(format!("{t} (unix ms)")),
+    }
 }
 
 pub(crate) fn parse_qualified(s: &str) -> Result<(Option<NamespaceId>, BlockKey)> {
@@ -157,22 +195,83 @@ fn all_blocks(
 /// Prints daemon statistics.
 pub fn stats(a: StatsArgs) -> Result<()> {
     let s = a.sock.client()?.stats()?;
-    println!("{}", serde_json::to_string_pretty(&s)?);
+    if a.out.json {
+        println!("{}", serde_json::to_string_pretty(&s)?);
+        return Ok(());
+    }
+    print!("{}", stats_text(&s));
     Ok(())
+}
+
+/// `kvtier stats` for people: one line per tier, then the rest.
+fn stats_text(s: &serde_json::Value) -> String {
+    let mut out = format!("backend {}\n", s["backend"].as_str().unwrap_or("unknown"));
+    let known = |v: &serde_json::Value| match v.as_u64() {
+        Some(n) => n.to_string(),
+        None => "not yet known".into(),
+    };
+    if let Some(tiers) = s["tiers"].as_object() {
+        for (name, t) in tiers {
+            let cap = match t["capacity_bytes"].as_u64() {
+                Some(0) | None => "unbounded".to_string(),
+                Some(c) => format!("{c} bytes"),
+            };
+            out += &format!(
+                "{name}: {} blocks, {} bytes, capacity {cap}\n",
+                known(&t["blocks"]),
+                known(&t["bytes"]),
+            );
+        }
+    }
+    if let Some(o) = s.as_object() {
+        for (k, v) in o {
+            if k == "backend" || k == "tiers" {
+                continue;
+            }
+            let v = match v {
+                serde_json::Value::Null => "none".to_string(),
+                serde_json::Value::String(x) => x.clone(),
+                other => other.to_string(),
+            };
+            out += &format!("{}: {v}\n", k.replace('_', " "));
+        }
+    }
+    out
 }
 
 /// Lists stored blocks.
 pub fn ls(a: LsArgs) -> Result<()> {
     let c = a.sock.client()?;
     let ns = a.namespace.as_deref().map(parse_ns).transpose()?;
+    let blocks = all_blocks(&c, ns, a.limit.unwrap_or(u64::MAX))?;
     // Both sizes, named: the payload (what the engine stored) and the
     // block file (header + padded payload: what `stat` on the mount and
     // `du` show).
-    println!("PATH\tTIER\tPAYLOAD_BYTES\tFILE_BYTES");
-    for (n, k, st) in all_blocks(&c, ns, a.limit)? {
-        let file_bytes = kvtier_client::block::HEADER_BYTES as u64
+    let file_bytes = |st: &kvtier_client::proto::BlockStat| {
+        kvtier_client::block::HEADER_BYTES as u64
             + st.payload_len
-                .next_multiple_of(kvtier_client::block::ALIGN_BYTES as u64);
+                .next_multiple_of(kvtier_client::block::ALIGN_BYTES as u64)
+    };
+    if a.out.json {
+        let v: Vec<serde_json::Value> = blocks
+            .iter()
+            .map(|(n, k, st)| {
+                serde_json::json!({
+                    "path": kvtier_client::block_path(n, k),
+                    "namespace": n.to_hex(),
+                    "key": k.to_hex(),
+                    "tier": st.tier.name(),
+                    "payload_len": st.payload_len,
+                    "file_bytes": file_bytes(st),
+                })
+            })
+            .collect();
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    println!("PATH\tTIER\tPAYLOAD_BYTES\tFILE_BYTES");
+    for (n, k, st) in blocks {
+        let file_bytes = file_bytes(&st);
         println!(
             "{n}/{}/{k}\t{}\t{}\t{file_bytes}",
             k.shard(),
@@ -203,6 +302,7 @@ pub fn stat(a: StatArgs) -> Result<()> {
     for n in candidates {
         if let Some(s) = c.stat_ids(n, &[key])?.pop().flatten() {
             found = true;
+            let pinned = s.pinned_until_unix_ms != 0;
             let j = serde_json::json!({
                 "namespace": n.to_hex(),
                 "key": key.to_hex(),
@@ -211,10 +311,30 @@ pub fn stat(a: StatArgs) -> Result<()> {
                 "payload_len": s.payload_len,
                 "payload_blake3": s.payload_blake3.iter().map(|b| format!("{b:02x}")).collect::<String>(),
                 "created_unix_ms": s.created_unix_ms,
-                "pinned_until_unix_ms": s.pinned_until_unix_ms,
+                "pinned": pinned,
+                // null: not pinned, or pinned without end (see "pinned").
+                "pinned_until_unix_ms": (pinned && s.pinned_until_unix_ms != u64::MAX)
+                    .then_some(s.pinned_until_unix_ms),
                 "leases": s.leases,
             });
-            println!("{}", serde_json::to_string_pretty(&j)?);
+            if a.out.json {
+                println!("{}", serde_json::to_string_pretty(&j)?);
+            } else {
+                println!("path: {}", kvtier_client::block_path(&n, &key));
+                println!("tier: {}", s.tier.name());
+                println!(
+                    "payload: {} bytes, blake3 {}",
+                    s.payload_len,
+                    j["payload_blake3"].as_str().unwrap_or("")
+                );
+                println!("created: {} (unix ms)", s.created_unix_ms);
+                println!(
+                    "pinned: {}",
+                    pinned_until(s.pinned_until_unix_ms)
+                        .map_or("no".into(), |p| format!("until {p}"))
+                );
+                println!("leases: {}", s.leases);
+            }
         }
     }
     if !found {
@@ -249,6 +369,7 @@ pub fn verify(a: VerifyArgs) -> Result<()> {
     }
     let repair = !a.no_repair;
     let (mut ok, mut repaired, mut dropped, mut absent) = (0u64, 0u64, 0u64, 0u64);
+    let mut rows: Vec<serde_json::Value> = Vec::new();
     let mut i = 0;
     while i < targets.len() {
         let ns = targets[i].0;
@@ -277,14 +398,31 @@ pub fn verify(a: VerifyArgs) -> Result<()> {
                 }
                 other => bail!("verify {ns}/{k}: daemon answered {other:?}"),
             };
-            println!("{word}\t{}", kvtier_client::block_path(&ns, k));
+            let path = kvtier_client::block_path(&ns, k);
+            if a.out.json {
+                rows.push(serde_json::json!({ "path": path, "result": word }));
+            } else {
+                println!("{word}\t{path}");
+            }
         }
         i = j;
     }
-    println!(
-        "verified {} blocks: {ok} ok, {repaired} repaired, {dropped} dropped, {absent} absent",
-        ok + repaired + dropped + absent
-    );
+    let total = ok + repaired + dropped + absent;
+    if a.out.json {
+        let j = serde_json::json!({
+            "verified": total,
+            "ok": ok,
+            "repaired": repaired,
+            "dropped": dropped,
+            "absent": absent,
+            "blocks": rows,
+        });
+        println!("{}", serde_json::to_string_pretty(&j)?);
+    } else {
+        println!(
+            "verified {total} blocks: {ok} ok, {repaired} repaired, {dropped} dropped, {absent} absent"
+        );
+    }
     if repaired + dropped > 0 {
         bail!(
             "{} blocks failed verification ({repaired} repaired from a good copy, {dropped} \
@@ -409,29 +547,51 @@ fn nix_pid(id: u32) -> libc::pid_t {
     id as libc::pid_t
 }
 
-/// Shows an offload / lookup / onboard round trip, starting a daemon in a
-/// temporary directory when none runs on the socket.
+/// Shows an offload / lookup / onboard round trip. A socket named with
+/// `--socket` or `$KVTIER_SOCKET` must have a daemon (else an error: the
+/// user meant that one); with none named, the default socket's daemon is
+/// used when it runs, else the demo says so and starts one of its own in
+/// a temporary directory (with a file:// G4 beside it).
 pub fn demo(a: DemoArgs) -> Result<()> {
-    let path = a.sock.path();
     let _owned;
-    let socket: PathBuf = if std::os::unix::net::UnixStream::connect(&path).is_ok() {
-        println!("using the kvtierd running on {}", path.display());
-        path
-    } else {
-        let d = OwnedDaemon::start(&["--g3-capacity", "256MiB"])?;
-        println!(
-            "started kvtierd on {} (temporary directory)",
-            d.socket.display()
-        );
-        let s = d.socket.clone();
-        _owned = d;
-        s
+    let (socket, g4_dir): (PathBuf, Option<PathBuf>) = match a.sock.explicit() {
+        Some(p) => {
+            if std::os::unix::net::UnixStream::connect(&p).is_err() {
+                bail!(
+                    "no kvtierd answers on {} (named by --socket or $KVTIER_SOCKET); start it, \
+                     or run `kvtier demo` without naming a socket to let it start its own",
+                    p.display()
+                );
+            }
+            println!("using the kvtierd running on {}", p.display());
+            // Its G4 is its own business; the test daemons and the
+            // embedded default keep a file:// one beside the socket.
+            let beside = p.parent().map(|d| d.join("g4"));
+            (p, beside)
+        }
+        None => {
+            let path = a.sock.path();
+            if std::os::unix::net::UnixStream::connect(&path).is_ok() {
+                println!("using the kvtierd running on {}", path.display());
+                let beside = path.parent().map(|d| d.join("g4"));
+                (path, beside)
+            } else {
+                println!(
+                    "no kvtierd on {}: starting one of its own for this demo (temporary directory, stopped at the end)",
+                    path.display()
+                );
+                let d = OwnedDaemon::start(&["--g3-capacity", "256MiB"])?;
+                println!("started kvtierd on {}", d.socket.display());
+                let s = d.socket.clone();
+                // OwnedDaemon puts G3 at <dir>/g3: the default G4 is <dir>/g4.
+                let g4 = s.parent().map(|d| d.join("g4"));
+                _owned = d;
+                (s, g4)
+            }
+        }
     };
     let mode = HashMode::parse(&a.mode).unwrap_or_default();
     round_trip(&socket, mode)?;
-    // The embedded default writes every block through to a local file://
-    // G4 beside G3: show a block coming back from there.
-    let g4_dir = socket.parent().map(|p| p.join("g4"));
     g4_fall_through(&socket, g4_dir.as_deref(), mode)
 }
 
@@ -468,14 +628,21 @@ fn g4_fall_through(socket: &Path, g4_dir: Option<&Path>, mode: HashMode) -> Resu
     let tokens: Vec<u32> = (0..64).collect();
     let keys = h.hash_chain(&tokens);
     let Some(g4_dir) = g4_dir.filter(|d| d.is_dir()) else {
-        println!("G4 fall-through: skipped (no local file:// G4 next to this daemon's socket)");
+        println!(
+            "G4 fall-through: skipped (no local file:// G4 at {}; this daemon's G4 is elsewhere or off)",
+            g4_dir.map_or("-".into(), |d| d.display().to_string())
+        );
         return Ok(());
     };
     // Uploads are asynchronous: wait until every block is in G4.
     let t = Instant::now();
     while files_under(&g4_dir.join("blocks")) < keys.len() {
         if t.elapsed() > Duration::from_secs(20) {
-            bail!("blocks did not reach G4 ({}) within 20 s", g4_dir.display());
+            bail!(
+                "blocks did not reach G4 (file://{}) within 20 s: is it this daemon's G4? \
+                 (see `g4 =` in its start-up log line)",
+                g4_dir.display()
+            );
         }
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -504,12 +671,24 @@ fn g4_fall_through(socket: &Path, g4_dir: Option<&Path>, mode: HashMode) -> Resu
         .iter()
         .filter(|g| matches!(g, Onboarded::Hit { tier: Tier::G4, .. }))
         .count();
+    let misses = got
+        .iter()
+        .filter(|g| !matches!(g, Onboarded::Hit { .. }))
+        .count();
     let same = bufs.iter().zip(&payloads).all(|(a, b)| a == b);
-    println!(
-        "onboard after eviction: {from_g4} of {} blocks from G4 (verified, promoted to G3) in {:?}; bytes identical: {same}",
-        keys.len(),
-        t.elapsed()
-    );
+    if misses > 0 {
+        println!(
+            "onboard after eviction: {from_g4} of {} blocks from G4, {misses} misses (the blocks were not served; nothing to compare) in {:?}",
+            keys.len(),
+            t.elapsed()
+        );
+    } else {
+        println!(
+            "onboard after eviction: {from_g4} of {} blocks from G4 (verified, promoted to G3) in {:?}; bytes identical: {same}",
+            keys.len(),
+            t.elapsed()
+        );
+    }
     let again = h.lookup(&keys);
     println!(
         "lookup after the fall-through: cached prefix {} of {} ({:?})",
@@ -569,11 +748,20 @@ fn round_trip(socket: &Path, mode: HashMode) -> Result<()> {
         .filter(|g| matches!(g, Onboarded::Hit { .. }))
         .count();
     let same = bufs.iter().zip(&payloads).all(|(a, b)| a == b);
-    println!(
-        "onboard: {hits} of {} blocks verified (blake3) in {:?}; bytes identical: {same}",
-        keys.len(),
-        t.elapsed()
-    );
+    if hits < keys.len() {
+        println!(
+            "onboard: {hits} of {} blocks served, {} misses (nothing to compare) in {:?}",
+            keys.len(),
+            keys.len() - hits,
+            t.elapsed()
+        );
+    } else {
+        println!(
+            "onboard: {hits} of {} blocks verified (blake3) in {:?}; bytes identical: {same}",
+            keys.len(),
+            t.elapsed()
+        );
+    }
     if hits != keys.len() || !same || after.prefix_len() != keys.len() {
         bail!("round trip failed");
     }

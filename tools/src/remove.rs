@@ -2,7 +2,7 @@
 //! blocks from this node's disk (G3, the default), the shared object store
 //! (G4) or both. A leased or pinned block is refused (exit 1).
 
-use crate::ops::{parse_ns, parse_qualified, SocketArg};
+use crate::ops::{parse_ns, parse_qualified, JsonArg, SocketArg};
 use anyhow::{bail, Result};
 use clap::Args;
 use kvtier_client::proto::{EvictTier, ItemStatus};
@@ -24,6 +24,8 @@ pub struct EvictArgs {
     /// tail `NAMESPACE/SHARD/KEY`.
     #[arg(required = true)]
     keys: Vec<String>,
+    #[command(flatten)]
+    out: JsonArg,
 }
 
 /// Evicts the blocks; one line per block (`evicted`, `absent`, `busy`).
@@ -42,6 +44,7 @@ pub fn evict(a: EvictArgs) -> Result<()> {
     }
     let c = a.sock.client()?;
     let (mut busy, mut failed) = (0u64, 0u64);
+    let mut rows = Vec::new();
     for (ns, key) in targets {
         let st = c
             .evict_ids(ns, &[key], tier)?
@@ -62,11 +65,15 @@ pub fn evict(a: EvictArgs) -> Result<()> {
                 }
             }
         };
-        println!(
-            "{word}\t{}\ttier={}",
-            kvtier_client::block_path(&ns, &key),
-            tier.name()
-        );
+        let path = kvtier_client::block_path(&ns, &key);
+        if a.out.json {
+            rows.push(serde_json::json!({ "path": path, "tier": tier.name(), "result": word }));
+        } else {
+            println!("{word}\t{path}\ttier={}", tier.name());
+        }
+    }
+    if a.out.json {
+        println!("{}", serde_json::to_string_pretty(&rows)?);
     }
     if busy + failed > 0 {
         bail!("{busy} blocks busy, {failed} failed");

@@ -7,6 +7,16 @@ use super::{now_s, G3Store};
 use kvtier_client::{BlockKey, Hints, NamespaceId};
 
 impl G3Store {
+    /// Blocks pinned now, by whoever pinned them (a client's `pin`, the
+    /// mount's `setfattr user.kvtier.pinned`, an offload hint): what
+    /// `kvtier_pins_held` shows.
+    pub fn pinned_blocks(&self) -> u64 {
+        self.mem
+            .read()
+            .map(|m| m.pinned_blocks(now_s()))
+            .unwrap_or(0)
+    }
+
     /// Pins a present block (never evicted) for `ttl_ms`, or until unpinned
     /// when `None`. `false` when absent or when `pinned_budget_bytes` would
     /// be exceeded.

@@ -203,7 +203,12 @@ impl MemIndex {
         self.presence.count_leading(ids.iter().map(|d| d.1))
     }
 
-    /// Bytes held by blocks pinned at `now_s` (pins are rare: a scan).
+    /// Entries pinned at `now_s` (pins are rare: a scan).
+    pub fn pinned_blocks(&self, now_s: u32) -> u64 {
+        self.map.values().filter(|e| e.pinned(now_s)).count() as u64
+    }
+
+    /// Bytes of the entries pinned at `now_s`.
     pub fn pinned_bytes(&self, now_s: u32) -> u64 {
         self.map
             .values()

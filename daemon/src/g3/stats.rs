@@ -57,7 +57,7 @@ pub(super) struct Counters {
 
 impl G3Store {
     /// What recovery at open found and what the store repaired since
-    /// (Prometheus `kvtier_g3_recovery{stat}`): (stat, value) pairs.
+    /// (Prometheus `kvtier_g3_*`, see metrics.rs): (stat, value) pairs.
     pub fn recovery_figures(&self) -> Vec<(&'static str, u64)> {
         let st = self.stats();
         let r = self.recovery.lock().map(|r| r.clone()).unwrap_or_default();

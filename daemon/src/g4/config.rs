@@ -347,13 +347,16 @@ impl G4Config {
             return Err(bad_url("no bucket in s3:// URL".into()));
         }
         let timeout = Duration::from_millis(self.request_timeout_ms);
+        // The client options below replace the ones `from_env` read, so
+        // `AWS_ALLOW_HTTP` is applied here or it would be lost.
+        let allow_http = allow_http(self.allow_http, std::env::var("AWS_ALLOW_HTTP").ok());
         let mut b = AmazonS3Builder::from_env()
             .with_bucket_name(bucket)
-            .with_allow_http(self.allow_http)
+            .with_allow_http(allow_http)
             .with_virtual_hosted_style_request(!self.path_style)
             .with_client_options(
                 ClientOptions::new()
-                    .with_allow_http(self.allow_http)
+                    .with_allow_http(allow_http)
                     .with_timeout(timeout)
                     .with_connect_timeout(Duration::from_millis(self.connect_timeout_ms)),
             )
@@ -412,4 +415,11 @@ impl G4Config {
         })?;
         Ok((Arc::new(s3), Path::from(prefix.trim_matches('/'))))
     }
+}
+
+/// Plain HTTP is allowed when the file says so or `AWS_ALLOW_HTTP` is
+/// `true` (either one: the variable is the standard way for the AWS tools,
+/// and `allow_http = false` is also the default, so it cannot veto it).
+fn allow_http(from_config: bool, env: Option<String>) -> bool {
+    from_config || env.is_some_and(|v| v.trim().eq_ignore_ascii_case("true"))
 }

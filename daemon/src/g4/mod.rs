@@ -19,6 +19,7 @@
 //! `*_async` methods instead of blocking their executor.
 
 pub mod breaker;
+mod census;
 pub mod config;
 mod exists;
 mod fetch;
@@ -28,6 +29,7 @@ pub mod sweeper;
 pub mod uploader;
 
 pub use breaker::BreakerState;
+pub use census::G4Count;
 pub use config::{G4Config, G4Credentials};
 pub use stats::{G4Stats, G4StatsSnapshot};
 pub use sweeper::SweepReport;
@@ -72,6 +74,8 @@ pub(crate) struct Inner {
     pub(crate) breaker: breaker::Breaker,
     /// Why the start-up check failed (`None`: passed or not run yet).
     startup_problem: Mutex<Option<String>>,
+    /// G4's block count from listings (`census`).
+    pub(crate) census: census::Census,
 }
 
 /// Receives the blocks the sweeper deleted, one call per namespace and
@@ -140,12 +144,14 @@ impl G4Store {
                 Duration::from_millis(cfg.request_timeout_ms),
             ),
             startup_problem: Mutex::new(None),
+            census: census::Census::default(),
             cfg,
         });
         inner.stats.startup_check_ok.store(2, Ordering::Relaxed);
         if inner.cfg.capacity_bytes.is_some() || inner.cfg.ttl_ms.is_some() {
             sweeper::spawn_background(&inner);
         }
+        census::spawn_at_start(&inner);
         Ok(G4Store {
             inner,
             handle,
@@ -157,7 +163,7 @@ impl G4Store {
     /// and accepts the credentials (one HEAD under the prefix: 200 or 404
     /// pass, 401/403, errors and silence fail). A failure is not fatal: G4
     /// runs degraded (reads are misses, uploads retry) and says why in the
-    /// log, `kvtier_g4{stat="startup_check_ok"}` and `/healthz`.
+    /// log, `kvtier_g4_startup_check{state}` and `/healthz`.
     pub async fn startup_check_async(&self) -> std::result::Result<(), String> {
         let inner = &self.inner;
         let probe = inner.blocks_root.clone().join(".kvtier-startup-probe");
@@ -236,6 +242,12 @@ impl G4Store {
     /// The configuration in use.
     pub fn config(&self) -> &G4Config {
         &self.inner.cfg
+    }
+
+    /// Blocks and bytes in G4 (last listing plus this node's uploads
+    /// since); `None` until the listing at start has finished.
+    pub fn count(&self) -> Option<G4Count> {
+        self.inner.census.count(&self.inner)
     }
 
     /// The live counters.

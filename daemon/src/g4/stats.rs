@@ -31,6 +31,8 @@ stats! {
     uploads_in_flight,
     /// Blocks newly written to G4 by the uploader.
     uploads_stored,
+    /// Bytes (whole block files) of those blocks.
+    uploads_stored_bytes,
     /// Uploads that found the object already there (another node won).
     uploads_already_present,
     /// Failed upload attempts (each retry counts).
@@ -75,6 +77,9 @@ stats! {
     sweep_last_total_bytes,
     /// Gauge: blocks in G4 at the last sweep.
     sweep_last_total_blocks,
+    /// Gauge: 1 when the last listing (at start or a sweep) stopped at
+    /// `sweep_list_max`, so G4's block count is a floor.
+    listing_truncated,
     /// Gauge: 1 while the circuit breaker is open (G4 calls refused).
     breaker_open,
     /// Times the circuit breaker opened.

@@ -45,6 +45,7 @@ fn now_ms() -> i64 {
 
 pub(crate) async fn sweep_once(inner: &Inner) -> Result<SweepReport> {
     let mut rep = SweepReport::default();
+    let mark = super::census::uploader_mark(inner);
     let mut metas: Vec<ObjectMeta> = Vec::new();
     let mut list = inner.store.list(Some(&inner.blocks_root));
     while let Some(m) = list.next().await {
@@ -122,6 +123,16 @@ pub(crate) async fn sweep_once(inner: &Inner) -> Result<SweepReport> {
         .stats
         .sweep_last_total_blocks
         .store(rep.listed - rep.deleted.min(rep.listed), Relaxed);
+    inner.census.record(
+        mark,
+        rep.listed - rep.deleted.min(rep.listed),
+        rep.listed_bytes - rep.deleted_bytes.min(rep.listed_bytes),
+        rep.truncated,
+    );
+    inner
+        .stats
+        .listing_truncated
+        .store(u64::from(rep.truncated), Relaxed);
     Ok(rep)
 }
 

@@ -213,6 +213,10 @@ async fn upload_one(inner: &Inner, source: &Arc<dyn BlockSource>, job: &Job) -> 
                 return match out {
                     crate::tier::PutOutcome::Stored => {
                         stats::inc(&inner.stats.uploads_stored);
+                        inner
+                            .stats
+                            .uploads_stored_bytes
+                            .fetch_add(file.len() as u64, Relaxed);
                         UploadOutcome::Stored
                     }
                     crate::tier::PutOutcome::AlreadyPresent => {

@@ -412,16 +412,18 @@ impl Backend for Node {
             blocks: s.blocks,
             bytes: s.used_bytes,
             capacity_bytes: s.capacity_bytes,
+            known: true,
         }];
         if let Some(g4) = &self.g4 {
-            let g = g4.stats();
+            // From the listing at start and the sweeper's (g4/census.rs),
+            // plus this node's uploads since; unknown until the first.
+            let c = g4.count();
             tiers.push(TierStats {
                 tier: Tier::G4,
-                // Known only from the sweeper's last listing (it runs when
-                // g4.capacity_bytes or g4.ttl_ms is set; 0 without one).
-                blocks: g.sweep_last_total_blocks,
-                bytes: g.sweep_last_total_bytes,
+                blocks: c.map_or(0, |c| c.blocks),
+                bytes: c.map_or(0, |c| c.bytes),
                 capacity_bytes: g4.config().capacity_bytes.unwrap_or(0),
+                known: c.is_some(),
             });
         }
         self.sweep_leases();
@@ -434,7 +436,12 @@ impl Backend for Node {
                     .load(std::sync::atomic::Ordering::Relaxed),
             quarantined: s.quarantined,
             leases_held: self.leases.lock().map(|l| l.len() as u64).unwrap_or(0),
-            pins_held: self.pins.lock().map(|p| p.len() as u64).unwrap_or(0),
+            // G3 holds every pin (clients', the mount's setfattr, hints);
+            // the node's map only bounds clients' (pins_max).
+            pins_held: self
+                .g3
+                .pinned_blocks()
+                .max(self.pins.lock().map(|p| p.len() as u64).unwrap_or(0)),
         }
     }
 

@@ -96,6 +96,10 @@ pub struct TierStats {
     pub bytes: u64,
     /// Configured capacity (0: unbounded or unknown).
     pub capacity_bytes: u64,
+    /// Whether `blocks` and `bytes` are known (G4's are not until its
+    /// first listing has finished); unknown figures read 0 here and are
+    /// left out of /metrics and shown as null by `stats`.
+    pub known: bool,
 }
 
 /// Store-wide figures for `stats` and `/metrics`.

@@ -788,8 +788,9 @@ impl Conn<'_> {
                 (
                     t.tier.name().to_string(),
                     serde_json::json!({
-                        "blocks": t.blocks,
-                        "bytes": t.bytes,
+                        // null: not yet known (G4 before its first listing).
+                        "blocks": t.known.then_some(t.blocks),
+                        "bytes": t.known.then_some(t.bytes),
                         "capacity_bytes": t.capacity_bytes,
                     }),
                 )

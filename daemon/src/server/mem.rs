@@ -519,6 +519,7 @@ impl Backend for MemBackend {
                 blocks: st.blocks.len() as u64,
                 bytes: st.bytes,
                 capacity_bytes: self.limits.capacity_bytes,
+                known: true,
             }],
             evictions: st.evictions,
             quarantined: self.quarantined.load(Ordering::Relaxed),

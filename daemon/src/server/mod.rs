@@ -179,6 +179,7 @@ impl Server {
             })?;
         }
         backend.attach_events(bus.clone());
+        metrics.set_bus(bus.clone());
         Ok(Server {
             listener,
             path: path.clone(),

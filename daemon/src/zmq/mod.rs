@@ -66,7 +66,7 @@ pub struct ZmqOptions {
     pub published: Published,
 }
 
-/// Counters of a publisher (`kvtier_events_zmq{what}` in /metrics).
+/// Counters of a publisher (`kvtier_events_zmq_*_total` in /metrics).
 #[derive(Debug, Default)]
 pub struct ZmqStats {
     /// Batches sent on the PUB socket.

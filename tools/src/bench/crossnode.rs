@@ -18,7 +18,7 @@
 //!
 //! Latency breakdown per block (one block per request; G4-only on C, peer
 //! on B): fetch + verify and the background G3 promote come from the
-//! node's `kvtier_promote_microseconds_total`; client read (the rest of
+//! node's `kvtier_promote_seconds_total`; client read (the rest of
 //! the client-observed latency: request, copy of the verified bytes into
 //! shared memory, reply) is what remains. The promote is not on the
 //! onboard's path any more (it runs after the answer).
@@ -212,8 +212,8 @@ fn settle(n: &Node, source: &str, want: f64) -> Result<f64> {
 fn promote_us(n: &Node, source: &str) -> Result<(f64, f64)> {
     let label = |stage: &str| format!("source=\"{source}\",stage=\"{stage}\"");
     Ok((
-        scrape(n, "kvtier_promote_microseconds_total", &label("fetch"))?,
-        scrape(n, "kvtier_promote_microseconds_total", &label("store"))?,
+        scrape(n, "kvtier_promote_seconds_total", &label("fetch"))? * 1e6,
+        scrape(n, "kvtier_promote_seconds_total", &label("store"))? * 1e6,
     ))
 }
 
@@ -296,7 +296,7 @@ pub fn run(a: CrossnodeArgs) -> Result<()> {
         }
     }
     let t = Instant::now();
-    while scrape(&na, "kvtier_g4", "uploads_stored")? < a.blocks as f64 {
+    while scrape(&na, "kvtier_g4_uploads_total", "outcome=\"stored\"")? < a.blocks as f64 {
         if t.elapsed() > Duration::from_secs(120) {
             bail!("A did not upload its blocks to G4 within 120 s");
         }
