@@ -252,6 +252,9 @@ fn a_prefetched_chain_is_on_g3_before_its_request() {
         onboard_verified(&b, &keys, &data),
         vec![Tier::G3; keys.len()]
     );
+    let s = b.scrape();
+    let pf = |o: &str| metric(&s, "kvtier_prefetch_blocks_total", &[("outcome", o)]);
+    assert_eq!((pf("queued"), pf("fetched")), (8.0, 8.0));
     // Asked again, nothing is left to fetch.
     let again = h.prefetch(&keys, 30_000, 1).unwrap();
     assert_eq!(again, vec![ItemStatus::AlreadyPresent; keys.len()]);

@@ -70,6 +70,8 @@ const SCRAPED_COUNTERS: &[(&str, &str, &[&str])] = &[
     // Promotions.
     ("kvtier_promotions_total", "Blocks promoted into G3, by source tier", &["source"]),
     ("kvtier_promotions_skipped_total", "Fetched blocks served but not promoted into G3 (promotion queue full or no room), by source tier", &["source"]),
+    // Prefetch.
+    ("kvtier_prefetch_blocks_total", "Blocks asked for by prefetches, by outcome (queued, already_local, fetched, missed, expired, superseded, refused)", &["outcome"]),
     // G3 repairs since start.
     ("kvtier_g3_quarantine_trimmed_total", "Quarantined G3 entries deleted to stay within the quarantine bounds", &[]),
     ("kvtier_g3_renames_undone_total", "G3 renames undone after a failed group commit", &[]),
@@ -111,6 +113,7 @@ const SCRAPED_GAUGES: &[(&str, &str, &[&str])] = &[
     ("kvtier_g3_index_rebuilt_at_open", "1 when G3's index was rebuilt from the files at this open", &[]),
     ("kvtier_g3_clean_start", "1 when G3 found a clean shutdown at this open", &[]),
     ("kvtier_g3_quarantine_bytes", "Bytes in G3's quarantine/ now", &[]),
+    ("kvtier_prefetch_waiting_blocks", "Prefetched blocks waiting for a prefetch thread", &[]),
     ("kvtier_mount_passthrough_active", "1 while new opens on the mount use FUSE passthrough", &[]),
 ];
 
@@ -444,6 +447,19 @@ impl Metrics {
                 other => self.count(&format!("kvtier_g3_{other}_total"), &[], x),
             }
         }
+        let pf = &n.prefetch;
+        for (outcome, x) in [
+            ("queued", pf.queued),
+            ("already_local", pf.already_local),
+            ("fetched", pf.fetched),
+            ("missed", pf.missed),
+            ("expired", pf.expired),
+            ("superseded", pf.superseded),
+            ("refused", pf.refused),
+        ] {
+            self.count("kvtier_prefetch_blocks_total", &[outcome], x);
+        }
+        self.gauge("kvtier_prefetch_waiting_blocks", &[], pf.waiting);
         for (src, p) in [("peer", n.promoted_from_peer), ("g4", n.promoted_from_g4)] {
             self.count("kvtier_promotions_total", &[src], p.count);
             self.count("kvtier_promotions_skipped_total", &[src], p.skipped);
