@@ -16,6 +16,7 @@ import time
 
 import torch
 from lmcache.utils import CacheEngineKey
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
 from test_lmcache import filled
 from test_lmcache import key as lm_key
 from test_lmcache import setup as lm_setup
