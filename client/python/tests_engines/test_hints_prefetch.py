@@ -222,6 +222,7 @@ def test_sglang_batch_exists_prefetches_and_reuse_is_hinted(hdaemon):
     want = page_bytes(host, [1, 2, 3])
     assert all(b2.batch_get_v1(hashes, indices([5, 6, 7])))
     assert b2.counters.get("load_blocks_g3") == 3
+    assert b2.counters.get("prefetch_landed") == 3
     assert page_bytes(host, [5, 6, 7]) == want
 
 
@@ -256,6 +257,7 @@ def test_lmcache_request_configs_and_prefetch_at_lookup(hdaemon):
     got = backend.batched_get_blocking(hinted)
     assert all(o is not None for o in got)
     assert backend.counters.get("load_blocks_g3") == 2
+    assert backend.counters.get("prefetch_landed") == 2
     assert [bytes(o.tensor.view(torch.uint8).numpy()) for o in got] == want[2:]
     for o in got:
         o.ref_count_down()

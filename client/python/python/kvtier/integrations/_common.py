@@ -353,6 +353,15 @@ class Prefetcher:
                 return False
         return bool(self.request(ns, [key], [tier], stream=0))
 
+    def loaded(self, ns, key: bytes, tier: Optional[str]) -> None:
+        """The engine loaded ``key`` (from ``tier``): no longer tracked; a
+        tracked one read from G3 counts as ``prefetch_landed``."""
+        if not self.enabled:
+            return
+        with self._lock:
+            if self._pending.pop((ns.id, key), None) is not None and tier == "g3":
+                self.counters.add("prefetch_landed")
+
     def request(self, ns, keys: Sequence[bytes], tiers: Iterable[Optional[str]], stream: int) -> list[bytes]:
         """Prefetches those of ``keys`` whose tier is below G3 (one call);
         returns the keys queued. Never raises."""
@@ -363,6 +372,12 @@ class Prefetcher:
             return []
         nsid = ns.id
         with self._lock:
+            # Forget what expired unseen (a request that went away): the
+            # deadline is one value, so the oldest entries expire first.
+            now = time.monotonic()
+            while self._pending and next(iter(self._pending.values())) <= now:
+                self._pending.popitem(last=False)
+                self.counters.add("prefetch_expired")
             room = self.inflight_max - len(self._pending)
         if room < len(want):
             self.counters.add("prefetch_limited", len(want) - max(room, 0))
@@ -384,6 +399,7 @@ class Prefetcher:
                 if st == "ok":
                     queued.append(k)
                     self._pending[(nsid, k)] = expiry
+                    self._pending.move_to_end((nsid, k))
                 elif st == "already_present":
                     self.counters.add("prefetch_already_present")
                 elif st == "limit_reached":

@@ -309,7 +309,9 @@ class KvtierStorageBackend(StoragePluginInterface):
             self.fail.warn("no CPU memory for a retrieved chunk", "local_cpu_backend.allocate")
             return None
         try:
-            res = self.client.onboard_into(self._namespace(key), [chunk_key(key)], [self._buf(obj)])[0]
+            ns, ck = self._namespace(key), chunk_key(key)
+            res = self.client.onboard_into(ns, [ck], [self._buf(obj)])[0]
+            self.prefetcher.loaded(ns, ck, res.tier if res.ok else None)
         except Exception as e:
             obj.ref_count_down()
             self.counters.add("load_failures")

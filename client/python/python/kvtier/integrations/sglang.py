@@ -225,13 +225,15 @@ class KvtierHiCacheStorage(HiCacheStorage):
         try:
             assert self.ns is not None, "register_mem_pool_host was not called"
             bufs = self._page_buffers(len(keys), host_indices)
-            res = self.client.onboard_into(self.ns, [page_key(k) for k in keys], bufs)
+            ks = [page_key(k) for k in keys]
+            res = self.client.onboard_into(self.ns, ks, bufs)
         except Exception as e:
             self.counters.add("load_failures", len(keys))
             self.fail.error("batch_get_v1", e)
             return [False] * len(keys)
         out = []
-        for r in res:
+        for k, r in zip(ks, res):
+            self.prefetcher.loaded(self.ns, k, r.tier if r.ok else None)
             out.append(bool(r.ok))
             if r.ok:
                 self.counters.add("load_blocks")
