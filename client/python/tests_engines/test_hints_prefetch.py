@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 from lmcache.utils import CacheEngineKey
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
@@ -261,3 +262,48 @@ def test_lmcache_request_configs_and_prefetch_at_lookup(hdaemon):
     assert [bytes(o.tensor.view(torch.uint8).numpy()) for o in got] == want[2:]
     for o in got:
         o.ref_count_down()
+
+
+def test_hint_parsing_bounds_and_reuse_tracker():
+    from kvtier.integrations._common import (
+        BlockHints,
+        KvtierConfigError,
+        ReuseTracker,
+        base_hints,
+        parse_hints,
+        stream_id,
+    )
+
+    h, rest = parse_hints(
+        {"kvtier_priority": "9", "kvtier_ephemeral": True, "kvtier_session": "s", "other": 1},
+        "kvtier_", BlockHints(expected_reuse=2),
+    )
+    assert h == BlockHints(priority=9, ephemeral=True, expected_reuse=2) and rest == {"session": "s"}
+    for bad in ({"kvtier_priority": 256}, {"kvtier_priority": True}, {"kvtier_pinned": "maybe"},
+                {"kvtier_expected_reuse": -1}):
+        with pytest.raises(ValueError, match="kvtier_"):
+            parse_hints(bad, "kvtier_", BlockHints())
+    with pytest.raises(KvtierConfigError, match="kvtier_priority must be 0..=255"):
+        base_hints({"kvtier_priority": 300})
+    assert BlockHints(expected_reuse=5).with_reuse(2).expected_reuse == 5
+    assert BlockHints().with_reuse(1 << 20).expected_reuse == 65535
+    t = ReuseTracker(max_keys=2)
+    for req in ("a", "a", "b", "c"):
+        t.seen(b"k", req)
+    assert t.others(b"k") == 2  # a retry by the same request counts once
+    t.seen(b"x")
+    t.seen(b"y")  # over the bound: the least recently seen key is forgotten
+    assert t.others(b"k") == 0
+    assert stream_id(b"a") != stream_id(b"b") and all(stream_id(i) > 0 for i in range(100))
+
+
+def test_prefetch_against_a_dead_daemon_is_counted_never_raised(tmp_path):
+    from kvtier.integrations._common import Counters, FailOpen, Prefetcher
+
+    client = kvtier.Client(socket=str(tmp_path / "nobody.sock"), timeout_ms=200)
+    counters = Counters()
+    p = Prefetcher(client, counters, FailOpen("test", counters), {})
+    ns = kvtier.Namespace("dead", kvtier.Layout.with_block_bytes(4096), hash_mode="opaque")
+    assert p.request(ns, [b"k1", b"k2"], ["g4", "g3"], stream=1) == []
+    assert not p.pending(ns, b"k3", "peer")
+    assert counters.get("prefetch_failures") == 2 and counters.get("errors") == 2
