@@ -24,3 +24,13 @@ def daemon():
     d = Daemon()
     yield d
     d.close()
+
+
+@pytest.fixture(scope="module")
+def hdaemon():
+    """One kvtierd for a whole module (CI time: each test uses its own
+    keys), with G4 admission ``after-first-reuse`` so that which blocks
+    reach G4 at store time shows which hints arrived."""
+    d = Daemon(config='[g4]\nadmission = "after-first-reuse"\n')
+    yield d
+    d.close()

@@ -6,7 +6,9 @@ import hashlib
 import logging
 import threading
 import time
-from typing import Any, Mapping, Optional
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import kvtier
 
@@ -32,7 +34,13 @@ class Counters:
     ``load_blocks``, ``load_failures``, ``load_bytes``, ``stores``,
     ``store_blocks``, ``store_already_present``, ``store_failures``,
     ``store_bytes``, ``errors`` (exceptions caught instead of raised into the
-    engine). ``snapshot()`` gives a plain dict."""
+    engine), and for prefetch (:class:`Prefetcher`): ``prefetches`` (calls),
+    ``prefetch_blocks`` (queued), ``prefetch_already_present``,
+    ``prefetch_limited`` (the daemon's or the connector's bound),
+    ``prefetch_absent``, ``prefetch_failures``, ``prefetch_landed``,
+    ``prefetch_expired`` (the deadline passed: loaded from the remote tier
+    directly); ``hint_errors`` (a request hint that could not be read,
+    ignored). ``snapshot()`` gives a plain dict."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -131,3 +139,276 @@ def coalesce(segments: list) -> list:
         else:
             out.append(seg)
     return out
+
+
+# -- hints ------------------------------------------------------------------
+
+# The daemon's hint fields: priority is a u8, expected_reuse a u16.
+PRIORITY_MAX = 255
+EXPECTED_REUSE_MAX = 65535
+
+
+@dataclass(frozen=True)
+class BlockHints:
+    """What a connector tells kvtierd about a block it offloads
+    (``client.offload(..., priority, pinned, ephemeral, expected_reuse)``)."""
+
+    priority: int = 0
+    pinned: bool = False
+    ephemeral: bool = False
+    expected_reuse: int = 0
+
+    def kwargs(self) -> dict:
+        return {
+            "priority": self.priority,
+            "pinned": self.pinned,
+            "ephemeral": self.ephemeral,
+            "expected_reuse": self.expected_reuse,
+        }
+
+    def with_reuse(self, seen: int) -> "BlockHints":
+        """These hints with ``expected_reuse`` at least ``seen``."""
+        seen = min(max(seen, 0), EXPECTED_REUSE_MAX)
+        return self if seen <= self.expected_reuse else replace(self, expected_reuse=seen)
+
+
+def _bounded_int(value: Any, name: str, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"{name} must be an integer 0..={hi}, got {value!r}")
+    n = int(value)
+    if not 0 <= n <= hi:
+        raise ValueError(f"{name} must be 0..={hi}, got {n}")
+    return n
+
+
+def _flag(value: Any, name: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, str)) and str(value).lower() in ("0", "1", "true", "false"):
+        return str(value).lower() in ("1", "true")
+    raise ValueError(f"{name} must be true or false, got {value!r}")
+
+
+def parse_hints(
+    params: Optional[Mapping[str, Any]], prefix: str, base: BlockHints
+) -> tuple[BlockHints, dict]:
+    """Hints named ``<prefix>priority``, ``<prefix>pinned``,
+    ``<prefix>ephemeral``, ``<prefix>expected_reuse`` in ``params`` over
+    ``base``; also returns the other ``<prefix>*`` entries (without the
+    prefix) for engine-specific ones (``session``, ``ephemeral_from_token``).
+    Raises ValueError naming the bad entry (callers count and ignore it:
+    a bad hint never fails a request)."""
+    if not params:
+        return base, {}
+    h = base
+    rest: dict = {}
+    for name, value in params.items():
+        if not isinstance(name, str) or not name.startswith(prefix):
+            continue
+        field = name[len(prefix) :]
+        full = f"{prefix}{field}"
+        if field == "priority":
+            h = replace(h, priority=_bounded_int(value, full, PRIORITY_MAX))
+        elif field == "pinned":
+            h = replace(h, pinned=_flag(value, full))
+        elif field == "ephemeral":
+            h = replace(h, ephemeral=_flag(value, full))
+        elif field == "expected_reuse":
+            h = replace(h, expected_reuse=_bounded_int(value, full, EXPECTED_REUSE_MAX))
+        else:
+            rest[field] = value
+    return h, rest
+
+
+def base_hints(extra: Optional[Mapping[str, Any]]) -> BlockHints:
+    """The deployment's hints (``kvtier_priority``, ``kvtier_pinned``,
+    ``kvtier_ephemeral``, ``kvtier_expected_reuse`` in the extra config);
+    a bad value is a :class:`KvtierConfigError` at startup."""
+    try:
+        h, _ = parse_hints(extra, "kvtier_", BlockHints())
+    except ValueError as e:
+        raise KvtierConfigError(f"{e} (in the connector's extra config)") from None
+    return h
+
+
+def offload_grouped(client: kvtier.Client, ns, keys: list, bufs: list, hints: Sequence[BlockHints], parent=None) -> list:
+    """``client.offload`` of keys whose hints differ: one call per distinct
+    hints (in first-seen order), results back in ``keys`` order."""
+    groups: dict[BlockHints, list[int]] = {}
+    for i, h in enumerate(hints):
+        groups.setdefault(h, []).append(i)
+    out: list = [None] * len(keys)
+    for h, idx in groups.items():
+        res = client.offload(ns, [keys[i] for i in idx], [bufs[i] for i in idx], parent, **h.kwargs())
+        for i, r in zip(idx, res):
+            out[i] = r
+    return out
+
+
+# Keys whose lookups the reuse tracker remembers (least recently seen
+# forgotten first): 64 Ki keys of at most 64 bytes, a few MiB.
+REUSE_TRACKED_KEYS_MAX = 1 << 16
+
+
+class ReuseTracker:
+    """How many distinct requests looked a block up before it was stored:
+    a block of a shared system prompt or document that several requests
+    missed on is worth ``expected_reuse`` when one of them stores it.
+    Bounded (``REUSE_TRACKED_KEYS_MAX``) and thread-safe."""
+
+    def __init__(self, max_keys: int = REUSE_TRACKED_KEYS_MAX) -> None:
+        self.max_keys = max_keys
+        self._lock = threading.Lock()
+        self._seen: OrderedDict[bytes, tuple[int, Any]] = OrderedDict()
+
+    def seen(self, key: bytes, request: Any = None) -> None:
+        """``request`` looked ``key`` up (a repeat by the same request,
+        e.g. a scheduler retry, does not count again; None always counts)."""
+        with self._lock:
+            n, last = self._seen.pop(key, (0, object()))
+            if request is None or request != last:
+                n += 1
+            self._seen[key] = (n, request)
+            if len(self._seen) > self.max_keys:
+                self._seen.popitem(last=False)
+
+    def others(self, key: bytes) -> int:
+        """Requests beyond the first that looked ``key`` up."""
+        with self._lock:
+            n, _ = self._seen.get(key, (0, None))
+        return max(0, n - 1)
+
+
+# -- prefetch ----------------------------------------------------------------
+
+# Prefetches a connector keeps track of at once (blocks asked for and not
+# yet seen on G3 nor expired); past it a block found below G3 is loaded
+# from there directly, as without prefetch.
+PREFETCH_INFLIGHT_MAX = 4096
+PREFETCH_DEADLINE_MS = 10_000
+
+
+def stream_id(*parts: Any) -> int:
+    """A non-zero 63-bit prefetch stream from what names a request or a
+    chain (a later prefetch on the same stream supersedes the earlier)."""
+    h = hashlib.blake2b(digest_size=8)
+    for p in parts:
+        h.update(p if isinstance(p, bytes) else str(p).encode())
+        h.update(b"\x00")
+    return (int.from_bytes(h.digest(), "big") >> 1) | 1
+
+
+class Prefetcher:
+    """Asks kvtierd to bring blocks that a lookup found on a peer or G4 into
+    G3 (``client.prefetch``) so the load that follows is a G3 read. Bounded
+    (``kvtier_prefetch_inflight_max`` blocks tracked, each for at most
+    ``kvtier_prefetch_deadline_ms``) and fail open: a prefetch that fails
+    or is refused is counted and logged (rate limited), and the block is
+    then loaded from where it is. ``kvtier_prefetch: false`` turns it off."""
+
+    def __init__(self, client: kvtier.Client, counters: Counters, fail: FailOpen, extra: Optional[Mapping[str, Any]]) -> None:
+        self.client = client
+        self.counters = counters
+        self.fail = fail
+        try:
+            self.enabled = _flag(setting(extra, "prefetch", True), "kvtier_prefetch")
+            self.deadline_ms = _bounded_int(
+                setting(extra, "prefetch_deadline_ms", PREFETCH_DEADLINE_MS),
+                "kvtier_prefetch_deadline_ms",
+                3_600_000,
+            )
+            self.inflight_max = _bounded_int(
+                setting(extra, "prefetch_inflight_max", PREFETCH_INFLIGHT_MAX),
+                "kvtier_prefetch_inflight_max",
+                1 << 24,
+            )
+        except ValueError as e:
+            raise KvtierConfigError(f"{e} (in the connector's extra config)") from None
+        if self.deadline_ms == 0:
+            raise KvtierConfigError("kvtier_prefetch_deadline_ms must be positive")
+        self._lock = threading.Lock()
+        # (namespace id, key) -> monotonic expiry.
+        self._pending: OrderedDict[tuple[str, bytes], float] = OrderedDict()
+
+    def pending(self, ns, key: bytes, tier: Optional[str]) -> bool:
+        """For a block a lookup found on ``tier``: True while a prefetch of
+        it is in flight (the caller may wait for it), False when it is on
+        G3 or should be loaded from where it is."""
+        if not self.enabled:
+            return False
+        pk = (ns.id, key)
+        now = time.monotonic()
+        with self._lock:
+            expiry = self._pending.get(pk)
+            if tier == "g3" or tier is None:
+                if expiry is not None:
+                    del self._pending[pk]
+                    self.counters.add("prefetch_landed")
+                return False
+            if expiry is not None:
+                if now < expiry:
+                    return True
+                del self._pending[pk]
+                self.counters.add("prefetch_expired")
+                return False
+        return bool(self.request(ns, [key], [tier], stream=0))
+
+    def loaded(self, ns, key: bytes, tier: Optional[str]) -> None:
+        """The engine loaded ``key`` (from ``tier``): no longer tracked; a
+        tracked one read from G3 counts as ``prefetch_landed``."""
+        if not self.enabled:
+            return
+        with self._lock:
+            if self._pending.pop((ns.id, key), None) is not None and tier == "g3":
+                self.counters.add("prefetch_landed")
+
+    def request(self, ns, keys: Sequence[bytes], tiers: Iterable[Optional[str]], stream: int) -> list[bytes]:
+        """Prefetches those of ``keys`` whose tier is below G3 (one call);
+        returns the keys queued. Never raises."""
+        if not self.enabled:
+            return []
+        want = [k for k, t in zip(keys, tiers) if t not in (None, "g3")]
+        if not want:
+            return []
+        nsid = ns.id
+        with self._lock:
+            # Forget what expired unseen (a request that went away): the
+            # deadline is one value, so the oldest entries expire first.
+            now = time.monotonic()
+            while self._pending and next(iter(self._pending.values())) <= now:
+                self._pending.popitem(last=False)
+                self.counters.add("prefetch_expired")
+            room = self.inflight_max - len(self._pending)
+        if room < len(want):
+            self.counters.add("prefetch_limited", len(want) - max(room, 0))
+            self.fail.warn("prefetch limit", f"{self.inflight_max} blocks in flight (kvtier_prefetch_inflight_max)")
+            want = want[: max(room, 0)]
+            if not want:
+                return []
+        self.counters.add("prefetches")
+        try:
+            statuses = self.client.prefetch(ns, want, deadline_ms=self.deadline_ms, stream=stream)
+        except Exception as e:
+            self.counters.add("prefetch_failures", len(want))
+            self.fail.error("prefetch failed", e)
+            return []
+        queued = []
+        expiry = time.monotonic() + self.deadline_ms / 1000.0
+        with self._lock:
+            for k, st in zip(want, statuses):
+                if st == "ok":
+                    queued.append(k)
+                    self._pending[(nsid, k)] = expiry
+                    self._pending.move_to_end((nsid, k))
+                elif st == "already_present":
+                    self.counters.add("prefetch_already_present")
+                elif st == "limit_reached":
+                    self.counters.add("prefetch_limited")
+                    self.fail.warn("prefetch limit_reached", "the daemon's prefetch queue is full")
+                elif st == "absent":
+                    self.counters.add("prefetch_absent")
+                else:
+                    self.counters.add("prefetch_failures")
+                    self.fail.warn(f"prefetch {st}", "the daemon refused a prefetch")
+        self.counters.add("prefetch_blocks", len(queued))
+        return queued

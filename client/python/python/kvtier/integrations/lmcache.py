@@ -32,6 +32,23 @@ from the metadata alone. A shorter chunk is skipped and counted
 Fail open: ``contains`` answers False and ``get_blocking`` None for a
 miss, a timeout or a dead daemon; LMCache recomputes. Puts that fail are
 counted and dropped.
+
+Hints (docs/OPERATIONS.md, "Engines"): LMCache 0.5.6 gives a storage plugin
+``CacheEngineKey``s, whose ``request_configs`` carry the request's
+``lmcache.*`` settings (from vLLM's ``kv_transfer_params``); not the
+request's priority, nor which chunks are decode or reasoning tokens. The
+hints are the deployment's (``kvtier_priority``, ``kvtier_pinned``,
+``kvtier_ephemeral``, ``kvtier_expected_reuse`` in ``extra_config``),
+overridden per request by ``lmcache.kvtier.priority`` /
+``.pinned`` / ``.ephemeral`` / ``.expected_reuse`` in its
+``request_configs``, plus ``expected_reuse`` for a chunk that several
+lookups missed on before it was stored (a shared prefix).
+
+Prefetch: LMCache looks a request's chunks up (``batched_contains`` /
+``batched_async_contains``, its lookup before a retrieve) and then
+retrieves them; the hit chunks found on a peer or G4 are prefetched into
+G3 at the lookup (one stream per lookup), so the retrieve reads G3.
+Bounded and fail open (``_common.Prefetcher``).
 """
 
 from __future__ import annotations
@@ -51,12 +68,18 @@ from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 import kvtier
 
 from ._common import (
+    BlockHints,
     Counters,
     FailOpen,
     KvtierConfigError,
+    Prefetcher,
+    ReuseTracker,
+    base_hints,
     connector_key,
     make_client,
+    parse_hints,
     setting,
+    stream_id,
     tenant_salt,
 )
 
@@ -64,6 +87,9 @@ LMCACHE_VERSION = "0.5.6"
 
 # Cached namespaces (one per model / world size / dtype / tags / worker).
 NAMESPACES_MAX = 1024
+
+# The request_configs prefix of per-request hints.
+HINTS_PREFIX = "lmcache.kvtier."
 
 
 def chunk_key(key: CacheEngineKey) -> bytes:
@@ -101,6 +127,9 @@ class KvtierStorageBackend(StoragePluginInterface):
         self.counters = Counters()
         self.fail = FailOpen("lmcache", self.counters)
         self.client = make_client(self.extra)
+        self.hints = base_hints(self.extra)
+        self.reuse = ReuseTracker()
+        self.prefetcher = Prefetcher(self.client, self.counters, self.fail, self.extra)
         self.shapes = list(metadata.get_shapes())
         self.dtypes = list(metadata.get_dtypes())
         self.fmt = MemoryFormat.KV_MLA_FMT if metadata.use_mla else MemoryFormat.KV_2LTD
@@ -144,6 +173,19 @@ class KvtierStorageBackend(StoragePluginInterface):
                 self._ns[ident] = ns
             return ns
 
+    def _hints(self, key: CacheEngineKey) -> BlockHints:
+        """The deployment's hints, overridden by the request's
+        ``lmcache.kvtier.*`` request configs (a bad one is ignored)."""
+        if not key.request_configs:
+            return self.hints
+        try:
+            h, _ = parse_hints(key.request_configs, HINTS_PREFIX, self.hints)
+            return h
+        except ValueError as e:
+            self.counters.add("hint_errors")
+            self.fail.warn("request hints ignored", e)
+            return self.hints
+
     @staticmethod
     def _buf(obj: MemoryObj) -> tuple:
         return (int(obj.data_ptr), int(obj.get_size()))
@@ -153,7 +195,9 @@ class KvtierStorageBackend(StoragePluginInterface):
     def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:
         return self.batched_contains([key], pin) == 1
 
-    def batched_contains(self, keys: List[CacheEngineKey], pin: bool = False) -> int:
+    def batched_contains(
+        self, keys: List[CacheEngineKey], pin: bool = False, lookup_id: Optional[str] = None
+    ) -> int:
         if not keys:
             return 0
         self.counters.add("lookups")
@@ -167,11 +211,22 @@ class KvtierStorageBackend(StoragePluginInterface):
                     if self._namespace(k) is not ns:
                         break
                     run.append(k)
-                found = self.client.lookup(ns, [chunk_key(k) for k in run])
+                ks = [chunk_key(k) for k in run]
+                found = self.client.lookup(ns, ks)
                 if found.reason not in (None, "absent"):
                     self.fail.warn(f"lookup {found.reason}", found.detail)
-                if pin and found.prefix_len:
-                    self.client.pin(ns, [chunk_key(k) for k in run[: found.prefix_len]])
+                n = int(found.prefix_len)
+                if pin and n:
+                    self.client.pin(ns, ks[:n])
+                for k in ks[n:]:
+                    self.reuse.seen(k, lookup_id)
+                if n:
+                    # LMCache retrieves what it found next: bring the chunks
+                    # on a peer or G4 into G3 first.
+                    self.prefetcher.request(
+                        ns, ks[:n], list(found.tiers)[:n],
+                        stream_id(b"lmcache", lookup_id if lookup_id is not None else ks[0], ns.id),
+                    )
                 hit += found.prefix_len
                 if found.prefix_len < len(run):
                     break
@@ -186,7 +241,7 @@ class KvtierStorageBackend(StoragePluginInterface):
         self, lookup_id: str, keys: List[CacheEngineKey], pin: bool = False
     ) -> int:
         return await asyncio.get_running_loop().run_in_executor(
-            None, self.batched_contains, keys, pin
+            None, self.batched_contains, keys, pin, lookup_id
         )
 
     def exists_in_put_tasks(self, key: CacheEngineKey) -> bool:
@@ -208,7 +263,9 @@ class KvtierStorageBackend(StoragePluginInterface):
                 if int(obj.get_size()) != self.chunk_bytes:
                     self.counters.add("store_skipped_partial")
                     continue
-                res = self.client.offload(self._namespace(key), [chunk_key(key)], [self._buf(obj)])[0]
+                ck = chunk_key(key)
+                h = self._hints(key).with_reuse(self.reuse.others(ck))
+                res = self.client.offload(self._namespace(key), [ck], [self._buf(obj)], **h.kwargs())[0]
             except Exception as e:
                 self.counters.add("store_failures")
                 self.fail.error("put", e)
@@ -252,7 +309,9 @@ class KvtierStorageBackend(StoragePluginInterface):
             self.fail.warn("no CPU memory for a retrieved chunk", "local_cpu_backend.allocate")
             return None
         try:
-            res = self.client.onboard_into(self._namespace(key), [chunk_key(key)], [self._buf(obj)])[0]
+            ns, ck = self._namespace(key), chunk_key(key)
+            res = self.client.onboard_into(ns, [ck], [self._buf(obj)])[0]
+            self.prefetcher.loaded(ns, ck, res.tier if res.ok else None)
         except Exception as e:
             obj.ref_count_down()
             self.counters.add("load_failures")
@@ -265,6 +324,7 @@ class KvtierStorageBackend(StoragePluginInterface):
                 self.fail.warn(f"load {res.reason}", res.detail)
             return None
         self.counters.add("load_blocks")
+        self.counters.add(f"load_blocks_{res.tier}")
         self.counters.add("load_bytes", res.nbytes)
         return obj
 

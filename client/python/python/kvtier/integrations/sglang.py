@@ -23,6 +23,21 @@ storage writer stores it).
 Fail open: ``batch_exists`` answers 0 and the get/set calls answer False
 for a page they could not move (a miss, a timeout, a dead daemon); SGLang
 then recomputes. Nothing raises into the scheduler; ``counters`` counts.
+
+Hints (docs/OPERATIONS.md, "Engines"): SGLang 0.5.23's HiCache controller
+gives the storage backend page hashes and the chain before them
+(``HiCacheStorageExtraInfo.prefix_keys``), not the request's priority,
+id, or which pages are decode or reasoning tokens. So the hints are the
+deployment's (``kvtier_priority``, ``kvtier_pinned``, ``kvtier_ephemeral``,
+``kvtier_expected_reuse`` in the extra config), overridden by the same
+``kvtier_*`` names in ``extra_info.extra_info`` when a caller sets them,
+plus ``expected_reuse`` for a page that several prefetch queries
+(``batch_exists``) missed on before it was stored (a shared prefix).
+
+Prefetch: ``batch_exists`` is SGLang's prefetch query; the pages it finds
+on a peer or G4 are prefetched into G3 there (one stream per chain, so a
+query of the same chain again supersedes), and the ``batch_get_v1`` that
+follows reads them from G3. Bounded and fail open (``_common.Prefetcher``).
 """
 
 from __future__ import annotations
@@ -44,10 +59,16 @@ from ._common import (
     Counters,
     FailOpen,
     KvtierConfigError,
+    Prefetcher,
+    ReuseTracker,
+    base_hints,
     coalesce,
     connector_key,
     make_client,
+    offload_grouped,
+    parse_hints,
     setting,
+    stream_id,
     tenant_salt,
 )
 
@@ -76,7 +97,10 @@ class KvtierHiCacheStorage(HiCacheStorage):
     ``register_mem_pool_host(host_pool)``.
 
     Extra-config keys: ``kvtier_socket``, ``kvtier_timeout_ms`` (2000),
-    ``kvtier_model`` (default SGLang's model name), ``kvtier_tenant_salt``."""
+    ``kvtier_model`` (default SGLang's model name), ``kvtier_tenant_salt``;
+    hints and prefetch as in the module's doc (``kvtier_priority``, ...,
+    ``kvtier_prefetch``, ``kvtier_prefetch_deadline_ms``,
+    ``kvtier_prefetch_inflight_max``)."""
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None):
         self.storage_config = storage_config
@@ -84,6 +108,9 @@ class KvtierHiCacheStorage(HiCacheStorage):
         self.counters = Counters()
         self.fail = FailOpen("sglang", self.counters)
         self.client = make_client(self.extra)
+        self.hints = base_hints(self.extra)
+        self.reuse = ReuseTracker()
+        self.prefetcher = Prefetcher(self.client, self.counters, self.fail, self.extra)
         self.is_mla = storage_config.is_mla_model
         self.writer = storage_config.is_storage_writer
         self.ns: Optional[kvtier.Namespace] = None
@@ -160,16 +187,28 @@ class KvtierHiCacheStorage(HiCacheStorage):
         if not keys or self.ns is None:
             return 0
         self.counters.add("lookups")
+        ks = [page_key(k) for k in keys]
         try:
-            found = self.client.lookup(self.ns, [page_key(k) for k in keys])
+            found = self.client.lookup(self.ns, ks)
         except Exception as e:
             self.fail.error("batch_exists", e)
             return 0
         if found.reason not in (None, "absent"):
             self.fail.warn(f"lookup {found.reason}", found.detail)
-        self.counters.add("lookup_hits", found.prefix_len)
-        self.counters.add("lookup_misses", len(keys) - found.prefix_len)
-        return int(found.prefix_len)
+        hit = int(found.prefix_len)
+        self.counters.add("lookup_hits", hit)
+        self.counters.add("lookup_misses", len(keys) - hit)
+        for k in ks[hit:]:
+            self.reuse.seen(k)
+        if hit:
+            # The pages SGLang is about to read: those on a peer or G4 are
+            # fetched into G3 now, all at once, ahead of batch_get_v1.
+            prefix = extra_info.prefix_keys if extra_info is not None else None
+            chain = page_key(prefix[0]) if prefix else ks[0]
+            self.prefetcher.request(
+                self.ns, ks[:hit], list(found.tiers)[:hit], stream_id(b"sglang", chain, ks[0])
+            )
+        return hit
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
@@ -186,16 +225,19 @@ class KvtierHiCacheStorage(HiCacheStorage):
         try:
             assert self.ns is not None, "register_mem_pool_host was not called"
             bufs = self._page_buffers(len(keys), host_indices)
-            res = self.client.onboard_into(self.ns, [page_key(k) for k in keys], bufs)
+            ks = [page_key(k) for k in keys]
+            res = self.client.onboard_into(self.ns, ks, bufs)
         except Exception as e:
             self.counters.add("load_failures", len(keys))
             self.fail.error("batch_get_v1", e)
             return [False] * len(keys)
         out = []
-        for r in res:
+        for k, r in zip(ks, res):
+            self.prefetcher.loaded(self.ns, k, r.tier if r.ok else None)
             out.append(bool(r.ok))
             if r.ok:
                 self.counters.add("load_blocks")
+                self.counters.add(f"load_blocks_{r.tier}")
                 self.counters.add("load_bytes", r.nbytes)
             else:
                 self.counters.add("load_failures")
@@ -221,7 +263,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
             ks = [page_key(k) for k in keys]
             prefix = extra_info.prefix_keys if extra_info is not None else None
             parent = page_key(prefix[-1]) if prefix else None
-            res = self.client.offload(self.ns, ks, bufs, parent=parent)
+            res = offload_grouped(self.client, self.ns, ks, bufs, self._hints(ks, extra_info), parent)
         except Exception as e:
             self.counters.add("store_failures", len(keys))
             self.fail.error("batch_set_v1", e)
@@ -240,6 +282,17 @@ class KvtierHiCacheStorage(HiCacheStorage):
                 self.counters.add("store_failures")
                 self.fail.warn(f"store {r.reason}", r.detail)
         return out
+
+    def _hints(self, ks: list[bytes], extra_info: Optional[HiCacheStorageExtraInfo]) -> list:
+        base = self.hints
+        given = extra_info.extra_info if extra_info is not None else None
+        if given:
+            try:
+                base, _ = parse_hints(given, "kvtier_", base)
+            except ValueError as e:  # a bad hint is ignored, never a failed store
+                self.counters.add("hint_errors")
+                self.fail.warn("hints ignored", e)
+        return [base.with_reuse(self.reuse.others(k)) for k in ks]
 
     def _remember(self, key: bytes) -> None:
         with self._stored_lock:

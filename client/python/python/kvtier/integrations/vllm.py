@@ -30,6 +30,24 @@ vLLM 0.33's OffloadingConnector does not support failed loads (it asserts),
 which is the one case this interface cannot turn into a recompute; the
 manager pins blocks from prepare_load to complete_load so eviction cannot
 cause it.
+
+Hints (docs/OPERATIONS.md, "Engines"): vLLM 0.33 hands the offloading
+manager a ``ReqContext`` with the request id, its ``kv_transfer_params``
+and the orchestrator's ``kv_hints`` envelope, not the request's
+``priority`` nor its prompt length. Per request, ``kv_transfer_params``
+entries ``kvtier_priority`` / ``kvtier_pinned`` / ``kvtier_ephemeral`` /
+``kvtier_expected_reuse`` / ``kvtier_ephemeral_from_token`` (chunks ending
+past that token, e.g. the prompt length: decode and reasoning tokens, are
+ephemeral), or a ``kv_hints`` action of type ``kvtier.hints`` with the
+same names without the prefix, override the deployment's ``kvtier_*``
+defaults. A chunk that several requests missed on before one stored it
+(a shared system prompt) gets ``expected_reuse`` of that count.
+
+Prefetch: when the scheduler's lookup finds a chunk on a peer or G4 (not
+G3), the manager asks kvtierd to prefetch it and answers ``HIT_PENDING``;
+vLLM defers the request and looks again, and the chunk is a HIT once on
+G3 (or when the prefetch's deadline passes: then it loads from where it
+is). Bounded and fail open (``_common.Prefetcher``).
 """
 
 from __future__ import annotations
@@ -66,12 +84,18 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 import kvtier
 
 from ._common import (
+    BlockHints,
     Counters,
     FailOpen,
     KvtierConfigError,
+    Prefetcher,
+    ReuseTracker,
+    base_hints,
     coalesce,
     connector_key,
     make_client,
+    offload_grouped,
+    parse_hints,
     setting,
     tenant_salt,
 )
@@ -82,13 +106,19 @@ LOAD_PIN_TTL_MS = 120_000
 
 VLLM_VERSION = "0.33.0"
 
+# The kv_hints action this connector reads (payload: priority, pinned,
+# ephemeral, expected_reuse, ephemeral_from_token).
+KV_HINTS_ACTION = "kvtier.hints"
+
 
 class KvtierLoadStoreSpec(LoadStoreSpec):
     """Where offloaded chunks live in kvtier: their keys, in the order the
     scheduler pairs them with GPU blocks (by KV group, then chunk order)."""
 
-    def __init__(self, keys: list[OffloadKey]):
+    def __init__(self, keys: list[OffloadKey], hints: Optional[list[BlockHints]] = None):
         self.keys = keys
+        # Per key, for stores: what the scheduler knew of its request.
+        self.hints = hints
 
     def __repr__(self) -> str:
         return f"KvtierLoadStoreSpec({len(self.keys)} keys)"
@@ -119,7 +149,11 @@ class KvtierOffloadingSpec(OffloadingSpec):
 
     ``kv_connector_extra_config`` keys: ``kvtier_socket`` (default
     $KVTIER_SOCKET), ``kvtier_timeout_ms`` (2000), ``kvtier_model`` (default
-    the served model), ``kvtier_tenant_salt`` (""), ``kvtier_priority`` (0)."""
+    the served model), ``kvtier_tenant_salt`` (""); default hints
+    ``kvtier_priority`` (0), ``kvtier_pinned``, ``kvtier_ephemeral``,
+    ``kvtier_expected_reuse`` (0); prefetch ``kvtier_prefetch`` (true),
+    ``kvtier_prefetch_deadline_ms`` (10000), ``kvtier_prefetch_inflight_max``
+    (4096)."""
 
     def __init__(self, config: OffloadingConfig):
         super().__init__(config)
@@ -136,7 +170,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
             )
         self.counters = Counters()
         self.fail = FailOpen("vllm", self.counters)
-        self.priority = int(setting(self.extra_config, "priority", 0))
+        self.hints = base_hints(self.extra_config)
         layout = kvtier.Layout.with_block_bytes(self.chunk_bytes)
         model = namespace_model(config, self.extra_config)
         salt = tenant_salt(self.extra_config)
@@ -149,12 +183,15 @@ class KvtierOffloadingSpec(OffloadingSpec):
 
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
+            client = make_client(self.extra_config)
             self._manager = KvtierOffloadingManager(
-                make_client(self.extra_config),
+                client,
                 self.namespaces,
                 enable_events=self.kv_events_config.enable_kv_cache_events,
                 counters=self.counters,
                 fail=self.fail,
+                hints=self.hints,
+                prefetcher=Prefetcher(client, self.counters, self.fail, self.extra_config),
             )
         return self._manager
 
@@ -166,11 +203,20 @@ class KvtierOffloadingSpec(OffloadingSpec):
                 ns=self.namespaces[self.config.parallel.rank],
                 worker_block_bytes=self.config.worker_kv_bytes_per_block,
                 blocks_per_chunk=self.blocks_per_chunk,
-                priority=self.priority,
                 counters=self.counters,
                 fail=self.fail,
             )
         return self._worker
+
+
+class _RequestHints:
+    """One request's hints, parsed once in on_new_request."""
+
+    __slots__ = ("hints", "ephemeral_from_token")
+
+    def __init__(self, hints: BlockHints, ephemeral_from_token: Optional[int]) -> None:
+        self.hints = hints
+        self.ephemeral_from_token = ephemeral_from_token
 
 
 class KvtierOffloadingManager(OffloadingManager):
@@ -184,17 +230,23 @@ class KvtierOffloadingManager(OffloadingManager):
         enable_events: bool,
         counters: Counters,
         fail: FailOpen,
+        hints: Optional[BlockHints] = None,
+        prefetcher: Optional[Prefetcher] = None,
     ) -> None:
         self.client = client
         self.namespaces = namespaces
         self.enable_events = enable_events
         self.counters = counters
         self.fail = fail
+        self.hints = hints or BlockHints()
+        self.prefetcher = prefetcher
+        self.reuse = ReuseTracker()
         self._storing: set[OffloadKey] = set()
         self._events: list[OffloadingEvent] = []
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         self.counters.add("lookups")
+        pending = False
         try:
             k = connector_key(key)
             for ns in self.namespaces:
@@ -203,13 +255,57 @@ class KvtierOffloadingManager(OffloadingManager):
                     if found.reason not in (None, "absent"):
                         self.fail.warn(f"lookup {found.reason}", found.detail)
                     self.counters.add("lookup_misses")
+                    self.reuse.seen(k, req_context.req_id)
                     return LookupResult.MISS
+                if self.prefetcher is not None:
+                    tier = found.tiers[0] if found.tiers else None
+                    pending |= self.prefetcher.pending(ns, k, tier)
         except Exception as e:  # fail open: a miss
             self.fail.error("lookup failed", e)
             self.counters.add("lookup_misses")
             return LookupResult.MISS
+        if pending:
+            # On a peer or G4 and being prefetched: vLLM looks again later,
+            # and loads it from G3 then.
+            self.counters.add("lookup_pending")
+            return LookupResult.HIT_PENDING
         self.counters.add("lookup_hits")
         return LookupResult.HIT
+
+    def _request_hints(self, req_context: ReqContext) -> _RequestHints:
+        got = req_context.get_state(_RequestHints)
+        if got is not None:
+            return got
+        hints, eph_from = self.hints, None
+        try:
+            hints, rest = parse_hints(req_context.kv_transfer_params, "kvtier_", hints)
+            eph_from = rest.get("ephemeral_from_token")
+            envelope = req_context.kv_hints
+            for action in envelope.actions if envelope is not None else ():
+                if action.action_type == KV_HINTS_ACTION:
+                    hints, rest = parse_hints(action.payload, "", hints)
+                    eph_from = rest.get("ephemeral_from_token", eph_from)
+            if eph_from is not None:
+                eph_from = int(eph_from)
+                if eph_from < 0:
+                    raise ValueError(f"ephemeral_from_token must be >= 0, got {eph_from}")
+        except (ValueError, TypeError, AttributeError) as e:
+            # A bad hint is ignored, never a failed request.
+            self.counters.add("hint_errors")
+            self.fail.warn("request hints ignored", f"request {req_context.req_id}: {e}")
+            hints, eph_from = self.hints, None
+        got = _RequestHints(hints, eph_from)
+        req_context.set_state(got)
+        return got
+
+    def _key_hints(self, key: OffloadKey, req_context: ReqContext) -> BlockHints:
+        rh = self._request_hints(req_context)
+        h = rh.hints.with_reuse(self.reuse.others(connector_key(key)))
+        if rh.ephemeral_from_token is not None and not h.ephemeral:
+            end = req_context.get_offload_key_position(key)
+            if end is not None and end > rh.ephemeral_from_token:
+                h = BlockHints(h.priority, h.pinned, True, h.expected_reuse)
+        return h
 
     def _pin(self, keys: list[OffloadKey], pin: bool) -> None:
         try:
@@ -252,8 +348,9 @@ class KvtierOffloadingManager(OffloadingManager):
         new = [k for k, p in zip(keys, present) if not p and k not in self._storing]
         self._storing.update(new)
         ordered = _group_order(new)
+        hints = [self._key_hints(k, req_context) for k in ordered]
         return PrepareStoreOutput(
-            keys_to_store=ordered, store_spec=KvtierLoadStoreSpec(ordered), evicted_keys=[]
+            keys_to_store=ordered, store_spec=KvtierLoadStoreSpec(ordered, hints), evicted_keys=[]
         )
 
     def complete_store(
@@ -278,6 +375,7 @@ class KvtierOffloadingManager(OffloadingManager):
             )
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        self._request_hints(req_context)
         return RequestOffloadingContext()
 
     def take_events(self) -> Iterable[OffloadingEvent]:
@@ -311,7 +409,6 @@ class KvtierOffloadingWorker(OffloadingWorker):
         ns: kvtier.Namespace,
         worker_block_bytes: int,
         blocks_per_chunk: int,
-        priority: int,
         counters: Counters,
         fail: FailOpen,
     ) -> None:
@@ -319,7 +416,6 @@ class KvtierOffloadingWorker(OffloadingWorker):
         self.ns = ns
         self.block_bytes = worker_block_bytes
         self.bpc = blocks_per_chunk
-        self.priority = priority
         self.counters = counters
         self.fail = fail
         # Per KV group: (tensor, row stride in bytes, page bytes) of each
@@ -411,6 +507,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
         try:
             keys = list(dst_spec.keys)  # type: ignore[attr-defined]
+            hints = getattr(dst_spec, "hints", None) or [BlockHints()] * len(keys)
             bufs = self._chunk_buffers(keys, src_spec, load=False)
             # The model may still be writing these pages on the GPU: the
             # copy thread waits for what the compute stream has queued.
@@ -426,8 +523,8 @@ class KvtierOffloadingWorker(OffloadingWorker):
             try:
                 if ready is not None:
                     ready.synchronize()
-                res = self.client.offload(
-                    self.ns, [connector_key(k) for k in keys], bufs, priority=self.priority
+                res = offload_grouped(
+                    self.client, self.ns, [connector_key(k) for k in keys], bufs, hints
                 )
                 self.counters.add("stores")
                 for r in res:
@@ -474,6 +571,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
             for r in res:
                 if r.ok:
                     self.counters.add("load_blocks")
+                    self.counters.add(f"load_blocks_{r.tier}")
                     self.counters.add("load_bytes", r.nbytes)
                 else:
                     ok = False
