@@ -16,7 +16,7 @@ MATURIN_PEP517_ARGS="--profile dev" .venv/bin/pip install -q --force-reinstall -
 # LMCache at pinned versions; scripts/engines-venv.sh caches it). A venv
 # that cannot be installed fails the run: these tests never skip.
 EV="$(./scripts/engines-venv.sh)"
-MATURIN_PEP517_ARGS="--profile dev" "$EV/bin/pip" install -q --force-reinstall --no-deps ./client/python
+MATURIN_PEP517_ARGS="--profile dev" "$EV/bin/python" -m pip install -q --force-reinstall --no-deps ./client/python
 cd client/python
 rc=0
 ../../.venv/bin/python -m pytest -q -p no:cacheprovider tests || rc=$?
