@@ -171,6 +171,22 @@ fn run() -> Result<()> {
     bus.set_dynamo_worker(worker_id);
     tracing::info!(dynamo_worker_id = worker_id, "events: Dynamo worker id");
     let zmq_bus = bus.clone();
+    // Signal handlers before the socket exists: a SIGTERM sent as soon as
+    // the socket appears (a supervisor, a test) must stop the daemon
+    // cleanly, not kill it with the default action while it is mounting.
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .context("starting the runtime")?;
+    let (mut term, mut int) = {
+        use tokio::signal::unix::{signal, SignalKind};
+        let _in_rt = rt.enter();
+        (
+            signal(SignalKind::terminate()).context("installing the SIGTERM handler")?,
+            signal(SignalKind::interrupt()).context("installing the SIGINT handler")?,
+        )
+    };
     let server = Server::bind(
         &SocketOptions {
             path: cfg.server.socket.clone(),
@@ -242,11 +258,6 @@ fn run() -> Result<()> {
     };
     // ---- end [mount] ----
 
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .context("starting the runtime")?;
     let (tx, rx) = tokio::sync::watch::channel(false);
     // ---- [events.zmq] (docs/OPERATIONS.md) ----
     let _zmq = if cfg.events.zmq.enabled() {
@@ -297,13 +308,6 @@ fn run() -> Result<()> {
     }
     let stop2 = stop.clone();
     rt.spawn(async move {
-        use tokio::signal::unix::{signal, SignalKind};
-        let (Ok(mut term), Ok(mut int)) = (
-            signal(SignalKind::terminate()),
-            signal(SignalKind::interrupt()),
-        ) else {
-            return;
-        };
         tokio::select! {
             _ = term.recv() => tracing::info!("SIGTERM"),
             _ = int.recv() => tracing::info!("SIGINT"),
