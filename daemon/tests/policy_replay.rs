@@ -267,7 +267,9 @@ fn default_not_worse_than_lru_on_held_out_shapes() {
         for f in [0.05, 0.1, 0.25] {
             let cap = capacity_for_fraction(&t, f);
             let lru = replay_dry(&t, PolicyKind::Lru, cap).unwrap().hit_ratio();
-            let def = replay_dry(&t, PolicyKind::Default, cap).unwrap().hit_ratio();
+            let def = replay_dry(&t, PolicyKind::Default, cap)
+                .unwrap()
+                .hit_ratio();
             eprintln!("{} {f}: lru {lru:.4} default {def:.4}", shape.name());
             assert!(
                 def >= lru - 0.003,
