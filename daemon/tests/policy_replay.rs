@@ -256,3 +256,26 @@ fn default_beats_lru_on_mooncake_trace() {
         );
     }
 }
+
+#[test]
+fn default_not_worse_than_lru_on_held_out_shapes() {
+    // The held-out suite's shapes on their evaluation seeds (policy/synth.rs),
+    // small: the full suite is `kvtier bench replay --suite`.
+    use kvtier_daemon::policy::synth::{Shape, EVAL_SEEDS};
+    for shape in Shape::ALL {
+        let t = shape.generate(EVAL_SEEDS[0], 2000);
+        for f in [0.05, 0.1, 0.25] {
+            let cap = capacity_for_fraction(&t, f);
+            let lru = replay_dry(&t, PolicyKind::Lru, cap).unwrap().hit_ratio();
+            let def = replay_dry(&t, PolicyKind::Default, cap)
+                .unwrap()
+                .hit_ratio();
+            eprintln!("{} {f}: lru {lru:.4} default {def:.4}", shape.name());
+            assert!(
+                def >= lru - 0.003,
+                "{} at {f}: default {def} < lru {lru}",
+                shape.name()
+            );
+        }
+    }
+}

@@ -11,6 +11,7 @@ pub mod belady;
 pub mod default;
 pub mod lru;
 pub mod replay;
+pub mod synth;
 pub mod trace;
 
 pub use admission::G4Admission;

@@ -34,6 +34,11 @@ pub trait ReplayTarget {
     fn begin_request(&mut self, index: u64) {
         let _ = index;
     }
+    /// Blocks served from a second tier (G4) so far, for the two-tier TTFT
+    /// model; 0 for a target without one.
+    fn g4_hit_blocks(&self) -> u64 {
+        0
+    }
 }
 
 /// The policies a replay can use.
@@ -247,6 +252,9 @@ impl ReplayTarget for PolicyTarget {
     fn begin_request(&mut self, index: u64) {
         self.clock.set(index);
     }
+    fn g4_hit_blocks(&self) -> u64 {
+        self.g4.as_ref().map_or(0, |g| g.hit_blocks)
+    }
 }
 
 /// What a replay measured.
@@ -258,8 +266,11 @@ pub struct ReplayStats {
     pub hit_blocks: u64,
     /// Most blocks held at once (the capacity actually used).
     pub peak_blocks: u64,
-    /// Hit blocks of each request, in order.
+    /// Hit blocks of each request, in order (G3 and G4).
     pub hits_per_request: Vec<u32>,
+    /// Of each request's hit blocks, those served by G4 (empty without a
+    /// G4 behind the target).
+    pub g4_hits_per_request: Vec<u32>,
 }
 
 impl ReplayStats {
@@ -287,12 +298,16 @@ pub fn replay_range(
     for (i, r) in reqs.iter().enumerate() {
         target.begin_request((range.start + i) as u64);
         let ids = &r.hash_ids;
+        let g4_before = target.g4_hit_blocks();
         let hit = target.lookup(ids)?;
+        let g4_hit = target.g4_hit_blocks() - g4_before;
         target.store(ids, hit)?;
         s.requested_blocks += ids.len() as u64;
         s.hit_blocks += hit as u64;
         s.hits_per_request
             .push(u32::try_from(hit).unwrap_or(u32::MAX));
+        s.g4_hits_per_request
+            .push(u32::try_from(g4_hit).unwrap_or(u32::MAX));
         s.peak_blocks = s.peak_blocks.max(target.len_blocks());
     }
     Ok(s)
@@ -306,6 +321,22 @@ pub fn replay(trace: &Trace, target: &mut dyn ReplayTarget) -> Result<ReplayStat
 /// Dry-run replay of the whole trace with `kind` at `capacity_blocks`.
 pub fn replay_dry(trace: &Trace, kind: PolicyKind, capacity_blocks: u64) -> Result<ReplayStats> {
     let mut t = PolicyTarget::new(kind, trace, capacity_blocks);
+    replay(trace, &mut t)
+}
+
+/// Two-tier dry run: G3 of `capacity_blocks` under `kind`, and a G4
+/// behind it that every stored block is written through to (unbounded), so
+/// that a G3 miss on a block stored before is a G4 hit (read through and
+/// promoted into G3).
+pub fn replay_two_tier(
+    trace: &Trace,
+    kind: PolicyKind,
+    capacity_blocks: u64,
+) -> Result<ReplayStats> {
+    let mut t = PolicyTarget::new(kind, trace, capacity_blocks).with_g4(G4Model {
+        admission: G4Admission::All,
+        ..G4Model::default()
+    });
     replay(trace, &mut t)
 }
 
@@ -411,6 +442,104 @@ impl TtftModel {
     }
 }
 
+/// The two-tier TTFT model: a G3 hit loads at the G3 rate
+/// ([`TtftModel::load_bytes_per_s`]), a G4 hit at the G4 rate; with
+/// prefetch, the G4 blocks of each request are fetched into G3 from
+/// `prefetch_lead_ms` before its arrival, one request after another at the
+/// G4 rate (a single bandwidth-bound queue), and those that arrived by the
+/// request's arrival cost a G3 load. Stated simplifications: prefetch does
+/// not change what the policy keeps (the same replay feeds both), and
+/// foreground G4 loads do not queue behind prefetches.
+#[derive(Debug, Clone, Copy)]
+pub struct TwoTierTtft {
+    /// Prefill rate, G3 rate, block geometry.
+    pub base: TtftModel,
+    /// G4 read bandwidth (prefetch and foreground), bytes per second.
+    pub g4_load_bytes_per_s: f64,
+    /// How long before a request its prefetch hint arrives, ms.
+    pub prefetch_lead_ms: u64,
+}
+
+/// Mean and p90 TTFT of the two-tier model, with and without prefetch.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct TwoTierSummary {
+    /// Mean TTFT with prefetch, ms.
+    pub mean_ms: f64,
+    /// p90 TTFT with prefetch, ms.
+    pub p90_ms: f64,
+    /// Mean TTFT without prefetch (G4 blocks on the critical path), ms.
+    pub mean_ms_no_prefetch: f64,
+    /// p90 TTFT without prefetch, ms.
+    pub p90_ms_no_prefetch: f64,
+    /// G4 hit blocks in all.
+    pub g4_hit_blocks: u64,
+    /// Of those, blocks whose prefetch arrived in time.
+    pub prefetched_in_time_blocks: u64,
+}
+
+impl TwoTierSummary {
+    /// Share of G4 hit blocks whose prefetch arrived in time.
+    pub fn in_time_ratio(&self) -> f64 {
+        ratio(self.prefetched_in_time_blocks, self.g4_hit_blocks)
+    }
+}
+
+impl TwoTierTtft {
+    fn g4_block_s(&self) -> f64 {
+        self.base.block_bytes as f64 / self.g4_load_bytes_per_s.max(1e-9)
+    }
+
+    /// TTFT of one request (ms): `g3` blocks at the G3 rate then `g4` at
+    /// the G4 rate, the rest prefilled; recompute if that is faster.
+    pub fn ttft_ms(&self, input_tokens: u64, g3_blocks: u64, g4_blocks: u64) -> f64 {
+        let m = &self.base;
+        let prefill = |tokens: u64| tokens as f64 / m.prefill_tokens_per_s.max(1e-9);
+        let hit = g3_blocks + g4_blocks;
+        let hit_tokens = (hit * m.block_tokens).min(input_tokens);
+        let load = (g3_blocks * m.block_bytes) as f64 / m.load_bytes_per_s.max(1e-9)
+            + g4_blocks as f64 * self.g4_block_s();
+        1e3 * (prefill(input_tokens - hit_tokens) + load).min(prefill(input_tokens))
+    }
+
+    /// Summarises a two-tier replay (`stats` from [`replay_two_tier`]).
+    pub fn summarise(&self, trace: &Trace, stats: &ReplayStats) -> TwoTierSummary {
+        let n = stats.hits_per_request.len();
+        let mut with = Vec::with_capacity(n);
+        let mut without = Vec::with_capacity(n);
+        let mut out = TwoTierSummary::default();
+        let block_ms = 1e3 * self.g4_block_s();
+        // The prefetch queue is free from this time on (ms).
+        let mut free_at = 0.0f64;
+        let g4s = stats
+            .g4_hits_per_request
+            .iter()
+            .copied()
+            .chain(std::iter::repeat(0));
+        for ((r, &h), g4) in trace.requests.iter().zip(&stats.hits_per_request).zip(g4s) {
+            let (h, g4) = (u64::from(h), u64::from(g4).min(u64::from(h)));
+            without.push(self.ttft_ms(r.input_length, h - g4, g4));
+            let arrival = r.timestamp as f64;
+            let start = free_at.max(arrival - self.prefetch_lead_ms as f64);
+            let fetched = if g4 == 0 || block_ms <= 0.0 {
+                0
+            } else {
+                (((arrival - start) / block_ms).floor().max(0.0) as u64).min(g4)
+            };
+            // The G4 pipe carries all of them, the late ones for the
+            // foreground: the next prefetch waits behind them either way.
+            free_at = start + g4 as f64 * block_ms;
+            out.g4_hit_blocks += g4;
+            out.prefetched_in_time_blocks += fetched;
+            with.push(self.ttft_ms(r.input_length, h - g4 + fetched, g4 - fetched));
+        }
+        out.mean_ms = mean(&with);
+        out.p90_ms = p90(&mut with);
+        out.mean_ms_no_prefetch = mean(&without);
+        out.p90_ms_no_prefetch = p90(&mut without);
+        out
+    }
+}
+
 fn mean(v: &[f64]) -> f64 {
     if v.is_empty() {
         0.0
@@ -442,6 +571,93 @@ mod tests {
         assert_eq!(s.hits_per_request, vec![0, 1, 3]);
         assert_eq!(s.requested_blocks, 9);
         assert_eq!(s.peak_blocks, 4);
+    }
+
+    #[test]
+    fn two_tier_replay_counts_g4_hits() {
+        // Capacity 2: the chain [1, 2, 3] cannot stay in G3, but G4 holds
+        // what was written, so the repeat is a full hit, partly from G4.
+        let t = Trace::parse(
+            "{\"hash_ids\": [1, 2, 3]}\n{\"hash_ids\": [7, 8]}\n{\"hash_ids\": [1, 2, 3]}",
+        )
+        .unwrap();
+        let s = replay_two_tier(&t, PolicyKind::Lru, 2).unwrap();
+        assert_eq!(s.hits_per_request, vec![0, 0, 3]);
+        assert_eq!(s.g4_hits_per_request, vec![0, 0, 3]);
+        let g3_only = replay_dry(&t, PolicyKind::Lru, 2).unwrap();
+        assert_eq!(g3_only.hits_per_request, vec![0, 0, 0]);
+    }
+
+    #[test]
+    fn prefetch_turns_g4_loads_into_g3_loads_when_in_time() {
+        let base = TtftModel {
+            prefill_tokens_per_s: 1000.0,
+            load_bytes_per_s: 1000.0,
+            block_tokens: 10,
+            block_bytes: 1,
+        };
+        // G4: 10 ms a block. Two requests 100 ms apart, 100 tokens each,
+        // 5 blocks from G4.
+        let m = TwoTierTtft {
+            base,
+            g4_load_bytes_per_s: 100.0,
+            prefetch_lead_ms: 30,
+        };
+        assert!(
+            (m.ttft_ms(100, 0, 5) - 100.0).abs() < 1e-9,
+            "capped at recompute"
+        );
+        assert!((m.ttft_ms(100, 5, 0) - 55.0).abs() < 1e-9);
+        assert!((m.ttft_ms(100, 2, 3) - 82.0).abs() < 1e-9);
+        let t = Trace::parse(
+            "{\"timestamp\": 1000, \"input_length\": 100, \"hash_ids\": [1, 2, 3, 4, 5]}\n\
+             {\"timestamp\": 1100, \"input_length\": 100, \"hash_ids\": [1, 2, 3, 4, 5]}",
+        )
+        .unwrap();
+        let stats = ReplayStats {
+            hits_per_request: vec![5, 5],
+            g4_hits_per_request: vec![5, 5],
+            ..ReplayStats::default()
+        };
+        // A 30 ms lead brings 3 of 5 blocks in time: 2 G4 + 3 G3 loads.
+        let s = m.summarise(&t, &stats);
+        assert_eq!((s.g4_hit_blocks, s.prefetched_in_time_blocks), (10, 6));
+        assert!((s.mean_ms_no_prefetch - 100.0).abs() < 1e-9);
+        assert!((s.mean_ms - 73.0).abs() < 1e-9, "{s:?}");
+        // A long lead: all in time.
+        let long = TwoTierTtft {
+            prefetch_lead_ms: 100,
+            ..m
+        };
+        let s = long.summarise(&t, &stats);
+        assert_eq!(s.prefetched_in_time_blocks, 10);
+        assert!((s.mean_ms - 55.0).abs() < 1e-9, "{s:?}");
+        // No lead: nothing arrives in time.
+        let none = TwoTierTtft {
+            prefetch_lead_ms: 0,
+            ..m
+        };
+        let s = none.summarise(&t, &stats);
+        assert_eq!(s.prefetched_in_time_blocks, 0);
+        assert!((s.mean_ms - s.mean_ms_no_prefetch).abs() < 1e-9);
+        // Requests 10 ms apart share the G4 queue: the second one's
+        // prefetch waits for the first one's 50 ms of transfers.
+        let close = Trace::parse(
+            "{\"timestamp\": 1000, \"input_length\": 100, \"hash_ids\": [1, 2, 3, 4, 5]}\n\
+             {\"timestamp\": 1010, \"input_length\": 100, \"hash_ids\": [1, 2, 3, 4, 5]}",
+        )
+        .unwrap();
+        let s = long.summarise(&close, &stats);
+        // First: 5 in time (900..950); second: queue free at 950, 6 slots
+        // by 1010, all 5 in time.
+        assert_eq!(s.prefetched_in_time_blocks, 10);
+        let tight = TwoTierTtft {
+            prefetch_lead_ms: 60,
+            ..m
+        };
+        // First: 940..990, 5 in time; second: from 990, 2 by 1010.
+        let s = tight.summarise(&close, &stats);
+        assert_eq!(s.prefetched_in_time_blocks, 7);
     }
 
     #[test]

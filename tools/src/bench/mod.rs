@@ -10,6 +10,7 @@ pub mod io;
 pub mod prefetch;
 pub mod replay;
 pub mod replay_daemon;
+pub mod replay_suite;
 pub mod tenancy;
 
 use clap::Subcommand;

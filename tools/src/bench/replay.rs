@@ -6,11 +6,13 @@
 
 use super::common::{self, emit};
 use super::replay_daemon::{self, DaemonReplayConfig};
+use super::replay_suite::{self, SeedSet};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use kvtier_daemon::policy::admission::G4Admission;
 use kvtier_daemon::policy::replay::{
-    capacity_for_fraction, measure_admission, replay_dry, PolicyKind, ReplayStats, TtftModel,
+    capacity_for_fraction, measure_admission, replay_dry, replay_two_tier, PolicyKind, ReplayStats,
+    TtftModel, TwoTierTtft,
 };
 use kvtier_daemon::policy::trace::Trace;
 use serde_json::{json, Map, Value};
@@ -21,9 +23,21 @@ use std::time::Instant;
 #[derive(Debug, Args)]
 pub struct ReplayArgs {
     /// Trace in Mooncake JSONL format (timestamp, input_length,
-    /// output_length, hash_ids).
+    /// output_length, hash_ids). Required unless --suite (where it adds a
+    /// real trace to the synthetic ones).
+    #[arg(long, required_unless_present = "suite")]
+    trace: Option<PathBuf>,
+    /// Run the held-out suite instead (synthetic chat, agent, rag and
+    /// batch-scan traces, plus --trace if given) at 5%, 10% and 25%
+    /// capacity: lru, default, belady and the share of the gap closed.
     #[arg(long)]
-    trace: PathBuf,
+    suite: bool,
+    /// Seeds of the synthetic traces: eval (held out) or tune.
+    #[arg(long, default_value = "eval", requires = "suite")]
+    seeds: SeedSet,
+    /// Requests per synthetic trace in the suite.
+    #[arg(long, default_value_t = 8000, requires = "suite")]
+    suite_requests: usize,
     /// Capacity in blocks.
     #[arg(long, conflicts_with = "capacity_fraction")]
     capacity_blocks: Option<u64>,
@@ -61,6 +75,13 @@ pub struct ReplayArgs {
     /// Modeled load bandwidth for hit blocks, GB/s.
     #[arg(long, default_value_t = 5.0)]
     load_gbps: f64,
+    /// Modeled G4 read bandwidth (two-tier TTFT model), GB/s.
+    #[arg(long, default_value_t = 2.0)]
+    g4_gbps: f64,
+    /// How long before its request a prefetch is issued (two-tier TTFT
+    /// model), ms.
+    #[arg(long, default_value_t = 500)]
+    prefetch_lead_ms: u64,
     /// Modeled bytes per block (default: Llama-3-8B bf16, 512 tokens).
     #[arg(long, default_value_t = 64 << 20)]
     model_block_bytes: u64,
@@ -86,12 +107,18 @@ pub fn run(a: ReplayArgs) -> Result<()> {
 
 /// Runs the replay; the report as one JSON value.
 pub fn report(a: &ReplayArgs) -> Result<Value> {
+    if a.suite {
+        return suite(a);
+    }
+    let Some(trace_path) = a.trace.as_ref() else {
+        bail!("give --trace FILE (or --suite)");
+    };
     let real_block_bytes = a.block_size.filter(|_| !a.dry_run);
     if let Some(bs) = real_block_bytes {
         replay_daemon::validate(a.policy, bs)?;
     }
-    let mut trace =
-        Trace::load(&a.trace).with_context(|| format!("loading trace {}", a.trace.display()))?;
+    let mut trace = Trace::load(trace_path)
+        .with_context(|| format!("loading trace {}", trace_path.display()))?;
     let trace_requests = trace.requests.len();
     if let Some(n) = a.max_requests {
         if n == 0 {
@@ -122,7 +149,7 @@ pub fn report(a: &ReplayArgs) -> Result<Value> {
     let ttft = model.summarise(&trace, &stats);
 
     let mut out = Map::new();
-    out.insert("trace".into(), json!(a.trace.display().to_string()));
+    out.insert("trace".into(), json!(trace_path.display().to_string()));
     out.insert("target".into(), json!("dry-run"));
     out.insert("policy".into(), json!(a.policy.name()));
     out.insert("requests".into(), json!(trace.requests.len()));
@@ -178,6 +205,33 @@ pub fn report(a: &ReplayArgs) -> Result<Value> {
         out.insert("ttft_p90_ms_baseline".into(), json!(bt.p90_ms));
     }
 
+    // Two tiers (G3 at this capacity, G4 holding everything written):
+    // TTFT with prefetch beside the same replay without it.
+    let two = TwoTierTtft {
+        base: model,
+        g4_load_bytes_per_s: a.g4_gbps * 1e9,
+        prefetch_lead_ms: a.prefetch_lead_ms,
+    };
+    let tiered = replay_two_tier(&trace, a.policy, capacity)?;
+    let ps = two.summarise(&trace, &tiered);
+    out.insert(
+        "prefetch".into(),
+        json!({
+            "g4_gbps": a.g4_gbps,
+            "prefetch_lead_ms": a.prefetch_lead_ms,
+            "hit_ratio_g3_g4": tiered.hit_ratio(),
+            "g4_hit_blocks": ps.g4_hit_blocks,
+            "prefetched_in_time_blocks": ps.prefetched_in_time_blocks,
+            "prefetched_in_time_ratio": ps.in_time_ratio(),
+            "ttft_mean_ms": ps.mean_ms,
+            "ttft_p90_ms": ps.p90_ms,
+            "ttft_mean_ms_baseline": ps.mean_ms_no_prefetch,
+            "ttft_p90_ms_baseline": ps.p90_ms_no_prefetch,
+            "ttft_mean_speedup_vs_baseline": speedup(ps.mean_ms_no_prefetch, ps.mean_ms),
+            "ttft_p90_speedup_vs_baseline": speedup(ps.p90_ms_no_prefetch, ps.p90_ms),
+        }),
+    );
+
     if a.policy != PolicyKind::Belady {
         // G4 admission: bytes written vs what a second node gains, each
         // rule beside "write everything" as the baseline.
@@ -224,6 +278,35 @@ pub fn report(a: &ReplayArgs) -> Result<Value> {
         );
     }
     Ok(Value::Object(out))
+}
+
+/// `--suite`: the held-out traces (plus --trace), see `replay_suite`.
+fn suite(a: &ReplayArgs) -> Result<Value> {
+    if a.suite_requests == 0 {
+        bail!("--suite-requests must be at least 1");
+    }
+    let real = match &a.trace {
+        Some(p) => {
+            let mut t = Trace::load(p).with_context(|| format!("loading trace {}", p.display()))?;
+            if let Some(n) = a.max_requests {
+                t.requests.truncate(n);
+            }
+            let name = p.file_name().map_or_else(
+                || p.display().to_string(),
+                |n| n.to_string_lossy().into_owned(),
+            );
+            Some((name, t))
+        }
+        None => None,
+    };
+    let traces = replay_suite::traces(a.seeds, a.suite_requests, real);
+    let t0 = Instant::now();
+    let mut r = replay_suite::run(&traces, &replay_suite::FRACTIONS)?;
+    if let Value::Object(m) = &mut r {
+        m.insert("suite_requests".into(), json!(a.suite_requests));
+        m.insert("replay_s".into(), json!(t0.elapsed().as_secs_f64()));
+    }
+    Ok(r)
 }
 
 fn speedup(no_cache: f64, with: f64) -> f64 {
@@ -282,10 +365,23 @@ mod tests {
             "ttft_mean_ms_no_cache",
             "ttft_mean_speedup_vs_baseline",
             "g4_admission",
+            "prefetch",
         ] {
             assert!(r.get(k).is_some(), "missing {k} in {r}");
         }
         assert!(r["hit_ratio"].as_f64().unwrap() <= r["ceiling_hit_ratio"].as_f64().unwrap());
+        let p = &r["prefetch"];
+        for k in [
+            "ttft_mean_ms",
+            "ttft_mean_ms_baseline",
+            "ttft_mean_speedup_vs_baseline",
+            "ttft_p90_speedup_vs_baseline",
+        ] {
+            assert!(p.get(k).is_some(), "missing prefetch.{k} in {p}");
+        }
+        assert!(
+            p["ttft_mean_ms"].as_f64().unwrap() <= p["ttft_mean_ms_baseline"].as_f64().unwrap()
+        );
         // Only quotients end in _vs_baseline.
         let lru = report(&args(
             &["--capacity-blocks", "10", "--policy", "lru"],
@@ -307,6 +403,18 @@ mod tests {
         .unwrap();
         assert!(dry.get("daemon").is_none());
         assert_eq!(dry["hit_blocks"], lru["hit_blocks"]);
+    }
+
+    #[test]
+    fn suite_runs_without_a_trace() {
+        let a = Cli::try_parse_from(["x", "--suite", "--seeds", "tune", "--suite-requests", "150"])
+            .unwrap()
+            .a;
+        let r = report(&a).unwrap();
+        let rows = r["rows"].as_array().unwrap();
+        assert_eq!(rows.len(), 8 * replay_suite::FRACTIONS.len());
+        assert!(rows.iter().all(|row| row["split"] == "tune"));
+        assert!(Cli::try_parse_from(["x"]).is_err(), "--trace or --suite");
     }
 
     #[test]
