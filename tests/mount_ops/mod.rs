@@ -11,6 +11,7 @@
 //! no test binary of its own to build and link.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use super::skip;
 use super::support::{self, kvtierd_bin, metric, Daemon};
 use kvtier_client::events::{KvEvent, KvEventData, StorageTier};
 use kvtier_client::{
@@ -23,17 +24,6 @@ use std::time::{Duration, Instant};
 
 const BLOCK: usize = 64 << 10;
 const FILE_BYTES: u64 = BLOCK as u64 + 4096;
-
-fn skip(test: &str) -> bool {
-    // SAFETY: geteuid has no preconditions.
-    let root = unsafe { libc::geteuid() } == 0;
-    let dev = Path::new("/dev/fuse").exists();
-    if !root || !dev {
-        eprintln!("SKIP: {test}: needs root and /dev/fuse (root={root}, /dev/fuse={dev})");
-        return true;
-    }
-    false
-}
 
 fn ns() -> Namespace {
     Namespace::new(
