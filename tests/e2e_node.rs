@@ -531,3 +531,45 @@ fn mount_reads_fall_through_to_g4() {
         1.0
     );
 }
+
+#[test]
+fn bench_prefetch_json_contract() {
+    if support::find_weed_for_tests().is_none() {
+        eprintln!("SKIP: bench_prefetch_json_contract: .venv/bin/weed not found");
+        return;
+    }
+    support::kvtierd_bin();
+    let out = std::process::Command::new(support::bin("kvtier-tools", "kvtier"))
+        .args([
+            "bench",
+            "prefetch",
+            "--prefetch-blocks",
+            "4",
+            "--foreground-blocks",
+            "4",
+            "--block-size",
+            "64KiB",
+            "--rounds",
+            "1",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    let j: serde_json::Value = support::json_stdout(&out);
+    assert_eq!(j["bench"], "prefetch");
+    assert!(j["onboard_gbps"].as_f64().unwrap() > 0.0);
+    assert!(j["onboard_gbps_baseline"].as_f64().unwrap() > 0.0);
+    assert!(j["onboard_gbps_vs_baseline"].is_number());
+    assert!(j["prefetch_complete_s"].as_f64().unwrap() > 0.0);
+    let vs: Vec<&String> = j
+        .as_object()
+        .unwrap()
+        .keys()
+        .filter(|k| k.contains("vs_baseline"))
+        .collect();
+    assert_eq!(
+        vs,
+        ["onboard_gbps_vs_baseline"],
+        "only the quotient of rates"
+    );
+}
