@@ -187,6 +187,18 @@ fn run() -> Result<()> {
             signal(SignalKind::interrupt()).context("installing the SIGINT handler")?,
         )
     };
+    // The metrics listener too: when the socket appears, /metrics and
+    // /healthz answer (connections wait in the backlog until it serves).
+    let metrics_listener = if cfg.metrics.addr.is_empty() {
+        None
+    } else {
+        let addr = cfg.metrics.addr.clone();
+        let listener = rt
+            .block_on(tokio::net::TcpListener::bind(&addr))
+            .with_context(|| format!("config: `metrics.addr`: cannot listen on {addr}"))?;
+        tracing::info!(addr = %listener.local_addr().map(|a| a.to_string()).unwrap_or(addr), "metrics on /metrics and /healthz");
+        Some(listener)
+    };
     let server = Server::bind(
         &SocketOptions {
             path: cfg.server.socket.clone(),
@@ -293,12 +305,7 @@ fn run() -> Result<()> {
         None
     };
     // ---- end [events.zmq] ----
-    if !cfg.metrics.addr.is_empty() {
-        let addr = cfg.metrics.addr.clone();
-        let listener = rt
-            .block_on(tokio::net::TcpListener::bind(&addr))
-            .with_context(|| format!("config: `metrics.addr`: cannot listen on {addr}"))?;
-        tracing::info!(addr = %listener.local_addr().map(|a| a.to_string()).unwrap_or(addr), "metrics on /metrics and /healthz");
+    if let Some(listener) = metrics_listener {
         rt.spawn(kvtier_daemon::metrics::serve(
             listener,
             metrics,
