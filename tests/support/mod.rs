@@ -214,6 +214,15 @@ impl Daemon {
 impl Drop for Daemon {
     fn drop(&mut self) {
         self.kill9();
+        // A daemon killed with a mount leaves it dead ("transport endpoint
+        // is not connected"): detach it, or every run leaves one behind.
+        let mounts = self.extra_args.windows(2).filter(|w| w[0] == "--mount");
+        for w in mounts {
+            let _ = std::process::Command::new("fusermount3")
+                .args(["-uz", &w[1]])
+                .stderr(std::process::Stdio::null())
+                .status();
+        }
     }
 }
 

@@ -32,11 +32,14 @@ impl G3Store {
             return Ok(false);
         }
         let path = self.block_file_path(ns, key);
-        match self.fs.remove_file(&path, super::seam::Unlink::Block) {
-            Ok(()) => self.note_removal(&path),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        let unlinked = match self.fs.remove_file(&path, super::seam::Unlink::Block) {
+            Ok(()) => {
+                self.note_removal(&path);
+                true
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,
             Err(e) => return Err(Error::io("removing", &path, e)),
-        }
+        };
         if self.forget(ns, key, id)? {
             self.emit(G3Event::Removed {
                 ns: *ns,
@@ -45,7 +48,11 @@ impl G3Store {
             });
             return Ok(true);
         }
-        Ok(false)
+        // A reader (the uploader, an onboard) that opened the file just
+        // after our unlink found it gone and dropped the entry (with its
+        // own Removed event) first: the block is still ours to report
+        // removed, not absent.
+        Ok(unlinked)
     }
 
     /// Remembers the directory of an unlinked block file (see
