@@ -2,7 +2,7 @@
 //! `lookup_prefix` (and its precomputed-digest form), `stat`, `list`,
 //! `namespaces`. No verification: lookups are hints, reads verify.
 
-use super::index::{self, FLAG_EPHEMERAL, FLAG_IN_G4};
+use super::index::{self, FLAG_EPHEMERAL, FLAG_IN_G4, PIN_FOREVER};
 use super::{now_s, G3Store};
 use kvtier_client::{BlockKey, NamespaceId};
 use std::sync::atomic::Ordering;
@@ -24,6 +24,9 @@ pub struct BlockInfo {
     pub last_access_unix_ms: u64,
     /// A pin protects it now.
     pub pinned: bool,
+    /// When the pin ends (Unix ms): 0 when not pinned, `u64::MAX` for a pin
+    /// without end (a `pinned` hint, the mount's `setfattr`).
+    pub pinned_until_unix_ms: u64,
     /// Priority hint.
     pub priority: u8,
     /// Ephemeral hint.
@@ -64,12 +67,13 @@ impl G3Store {
 
     /// A block's state, or `None` when absent. Reads one redb record.
     pub fn stat(&self, ns: &NamespaceId, key: &BlockKey) -> Option<BlockInfo> {
-        let (id, pinned, leases, priority, flags, hits, last) = {
+        let (id, pinned, pin_until_s, leases, priority, flags, hits, last) = {
             let mem = self.mem.read().ok()?;
             let (id, e) = mem.get(ns, key)?;
             (
                 id,
                 e.pinned(now_s()),
+                e.pin_until_s,
                 e.leases,
                 e.priority,
                 e.flags,
@@ -86,6 +90,11 @@ impl G3Store {
             hits,
             last_access_unix_ms: u64::from(last) * 1000,
             pinned,
+            pinned_until_unix_ms: match (pinned, pin_until_s) {
+                (false, _) => 0,
+                (true, PIN_FOREVER) => u64::MAX,
+                (true, s) => u64::from(s) * 1000,
+            },
             priority,
             ephemeral: flags & FLAG_EPHEMERAL != 0,
             leases,

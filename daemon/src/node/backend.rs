@@ -21,8 +21,7 @@ fn stat_of(info: &crate::g3::BlockInfo) -> BlockStat {
         payload_len: info.payload_len,
         payload_blake3: info.payload_blake3,
         created_unix_ms: info.created_unix_ms,
-        // G3 knows that a pin holds, not until when.
-        pinned_until_unix_ms: if info.pinned { u64::MAX } else { 0 },
+        pinned_until_unix_ms: info.pinned_until_unix_ms,
         leases: u32::from(info.leases),
     }
 }

@@ -118,6 +118,16 @@ fn evict_by_tier_removes_where_asked_and_announces_each_tier() {
         EvictOutcome::Busy
     );
     assert!(g4_has(&n, &h2.key) && n.g3().stat(&id, &h2.key).is_some());
+    // stat says until when (it said u64::MAX, "forever", for every pin).
+    let until = n.stat(&id, &h2.key).unwrap().unwrap().pinned_until_unix_ms;
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    assert!(
+        (now_ms + 58_000..=now_ms + 62_000).contains(&until),
+        "pinned until {until}, now {now_ms}"
+    );
     // G3 (the default): G4 keeps it and serves the lookup.
     assert!(n.unpin(&id, &h2.key).unwrap());
     assert_eq!(

@@ -6,6 +6,8 @@
   (SGLang 0.5.23).
 - :mod:`kvtier.integrations.lmcache`: a ``StoragePluginInterface`` backend
   (LMCache 0.5.6).
+- :mod:`kvtier.integrations.dynamo`: Dynamo's request hints (``nvext``)
+  as kvtier hints, and its ``pin_prefix`` (Dynamo 1.6.1; imports no engine).
 
 Each module imports its engine, so import only the one you use. Every
 connector fails open: a miss, a timeout or a dead daemon means the engine
