@@ -135,20 +135,21 @@ impl Net {
     }
 
     /// Adds namespace `role` with address `10.77.0.<host>` on the bridge;
-    /// returns its name.
-    pub fn add(&mut self, role: &str, host: u8) -> String {
+    /// returns its name. `Err` when the kernel refuses a step (no veth or
+    /// bridge support): the first call's error is a reason to skip.
+    pub fn add(&mut self, role: &str, host: u8) -> Result<String, String> {
         let ns = format!("{}-{role}", self.base);
         let port = format!("p-{role}");
-        ip_ok(&["netns", "add", &ns]);
+        ip(&["netns", "add", &ns])?;
         self.members.push((role.to_string(), ns.clone()));
-        ip_ok(&["-n", &ns, "link", "set", "lo", "up"]);
-        ip_ok(&[
+        ip(&["-n", &ns, "link", "set", "lo", "up"])?;
+        ip(&[
             "-n", &self.hub, "link", "add", &port, "type", "veth", "peer", "name", "eth0", "netns",
             &ns,
-        ]);
-        ip_ok(&["-n", &self.hub, "link", "set", &port, "master", "br0"]);
-        ip_ok(&["-n", &self.hub, "link", "set", &port, "up"]);
-        ip_ok(&[
+        ])?;
+        ip(&["-n", &self.hub, "link", "set", &port, "master", "br0"])?;
+        ip(&["-n", &self.hub, "link", "set", &port, "up"])?;
+        ip(&[
             "-n",
             &ns,
             "addr",
@@ -156,9 +157,9 @@ impl Net {
             &format!("{SUBNET}.{host}/24"),
             "dev",
             "eth0",
-        ]);
-        ip_ok(&["-n", &ns, "link", "set", "eth0", "up"]);
-        ns
+        ])?;
+        ip(&["-n", &ns, "link", "set", "eth0", "up"])?;
+        Ok(ns)
     }
 
     /// The namespace of `role`.
