@@ -421,6 +421,21 @@ fn cluster_in_network_namespaces() {
             nb.metric("kvtier_peer_bytes_total", &[("direction", "received")])
                 >= (4 * BLOCK) as f64
         );
+        // Across the network, A's peer port refuses a request without the
+        // shared secret's signature.
+        let mut s =
+            netns::connect(&nb.netns, &format!("{}:{PEER_PORT}", Cluster::addr(11))).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        write!(
+            s,
+            "GET /v1/blocks/{}/{} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+            ns().id().to_hex(),
+            k1[0].to_hex()
+        )
+        .unwrap();
+        let mut resp = String::new();
+        let _ = s.read_to_string(&mut resp);
+        assert!(resp.starts_with("HTTP/1.1 401"), "{resp}");
         // A's disk copy goes; the G4 copy is what B gets.
         let (k2, d2) = na.offload(2, 3);
         uploads_a += 3.0;
