@@ -361,6 +361,23 @@ fn cluster_or_skip() -> Option<Cluster> {
     })
 }
 
+/// Polls until `n`'s lookup of `keys` reports `tier` for every block.
+fn wait_lookup(n: &Node, keys: &[BlockKey], tier: Tier) {
+    let t = Instant::now();
+    loop {
+        let l = n.lookup(keys);
+        if l == vec![tier; keys.len()] {
+            return;
+        }
+        assert!(
+            t.elapsed() < CONVERGE,
+            "{}: lookup {l:?}, expected {tier:?} within {CONVERGE:?}",
+            n.role
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// Peer fetch outcomes that mean "this peer was asked and failed, or was
 /// skipped": zero of them over a fetch means no unreachable, lying or
 /// quarantined peer was considered.
@@ -415,7 +432,8 @@ fn cluster_in_network_namespaces() {
         let (k1, d1) = na.offload(1, 4);
         uploads_a += 4.0;
         na.wait_uploads(uploads_a);
-        assert_eq!(nb.lookup(&k1), vec![Tier::Peer; 4]);
+        // (Polled: a node may learn what its peers hold asynchronously.)
+        wait_lookup(nb, &k1, Tier::Peer);
         assert_eq!(nb.onboard(&k1, &d1), vec![Some(Tier::Peer); 4]);
         assert!(
             nb.metric("kvtier_peer_bytes_total", &[("direction", "received")])
@@ -446,7 +464,13 @@ fn cluster_in_network_namespaces() {
                 .all(|s| *s == kvtier_client::proto::ItemStatus::Ok),
             "{ev:?}"
         );
-        assert_eq!(nb.lookup(&k2), vec![Tier::G4; 3]);
+        // A lookup may still name A (a stale hint); the onboard is what
+        // counts: A answers absent and G4 serves.
+        let l = nb.lookup(&k2);
+        assert!(
+            l.len() == 3 && l.iter().all(|t| matches!(t, Tier::G4 | Tier::Peer)),
+            "{l:?}"
+        );
         assert_eq!(nb.onboard(&k2, &d2), vec![Some(Tier::G4); 3]);
     });
 
@@ -532,19 +556,17 @@ fn cluster_in_network_namespaces() {
         // What only A holds (its upload cannot reach G4 now) is a miss.
         println!("c: G4 fallback at {:?}", tc.elapsed());
         let (k5, d5) = na.offload(5, 2);
+        // Not in G4 and A unreachable: no tier can serve it (a lookup may
+        // still name A from what it knew; never G4).
         let l = nb.lookup(&k5);
-        assert!(l.is_empty(), "{l:?}");
+        assert!(l.iter().all(|t| *t == Tier::Peer), "{l:?}");
         let t = Instant::now();
         assert_eq!(nb.onboard(&k5, &d5), vec![None, None]);
         assert!(t.elapsed() < Duration::from_millis(FETCH_DEADLINE_MS + 2_000));
         println!("c: misses at {:?}", tc.elapsed());
         // Healed: B finds A again (rediscovered if its heartbeat lapsed).
         cl.net.set_link("a", true);
-        let t = Instant::now();
-        while nb.lookup(&k5) != vec![Tier::Peer; 2] {
-            assert!(t.elapsed() < CONVERGE, "B never used A again");
-            std::thread::sleep(Duration::from_millis(100));
-        }
+        wait_lookup(nb, &k5, Tier::Peer);
         println!("c: A found again at {:?}", tc.elapsed());
         // The down mark B put on A when it asked during the partition
         // lasts `down_backoff_ms` from that ask (not observable from
@@ -575,7 +597,7 @@ fn cluster_in_network_namespaces() {
     });
 
     if long {
-        long_scenarios(&mut cl, a, b, &mut failed);
+        long_scenarios(&mut cl, b, &mut failed);
     } else {
         println!("note: scenarios d, e run with KVTIER_CLUSTER_LONG=1 (scripts/fault-suite.sh)");
     }
@@ -585,7 +607,7 @@ fn cluster_in_network_namespaces() {
 
 /// (d) and (e): a third node joins behind a latency proxy, lies from a
 /// corrupt disk, and leaves.
-fn long_scenarios(cl: &mut Cluster, a: usize, b: usize, failed: &mut Vec<String>) {
+fn long_scenarios(cl: &mut Cluster, b: usize, failed: &mut Vec<String>) {
     // C binds :7401 and advertises :7402, where a proxy in its namespace
     // forwards with 20 ms per chunk each way.
     let c_addr = Cluster::addr(13);
@@ -602,11 +624,7 @@ fn long_scenarios(cl: &mut Cluster, a: usize, b: usize, failed: &mut Vec<String>
     run_scenario(cl, "d: a node joins and is used", failed, |cl| {
         let (nb, nc) = (&cl.nodes[b], &cl.nodes[c]);
         let (k6, d6) = nc.offload(6, 2);
-        let t = Instant::now();
-        while nb.lookup(&k6) != vec![Tier::Peer; 2] {
-            assert!(t.elapsed() < CONVERGE, "B never discovered C");
-            std::thread::sleep(Duration::from_millis(100));
-        }
+        wait_lookup(nb, &k6, Tier::Peer);
         assert_eq!(nb.onboard(&k6, &d6), vec![Some(Tier::Peer); 2]);
         assert!(
             proxy.bytes_down.load(std::sync::atomic::Ordering::SeqCst) >= (2 * BLOCK) as u64,
@@ -656,21 +674,20 @@ fn long_scenarios(cl: &mut Cluster, a: usize, b: usize, failed: &mut Vec<String>
     );
 
     run_scenario(cl, "d: a node leaves and is forgotten", failed, |cl| {
-        // Blocks only G4 holds (A wrote them, then dropped its disk copy).
-        let na = &cl.nodes[a];
-        let before = na.uploads_stored();
-        let (k9, d9) = na.offload(9, 24);
-        na.wait_uploads(before + 24.0);
-        let ev = na.client().namespace(&ns()).evict(&k9).unwrap();
-        assert_eq!(ev.len(), 24);
+        // Blocks C holds and G4 holds, that B never fetched.
+        let nc = &cl.nodes[c];
+        let (k9, d9) = nc.offload(9, 24);
+        uploads_c += 24.0;
+        nc.wait_uploads(uploads_c);
         // C goes: its daemon, its proxy and its namespace.
         cl.nodes[c].kill9();
         drop(proxy);
         cl.net.remove("c");
         let gone = Instant::now();
-        // Each probe onboards one fresh G4-only block: while B still lists
-        // C it is asked (unreachable) or skipped (quarantined); once C's
-        // heartbeat expired and B re-listed, no failed ask at all.
+        // Each probe onboards one more of C's blocks: while B still lists
+        // C it is asked (unreachable) or skipped (quarantined since e);
+        // once C's heartbeat expired and B re-listed, no failed ask at all,
+        // and G4 serves.
         let nb = &cl.nodes[b];
         let mut forgotten = false;
         for i in 0..24 {
