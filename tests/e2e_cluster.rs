@@ -614,7 +614,8 @@ fn cluster_in_network_namespaces() {
 /// corrupt disk, and leaves.
 fn long_scenarios(cl: &mut Cluster, b: usize, failed: &mut Vec<String>) {
     // C binds :7401 and advertises :7402, where a proxy in its namespace
-    // forwards with 20 ms per chunk each way.
+    // forwards with 20 ms per chunk each way and a 200 ms stall every 8th
+    // chunk (a retransmission timeout's worth, as for a lost segment).
     let c_addr = Cluster::addr(13);
     let proxy_addr = format!("{c_addr}:{}", PEER_PORT + 1);
     let c = cl.add_node("c", 13, Some(&proxy_addr), HEARTBEAT_TTL_SHORT_MS);
@@ -622,7 +623,11 @@ fn long_scenarios(cl: &mut Cluster, b: usize, failed: &mut Vec<String>) {
         &cl.nodes[c].netns,
         &proxy_addr,
         &format!("{c_addr}:{PEER_PORT}"),
-        20,
+        netns::Link {
+            delay_ms: 20,
+            stall_every: 8,
+            stall_ms: 200,
+        },
     );
     let mut uploads_c = 0.0;
 

@@ -242,6 +242,17 @@ pub fn connect(ns: &str, addr: &str) -> std::io::Result<std::net::TcpStream> {
     in_netns(ns, move || std::net::TcpStream::connect(addr))
 }
 
+/// What a [`DelayProxy`] does to the chunks it forwards.
+#[derive(Debug, Clone, Copy)]
+pub struct Link {
+    /// Delay before every chunk, ms.
+    pub delay_ms: u64,
+    /// Every this many chunks (0: never), a stall as for a lost segment.
+    pub stall_every: u64,
+    /// Length of that stall, ms.
+    pub stall_ms: u64,
+}
+
 /// A userspace TCP proxy inside a namespace that delays every chunk it
 /// forwards (this kernel has no `tc netem`): latency between namespaces.
 /// Stops accepting on drop; connections in flight end when either side
@@ -256,8 +267,11 @@ pub struct DelayProxy {
 
 impl DelayProxy {
     /// Listens on `listen` in `ns` and forwards to `upstream`, sleeping
-    /// `delay_ms` before each chunk in either direction.
-    pub fn start(ns: &str, listen: &str, upstream: &str, delay_ms: u64) -> DelayProxy {
+    /// `delay_ms` before each chunk in either direction, and
+    /// `link.stall_ms` more before every `link.stall_every`-th chunk (what
+    /// a lost segment costs TCP: a retransmission timeout; a userspace
+    /// proxy cannot drop segments of a TCP stream, only delay them).
+    pub fn start(ns: &str, listen: &str, upstream: &str, link: Link) -> DelayProxy {
         use std::sync::atomic::{AtomicBool, AtomicU64};
         use std::sync::Arc;
         let listener = {
@@ -288,8 +302,8 @@ impl DelayProxy {
                     };
                     let (c2, s2) = (client.try_clone().unwrap(), server.try_clone().unwrap());
                     let counter = down2.clone();
-                    std::thread::spawn(move || pump(client, server, delay_ms, None));
-                    std::thread::spawn(move || pump(s2, c2, delay_ms, Some(counter)));
+                    std::thread::spawn(move || pump(client, server, link, None));
+                    std::thread::spawn(move || pump(s2, c2, link, Some(counter)));
                 }
             })
         });
@@ -304,17 +318,23 @@ impl DelayProxy {
 fn pump(
     mut from: std::net::TcpStream,
     mut to: std::net::TcpStream,
-    delay_ms: u64,
+    link: Link,
     counter: Option<std::sync::Arc<std::sync::atomic::AtomicU64>>,
 ) {
     use std::io::{Read, Write};
     let mut buf = vec![0u8; 64 << 10];
+    let mut chunks = 0u64;
     loop {
         let n = match from.read(&mut buf) {
             Ok(0) | Err(_) => break,
             Ok(n) => n,
         };
-        std::thread::sleep(std::time::Duration::from_millis(delay_ms));
+        chunks += 1;
+        let mut ms = link.delay_ms;
+        if link.stall_every > 0 && chunks % link.stall_every == 0 {
+            ms += link.stall_ms;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(ms));
         if to.write_all(&buf[..n]).is_err() {
             break;
         }
