@@ -331,7 +331,7 @@ fn pump(
         };
         chunks += 1;
         let mut ms = link.delay_ms;
-        if link.stall_every > 0 && chunks % link.stall_every == 0 {
+        if link.stall_every > 0 && chunks.is_multiple_of(link.stall_every) {
             ms += link.stall_ms;
         }
         std::thread::sleep(std::time::Duration::from_millis(ms));
