@@ -117,8 +117,48 @@ peer_fall_through() {
   fi
 }
 
+# G3 power loss under the real kernel (daemon/tests/g3_fuse_power_loss.rs):
+# G3 in a FUSE filesystem that drops what was not made durable
+# (kvtier_fs::faultfs), KVTIER_FUSE_POWER_LOSS_ITERS iterations (default
+# 200, each a scenario; a failure stops the run at that iteration) and the
+# mutation check (one scenario). Needs root and /dev/fuse.
+g3_fuse_power_loss() {
+  if [ "$(id -u)" -ne 0 ] || [ ! -e /dev/fuse ]; then
+    SKIPPED+=("g3 power loss through FUSE: needs root and /dev/fuse")
+    return
+  fi
+  local iters=${KVTIER_FUSE_POWER_LOSS_ITERS:-200}
+  local log="$LOG_DIR/g3_fuse_power_loss.log"
+  KVTIER_FUSE_POWER_LOSS_ITERS=$iters KVTIER_FUSE_MUTATION_ITERS=${KVTIER_FUSE_MUTATION_ITERS:-200} \
+    cargo test -p kvtier-daemon --test g3_fuse_power_loss -- --nocapture --test-threads=1 >"$log" 2>&1
+  local rc=$?
+  local p=0 f=0 line
+  line=$(grep -m1 -E '^fuse power loss: [0-9]+ passed' "$log")
+  if [ -n "$line" ]; then
+    p=$(echo "$line" | sed -E 's/^fuse power loss: ([0-9]+) passed.*/\1/')
+  else
+    # The iteration that failed; those before it passed.
+    p=$(grep -m1 -oE "^iteration [0-9]+ \(replay" "$log" | sed -E 's/iteration ([0-9]+).*/\1/')
+    p=${p:-0}
+    f=1
+  fi
+  if grep -qE '^test fuse_mutation_check \.\.\. ok$' "$log"; then
+    p=$((p + 1))
+  else
+    f=$((f + 1))
+  fi
+  PASSED=$((PASSED + p))
+  FAILED=$((FAILED + f))
+  if [ "$rc" -ne 0 ] && [ "$f" -eq 0 ]; then
+    echo "g3_fuse_power_loss: cargo test failed without a scenario failure; see $log"
+    FAILED=$((FAILED + 1))
+  fi
+  grep -E '^fuse power loss:|caught at|^SKIP' "$log"
+}
+
 g4_faults
 g3_power_loss
+g3_fuse_power_loss
 simulation
 peer_fall_through
 
