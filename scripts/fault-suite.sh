@@ -156,9 +156,46 @@ g3_fuse_power_loss() {
   grep -E '^fuse power loss:|caught at|^SKIP' "$log"
 }
 
+# Promotions crash-tested through the node
+# (daemon/tests/node_promotion_power_loss.rs): a real Node with G3 in
+# faultfs and G4 the real test S3 server; KVTIER_NODE_POWER_LOSS_ITERS
+# iterations (default 100), each a scenario.
+node_promotion_power_loss() {
+  if [ "$(id -u)" -ne 0 ] || [ ! -e /dev/fuse ]; then
+    SKIPPED+=("node promotion power loss: needs root and /dev/fuse")
+    return
+  fi
+  if [ ! -x .venv/bin/weed ] && [ -z "${KVTIER_WEED:-}" ]; then
+    SKIPPED+=("node promotion power loss: no .venv/bin/weed (run scripts/setup.sh)")
+    return
+  fi
+  local iters=${KVTIER_NODE_POWER_LOSS_ITERS:-100}
+  local log="$LOG_DIR/node_promotion_power_loss.log"
+  KVTIER_NODE_POWER_LOSS_ITERS=$iters \
+    cargo test -p kvtier-daemon --test node_promotion_power_loss -- --nocapture >"$log" 2>&1
+  local rc=$?
+  local p=0 f=0 line
+  line=$(grep -m1 -E '^node promotion power loss: [0-9]+ passed' "$log")
+  if [ -n "$line" ]; then
+    p=$(echo "$line" | sed -E 's/^node promotion power loss: ([0-9]+) passed.*/\1/')
+  else
+    p=$(grep -m1 -oE "^iteration [0-9]+ \(replay" "$log" | sed -E 's/iteration ([0-9]+).*/\1/')
+    p=${p:-0}
+    f=1
+  fi
+  PASSED=$((PASSED + p))
+  FAILED=$((FAILED + f))
+  if [ "$rc" -ne 0 ] && [ "$f" -eq 0 ]; then
+    echo "node_promotion_power_loss: cargo test failed without a scenario failure; see $log"
+    FAILED=$((FAILED + 1))
+  fi
+  grep -E '^node promotion power loss:|^SKIP' "$log"
+}
+
 g4_faults
 g3_power_loss
 g3_fuse_power_loss
+node_promotion_power_loss
 simulation
 peer_fall_through
 
