@@ -97,7 +97,8 @@ simulation() {
 }
 
 # The node's peer fall-through under faults (daemon/tests/peer_fetch.rs
-# fall_through): one scenario per case line.
+# fall_through, the node's cases and the mount's): one scenario per case
+# line.
 peer_fall_through() {
   if [ ! -x .venv/bin/weed ] && [ -z "${KVTIER_WEED:-}" ]; then
     SKIPPED+=("peer fall-through: no .venv/bin/weed (run scripts/setup.sh)")
@@ -107,8 +108,10 @@ peer_fall_through() {
   cargo test -p kvtier-daemon --test peer_fetch fall_through -- --nocapture >"$log" 2>&1
   local rc=$?
   local p f
-  p=$(grep -cE "^fall-through case .*: Ok" "$log")
-  f=$(grep -cE "^fall-through case .*: Err" "$log")
+  # The node's cases and the mount's (root and /dev/fuse; else SKIP).
+  p=$(grep -cE "^(mount )?fall-through case .*: Ok" "$log")
+  f=$(grep -cE "^(mount )?fall-through case .*: Err" "$log")
+  grep -q '^SKIP mount_open' "$log" && SKIPPED+=("mount fall-through: $(grep -m1 '^SKIP mount_open' "$log")")
   PASSED=$((PASSED + p))
   FAILED=$((FAILED + f))
   if [ "$rc" -ne 0 ] && [ "$f" -eq 0 ]; then
