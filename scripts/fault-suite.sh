@@ -133,7 +133,8 @@ g3_fuse_power_loss() {
   local iters=${KVTIER_FUSE_POWER_LOSS_ITERS:-200}
   local log="$LOG_DIR/g3_fuse_power_loss.log"
   KVTIER_FUSE_POWER_LOSS_ITERS=$iters KVTIER_FUSE_MUTATION_ITERS=${KVTIER_FUSE_MUTATION_ITERS:-200} \
-    cargo test -p kvtier-daemon --test g3_fuse_power_loss -- --nocapture --test-threads=1 >"$log" 2>&1
+    cargo test -p kvtier-daemon --test g3_fuse_power_loss -- --nocapture --test-threads=1 \
+    --skip promotions_through >"$log" 2>&1
   local rc=$?
   local p=0 f=0 line
   line=$(grep -m1 -E '^fuse power loss: [0-9]+ passed' "$log")
@@ -160,7 +161,8 @@ g3_fuse_power_loss() {
 }
 
 # Promotions crash-tested through the node
-# (daemon/tests/node_promotion_power_loss.rs): a real Node with G3 in
+# (daemon/tests/faultfs_support/node_promotion.rs, in the g3_fuse_power_loss
+# binary): a real Node with G3 in
 # faultfs and G4 the real test S3 server; KVTIER_NODE_POWER_LOSS_ITERS
 # iterations (default 100), each a scenario.
 node_promotion_power_loss() {
@@ -175,7 +177,7 @@ node_promotion_power_loss() {
   local iters=${KVTIER_NODE_POWER_LOSS_ITERS:-100}
   local log="$LOG_DIR/node_promotion_power_loss.log"
   KVTIER_NODE_POWER_LOSS_ITERS=$iters \
-    cargo test -p kvtier-daemon --test node_promotion_power_loss -- --nocapture >"$log" 2>&1
+    cargo test -p kvtier-daemon --test g3_fuse_power_loss promotions_through -- --nocapture >"$log" 2>&1
   local rc=$?
   local p=0 f=0 line
   line=$(grep -m1 -E '^node promotion power loss: [0-9]+ passed' "$log")

@@ -19,8 +19,11 @@
 
 #[path = "g3_support/mod.rs"]
 mod common;
+// Promotions through a node under the same rig (one test binary less).
 #[path = "faultfs_support/mod.rs"]
 mod faultfs;
+#[path = "faultfs_support/node_promotion.rs"]
+mod node_promotion;
 
 use faultfs::Rig;
 use kvtier_client::{BlockHeader, BlockKey, Namespace};

@@ -15,7 +15,7 @@
 //! [`FaultMount`] (unmounts), [`FaultFs::power_cycle`] (the tree becomes
 //! what was durable), mount again and look at what survived.
 //!
-//! Found while building it (kernel 6.18, fs/tests/faultfs.rs and
+//! Found while building it (kernel 6.18, fs/tests/mount_faultfs/ and
 //! daemon/tests/g3_fuse_power_loss.rs): open(O_DIRECT) on FUSE succeeds
 //! without `FOPEN_DIRECT_IO` (the kernel's direct-I/O path sends each
 //! write to the filesystem as it happens), so G3's O_DIRECT probe passes

@@ -1,5 +1,5 @@
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-//! `faultfs` through the real kernel: what arrives for O_DIRECT, O_DSYNC,
+//! `faultfs` through the real kernel (a module of tests/mount.rs: one test
+//! binary less to link): what arrives for O_DIRECT, O_DSYNC,
 //! fsync of a file and of a directory, and renameat2(RENAME_NOREPLACE),
 //! and what a power cut keeps. Needs root and /dev/fuse (else SKIP).
 

@@ -1,5 +1,5 @@
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-//! Promotions crash-tested through the node (issue #15): a real `Node`
+//! Promotions crash-tested through the node (issue #15; a module of
+//! g3_fuse_power_loss.rs, sharing its test binary and rig): a real `Node`
 //! whose G3 lives in `kvtier_fs::faultfs` (the real kernel, io_uring,
 //! O_DIRECT, the production seam) and whose G4 is the real test S3 server
 //! (SeaweedFS). Onboards of blocks only G4 holds (single reads and
@@ -18,10 +18,7 @@
 //! runs more), `KVTIER_NODE_POWER_LOSS_SEED`. Needs root, /dev/fuse and
 //! `weed` (else a SKIP line).
 
-#[path = "faultfs_support/mod.rs"]
-mod faultfs;
-
-use faultfs::Rig;
+use super::faultfs::{self, Rig};
 use kvtier_client::{AlignedBuf, BlockHeader, BlockKey, Namespace, Tier};
 use kvtier_daemon::conformance::{block, namespace};
 use kvtier_daemon::g3::G3Config;
