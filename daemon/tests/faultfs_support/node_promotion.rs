@@ -12,6 +12,7 @@
 //! - no phantoms: every block G3 lists was promoted and reads exactly;
 //! - nothing torn visible: nothing quarantined, `tmp/` empty;
 //! - G4 still has every object (a promotion never touches it).
+//!
 //! Every read before and after the cut is the exact block or a miss.
 //!
 //! `KVTIER_NODE_POWER_LOSS_ITERS=N` (default 6; scripts/fault-suite.sh
