@@ -507,4 +507,5 @@ fn fuse_mutation_check() {
             ),
         }
     }
+    println!("fuse mutation check: {} sites caught", sites.len());
 }
