@@ -1,9 +1,10 @@
 //! Promotions crash-tested through the node (issue #15; a module of
 //! g3_fuse_power_loss.rs, sharing its test binary and rig): a real `Node`
 //! whose G3 lives in `kvtier_fs::faultfs` (the real kernel, io_uring,
-//! O_DIRECT, the production seam) and whose G4 is the real test S3 server
-//! (SeaweedFS). Onboards of blocks only G4 holds (single reads and
-//! batched `prepare_onboard`s) are served from G4 and staged, and the
+//! O_DIRECT, the production seam), whose G4 is the real test S3 server
+//! (SeaweedFS) and whose peer is a real node A. Onboards of blocks only G4
+//! or only A holds (single reads and batched `prepare_onboard`s) are
+//! served from there and staged, and the
 //! node's promotion workers `put_block` them into G3 in the background;
 //! power is cut at a seeded FUSE operation among those writes. After the
 //! survivor is mounted and the node reopened:
@@ -11,7 +12,7 @@
 //!   promotion) is still G3 and reads back exactly from G3;
 //! - no phantoms: every block G3 lists was promoted and reads exactly;
 //! - nothing torn visible: nothing quarantined, `tmp/` empty;
-//! - G4 still has every object (a promotion never touches it).
+//! - G4 still has every object it held (a promotion never touches it).
 //!
 //! Every read before and after the cut is the exact block or a miss.
 //!
@@ -24,7 +25,8 @@ use kvtier_client::{AlignedBuf, BlockHeader, BlockKey, Namespace, Tier};
 use kvtier_daemon::conformance::{block, namespace};
 use kvtier_daemon::g3::G3Config;
 use kvtier_daemon::g4::G4Store;
-use kvtier_daemon::node::{Node, NodeConfig};
+use kvtier_daemon::node::{Node, NodeConfig, PeerSetup};
+use kvtier_daemon::peer::{PeerConfig, PeerInfo};
 use kvtier_daemon::server::Backend;
 use kvtier_daemon::testkit::s3::S3Server;
 use kvtier_daemon::tier::{BlockTier, Lookup};
@@ -34,19 +36,44 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// One namespace's blocks in G4.
+/// One namespace's blocks, in G4 or held only by the peer.
 struct Set {
     ns: Namespace,
     blocks: Vec<(BlockKey, BlockHeader, Vec<u8>)>,
+    in_g4: bool,
+}
+
+const SECRET: &[u8] = b"promotion-power-loss-secret-0123";
+
+fn peer_setup(id: &str, peers: Vec<PeerInfo>) -> PeerSetup {
+    PeerSetup {
+        cfg: PeerConfig {
+            enabled: true,
+            bind: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+            peers,
+            discovery: false,
+            secret_file: Some("/nonexistent/peer.secret".into()),
+            ..Default::default()
+        },
+        node_id: id.into(),
+        secret: SECRET.to_vec(),
+        corrupt_responses_for_tests: false,
+    }
 }
 
 fn env_u64(k: &str) -> Option<u64> {
     std::env::var(k).ok().and_then(|v| v.parse().ok())
 }
 
-fn open_node(rig: &Rig, server: &S3Server) -> Arc<Node> {
+/// The node under test: G3 in the rig's mount, G4 the test server, peer
+/// `a` at `peer`.
+fn open_node(rig: &Rig, server: &S3Server, peer: &str) -> Arc<Node> {
     let mut cfg = NodeConfig::new(G3Config::new(rig.mnt().join("g3"), 256 << 20));
     cfg.g4 = Some(server.g4_config("promotion-power-loss"));
+    cfg.peer = Some(peer_setup(
+        "b",
+        vec![PeerInfo::new("a", peer.to_string()).unwrap()],
+    ));
     Node::open(cfg).expect("open node")
 }
 
@@ -105,6 +132,10 @@ fn in_g3(node: &Node, set: &Set, key: &BlockKey) -> bool {
 struct Totals {
     onboards: u64,
     promoted: u64,
+    promoted_from_peer: u64,
+    /// Listed after recovery though not acked before the cut (the cut
+    /// came between the directory fsync and the index entry): whole.
+    durable_unacked: u64,
     acked: u64,
     lost_to_cut: u64,
     entries_dropped: u64,
@@ -116,6 +147,7 @@ struct Totals {
 
 fn iteration(
     server: &S3Server,
+    peer: &str,
     g4: &G4Store,
     sets: &[Set],
     seed: u64,
@@ -123,7 +155,7 @@ fn iteration(
 ) -> Result<(), String> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let mut rig = Rig::new(seed, None);
-    let node = open_node(&rig, server);
+    let node = open_node(&rig, server, peer);
     let total: usize = sets.iter().map(|s| s.blocks.len()).sum();
     let start = rig.fault.counters().ops;
     // About 8 FUSE operations per promoted block (create, writes, the
@@ -161,7 +193,8 @@ fn iteration(
         return Err("promotions did not finish within 20 s".into());
     }
     let figures = node.figures();
-    t.promoted += figures.promoted_from_g4.count;
+    t.promoted += figures.promoted_from_g4.count + figures.promoted_from_peer.count;
+    t.promoted_from_peer += figures.promoted_from_peer.count;
     // Acked: a lookup answers G3 (the promotion's index entry is visible).
     let mut acked: Vec<(usize, usize)> = Vec::new();
     for (s, set) in sets.iter().enumerate() {
@@ -184,7 +217,7 @@ fn iteration(
     stop(node)?;
     let c = rig.power_cycle();
     t.entries_dropped += c.entries_dropped;
-    let node = open_node(&rig, server);
+    let node = open_node(&rig, server, peer);
     let fail = |what: String| format!("seed {seed} (cut at FUSE op {cut}): {what}");
     for (s, i) in &acked {
         let set = &sets[*s];
@@ -215,9 +248,11 @@ fn iteration(
             }
             // Unacked but durable (the cut came after the directory fsync,
             // before the index entry became visible) is allowed: whole.
-            let _ = acked.contains(&key);
+            if !acked.contains(&key) {
+                t.durable_unacked += 1;
+            }
         }
-        for (key, _, _) in &set.blocks {
+        for (key, _, _) in set.blocks.iter().filter(|_| set.in_g4) {
             if !g4
                 .contains(&set.ns.id(), key)
                 .map_err(|e| fail(e.to_string()))?
@@ -274,17 +309,31 @@ fn promotions_through_the_node_survive_power_loss() {
     };
     let g4 = G4Store::open(server.g4_config("promotion-power-loss")).unwrap();
     // Small blocks (O_DSYNC path) and multi-MiB ones (fdatasync path).
-    let mk = |bytes: u64, salt: &str, n: u64| {
+    // The peer: a node holding blocks nobody else has.
+    let da = tempfile::tempdir().unwrap();
+    let mut ca = NodeConfig::new(G3Config::new(da.path().join("g3"), 64 << 20));
+    ca.peer = Some(peer_setup("a", vec![]));
+    let a = Node::open(ca).unwrap();
+    let peer = a.peer_addr().unwrap().to_string();
+    // Small blocks (O_DSYNC path) and multi-MiB ones (fdatasync path) in
+    // G4; small ones only on the peer.
+    let mk = |bytes: u64, salt: &str, n: u64, in_g4: bool| {
         let ns = namespace(bytes, salt).unwrap();
         let blocks: Vec<_> = (0..n).map(|i| block(&ns, 0x9000 + i)).collect();
         for (_, h, p) in &blocks {
-            g4.put(&ns.id(), h, p).unwrap();
+            if in_g4 {
+                g4.put(&ns.id(), h, p).unwrap();
+            } else {
+                a.offload(&ns.id(), h, p, None, kvtier_client::Hints::default())
+                    .unwrap();
+            }
         }
-        Set { ns, blocks }
+        Set { ns, blocks, in_g4 }
     };
     let sets = [
-        mk(64 << 10, "promote-small", 10),
-        mk(5 << 19, "promote-large", 3),
+        mk(64 << 10, "promote-small", 8, true),
+        mk(5 << 19, "promote-large", 3, true),
+        mk(64 << 10, "promote-peer", 4, false),
     ];
     let n = env_u64("KVTIER_NODE_POWER_LOSS_ITERS").unwrap_or(6);
     let seed0 = env_u64("KVTIER_NODE_POWER_LOSS_SEED").unwrap_or(0x9a0e);
@@ -292,7 +341,7 @@ fn promotions_through_the_node_survive_power_loss() {
     let mut t = Totals::default();
     for k in 0..n {
         let seed = seed0 + k;
-        if let Err(e) = iteration(&server, &g4, &sets, seed, &mut t) {
+        if let Err(e) = iteration(&server, &peer, &g4, &sets, seed, &mut t) {
             panic!("iteration {k} (replay: KVTIER_NODE_POWER_LOSS_SEED={seed} KVTIER_NODE_POWER_LOSS_ITERS=1): {e}");
         }
     }
@@ -305,8 +354,12 @@ fn promotions_through_the_node_survive_power_loss() {
     // The cut really landed among promotions, some acked and some not.
     if n >= 6 {
         assert!(
-            t.cuts_during_promotions > 0 && t.acked > 0 && t.lost_to_cut > 0,
+            t.cuts_during_promotions > 0
+                && t.acked > 0
+                && t.lost_to_cut > 0
+                && t.promoted_from_peer > 0,
             "{t:?}"
         );
     }
+    drop(a);
 }
