@@ -35,9 +35,8 @@ use fuser::{MountOption, SessionACL};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-/// What the adapter and the test share.
-#[doc(hidden)]
-pub struct Shared {
+/// What the adapter and the test's handle share.
+pub(crate) struct Shared {
     model: Mutex<model::Model>,
     direct_io_flag: bool,
 }

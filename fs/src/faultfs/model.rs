@@ -561,14 +561,15 @@ mod tests {
         m.write(a, 0, b"durable", false).unwrap();
         m.fsync(a).unwrap();
         m.fsyncdir(d).unwrap();
-        let b = m.create(d, name("b"), 0o644, libc::O_EXCL).unwrap();
-        m.write(b, 0, b"lost name", false).unwrap();
-        m.fsync(b).unwrap();
         let c = m.create(d, name("c"), 0o644, libc::O_EXCL).unwrap();
         m.write(c, 0, b"dsync", true).unwrap();
         m.rename(d, name("c"), d, name("c2"), true).unwrap();
         m.fsyncdir(d).unwrap();
         m.unlink(d, name("a")).unwrap();
+        // Bytes synced, name never: gone.
+        let b = m.create(d, name("b"), 0o644, libc::O_EXCL).unwrap();
+        m.write(b, 0, b"lost name", false).unwrap();
+        m.fsync(b).unwrap();
         m.crash_now();
         assert_eq!(m.write(c, 0, b"x", false), Err(libc::EIO));
         let r = m.cut();
