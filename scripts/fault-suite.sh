@@ -97,7 +97,8 @@ simulation() {
 }
 
 # The node's peer fall-through under faults (daemon/tests/peer_fetch.rs
-# fall_through): one scenario per case line.
+# fall_through, the node's cases and the mount's): one scenario per case
+# line.
 peer_fall_through() {
   if [ ! -x .venv/bin/weed ] && [ -z "${KVTIER_WEED:-}" ]; then
     SKIPPED+=("peer fall-through: no .venv/bin/weed (run scripts/setup.sh)")
@@ -107,8 +108,10 @@ peer_fall_through() {
   cargo test -p kvtier-daemon --test peer_fetch fall_through -- --nocapture >"$log" 2>&1
   local rc=$?
   local p f
-  p=$(grep -cE "^fall-through case .*: Ok" "$log")
-  f=$(grep -cE "^fall-through case .*: Err" "$log")
+  # The node's cases and the mount's (root and /dev/fuse; else SKIP).
+  p=$(grep -cE "^(mount )?fall-through case .*: Ok" "$log")
+  f=$(grep -cE "^(mount )?fall-through case .*: Err" "$log")
+  grep -q '^SKIP mount_open' "$log" && SKIPPED+=("mount fall-through: $(grep -m1 '^SKIP mount_open' "$log")")
   PASSED=$((PASSED + p))
   FAILED=$((FAILED + f))
   if [ "$rc" -ne 0 ] && [ "$f" -eq 0 ]; then
@@ -143,8 +146,87 @@ cluster() {
   grep -E '^(PASS|FAIL) cluster' "$log"
 }
 
+# G3 power loss under the real kernel (daemon/tests/g3_fuse_power_loss.rs):
+# G3 in a FUSE filesystem that drops what was not made durable
+# (kvtier_fs::faultfs), KVTIER_FUSE_POWER_LOSS_ITERS iterations (default
+# 200, each a scenario; a failure stops the run at that iteration) and the
+# mutation check (one scenario). Needs root and /dev/fuse.
+g3_fuse_power_loss() {
+  if [ "$(id -u)" -ne 0 ] || [ ! -e /dev/fuse ]; then
+    SKIPPED+=("g3 power loss through FUSE: needs root and /dev/fuse")
+    return
+  fi
+  local iters=${KVTIER_FUSE_POWER_LOSS_ITERS:-200}
+  local log="$LOG_DIR/g3_fuse_power_loss.log"
+  KVTIER_FUSE_POWER_LOSS_ITERS=$iters KVTIER_FUSE_MUTATION_ITERS=${KVTIER_FUSE_MUTATION_ITERS:-200} \
+    cargo test -p kvtier-daemon --test g3_fuse_power_loss -- --nocapture --test-threads=1 \
+    --skip promotions_through >"$log" 2>&1
+  local rc=$?
+  local p=0 f=0 line
+  line=$(grep -m1 -E '^fuse power loss: [0-9]+ passed' "$log")
+  if [ -n "$line" ]; then
+    p=$(echo "$line" | sed -E 's/^fuse power loss: ([0-9]+) passed.*/\1/')
+  else
+    # The iteration that failed; those before it passed.
+    p=$(grep -m1 -oE "^iteration [0-9]+ \(replay" "$log" | sed -E 's/iteration ([0-9]+).*/\1/')
+    p=${p:-0}
+    f=1
+  fi
+  if grep -qE '^fuse mutation check: [0-9]+ sites caught' "$log"; then
+    p=$((p + 1))
+  else
+    f=$((f + 1))
+  fi
+  PASSED=$((PASSED + p))
+  FAILED=$((FAILED + f))
+  if [ "$rc" -ne 0 ] && [ "$f" -eq 0 ]; then
+    echo "g3_fuse_power_loss: cargo test failed without a scenario failure; see $log"
+    FAILED=$((FAILED + 1))
+  fi
+  grep -E '^fuse power loss:|caught at|^SKIP' "$log"
+}
+
+# Promotions crash-tested through the node
+# (daemon/tests/faultfs_support/node_promotion.rs, in the g3_fuse_power_loss
+# binary): a real Node with G3 in
+# faultfs and G4 the real test S3 server; KVTIER_NODE_POWER_LOSS_ITERS
+# iterations (default 100), each a scenario.
+node_promotion_power_loss() {
+  if [ "$(id -u)" -ne 0 ] || [ ! -e /dev/fuse ]; then
+    SKIPPED+=("node promotion power loss: needs root and /dev/fuse")
+    return
+  fi
+  if [ ! -x .venv/bin/weed ] && [ -z "${KVTIER_WEED:-}" ]; then
+    SKIPPED+=("node promotion power loss: no .venv/bin/weed (run scripts/setup.sh)")
+    return
+  fi
+  local iters=${KVTIER_NODE_POWER_LOSS_ITERS:-100}
+  local log="$LOG_DIR/node_promotion_power_loss.log"
+  KVTIER_NODE_POWER_LOSS_ITERS=$iters \
+    cargo test -p kvtier-daemon --test g3_fuse_power_loss promotions_through -- --nocapture >"$log" 2>&1
+  local rc=$?
+  local p=0 f=0 line
+  line=$(grep -m1 -E '^node promotion power loss: [0-9]+ passed' "$log")
+  if [ -n "$line" ]; then
+    p=$(echo "$line" | sed -E 's/^node promotion power loss: ([0-9]+) passed.*/\1/')
+  else
+    p=$(grep -m1 -oE "^iteration [0-9]+ \(replay" "$log" | sed -E 's/iteration ([0-9]+).*/\1/')
+    p=${p:-0}
+    f=1
+  fi
+  PASSED=$((PASSED + p))
+  FAILED=$((FAILED + f))
+  if [ "$rc" -ne 0 ] && [ "$f" -eq 0 ]; then
+    echo "node_promotion_power_loss: cargo test failed without a scenario failure; see $log"
+    FAILED=$((FAILED + 1))
+  fi
+  grep -E '^node promotion power loss:|^SKIP' "$log"
+}
+
 g4_faults
 g3_power_loss
+g3_fuse_power_loss
+node_promotion_power_loss
 simulation
 peer_fall_through
 cluster

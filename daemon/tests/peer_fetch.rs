@@ -908,6 +908,196 @@ mod fall_through {
         drop(a);
     }
 
+    /// Runs `f` on a thread and waits at most `bound` (a hang is reported,
+    /// not waited out; the thread is left behind).
+    fn within<T: Send + 'static>(
+        bound: Duration,
+        f: impl FnOnce() -> T + Send + 'static,
+    ) -> Result<(T, Duration), String> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let t = Instant::now();
+        std::thread::spawn(move || {
+            let _ = tx.send(f());
+        });
+        rx.recv_timeout(bound)
+            .map(|v| (v, t.elapsed()))
+            .map_err(|_| format!("no answer within {bound:?} (hung)"))
+    }
+
+    /// The mount's fall-through under faults (issue #15): B's FUSE mount
+    /// (the node's fetch, import and evict hooks, as kvtierd wires it)
+    /// opening blocks only peer A holds, A behind the fault proxy, G4
+    /// holding the good copy or nothing. Each open answers within the
+    /// fetch deadline with the exact block (G4's copy) or ENOENT/EIO,
+    /// never wrong bytes; an import (`write` of a block file) of a name
+    /// only the hung peer holds completes in time; after each fault the
+    /// mount still serves a local block and lists its directory.
+    #[test]
+    fn mount_open_and_import_fall_through_faulty_peers_in_time() {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 || !std::path::Path::new("/dev/fuse").exists() {
+            eprintln!("SKIP mount_open_and_import_...: needs root and /dev/fuse");
+            return;
+        }
+        let Some(server) = S3Server::start("kvtier-mount-fall-through").unwrap() else {
+            eprintln!(
+                "SKIP mount_open_and_import_...: weed (SeaweedFS) not installed (scripts/setup.sh)"
+            );
+            return;
+        };
+        let direct = G4Store::open(server.g4_config("fall-through")).unwrap();
+        let da = tempfile::tempdir().unwrap();
+        let mut ca = NodeConfig::new(G3Config::new(da.path().join("g3"), 64 << 20));
+        ca.peer = Some(peer_setup("a", vec![]));
+        let a = Node::open(ca).unwrap();
+        let peer_proxy = FaultProxy::start(&format!("http://{}", a.peer_addr().unwrap())).unwrap();
+        let peer_addr = peer_proxy
+            .endpoint()
+            .trim_start_matches("http://")
+            .to_string();
+        let id = ns().id();
+        // (name, peer fault, G4 holds the good copy)
+        let cases: [(&str, Fault, bool); 6] = [
+            ("hung peer, G4 absent", Fault::NoAnswer, false),
+            ("hung peer, good G4", Fault::NoAnswer, true),
+            (
+                "slow peer, G4 absent",
+                Fault::SlowBody {
+                    chunk_bytes: 1024,
+                    delay_ms: 200,
+                },
+                false,
+            ),
+            (
+                "peer dying mid-transfer, good G4",
+                Fault::CutAfter { bytes: 6000 },
+                true,
+            ),
+            (
+                "lying peer, G4 absent",
+                Fault::WrongBytes { offset: 4096 + 100 },
+                false,
+            ),
+            (
+                "lying peer, good G4",
+                Fault::WrongBytes { offset: 4096 + 9 },
+                true,
+            ),
+        ];
+        let bound = Duration::from_millis(FETCH_MS + SLACK_MS);
+        let mut failures = Vec::new();
+        for (n, (name, fault, g4_good)) in cases.iter().enumerate() {
+            let seed = 100 + 10 * n as u64;
+            let (h, p) = block(seed);
+            let (hi, pi) = block(seed + 1);
+            let (hl, pl) = block(seed + 2);
+            for (h, p) in [(&h, &p), (&hi, &pi)] {
+                a.offload(&id, h, p, None, Hints::default()).unwrap();
+            }
+            if *g4_good {
+                direct.put(&id, &h, &p).unwrap();
+            }
+            peer_proxy.set(FaultRule::new(fault.clone()));
+            let faulted_before = peer_proxy.counters().faulted.load(SeqCst);
+            let db = tempfile::tempdir().unwrap();
+            let mut cb = NodeConfig::new(G3Config::new(db.path().join("g3"), 64 << 20));
+            cb.peer = Some(peer_setup(
+                "b",
+                vec![PeerInfo::new("a", peer_addr.clone()).unwrap()],
+            ));
+            cb.g4 = Some(g4_through(&server, &server.endpoint()));
+            cb.fetch_deadline_ms = FETCH_MS;
+            cb.lookup_remote_deadline_ms = LOOKUP_MS;
+            let b = Node::open(cb).unwrap();
+            // A block B holds itself: the mount must keep serving it.
+            b.offload(&id, &hl, &pl, None, Hints::default()).unwrap();
+            let mnt = db.path().join("mnt");
+            let section = kvtier_daemon::config::MountSection {
+                dir: mnt.clone(),
+                passthrough: kvtier_daemon::config::PassthroughMode::Off,
+                verify_on_open: true,
+                ..Default::default()
+            };
+            let hooks = kvtier_daemon::mount::MountHooks {
+                fetch: Some(b.fetch_hook()),
+                import: Some(b.import_hook(std::sync::Arc::new(|_: &BlockHeader| {}))),
+                evict: Some(b.evict_hook()),
+            };
+            let mount = kvtier_daemon::mount::start_with_hooks(
+                &section,
+                b.g3().clone(),
+                hooks,
+                std::sync::Arc::new(kvtier_daemon::access::Policy::open()),
+            )
+            .unwrap();
+            let path = |k: &BlockKey| mnt.join(kvtier_client::block_path(&id, k));
+            let want = kvtier_client::encode_block(&h, &p);
+            let r = (|| -> Result<String, String> {
+                let pth = path(&h.key);
+                let (got, took) =
+                    within(bound + Duration::from_secs(5), move || std::fs::read(pth))?;
+                if took > bound {
+                    return Err(format!("open+read took {took:?} (bound {bound:?})"));
+                }
+                let outcome = match got {
+                    Ok(bytes) if bytes == want && *g4_good => format!("G4 copy in {took:?}"),
+                    Ok(bytes) if bytes == want => {
+                        return Err("a hit though no good copy was reachable".into())
+                    }
+                    Ok(_) => return Err("WRONG BYTES served by the mount".into()),
+                    Err(e) if *g4_good => return Err(format!("{e} though G4 holds a good copy")),
+                    Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT) | Some(libc::EIO)) => {
+                        format!("{e} in {took:?}")
+                    }
+                    Err(e) => return Err(format!("unexpected error {e}")),
+                };
+                if peer_proxy.counters().faulted.load(SeqCst) == faulted_before {
+                    return Err("no request reached the faulty peer".into());
+                }
+                // Import of a name only the (faulty) peer holds.
+                let pth = path(&hi.key);
+                let bytes = kvtier_client::encode_block(&hi, &pi);
+                let (wrote, took) = within(bound + Duration::from_secs(5), move || {
+                    std::fs::write(pth, bytes)
+                })?;
+                if took > bound {
+                    return Err(format!("import took {took:?} (bound {bound:?})"));
+                }
+                match wrote {
+                    Ok(()) => {}
+                    Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {}
+                    Err(e) => return Err(format!("import failed: {e}")),
+                }
+                // The mount keeps serving: a local block, a listing.
+                let pth = path(&hl.key);
+                let (local, took) = within(bound, move || std::fs::read(pth))?;
+                if local.map_err(|e| format!("local block after the fault: {e}"))?
+                    != kvtier_client::encode_block(&hl, &pl)
+                {
+                    return Err("local block read wrong after the fault".into());
+                }
+                if took > Duration::from_millis(SLACK_MS) {
+                    return Err(format!("local block took {took:?} after the fault"));
+                }
+                let dir = path(&hl.key).parent().unwrap().to_path_buf();
+                let (listed, _) = within(bound, move || std::fs::read_dir(dir).map(|d| d.count()))?;
+                listed.map_err(|e| format!("listing after the fault: {e}"))?;
+                if *g4_good && !direct.contains(&id, &h.key).unwrap() {
+                    return Err("the G4 object was deleted".into());
+                }
+                Ok(outcome)
+            })();
+            eprintln!("mount fall-through case '{name}': {r:?}");
+            if let Err(e) = r {
+                failures.push(format!("{name}: {e}"));
+            }
+            drop(mount);
+            let _ = b.shutdown(Duration::from_secs(1));
+        }
+        assert!(failures.is_empty(), "{failures:#?}");
+        drop(a);
+    }
+
     fn run_case(b: &Node, case: &Case, keys: &[(BlockHeader, Vec<u8>)]) -> Result<(), String> {
         let id = ns().id();
         let chain: Vec<BlockKey> = keys.iter().map(|(h, _)| h.key).collect();

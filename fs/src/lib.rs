@@ -10,11 +10,13 @@
 //!
 //! Start with [`KvNamespace`] (what a store implements), [`mount`] (what a
 //! daemon calls) and [`MemNamespace`] (the reference implementation).
-//! Only this crate knows FUSE; it knows nothing of tiers.
+//! Only this crate knows FUSE; it knows nothing of tiers. [`faultfs`] is
+//! test support: a power-cutting FUSE filesystem for crash tests.
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used))]
 
 mod adapter;
 pub mod error;
+pub mod faultfs;
 pub mod memory;
 pub mod mount;
 pub mod names;

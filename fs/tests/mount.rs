@@ -16,6 +16,9 @@ use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+#[path = "mount_faultfs/mod.rs"]
+mod mount_faultfs;
+
 /// Mount tests share the kernel and 2 CPUs: run them one at a time.
 static SERIAL: Mutex<()> = Mutex::new(());
 

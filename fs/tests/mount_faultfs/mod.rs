@@ -1,0 +1,108 @@
+//! `faultfs` through the real kernel (a module of tests/mount.rs: one test
+//! binary less to link): what arrives for O_DIRECT, O_DSYNC,
+//! fsync of a file and of a directory, and renameat2(RENAME_NOREPLACE),
+//! and what a power cut keeps. Needs root and /dev/fuse (else SKIP).
+
+use kvtier_fs::faultfs::FaultFs;
+use std::io::Write;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::Path;
+
+fn rename_noreplace(from: &Path, to: &Path) -> std::io::Result<()> {
+    let f = std::ffi::CString::new(from.as_os_str().as_bytes()).unwrap();
+    let t = std::ffi::CString::new(to.as_os_str().as_bytes()).unwrap();
+    // SAFETY: valid NUL-terminated paths.
+    let r = unsafe {
+        libc::renameat2(
+            libc::AT_FDCWD,
+            f.as_ptr(),
+            libc::AT_FDCWD,
+            t.as_ptr(),
+            libc::RENAME_NOREPLACE,
+        )
+    };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+#[test]
+fn kernel_requests_and_the_power_cut() {
+    if !nix_root() || !Path::new("/dev/fuse").exists() {
+        eprintln!("SKIP: faultfs needs root and /dev/fuse");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mnt = dir.path().join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    let fs = FaultFs::new(7);
+    let m = fs.mount(&mnt).unwrap();
+    let d = mnt.join("d");
+    std::fs::create_dir(&d).unwrap();
+    std::fs::File::open(&mnt).unwrap().sync_all().unwrap();
+    assert_eq!(fs.counters().dir_fsyncs, 1);
+
+    // O_DIRECT | O_DSYNC, aligned: accepted without FOPEN_DIRECT_IO, and
+    // durable on return.
+    let mut buf = kvtier_client::AlignedBuf::new(8192).unwrap();
+    buf.as_mut_slice().fill(0xab);
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .custom_flags(libc::O_DIRECT | libc::O_DSYNC)
+        .open(d.join("dsync.tmp"))
+        .expect("O_DIRECT open on FUSE");
+    f.write_all(buf.as_slice()).unwrap();
+    drop(f);
+    let c = fs.counters();
+    assert!(c.direct_opens >= 1 && c.dsync_writes >= 1, "{c:?}");
+    println!("after an O_DIRECT|O_DSYNC write: {c:?}");
+    rename_noreplace(&d.join("dsync.tmp"), &d.join("dsync")).unwrap();
+    std::fs::write(d.join("other"), b"x").unwrap();
+    let e = rename_noreplace(&d.join("other"), &d.join("dsync")).unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::EEXIST));
+    std::fs::File::open(&d).unwrap().sync_all().unwrap();
+
+    // Written and fsynced, but its name never made durable: gone.
+    let mut g = std::fs::File::create(d.join("late")).unwrap();
+    g.write_all(b"late").unwrap();
+    g.sync_all().unwrap();
+    drop(g);
+    // Name durable, bytes not: the file comes back empty (or, seeded,
+    // with what write-back kept).
+    let before = fs.counters().fsyncs;
+    std::fs::File::options()
+        .append(true)
+        .open(d.join("other"))
+        .unwrap()
+        .write_all(b"unsynced")
+        .unwrap();
+    assert_eq!(fs.counters().fsyncs, before);
+
+    fs.crash_now();
+    assert_eq!(
+        std::fs::create_dir(mnt.join("after"))
+            .unwrap_err()
+            .raw_os_error(),
+        Some(libc::EIO)
+    );
+    m.unmount().unwrap();
+    let cut = fs.power_cycle();
+    let _m = fs.mount(&mnt).unwrap();
+    assert_eq!(std::fs::read(d.join("dsync")).unwrap(), vec![0xab; 8192]);
+    assert!(!d.join("late").exists(), "{cut:?}");
+    assert!(!d.join("dsync.tmp").exists());
+    let other = std::fs::read(d.join("other")).unwrap();
+    assert!(
+        other.is_empty() || other == b"xunsynced" || other == [0u8; 9],
+        "{other:?}"
+    );
+}
+
+fn nix_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() == 0 }
+}
