@@ -177,7 +177,27 @@ impl Backend for Node {
                         tier,
                         block: Some(block),
                     }) => (block, tier),
-                    other => return self.read_g3(ns, key, dst, other.map(|p| p.tier)),
+                    other => match self.read_g3(ns, key, dst, other.map(|p| p.tier)) {
+                        // G3 holds it but cannot give it (a failing disk, a
+                        // corrupt copy, now quarantined): another tier's
+                        // verified copy rather than a miss or an error.
+                        Err(e @ (Error::Io { .. } | Error::NoSpace { .. })) => {
+                            tracing::warn!(%ns, %key, error = %e,
+                                "g3 read failed; fetching the block from the peers or G4");
+                            // Not promoted: the disk that failed would take it.
+                            match self.fetch_now(ns, key, false)? {
+                                Lookup::Hit(Local::Staged { block, report, .. }) => (block, report),
+                                _ => return Err(e),
+                            }
+                        }
+                        Ok(Lookup::Miss(MissReason::Corrupt)) => {
+                            match self.fetch_now(ns, key, true)? {
+                                Lookup::Hit(Local::Staged { block, report, .. }) => (block, report),
+                                _ => return Ok(Lookup::Miss(MissReason::Corrupt)),
+                            }
+                        }
+                        r => return r,
+                    },
                 }
             }
         };

@@ -143,6 +143,18 @@ impl Node {
         if self.on_g3(ns, key) {
             return Ok(Lookup::Hit(Local::OnG3));
         }
+        self.fetch_now(ns, key, defer)
+    }
+
+    /// Fetches the block from the peers or G4 now (verified), whatever G3
+    /// says: also the fall-back when G3 holds the block but cannot read it.
+    /// Staged for a background promotion when `defer`.
+    pub(super) fn fetch_now(
+        &self,
+        ns: &NamespaceId,
+        key: &BlockKey,
+        defer: bool,
+    ) -> Result<Lookup<Local>> {
         if !self.remote() {
             return Ok(Lookup::Miss(MissReason::Absent));
         }

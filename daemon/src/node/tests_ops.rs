@@ -207,3 +207,30 @@ fn a_g4_sweep_clears_the_in_g4_marks_of_what_it_deleted() {
     assert_eq!(heads.len(), 1);
     assert!(!heads[0].1, "an External copy that is gone");
 }
+
+#[test]
+fn an_onboard_of_a_corrupt_g3_copy_is_served_from_g4_not_missed() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = node_with(dir.path(), |_| {});
+    let id = ns().id();
+    let (h0, p0) = offload_uploaded(&n, 0);
+    corrupt(&n, &h0.key);
+    // The read finds the bad copy (quarantined), and the same request gets
+    // G4's verified copy instead of a Corrupt miss.
+    let mut buf = vec![0u8; (BLOCK + 8192) as usize];
+    match n.read_into(&id, &h0.key, &mut buf).unwrap() {
+        Lookup::Hit((h, tier)) => {
+            assert_eq!((h.key, tier), (h0.key, Tier::G4));
+            assert!(buf[4096..4096 + BLOCK as usize] == p0[..], "bytes differ");
+        }
+        Lookup::Miss(r) => panic!("{r:?}"),
+    }
+    assert_eq!(n.stats().quarantined, 1);
+    // Promoted back: the next read is a G3 hit.
+    assert!(n.wait_promotions(Duration::from_secs(5)));
+    assert!(n.g3().stat(&id, &h0.key).is_some(), "never promoted back");
+    match n.read_into(&id, &h0.key, &mut buf).unwrap() {
+        Lookup::Hit((_, tier)) => assert_eq!(tier, Tier::G3),
+        Lookup::Miss(r) => panic!("{r:?}"),
+    }
+}
