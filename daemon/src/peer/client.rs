@@ -105,6 +105,7 @@ pub struct PeerMetrics {
     corrupt: AtomicU64,
     timeout: AtomicU64,
     skipped: AtomicU64,
+    connections: AtomicU64,
 }
 
 /// A copy of [`PeerMetrics`] at one moment.
@@ -208,6 +209,12 @@ impl PeerClient {
         &self.metrics
     }
 
+    /// TCP connections this client (and its clones) opened so far; the
+    /// rest of the requests reused a pooled one.
+    pub fn connections_opened(&self) -> u64 {
+        self.metrics.connections.load(Ordering::Relaxed)
+    }
+
     /// Fetches `(ns, key)` from the peer at `address` (`host:port`), giving
     /// up at `deadline`. Never returns unverified bytes.
     pub async fn fetch(
@@ -248,6 +255,7 @@ impl PeerClient {
                 Err(_) if Instant::now() >= deadline => return Err(PeerMiss::Timeout),
                 Err(_) => return Err(PeerMiss::Unavailable),
             };
+        self.metrics.connections.fetch_add(1, Ordering::Relaxed);
         let _ = stream.set_nodelay(true);
         let (sender, conn) =
             hyper::client::conn::http1::handshake::<_, Empty<bytes::Bytes>>(TokioIo::new(stream))
