@@ -3,6 +3,7 @@
 
 use crate::error::{Error, Result};
 use crate::g3::G3Store;
+use crate::peer::holdings::HoldingsDigest;
 use crate::peer::{HeartbeatTask, PeerClient, PeerConfig, PeerServer, PeerSet, PeerSource};
 use crate::tier::Lookup;
 use kvtier_client::{BlockKey, NamespaceId};
@@ -47,6 +48,27 @@ impl PeerSource for G3Source {
             Lookup::Miss(_) => None,
         })
     }
+
+    fn holdings(&self, bytes_max: u64) -> Result<Option<HoldingsDigest>> {
+        // Sized from the block count now; blocks stored while the walk runs
+        // are in the next digest (a peer's probe or fetch finds them).
+        let hint = self.0.stats().blocks;
+        let mut d = HoldingsDigest::with_capacity(hint, bytes_max, crate::peer::unix_ms_now());
+        for ns in self.0.namespaces() {
+            let mut after: Option<BlockKey> = None;
+            loop {
+                let page = self.0.list(&ns, after.as_ref(), 4096);
+                for k in &page {
+                    d.insert(&ns, k);
+                }
+                match page.last() {
+                    Some(k) if page.len() == 4096 => after = Some(*k),
+                    _ => break,
+                }
+            }
+        }
+        Ok(Some(d))
+    }
 }
 
 pub(super) struct Started {
@@ -77,6 +99,18 @@ pub(super) fn start(
     let set = Arc::new(PeerSet::new(p.cfg.set_config(&p.node_id), client)?);
     let address = p.cfg.advertised_address(bound);
     tracing::info!(node_id = %p.node_id, %address, static_peers = p.cfg.peers.len(), "peer server listening");
+    if p.cfg.holdings_refresh_ms > 0 {
+        // Holds the set weakly: the loop ends when the node drops it.
+        let weak = Arc::downgrade(&set);
+        let period = std::time::Duration::from_millis(p.cfg.holdings_refresh_ms);
+        handle.spawn(async move {
+            while let Some(set) = weak.upgrade() {
+                set.refresh_holdings().await;
+                drop(set);
+                tokio::time::sleep(period).await;
+            }
+        });
+    }
     let mut heartbeat = None;
     if p.cfg.discovery {
         if let Some((store, prefix)) = g4 {

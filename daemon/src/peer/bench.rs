@@ -284,7 +284,9 @@ pub async fn breakdown(
     let tcp_connect_us = per(t.elapsed());
     let deadline = || Instant::now() + Duration::from_secs(30);
     // Warm the pool, then count connections opened while measuring.
-    client.probe(address, &ids[0].0, &ids[0].1, deadline()).await;
+    client
+        .probe(address, &ids[0].0, &ids[0].1, deadline())
+        .await;
     let opened0 = client.connections_opened();
     let t = Instant::now();
     for (ns, key) in ids.iter().take(n) {
