@@ -454,7 +454,6 @@ async fn handle_inner(st: &State, req: Request<Incoming>) -> Response<RespBody> 
 /// `holdings_cache_ms` (404 when this node publishes none).
 async fn holdings(st: &State) -> Response<RespBody> {
     if st.cfg.holdings_bytes_max == 0 {
-        st.metrics.absent.fetch_add(1, Ordering::Relaxed);
         return plain(StatusCode::NOT_FOUND, "no holdings digest published\n");
     }
     let mut cached = st.holdings.lock().await;
@@ -478,7 +477,6 @@ async fn holdings(st: &State) -> Response<RespBody> {
                 *cached = Some((std::time::Instant::now(), Bytes::from(d.encode())));
             }
             Ok(None) => {
-                st.metrics.absent.fetch_add(1, Ordering::Relaxed);
                 return plain(StatusCode::NOT_FOUND, "no holdings digest published\n");
             }
             Err(e) => {
