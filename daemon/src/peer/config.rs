@@ -250,6 +250,21 @@ mod tests {
         let bad_peer: PeerConfig =
             toml::from_str(r#"peers = [{ id = "../x", address = "h:1" }]"#).unwrap();
         assert!(bad_peer.validate().is_err());
+        // Holdings digests: on by default, bounded, and the server caches a
+        // build for half the refresh period.
+        assert_eq!(d.holdings_refresh_ms, 2_000);
+        assert_eq!(d.server_config(vec![1; 16]).holdings_cache_ms, 1_000);
+        for (t, ok) in [
+            ("holdings_refresh_ms = 0", true),
+            ("holdings_refresh_ms = 50", false),
+            ("holdings_bytes_max = 0", true),
+            ("holdings_bytes_max = 100", false),
+            ("holdings_bytes_max = 134217728", false),
+            ("holdings_probe_negatives = false", true),
+        ] {
+            let c: PeerConfig = toml::from_str(t).unwrap();
+            assert_eq!(c.validate().is_ok(), ok, "{t}");
+        }
     }
 
     #[test]
