@@ -133,7 +133,7 @@ pub(super) fn start(
     let set = Arc::new(PeerSet::new(p.cfg.set_config(&p.node_id), client)?);
     let address = p.cfg.advertised_address(bound);
     tracing::info!(node_id = %p.node_id, %address, static_peers = p.cfg.peers.len(), "peer server listening");
-    if p.cfg.holdings_refresh_ms > 0 {
+    if p.cfg.holdings_refresh_ms > 0 && p.cfg.holdings_bytes_max > 0 {
         // Holds the set weakly: the loop ends when the node drops it.
         let weak = Arc::downgrade(&set);
         let period = std::time::Duration::from_millis(p.cfg.holdings_refresh_ms);

@@ -62,8 +62,9 @@ pub struct PeerConfig {
     /// Period of fetching each peer's holdings digest; 0 turns digests
     /// off (lookups then probe every block).
     pub holdings_refresh_ms: u64,
-    /// Largest holdings digest this node serves and accepts (0: serve
-    /// none); past it a digest's false-positive rate rises instead.
+    /// Largest holdings digest this node serves and accepts (0: digests
+    /// neither served nor fetched); past it a digest's false-positive rate
+    /// rises instead.
     pub holdings_bytes_max: u64,
     /// Confirm a block a peer's digest does not list with a header probe.
     pub holdings_probe_negatives: bool,
