@@ -22,6 +22,14 @@
 //! the client-observed latency: request, copy of the verified bytes into
 //! shared memory, reply) is what remains. The promote is not on the
 //! onboard's path any more (it runs after the answer).
+//!
+//! `--warm` keeps the page cache warm (A's files read before each phase)
+//! instead of dropping it, so both paths move bytes from memory: the
+//! transfer stack alone. `transfer_breakdown_us` times each stage of a peer
+//! fetch alone against A's real peer server (`peer::bench::breakdown`):
+//! file read, blake3, memcpy, TCP connect, one signed round trip, the raw
+//! transfer, verified fetches one at a time and 4 in flight, and the
+//! connections the pooled client opened.
 
 use super::common;
 use anyhow::{bail, Context, Result};
