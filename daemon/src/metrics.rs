@@ -67,6 +67,9 @@ const SCRAPED_COUNTERS: &[(&str, &str, &[&str])] = &[
     ("kvtier_peer_fetches_total", "Peer fetches by outcome (hit, absent, unavailable, corrupt, timeout, skipped)", &["outcome"]),
     ("kvtier_peer_bytes_total", "Block bytes moved between peers, by direction (received, sent)", &["direction"]),
     ("kvtier_peer_requests_total", "Peer server requests by outcome (all, unauthorized, rejected)", &["outcome"]),
+    ("kvtier_peer_holdings_refreshes_total", "Peer holdings digests fetched, by outcome (ok, failed)", &["outcome"]),
+    ("kvtier_peer_lookup_answers_total", "Per-peer lookup answers, by source (digest_held, digest_not_held, probe)", &["source"]),
+    ("kvtier_peer_holdings_false_positives_total", "Fetches of blocks a peer's digest listed that the peer did not have (a miss at fetch)", &[]),
     // Promotions.
     ("kvtier_promotions_total", "Blocks promoted into G3, by source tier", &["source"]),
     ("kvtier_promotions_skipped_total", "Fetched blocks served but not promoted into G3 (promotion queue full or no room), by source tier", &["source"]),
@@ -97,6 +100,9 @@ const SCRAPED_COUNTERS: &[(&str, &str, &[&str])] = &[
 
 /// Families filled at scrape time: (name, help, labels). Gauges.
 const SCRAPED_GAUGES: &[(&str, &str, &[&str])] = &[
+    ("kvtier_peer_holdings_peers", "Peers with a usable holdings digest", &[]),
+    ("kvtier_peer_holdings_bytes", "Encoded bytes of the usable peer holdings digests held", &[]),
+    ("kvtier_peer_holdings_age_ms", "Age of the oldest usable peer holdings digest, ms since it was fetched", &[]),
     ("kvtier_blocks", "Blocks stored, by tier (g4: last listing plus this node's uploads since; absent until the first listing)", &["tier"]),
     ("kvtier_bytes", "Bytes stored (block files), by tier (g4 as kvtier_blocks)", &["tier"]),
     ("kvtier_capacity_bytes", "Configured capacity, by tier (0: unbounded)", &["tier"]),
@@ -266,6 +272,22 @@ impl Metrics {
         }
     }
 
+    /// The peer holdings digest families (peer/holdings.rs).
+    fn render_holdings(&self, p: &crate::peer::PeerMetricsSnapshot) {
+        let c = "kvtier_peer_holdings_refreshes_total";
+        self.count(c, &["ok"], p.holdings_refreshed);
+        self.count(c, &["failed"], p.holdings_failed);
+        let c = "kvtier_peer_lookup_answers_total";
+        self.count(c, &["digest_held"], p.lookup_digest_held);
+        self.count(c, &["digest_not_held"], p.lookup_digest_not_held);
+        self.count(c, &["probe"], p.lookup_probes);
+        let c = "kvtier_peer_holdings_false_positives_total";
+        self.count(c, &[], p.holdings_false_positives);
+        self.gauge("kvtier_peer_holdings_peers", &[], p.holdings_peers);
+        self.gauge("kvtier_peer_holdings_bytes", &[], p.holdings_bytes);
+        self.gauge("kvtier_peer_holdings_age_ms", &[], p.holdings_age_ms_max);
+    }
+
     /// Sets scraped gauge `name{labels}` to `x`.
     fn gauge(&self, name: &str, labels: &[&str], x: u64) {
         if let Some(g) = self.gauges.get(name) {
@@ -419,6 +441,7 @@ impl Metrics {
                 self.count("kvtier_peer_fetches_total", &[k], x);
             }
             self.count("kvtier_peer_bytes_total", &["received"], p.bytes);
+            self.render_holdings(p);
         }
         if let Some(s) = &n.peer_served {
             self.count("kvtier_peer_bytes_total", &["sent"], s.bytes_sent);

@@ -4,11 +4,16 @@
 //! The walk stops at the first block found nowhere: a prefix is only as
 //! long as its first gap.
 //!
-//! How a peer is known to hold a block, cheaply: a ranged GET of the 4096
-//! header bytes (`PeerClient::probe`) sent at once to the first
-//! `fanout_max` peers in rendezvous order; the first that answers with a
-//! header naming this namespace and key wins. No payload moves at lookup
-//! time. G4 is asked through its existence cache first, then one HEAD.
+//! How a peer is known to hold a block, cheaply: first its holdings
+//! digest (a Bloom filter fetched every `peer.holdings_refresh_ms`, see
+//! `peer::holdings`): a digest that lists the block answers "Peer" with no
+//! request at all. Peers without a usable digest, and (with
+//! `holdings_probe_negatives`, the default) peers whose digest does not
+//! list it, get a ranged GET of the 4096 header bytes
+//! (`PeerClient::probe`), sent at once to the first `fanout_max` peers in
+//! rendezvous order; any that answers with a header naming this namespace
+//! and key wins. Since the walk stops at the first gap, probes go only to
+//! blocks around it. No payload moves at lookup time. G4 is asked through its existence cache first, then one HEAD.
 //! Both answers are hints: the onboard verifies what it fetches. Up to 16
 //! blocks are asked about at once; answers are taken in chain order.
 
@@ -55,10 +60,24 @@ impl Node {
                     if let Some(set) = &peers {
                         let order: Vec<_> =
                             set.order(&ns2, &key).into_iter().take(fanout).collect();
-                        let probes = order.iter().map(|p| {
-                            let client = set.client().clone();
-                            let addr = p.address.clone();
-                            async move { client.probe(&addr, &ns2, &key, deadline).await }
+                        // A digest that lists the block answers at once;
+                        // peers without a usable digest are probed, and so
+                        // are negatives when configured (a block stored
+                        // since the digest is still found).
+                        let mut ask = Vec::new();
+                        for p in &order {
+                            match set.digest_says(&p.id, &ns2, &key) {
+                                Some(true) => return Some(Tier::Peer),
+                                Some(false) if !set.config().holdings_probe_negatives => {}
+                                _ => ask.push(p.address.clone()),
+                            }
+                        }
+                        let probes = ask.into_iter().map(|addr| {
+                            let set = set.clone();
+                            async move {
+                                set.count_probe();
+                                set.client().probe(&addr, &ns2, &key, deadline).await
+                            }
                         });
                         if futures::future::join_all(probes)
                             .await

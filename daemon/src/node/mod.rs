@@ -151,6 +151,10 @@ pub struct PeerServedFigures {
     pub unauthorized: u64,
     /// Requests refused otherwise (method, path, range).
     pub rejected: u64,
+    /// Ranged requests (lookups' header probes).
+    pub probes: u64,
+    /// Holdings digests served.
+    pub holdings_served: u64,
 }
 
 /// Node-level figures beyond [`crate::server::BackendStats`] (G4 queue,
@@ -508,6 +512,8 @@ impl Node {
                     bytes_sent: m.bytes_sent.load(Ordering::Relaxed),
                     unauthorized: m.unauthorized.load(Ordering::Relaxed),
                     rejected: m.rejected.load(Ordering::Relaxed),
+                    probes: m.ranged.load(Ordering::Relaxed),
+                    holdings_served: m.holdings_served.load(Ordering::Relaxed),
                 }
             }),
             promoted_from_peer: self.staging.figures(Tier::Peer),

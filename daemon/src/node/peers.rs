@@ -3,13 +3,15 @@
 
 use crate::error::{Error, Result};
 use crate::g3::G3Store;
+use crate::peer::holdings::HoldingsDigest;
 use crate::peer::{HeartbeatTask, PeerClient, PeerConfig, PeerServer, PeerSet, PeerSource};
 use crate::tier::Lookup;
 use kvtier_client::{BlockKey, NamespaceId};
 use object_store::path::Path;
 use object_store::ObjectStore;
 use std::fs::File;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 use tokio::runtime::Handle;
 
 /// The peer settings a node starts with.
@@ -38,14 +40,65 @@ impl std::fmt::Debug for PeerSetup {
 
 /// G3 as what the peer server streams: the block file as on disk. The
 /// receiver verifies; G3 drops corrupt blocks it learns about.
-struct G3Source(Arc<G3Store>);
+struct G3Source {
+    g3: Arc<G3Store>,
+    /// The last digest, the G3 counters it was built at, and when.
+    digest: Mutex<Option<(DigestBasis, Instant, HoldingsDigest)>>,
+}
+
+/// What a digest was built from: G3's block and byte counts, evictions and
+/// quarantines, and the size bound. Unchanged counters mean (almost
+/// always) unchanged holdings, so the index walk is skipped; a delete and a
+/// store of the same size in between is caught by `DIGEST_REBUILD_MAX`.
+type DigestBasis = (u64, u64, u64, u64, u64);
+
+/// Longest a digest is reused while G3's counters stay the same.
+const DIGEST_REBUILD_MAX: Duration = Duration::from_secs(30);
 
 impl PeerSource for G3Source {
     fn open_block(&self, ns: &NamespaceId, key: &BlockKey) -> Result<Option<(File, u64)>> {
-        Ok(match self.0.open_for_read(ns, key)? {
+        Ok(match self.g3.open_for_read(ns, key)? {
             Lookup::Hit((file, info)) => Some((file, info.file_len)),
             Lookup::Miss(_) => None,
         })
+    }
+
+    fn holdings(&self, bytes_max: u64) -> Result<Option<HoldingsDigest>> {
+        let st = self.g3.stats();
+        let basis = (
+            st.blocks,
+            st.used_bytes,
+            st.evictions,
+            st.quarantined,
+            bytes_max,
+        );
+        let mut cached = self.digest.lock().map_err(|_| Error::Peer {
+            peer: "self".into(),
+            detail: "holdings digest lock poisoned".into(),
+        })?;
+        if let Some((b, at, d)) = cached.as_ref() {
+            if *b == basis && at.elapsed() < DIGEST_REBUILD_MAX {
+                return Ok(Some(d.clone()));
+            }
+        }
+        // Sized from the block count now; blocks stored while the walk runs
+        // are in the next digest (a peer's probe or fetch finds them).
+        let mut d = HoldingsDigest::with_capacity(st.blocks, bytes_max, crate::peer::unix_ms_now());
+        for ns in self.g3.namespaces() {
+            let mut after: Option<BlockKey> = None;
+            loop {
+                let page = self.g3.list(&ns, after.as_ref(), 4096);
+                for k in &page {
+                    d.insert(&ns, k);
+                }
+                match page.last() {
+                    Some(k) if page.len() == 4096 => after = Some(*k),
+                    _ => break,
+                }
+            }
+        }
+        *cached = Some((basis, Instant::now(), d.clone()));
+        Ok(Some(d))
     }
 }
 
@@ -69,7 +122,10 @@ pub(super) fn start(
     if p.corrupt_responses_for_tests {
         tracing::warn!("peer: TEST HOOK ON: every response is corrupted on purpose");
     }
-    let source: Arc<dyn PeerSource> = Arc::new(G3Source(g3.clone()));
+    let source: Arc<dyn PeerSource> = Arc::new(G3Source {
+        g3: g3.clone(),
+        digest: Mutex::new(None),
+    });
     let server = super::run_on(handle, PeerServer::start(scfg, source))
         .ok_or_else(|| runtime_gone("starting the peer server"))??;
     let bound = server.local_addr();
@@ -77,6 +133,18 @@ pub(super) fn start(
     let set = Arc::new(PeerSet::new(p.cfg.set_config(&p.node_id), client)?);
     let address = p.cfg.advertised_address(bound);
     tracing::info!(node_id = %p.node_id, %address, static_peers = p.cfg.peers.len(), "peer server listening");
+    if p.cfg.holdings_refresh_ms > 0 && p.cfg.holdings_bytes_max > 0 {
+        // Holds the set weakly: the loop ends when the node drops it.
+        let weak = Arc::downgrade(&set);
+        let period = std::time::Duration::from_millis(p.cfg.holdings_refresh_ms);
+        handle.spawn(async move {
+            while let Some(set) = weak.upgrade() {
+                set.refresh_holdings().await;
+                drop(set);
+                tokio::time::sleep(period).await;
+            }
+        });
+    }
     let mut heartbeat = None;
     if p.cfg.discovery {
         if let Some((store, prefix)) = g4 {

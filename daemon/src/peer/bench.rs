@@ -211,3 +211,131 @@ fn median(v: &mut [f64]) -> f64 {
         v[v.len() / 2]
     }
 }
+
+/// Where one block's time goes on the peer path, in microseconds per block
+/// (means over the blocks), each stage measured alone in the same run so
+/// that the shares can be compared. Page cache as the caller left it.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct Breakdown {
+    /// Blocks measured.
+    pub blocks: usize,
+    /// Reading the block file into memory (the server's read).
+    pub file_read_us: f64,
+    /// blake3 of the block file's bytes (one verification).
+    pub blake3_us: f64,
+    /// One memcpy of the block file's bytes (one copy).
+    pub memcpy_us: f64,
+    /// A fresh TCP connect to the peer server (what a pooled connection
+    /// saves).
+    pub tcp_connect_us: f64,
+    /// A signed header-only GET on a pooled connection: one request round
+    /// trip, the server's auth and open, 4 KiB of body.
+    pub request_round_trip_us: f64,
+    /// Raw TCP of the same files (the baseline), per block.
+    pub raw_tcp_us: f64,
+    /// A whole verified peer fetch, one block after another, per block.
+    pub peer_fetch_us: f64,
+    /// Peer fetches of `concurrent` blocks at once, per block.
+    pub peer_fetch_concurrent_us: f64,
+    /// Fetches in flight in `peer_fetch_concurrent_us`.
+    pub concurrent: usize,
+    /// New connections the client opened during the measured fetches
+    /// (0 when every fetch reused a pooled connection).
+    pub connections_opened: u64,
+}
+
+/// Measures [`Breakdown`] against the peer server at `address` serving
+/// `ids` whose block files are `files` (same order).
+pub async fn breakdown(
+    client: &PeerClient,
+    address: &str,
+    ids: &[(NamespaceId, BlockKey)],
+    files: &[PathBuf],
+    concurrent: usize,
+) -> Result<Breakdown> {
+    let n = ids.len().min(files.len()).max(1);
+    let per = |d: Duration| d.as_secs_f64() * 1e6 / n as f64;
+    let t = Instant::now();
+    let mut bodies = Vec::with_capacity(n);
+    for f in files.iter().take(n) {
+        bodies.push(std::fs::read(f).map_err(|e| Error::io("reading", f, e))?);
+    }
+    let file_read_us = per(t.elapsed());
+    let t = Instant::now();
+    for b in &bodies {
+        std::hint::black_box(blake3::hash(b));
+    }
+    let blake3_us = per(t.elapsed());
+    let mut dst = vec![0u8; bodies.iter().map(Vec::len).max().unwrap_or(0)];
+    let t = Instant::now();
+    for b in &bodies {
+        dst[..b.len()].copy_from_slice(b);
+        std::hint::black_box(&dst);
+    }
+    let memcpy_us = per(t.elapsed());
+    drop(bodies);
+    let t = Instant::now();
+    for _ in 0..n {
+        let s = tokio::net::TcpStream::connect(address)
+            .await
+            .map_err(|e| Error::io("connecting", address.to_string(), e))?;
+        drop(s);
+    }
+    let tcp_connect_us = per(t.elapsed());
+    let deadline = || Instant::now() + Duration::from_secs(30);
+    // Warm the pool, then count connections opened while measuring.
+    client
+        .probe(address, &ids[0].0, &ids[0].1, deadline())
+        .await;
+    let opened0 = client.connections_opened();
+    let t = Instant::now();
+    for (ns, key) in ids.iter().take(n) {
+        if !client.probe(address, ns, key, deadline()).await {
+            return Err(Error::Peer {
+                peer: address.to_string(),
+                detail: format!("bench probe of {ns}/{key:?} said absent"),
+            });
+        }
+    }
+    let request_round_trip_us = per(t.elapsed());
+    let p = files.to_vec();
+    let raw = tokio::task::spawn_blocking(move || raw_tcp_transfer(&p, 1 << 20))
+        .await
+        .map_err(|e| Error::Peer {
+            peer: "baseline".into(),
+            detail: e.to_string(),
+        })??;
+    let raw_tcp_us = raw.seconds * 1e6 / files.len().max(1) as f64;
+    let f = peer_fetch(client, address, &ids[..n], Duration::from_secs(30)).await?;
+    let peer_fetch_us = f.seconds * 1e6 / n as f64;
+    let t = Instant::now();
+    {
+        use futures::StreamExt;
+        let misses = futures::stream::iter(ids.iter().take(n))
+            .map(|(ns, key)| client.fetch(address, ns, key, deadline()))
+            .buffer_unordered(concurrent.max(1))
+            .filter(|r| futures::future::ready(matches!(r, PeerFetch::Miss(_))))
+            .count()
+            .await;
+        if misses > 0 {
+            return Err(Error::Peer {
+                peer: address.to_string(),
+                detail: format!("{misses} concurrent bench fetches missed"),
+            });
+        }
+    }
+    let peer_fetch_concurrent_us = per(t.elapsed());
+    Ok(Breakdown {
+        blocks: n,
+        file_read_us,
+        blake3_us,
+        memcpy_us,
+        tcp_connect_us,
+        request_round_trip_us,
+        raw_tcp_us,
+        peer_fetch_us,
+        peer_fetch_concurrent_us,
+        concurrent: concurrent.max(1),
+        connections_opened: client.connections_opened() - opened0,
+    })
+}

@@ -10,6 +10,7 @@
 use super::auth::{PeerKey, NONCE_HEADER, PROOF_HEADER};
 
 static PROOF_WARN: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new(10_000);
+use super::holdings::{HoldingsDigest, HOLDINGS_PATH};
 use super::unix_ms_now;
 use super::wire::block_url_path;
 use crate::error::Result;
@@ -105,6 +106,18 @@ pub struct PeerMetrics {
     corrupt: AtomicU64,
     timeout: AtomicU64,
     skipped: AtomicU64,
+    connections: AtomicU64,
+    /// Holdings digests fetched / refused or unreachable (set.rs).
+    pub(crate) holdings_refreshed: AtomicU64,
+    pub(crate) holdings_failed: AtomicU64,
+    /// Lookup answers per peer block: from a digest (held / not held), or
+    /// from a header probe (no digest, or a negative confirmed).
+    pub(crate) lookup_digest_held: AtomicU64,
+    pub(crate) lookup_digest_not_held: AtomicU64,
+    pub(crate) lookup_probes: AtomicU64,
+    /// Fetches a digest said the peer held that it answered absent
+    /// (a false positive, or a block evicted since the digest).
+    pub(crate) holdings_false_positives: AtomicU64,
 }
 
 /// A copy of [`PeerMetrics`] at one moment.
@@ -126,6 +139,24 @@ pub struct PeerMetricsSnapshot {
     pub timeout: u64,
     /// Peers not asked because they were marked down or lying.
     pub skipped: u64,
+    /// Holdings digests fetched from peers.
+    pub holdings_refreshed: u64,
+    /// Holdings digest fetches that failed (unreachable, refused, corrupt).
+    pub holdings_failed: u64,
+    /// Lookup answers "held" taken from a digest (no probe sent).
+    pub lookup_digest_held: u64,
+    /// Lookup answers "not held" taken from a digest.
+    pub lookup_digest_not_held: u64,
+    /// Header probes sent by lookups.
+    pub lookup_probes: u64,
+    /// Fetches of blocks a digest listed that the peer did not have.
+    pub holdings_false_positives: u64,
+    /// Peers with a usable digest now (gauge).
+    pub holdings_peers: u64,
+    /// Encoded bytes of the usable digests held now (gauge).
+    pub holdings_bytes: u64,
+    /// Age of the oldest usable digest, ms since it was fetched (gauge).
+    pub holdings_age_ms_max: u64,
 }
 
 impl PeerMetrics {
@@ -141,6 +172,15 @@ impl PeerMetrics {
             corrupt: g(&self.corrupt),
             timeout: g(&self.timeout),
             skipped: g(&self.skipped),
+            holdings_refreshed: g(&self.holdings_refreshed),
+            holdings_failed: g(&self.holdings_failed),
+            lookup_digest_held: g(&self.lookup_digest_held),
+            lookup_digest_not_held: g(&self.lookup_digest_not_held),
+            lookup_probes: g(&self.lookup_probes),
+            holdings_false_positives: g(&self.holdings_false_positives),
+            holdings_peers: 0,
+            holdings_bytes: 0,
+            holdings_age_ms_max: 0,
         }
     }
 
@@ -208,6 +248,12 @@ impl PeerClient {
         &self.metrics
     }
 
+    /// TCP connections this client (and its clones) opened so far; the
+    /// rest of the requests reused a pooled one.
+    pub fn connections_opened(&self) -> u64 {
+        self.metrics.connections.load(Ordering::Relaxed)
+    }
+
     /// Fetches `(ns, key)` from the peer at `address` (`host:port`), giving
     /// up at `deadline`. Never returns unverified bytes.
     pub async fn fetch(
@@ -248,6 +294,7 @@ impl PeerClient {
                 Err(_) if Instant::now() >= deadline => return Err(PeerMiss::Timeout),
                 Err(_) => return Err(PeerMiss::Unavailable),
             };
+        self.metrics.connections.fetch_add(1, Ordering::Relaxed);
         let _ = stream.set_nodelay(true);
         let (sender, conn) =
             hyper::client::conn::http1::handshake::<_, Empty<bytes::Bytes>>(TokioIo::new(stream))
@@ -478,6 +525,91 @@ impl PeerClient {
         body.len() >= HEADER_BYTES
             && BlockHeader::decode(&body[..HEADER_BYTES])
                 .is_ok_and(|h| h.namespace_id() == *ns && h.key == *key)
+    }
+}
+
+impl PeerClient {
+    /// Fetches the peer's holdings digest (`GET /v1/holdings`), at most
+    /// `bytes_max` bytes, checked (proof of the secret, length, version,
+    /// blake3 trailer). `Absent` when the peer publishes none (an older
+    /// kvtierd, or `holdings_bytes_max = 0` there).
+    pub async fn holdings(
+        &self,
+        address: &str,
+        bytes_max: u64,
+        deadline: Instant,
+    ) -> std::result::Result<HoldingsDigest, PeerMiss> {
+        match tokio::time::timeout_at(
+            tokio::time::Instant::from_std(deadline),
+            self.holdings_inner(address, bytes_max, deadline),
+        )
+        .await
+        {
+            Ok(r) => r,
+            Err(_) => Err(PeerMiss::Timeout),
+        }
+    }
+
+    async fn holdings_inner(
+        &self,
+        address: &str,
+        bytes_max: u64,
+        deadline: Instant,
+    ) -> std::result::Result<HoldingsDigest, PeerMiss> {
+        let path = HOLDINGS_PATH;
+        let mut idle = self.take_idle(address);
+        let nonce = PeerKey::nonce();
+        let mut auth;
+        let (conn, resp) = loop {
+            let reused = idle.is_some();
+            let mut conn = match idle.take() {
+                Some(c) => c,
+                None => self.connect(address, deadline).await?,
+            };
+            if conn.sender.ready().await.is_err() {
+                if reused {
+                    continue;
+                }
+                return Err(PeerMiss::Unavailable);
+            }
+            auth = self.key.sign("GET", path, "", unix_ms_now());
+            let req = Request::get(path)
+                .header(header::HOST, address)
+                .header(header::AUTHORIZATION, auth.as_str())
+                .header(NONCE_HEADER, nonce.as_str())
+                .body(Empty::new())
+                .map_err(|_| PeerMiss::Unavailable)?;
+            match conn.sender.send_request(req).await {
+                Ok(r) => break (conn, r),
+                Err(_) if reused => continue,
+                Err(_) => return Err(PeerMiss::Unavailable),
+            }
+        };
+        if !self.server_proved(address, &resp, &nonce, &auth) {
+            return Err(PeerMiss::Unavailable);
+        }
+        let status = resp.status();
+        let cap = if status == StatusCode::OK {
+            bytes_max as usize
+        } else {
+            4096
+        };
+        let Ok(body) = http_body_util::Limited::new(resp.into_body(), cap)
+            .collect()
+            .await
+        else {
+            return Err(PeerMiss::Unavailable);
+        };
+        self.put_idle(address, conn);
+        match status {
+            StatusCode::OK => {}
+            StatusCode::NOT_FOUND => return Err(PeerMiss::Absent),
+            _ => return Err(PeerMiss::Unavailable),
+        }
+        HoldingsDigest::decode(&body.to_bytes(), bytes_max).map_err(|f| {
+            tracing::warn!("peer {address}: holdings digest refused: {f:?}");
+            PeerMiss::Corrupt
+        })
     }
 }
 

@@ -59,6 +59,15 @@ pub struct PeerConfig {
     pub corrupt_quarantine_ms: u64,
     /// Largest block file accepted from a peer.
     pub block_bytes_max: u64,
+    /// Period of fetching each peer's holdings digest; 0 turns digests
+    /// off (lookups then probe every block).
+    pub holdings_refresh_ms: u64,
+    /// Largest holdings digest this node serves and accepts (0: digests
+    /// neither served nor fetched); past it a digest's false-positive rate
+    /// rises instead.
+    pub holdings_bytes_max: u64,
+    /// Confirm a block a peer's digest does not list with a header probe.
+    pub holdings_probe_negatives: bool,
 }
 
 impl Default for PeerConfig {
@@ -85,6 +94,9 @@ impl Default for PeerConfig {
             down_backoff_ms: p.down_backoff_ms,
             corrupt_quarantine_ms: p.corrupt_quarantine_ms,
             block_bytes_max: c.block_bytes_max,
+            holdings_refresh_ms: p.holdings_refresh_ms,
+            holdings_bytes_max: p.holdings_bytes_max,
+            holdings_probe_negatives: p.holdings_probe_negatives,
         }
     }
 }
@@ -112,6 +124,20 @@ impl PeerConfig {
             return Err(cfg_err(
                 "heartbeat_ttl_ms",
                 "must exceed heartbeat_period_ms (3x is advised)",
+            ));
+        }
+        if self.holdings_refresh_ms != 0 && self.holdings_refresh_ms < 100 {
+            return Err(cfg_err(
+                "holdings_refresh_ms",
+                "must be 0 (no digests) or at least 100",
+            ));
+        }
+        if self.holdings_bytes_max != 0
+            && !(super::holdings::DIGEST_BYTES_MIN..=(64 << 20)).contains(&self.holdings_bytes_max)
+        {
+            return Err(cfg_err(
+                "holdings_bytes_max",
+                "must be 0 (serve no digest) or 4096 to 67108864 (64 MiB)",
             ));
         }
         if self.enabled && self.secret_file.is_none() {
@@ -156,6 +182,10 @@ impl PeerConfig {
         s.transfers_max = self.transfers_max;
         s.connections_max = self.connections_max;
         s.clock_skew_ms = self.clock_skew_ms;
+        s.holdings_bytes_max = self.holdings_bytes_max;
+        // Peers refresh at this period: half of it keeps one build per
+        // period when several peers ask.
+        s.holdings_cache_ms = self.holdings_refresh_ms / 2;
         s
     }
 
@@ -175,6 +205,9 @@ impl PeerConfig {
         p.per_peer_timeout_ms = self.per_peer_timeout_ms;
         p.down_backoff_ms = self.down_backoff_ms;
         p.corrupt_quarantine_ms = self.corrupt_quarantine_ms;
+        p.holdings_refresh_ms = self.holdings_refresh_ms;
+        p.holdings_bytes_max = self.holdings_bytes_max;
+        p.holdings_probe_negatives = self.holdings_probe_negatives;
         p
     }
 
@@ -218,6 +251,21 @@ mod tests {
         let bad_peer: PeerConfig =
             toml::from_str(r#"peers = [{ id = "../x", address = "h:1" }]"#).unwrap();
         assert!(bad_peer.validate().is_err());
+        // Holdings digests: on by default, bounded, and the server caches a
+        // build for half the refresh period.
+        assert_eq!(d.holdings_refresh_ms, 2_000);
+        assert_eq!(d.server_config(vec![1; 16]).holdings_cache_ms, 1_000);
+        for (t, ok) in [
+            ("holdings_refresh_ms = 0", true),
+            ("holdings_refresh_ms = 50", false),
+            ("holdings_bytes_max = 0", true),
+            ("holdings_bytes_max = 100", false),
+            ("holdings_bytes_max = 134217728", false),
+            ("holdings_probe_negatives = false", true),
+        ] {
+            let c: PeerConfig = toml::from_str(t).unwrap();
+            assert_eq!(c.validate().is_ok(), ok, "{t}");
+        }
     }
 
     #[test]

@@ -15,6 +15,9 @@
 //! - [`placement`]: rendezvous hashing that orders peers for a key.
 //! - [`set`]: [`PeerSet`], which asks the likely peers in order within a
 //!   deadline and returns the first verified hit.
+//! - [`holdings`]: the holdings digest (a Bloom filter of the blocks a
+//!   node holds) its server publishes and the set fetches, so lookups
+//!   answer "on peer X" without a probe per block.
 //! - [`bench`]: measurement helpers for `kvtier bench crossnode`.
 //!
 //! Invariant: bytes received from a peer are returned only after the header,
@@ -25,6 +28,7 @@ pub mod bench;
 pub mod client;
 pub mod config;
 pub mod discovery;
+pub mod holdings;
 pub mod placement;
 pub mod server;
 pub mod set;

@@ -54,6 +54,12 @@ pub struct PeerServerConfig {
     /// Longest a transfer may wait for the receiver to take the next chunk
     /// before the server gives up on it.
     pub send_stall_timeout_ms: u64,
+    /// Largest holdings digest served (`GET /v1/holdings`); 0 serves none
+    /// (peers then probe per block).
+    pub holdings_bytes_max: u64,
+    /// How long a built digest is served before the next request rebuilds
+    /// it (building walks the whole index).
+    pub holdings_cache_ms: u64,
     /// TEST-ONLY: flip the first payload byte of every block sent, to
     /// simulate a lying peer. Off by default; never set it in production.
     pub corrupt_responses_for_tests: bool,
@@ -88,6 +94,8 @@ impl PeerServerConfig {
             chunk_bytes: 1 << 20,
             header_read_timeout_ms: 5_000,
             send_stall_timeout_ms: 10_000,
+            holdings_bytes_max: 4 << 20,
+            holdings_cache_ms: 1_000,
             corrupt_responses_for_tests: false,
         }
     }
@@ -110,6 +118,14 @@ impl PeerServerConfig {
         }
         if self.chunk_bytes < 4096 || self.chunk_bytes > (16 << 20) {
             return bad("chunk_bytes", "must be 4 KiB to 16 MiB");
+        }
+        if self.holdings_bytes_max != 0
+            && !(super::holdings::DIGEST_BYTES_MIN..=(64 << 20)).contains(&self.holdings_bytes_max)
+        {
+            return bad(
+                "holdings_bytes_max",
+                "must be 0 (no digest) or 4096 to 67108864 (64 MiB)",
+            );
         }
         Ok(())
     }
@@ -136,6 +152,12 @@ pub struct PeerServerMetrics {
     pub connections_refused: AtomicU64,
     /// Connections accepted and served.
     pub connections: AtomicU64,
+    /// Ranged requests (a lookup's header probe asks for bytes 0-4095).
+    pub ranged: AtomicU64,
+    /// Holdings digests served.
+    pub holdings_served: AtomicU64,
+    /// Holdings digests built (at most one per `holdings_cache_ms`).
+    pub holdings_built: AtomicU64,
 }
 
 struct State {
@@ -144,6 +166,8 @@ struct State {
     source: Arc<dyn PeerSource>,
     transfers: Arc<Semaphore>,
     metrics: Arc<PeerServerMetrics>,
+    /// The last digest built and when (one build at a time).
+    holdings: tokio::sync::Mutex<Option<(std::time::Instant, Bytes)>>,
 }
 
 /// A running peer server. Dropping it stops accepting and closes every open
@@ -185,6 +209,7 @@ impl PeerServer {
             cfg,
             source,
             metrics: metrics.clone(),
+            holdings: tokio::sync::Mutex::new(None),
         });
         let accept = tokio::spawn(accept_loop(listener, state, rx));
         Ok(PeerServer {
@@ -339,6 +364,12 @@ async fn handle_inner(st: &State, req: Request<Incoming>) -> Response<RespBody> 
     if req.uri().query().is_some() {
         return reject(StatusCode::BAD_REQUEST, "no query strings\n");
     }
+    if path == super::holdings::HOLDINGS_PATH {
+        return holdings(st).await;
+    }
+    if range_hdr.is_some() {
+        st.metrics.ranged.fetch_add(1, Ordering::Relaxed);
+    }
     let (ns, key) = match parse_block_path(path) {
         Ok(v) => v,
         Err(PathFault::NotFound) => return reject(StatusCode::NOT_FOUND, "not found\n"),
@@ -416,6 +447,57 @@ async fn handle_inner(st: &State, req: Request<Incoming>) -> Response<RespBody> 
             h.insert(header::CONTENT_RANGE, v);
         }
     }
+    r
+}
+
+/// The holdings digest, rebuilt when the cached one is older than
+/// `holdings_cache_ms` (404 when this node publishes none).
+async fn holdings(st: &State) -> Response<RespBody> {
+    if st.cfg.holdings_bytes_max == 0 {
+        return plain(StatusCode::NOT_FOUND, "no holdings digest published\n");
+    }
+    let mut cached = st.holdings.lock().await;
+    let fresh = cached
+        .as_ref()
+        .is_some_and(|(t, _)| t.elapsed() < Duration::from_millis(st.cfg.holdings_cache_ms));
+    if !fresh {
+        let source = st.source.clone();
+        let max = st.cfg.holdings_bytes_max;
+        let built = tokio::task::spawn_blocking(move || source.holdings(max))
+            .await
+            .unwrap_or_else(|e| {
+                Err(Error::Peer {
+                    peer: "self".into(),
+                    detail: format!("holdings task failed: {e}"),
+                })
+            });
+        match built {
+            Ok(Some(d)) => {
+                st.metrics.holdings_built.fetch_add(1, Ordering::Relaxed);
+                *cached = Some((std::time::Instant::now(), Bytes::from(d.encode())));
+            }
+            Ok(None) => {
+                return plain(StatusCode::NOT_FOUND, "no holdings digest published\n");
+            }
+            Err(e) => {
+                tracing::warn!("peer server: building the holdings digest: {e}");
+                return plain(StatusCode::INTERNAL_SERVER_ERROR, "store error\n");
+            }
+        }
+    }
+    let Some((_, body)) = cached.as_ref() else {
+        return plain(StatusCode::INTERNAL_SERVER_ERROR, "store error\n");
+    };
+    st.metrics.holdings_served.fetch_add(1, Ordering::Relaxed);
+    let mut r = Response::new(
+        Full::new(body.clone())
+            .map_err(|never| match never {})
+            .boxed(),
+    );
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static("application/octet-stream"),
+    );
     r
 }
 

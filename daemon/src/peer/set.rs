@@ -7,11 +7,13 @@
 //! skipped for `corrupt_quarantine_ms`. Skips are counted.
 
 use super::client::{PeerClient, PeerFetch, PeerMetricsSnapshot, PeerMiss};
+use super::holdings::HoldingsDigest;
 use super::{placement, validate_node_id, PeerInfo};
 use crate::error::{Error, Result};
 use crate::tier::Block;
 use kvtier_client::{BlockKey, NamespaceId, Tier};
 use std::collections::HashMap;
+use std::sync::atomic::Ordering;
 use std::sync::{Mutex, RwLock};
 use std::time::{Duration, Instant};
 
@@ -33,6 +35,16 @@ pub struct PeerSetConfig {
     pub down_backoff_ms: u64,
     /// How long a peer that sent corrupt bytes is skipped.
     pub corrupt_quarantine_ms: u64,
+    /// Period of fetching every live peer's holdings digest; 0: no
+    /// digests, lookups probe every block.
+    pub holdings_refresh_ms: u64,
+    /// Largest digest accepted from a peer.
+    pub holdings_bytes_max: u64,
+    /// Whether a block a peer's digest does not list is still confirmed
+    /// with a header probe (finds blocks stored since the digest; a lookup
+    /// probes at most the blocks around its first gap). `false`: the
+    /// digest's answer is final.
+    pub holdings_probe_negatives: bool,
 }
 
 impl PeerSetConfig {
@@ -45,8 +57,27 @@ impl PeerSetConfig {
             per_peer_timeout_ms: 2_000,
             down_backoff_ms: 5_000,
             corrupt_quarantine_ms: 60_000,
+            holdings_refresh_ms: 2_000,
+            holdings_bytes_max: 4 << 20,
+            holdings_probe_negatives: true,
         }
     }
+
+    /// Oldest digest still used: three refresh periods (one refresh may
+    /// fail without falling back to probes).
+    pub fn holdings_age_max(&self) -> Duration {
+        Duration::from_millis(self.holdings_refresh_ms.saturating_mul(3))
+    }
+}
+
+/// Peers whose digests are kept at most (the rest are probed).
+pub const HOLDINGS_PEERS_MAX: usize = 1024;
+
+/// One peer's digest and when it arrived.
+#[derive(Debug, Clone)]
+struct Held {
+    digest: std::sync::Arc<HoldingsDigest>,
+    fetched: Instant,
 }
 
 /// One peer asked during a lookup.
@@ -91,6 +122,8 @@ pub struct PeerSet {
     client: PeerClient,
     discovered: RwLock<Vec<PeerInfo>>,
     skip_until: Mutex<HashMap<String, Instant>>,
+    /// Holdings digests by peer id.
+    holdings: RwLock<HashMap<String, Held>>,
 }
 
 impl PeerSet {
@@ -111,6 +144,7 @@ impl PeerSet {
             client,
             discovered: RwLock::new(Vec::new()),
             skip_until: Mutex::new(HashMap::new()),
+            holdings: RwLock::new(HashMap::new()),
         })
     }
 
@@ -119,9 +153,110 @@ impl PeerSet {
         &self.client
     }
 
-    /// Client counters.
+    /// Client counters, with the holdings gauges.
     pub fn metrics(&self) -> PeerMetricsSnapshot {
-        self.client.metrics().snapshot()
+        let mut m = self.client.metrics().snapshot();
+        let max_age = self.cfg.holdings_age_max();
+        if let Ok(h) = self.holdings.read() {
+            for held in h.values() {
+                let age = held.fetched.elapsed();
+                if age <= max_age {
+                    m.holdings_peers += 1;
+                    m.holdings_bytes += held.digest.encoded_bytes() as u64;
+                    m.holdings_age_ms_max = m.holdings_age_ms_max.max(age.as_millis() as u64);
+                }
+            }
+        }
+        m
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &PeerSetConfig {
+        &self.cfg
+    }
+
+    /// What `peer_id`'s digest says about `(ns, key)`: `None` when no
+    /// usable digest is known (none fetched, or older than three refresh
+    /// periods), else whether it lists the block. Memory only. Counted.
+    pub fn digest_says(&self, peer_id: &str, ns: &NamespaceId, key: &BlockKey) -> Option<bool> {
+        let held = self.holdings.read().ok()?.get(peer_id)?.clone();
+        if held.fetched.elapsed() > self.cfg.holdings_age_max() {
+            return None;
+        }
+        let yes = held.digest.may_hold(ns, key);
+        let m = self.client.metrics();
+        if yes {
+            m.lookup_digest_held.fetch_add(1, Ordering::Relaxed);
+        } else {
+            m.lookup_digest_not_held.fetch_add(1, Ordering::Relaxed);
+        }
+        Some(yes)
+    }
+
+    /// Whether a usable digest of `peer_id` lists `(ns, key)` (uncounted).
+    fn digest_lists(&self, peer_id: &str, ns: &NamespaceId, key: &BlockKey) -> bool {
+        self.holdings
+            .read()
+            .ok()
+            .and_then(|h| h.get(peer_id).cloned())
+            .is_some_and(|held| {
+                held.fetched.elapsed() <= self.cfg.holdings_age_max()
+                    && held.digest.may_hold(ns, key)
+            })
+    }
+
+    /// Fetches every live peer's digest (at most 8 at once, each within
+    /// `per_peer_timeout_ms`) and forgets the digests of peers that left.
+    /// A failed fetch keeps the previous digest until it ages out.
+    pub async fn refresh_holdings(&self) {
+        use futures::StreamExt;
+        let peers: Vec<PeerInfo> = self
+            .live_peers()
+            .into_iter()
+            .take(HOLDINGS_PEERS_MAX)
+            .collect();
+        let per_peer = Duration::from_millis(self.cfg.per_peer_timeout_ms);
+        let max = self.cfg.holdings_bytes_max;
+        let got: Vec<(String, Option<HoldingsDigest>)> = futures::stream::iter(peers.clone())
+            .map(|p| async move {
+                let r = self
+                    .client
+                    .holdings(&p.address, max, Instant::now() + per_peer)
+                    .await;
+                (p.id, r.ok())
+            })
+            .buffer_unordered(8)
+            .collect()
+            .await;
+        let m = self.client.metrics();
+        if let Ok(mut h) = self.holdings.write() {
+            h.retain(|id, _| peers.iter().any(|p| &p.id == id));
+            for (id, d) in got {
+                match d {
+                    Some(d) => {
+                        m.holdings_refreshed.fetch_add(1, Ordering::Relaxed);
+                        h.insert(
+                            id,
+                            Held {
+                                digest: std::sync::Arc::new(d),
+                                fetched: Instant::now(),
+                            },
+                        );
+                    }
+                    None => {
+                        m.holdings_failed.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Counts a header probe sent by a lookup.
+    pub fn count_probe(&self) {
+        self.client
+            .metrics()
+            .lookup_probes
+            .fetch_add(1, Ordering::Relaxed);
     }
 
     /// Replaces the peers found through discovery.
@@ -212,6 +347,12 @@ impl PeerSet {
                     }
                 }
                 PeerFetch::Miss(miss) => {
+                    if miss == PeerMiss::Absent && self.digest_lists(&peer.id, ns, key) {
+                        self.client
+                            .metrics()
+                            .holdings_false_positives
+                            .fetch_add(1, Ordering::Relaxed);
+                    }
                     self.mark(&peer.id, miss);
                     attempts.push(PeerAttempt {
                         peer_id: peer.id,

@@ -20,6 +20,14 @@ use std::path::PathBuf;
 pub trait PeerSource: Send + Sync + 'static {
     /// Opens the block file, or `None` when absent.
     fn open_block(&self, ns: &NamespaceId, key: &BlockKey) -> Result<Option<(File, u64)>>;
+
+    /// A digest of every block held, at most `bytes_max` encoded bytes, or
+    /// `None` when this source does not publish one (peers then probe).
+    /// Called off the async workers; may take a while on a large store.
+    fn holdings(&self, bytes_max: u64) -> Result<Option<super::holdings::HoldingsDigest>> {
+        let _ = bytes_max;
+        Ok(None)
+    }
 }
 
 /// A [`PeerSource`] over a directory laid out as `<root>/<block_path>`; for

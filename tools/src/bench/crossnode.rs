@@ -22,6 +22,14 @@
 //! the client-observed latency: request, copy of the verified bytes into
 //! shared memory, reply) is what remains. The promote is not on the
 //! onboard's path any more (it runs after the answer).
+//!
+//! `--warm` keeps the page cache warm (A's files read before each phase)
+//! instead of dropping it, so both paths move bytes from memory: the
+//! transfer stack alone. `transfer_breakdown_us` times each stage of a peer
+//! fetch alone against A's real peer server (`peer::bench::breakdown`):
+//! file read, blake3, memcpy, TCP connect, one signed round trip, the raw
+//! transfer, verified fetches one at a time and 4 in flight, and the
+//! connections the pooled client opened.
 
 use super::common;
 use anyhow::{bail, Context, Result};
@@ -52,6 +60,12 @@ pub struct CrossnodeArgs {
     /// Blocks per onboard request in the batched phases.
     #[arg(long, default_value_t = 8)]
     pub request_blocks: usize,
+    /// Keep the page cache warm instead of dropping it before each phase
+    /// (A's block files are read before every phase): both the baseline and
+    /// the peer path then move bytes from memory, which measures the
+    /// transfer itself rather than A's disk.
+    #[arg(long)]
+    pub warm: bool,
     /// One JSON document on stdout.
     #[arg(long)]
     pub json: bool,
@@ -318,7 +332,20 @@ pub fn run(a: CrossnodeArgs) -> Result<()> {
         .iter()
         .map(|f| std::fs::metadata(f).map(|m| m.len()))
         .sum::<std::io::Result<u64>>()? as f64;
-    let cold = common::drop_page_cache();
+    // Before each phase: cold (page cache dropped, A reads its disk) or
+    // warm (A's files read into the page cache, B's and C's copies evicted
+    // by the bench anyway).
+    let prep = || -> Result<bool> {
+        if a.warm {
+            for f in &files {
+                std::hint::black_box(std::fs::read(f)?);
+            }
+            Ok(false)
+        } else {
+            Ok(common::drop_page_cache())
+        }
+    };
+    let cold = prep()?;
     let (mut raw, mut peer, mut g4) = (Vec::new(), Vec::new(), Vec::new());
     let (mut peer1, mut g41) = (Vec::new(), Vec::new());
     let (mut peer_req_lat, mut g4_req_lat) = (Vec::new(), Vec::new());
@@ -340,12 +367,12 @@ pub fn run(a: CrossnodeArgs) -> Result<()> {
         Ok(())
     };
     for _ in 0..a.rounds {
-        common::drop_page_cache();
+        prep()?;
         let r = kvtier_daemon::peer::bench::raw_tcp_transfer(&files, 1 << 20)?;
         raw.push(r.bytes as f64 / r.seconds / 1e9);
 
         evict(&nb)?;
-        common::drop_page_cache();
+        prep()?;
         let (s, l) = onboard_all(&nb, &ns, &keys, &data, Tier::Peer, a.request_blocks)?;
         peer.push(total / s / 1e9);
         peer_req_lat.extend(l);
@@ -353,7 +380,7 @@ pub fn run(a: CrossnodeArgs) -> Result<()> {
         drain_s.push(settle(&nb, "peer", settled_b)?);
 
         evict(&nc)?;
-        common::drop_page_cache();
+        prep()?;
         let (s, l) = onboard_all(&nc, &ns, &keys, &data, Tier::G4, a.request_blocks)?;
         g4.push(total / s / 1e9);
         g4_req_lat.extend(l);
@@ -361,7 +388,7 @@ pub fn run(a: CrossnodeArgs) -> Result<()> {
         settle(&nc, "g4", settled_c)?;
 
         evict(&nb)?;
-        common::drop_page_cache();
+        prep()?;
         let (f0, s0) = promote_us(&nb, "peer")?;
         let (s, l) = onboard_all(&nb, &ns, &keys, &data, Tier::Peer, 1)?;
         peer1.push(total / s / 1e9);
@@ -373,7 +400,7 @@ pub fn run(a: CrossnodeArgs) -> Result<()> {
         peer_store_us += s1 - s0;
 
         evict(&nc)?;
-        common::drop_page_cache();
+        prep()?;
         let (f0, s0) = promote_us(&nc, "g4")?;
         let (s, l) = onboard_all(&nc, &ns, &keys, &data, Tier::G4, 1)?;
         g41.push(total / s / 1e9);
@@ -384,6 +411,27 @@ pub fn run(a: CrossnodeArgs) -> Result<()> {
         g4_fetch_us += f1 - f0;
         g4_store_us += s1 - s0;
     }
+    // Stage by stage, against A's peer server directly (same secret), warm.
+    let breakdown = {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()?;
+        let pc = kvtier_daemon::peer::PeerClient::new(kvtier_daemon::peer::PeerClientConfig::new(
+            std::fs::read_to_string(&secret)?.trim().as_bytes().to_vec(),
+        ))?;
+        for f in &files {
+            std::hint::black_box(std::fs::read(f)?);
+        }
+        let ids: Vec<_> = keys.iter().map(|k| (ns.id(), *k)).collect();
+        rt.block_on(kvtier_daemon::peer::bench::breakdown(
+            &pc,
+            &format!("127.0.0.1:{pa}"),
+            &ids,
+            &files,
+            4,
+        ))?
+    };
     let per_block = (a.blocks * a.rounds) as f64;
     let (fetch_ms, store_ms) = (g4_fetch_us / per_block / 1e3, g4_store_us / per_block / 1e3);
     let g4_mean_ms = g4_lat.iter().sum::<f64>() / g4_lat.len().max(1) as f64 * 1e3;
@@ -409,6 +457,11 @@ pub fn run(a: CrossnodeArgs) -> Result<()> {
     out.insert("request_blocks".into(), json!(a.request_blocks));
     out.insert("rounds".into(), json!(a.rounds));
     out.insert("cold".into(), json!(cold));
+    out.insert("warm".into(), json!(a.warm));
+    out.insert(
+        "transfer_breakdown_us".into(),
+        serde_json::to_value(breakdown)?,
+    );
     out.insert(
         "g4_server".into(),
         json!("seaweedfs (weed mini) on 127.0.0.1"),
