@@ -11,6 +11,9 @@ command -v getfattr >/dev/null 2>&1 || need+=(attr)
 # A C++ compiler: tests/dynamo-oracle builds libzmq (the `zmq` crate Dynamo's
 # listener uses vendors it).
 command -v g++ >/dev/null 2>&1 || need+=(g++)
+# libibverbs: Mooncake's store.so and mooncake_master link it even over TCP
+# (`kvtier bench peers`; without it Mooncake is reported as skipped).
+[ -e /usr/lib/x86_64-linux-gnu/libibverbs.so.1 ] || ldconfig -p 2>/dev/null | grep -q libibverbs.so.1 || need+=(libibverbs1)
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
     echo "== installing ${need[*]}"

@@ -61,7 +61,9 @@ fn parse() -> Result<Args> {
                     o => bail!("--config {o}: expected durable or default"),
                 }
             }
-            o => bail!("unknown argument {o} (--dir --block-bytes --blocks --inflight --seed --config)"),
+            o => bail!(
+                "unknown argument {o} (--dir --block-bytes --blocks --inflight --seed --config)"
+            ),
         }
     }
     if a.dir.as_os_str().is_empty() || a.blocks == 0 || a.inflight == 0 {
@@ -147,7 +149,11 @@ fn drop_page_cache() -> bool {
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> Result<()> {
     let a = Arc::new(parse()?);
-    let dir = a.dir.join(if a.durable { "foyer-durable" } else { "foyer-default" });
+    let dir = a.dir.join(if a.durable {
+        "foyer-durable"
+    } else {
+        "foyer-default"
+    });
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir)?;
     let payloads: Arc<Vec<Vec<u8>>> = Arc::new(
