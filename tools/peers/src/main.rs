@@ -180,7 +180,7 @@ async fn main() -> Result<()> {
                     // queues behind this writer's insert in every flusher
                     // and returns once the batch holding it is on the
                     // device; without it foyer's flush buffers overflow
-                    // under a burst and drop inserts (measured: 4-31 of 128
+                    // under a burst and drop inserts (measured: 0-31 of 128 per round
                     // lost with the submit queue unbounded).
                     cache.storage().wait().await;
                 } else {
