@@ -49,7 +49,7 @@ nice -n 10 env -u RUSTC_WORKSPACE_WRAPPER -u CLIPPY_ARGS cargo test --manifest-p
 oracle_build_pid=$!
 # The peers of `kvtier bench peers` (tools/peers: foyer, own lock file and
 # target dir, so foyer never enters the product's build) compile the same
-# way, after the oracle's build has its head start; Mooncake's wheel
+# way, beside the oracle's build (niced); Mooncake's wheel
 # installs beside them.
 step "bench peers build (background, tools/peers: foyer; Mooncake's venv)"
 cargo fmt --manifest-path tools/peers/Cargo.toml --all -- --check
