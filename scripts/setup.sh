@@ -16,6 +16,9 @@ command -v g++ >/dev/null 2>&1 || need+=(g++)
 # bridge and bandwidth limit (tests/e2e_cluster.rs).
 command -v ip >/dev/null 2>&1 || need+=(iproute2)
 command -v tc >/dev/null 2>&1 || need+=(iproute2)
+# libibverbs: Mooncake's store.so and mooncake_master link it even over TCP
+# (`kvtier bench peers`; without it Mooncake is reported as skipped).
+[ -e /usr/lib/x86_64-linux-gnu/libibverbs.so.1 ] || ldconfig -p 2>/dev/null | grep -q libibverbs.so.1 || need+=(libibverbs1)
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
     echo "== installing ${need[*]}"

@@ -47,6 +47,17 @@ cargo fmt --manifest-path tests/dynamo-oracle/Cargo.toml --all -- --check
 nice -n 10 env -u RUSTC_WORKSPACE_WRAPPER -u CLIPPY_ARGS cargo test --manifest-path tests/dynamo-oracle/Cargo.toml --no-run \
   > target/dynamo-oracle-build.out 2>&1 &
 oracle_build_pid=$!
+# The peers of `kvtier bench peers` (tools/peers: foyer, own lock file and
+# target dir, so foyer never enters the product's build) compile the same
+# way, beside the oracle's build (niced); Mooncake's wheel
+# installs beside them.
+step "bench peers build (background, tools/peers: foyer; Mooncake's venv)"
+cargo fmt --manifest-path tools/peers/Cargo.toml --all -- --check
+( nice -n 10 env -u RUSTC_WORKSPACE_WRAPPER -u CLIPPY_ARGS cargo test --manifest-path tools/peers/Cargo.toml --no-run \
+  && { nice -n 10 ./scripts/peers-venv.sh \
+       || echo "warning: Mooncake's venv did not install; bench peers reports Mooncake skipped"; } \
+) > target/peers-build.out 2>&1 &
+peers_build_pid=$!
 step "cargo test"
 cargo test --workspace --no-fail-fast -- --test-threads=2
 step "Dynamo oracle tests"
@@ -58,6 +69,14 @@ fi
 # Its tests run the kvtier and kvtierd binaries the workspace build made.
 KVTIER_BIN_DIR="$PWD/target/debug" env -u RUSTC_WORKSPACE_WRAPPER -u CLIPPY_ARGS \
   cargo test --manifest-path tests/dynamo-oracle/Cargo.toml -- --test-threads=2
+step "kvtier bench peers at a tiny size (tools/peers: kvtier, foyer, Mooncake)"
+if ! wait "$peers_build_pid"; then
+  echo "the bench peers build failed:" >&2
+  cat target/peers-build.out >&2
+  exit 1
+fi
+KVTIER_BIN_DIR="$PWD/target/debug" env -u RUSTC_WORKSPACE_WRAPPER -u CLIPPY_ARGS \
+  cargo test --manifest-path tools/peers/Cargo.toml
 step "deployment artefacts (systemd unit, container build file, Kubernetes manifest)"
 ./scripts/check-deploy.sh target/debug/kvtierd
 step "python package (client/python: pytest against real kvtierd)"

@@ -524,6 +524,13 @@ impl OwnedDaemon {
         }
         Ok(d)
     }
+
+    /// Kills it with SIGKILL and reaps it: a daemon that stops right after
+    /// its acknowledgements, with no chance to flush anything.
+    pub fn kill_hard(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }
 
 impl Drop for OwnedDaemon {

@@ -83,6 +83,10 @@ enum Capped {
         size: u64,
         head: Vec<u8>,
         rest: Vec<u8>,
+        /// blake3 of the payload (the first `payload_len` bytes of `rest`,
+        /// as the header in `head` declares), computed chunk by chunk while
+        /// the body streamed in; `None` unless asked for.
+        payload_hash: Option<[u8; 32]>,
     },
     /// The object is larger than the caller accepts (nothing buffered).
     TooBig {
@@ -112,6 +116,7 @@ async fn get_capped(
     cap: u64,
     split: usize,
     head_ok: &(dyn Fn(&[u8], u64) -> bool + Sync),
+    hash_payload: bool,
 ) -> Capped {
     use futures::StreamExt;
     if !inner.breaker.allow(&inner.stats) {
@@ -146,6 +151,10 @@ async fn get_capped(
         // Capacity is only reserved: pages are touched as bytes arrive.
         let mut rest = Vec::with_capacity(size as usize - split);
         let mut stream = r.into_stream();
+        // Verification overlapped with the transfer: each chunk's payload
+        // bytes are hashed as they arrive (while the next ones are on the
+        // wire) instead of all of them after the last one.
+        let mut hasher: Option<(blake3::Hasher, usize)> = None;
         loop {
             let chunk = match tokio::time::timeout(idle, stream.next()).await {
                 Err(_) => {
@@ -166,21 +175,39 @@ async fn get_capped(
             }
             let h = (split - head.len()).min(chunk.len());
             head.extend_from_slice(&chunk[..h]);
-            if h > 0 && head.len() == split && !head_ok(&head, size) {
-                // A bad header: the rest of the body is not worth reading.
-                return (Capped::BadHead { etag, size }, true);
+            if h > 0 && head.len() == split {
+                if !head_ok(&head, size) {
+                    // A bad header: the rest of the body is not worth reading.
+                    return (Capped::BadHead { etag, size }, true);
+                }
+                if hash_payload {
+                    if let Ok(hd) = BlockHeader::decode(&head) {
+                        hasher = Some((blake3::Hasher::new(), hd.payload_len as usize));
+                    }
+                }
             }
+            let from = rest.len();
             rest.extend_from_slice(&chunk[h..]);
+            if let Some((hs, len)) = hasher.as_mut() {
+                let to = rest.len().min(*len);
+                if from < to {
+                    hs.update(&rest[from..to]);
+                }
+            }
         }
         if ((head.len() + rest.len()) as u64) < size {
             return (Capped::Failed, false);
         }
+        let payload_hash = hasher
+            .filter(|(_, len)| *len <= rest.len())
+            .map(|(hs, _)| *hs.finalize().as_bytes());
         (
             Capped::Body {
                 etag,
                 size,
                 head,
                 rest,
+                payload_hash,
             },
             true,
         )
@@ -218,8 +245,8 @@ async fn read_block(inner: &Inner, ns: &NamespaceId, key: &BlockKey, loc: &Path)
             .is_ok_and(|h| h.namespace_id() == *ns && h.key == *key && h.file_len() == size)
     };
     let opts = GetOptions::default();
-    let (etag, size, head, mut rest) =
-        match get_capped(inner, loc, opts, cap, HEADER_BYTES, &head_ok).await {
+    let (etag, size, head, mut rest, payload_hash) =
+        match get_capped(inner, loc, opts, cap, HEADER_BYTES, &head_ok, true).await {
             Capped::Absent => return Read::Absent,
             Capped::Failed => return Read::Failed,
             Capped::TooBig { etag, size } => {
@@ -243,7 +270,8 @@ async fn read_block(inner: &Inner, ns: &NamespaceId, key: &BlockKey, loc: &Path)
                 size,
                 head,
                 rest,
-            } => (etag, size, head, rest),
+                payload_hash,
+            } => (etag, size, head, rest, payload_hash),
         };
     let bad = |why: String| Read::Corrupt {
         etag: etag.clone(),
@@ -269,8 +297,15 @@ async fn read_block(inner: &Inner, ns: &NamespaceId, key: &BlockKey, loc: &Path)
         return bad("padding bytes are not zero".into());
     }
     rest.truncate(len);
-    if let Err(e) = header.verify_payload(&rest) {
-        return bad(e.to_string());
+    match payload_hash {
+        // Hashed while streaming, over exactly these bytes.
+        Some(h) if h == header.payload_blake3 => {}
+        Some(_) => return bad(format!("payload checksum mismatch for block {key}")),
+        None => {
+            if let Err(e) = header.verify_payload(&rest) {
+                return bad(e.to_string());
+            }
+        }
     }
     Read::Good(Block {
         header,
@@ -346,7 +381,15 @@ pub(crate) async fn fetch_header(
     let opts = GetOptions::default().with_range(Some(0..HEADER_BYTES as u64));
     let got = tokio::time::timeout(
         deadline,
-        get_capped(inner, &loc, opts, HEADER_BYTES as u64, 0, &|_, _| true),
+        get_capped(
+            inner,
+            &loc,
+            opts,
+            HEADER_BYTES as u64,
+            0,
+            &|_, _| true,
+            false,
+        ),
     )
     .await;
     let bytes = match got {
@@ -382,7 +425,7 @@ pub(crate) async fn fetch_range(
         let loc = inner.path(ns, key);
         let want = range.end - range.start;
         let opts = GetOptions::default().with_range(Some(off + range.start..off + range.end));
-        match get_capped(inner, &loc, opts, want, 0, &|_, _| true).await {
+        match get_capped(inner, &loc, opts, want, 0, &|_, _| true, false).await {
             Capped::Body { rest, .. } if rest.len() as u64 == want => Lookup::Hit(rest),
             Capped::Body { .. } | Capped::TooBig { .. } | Capped::BadHead { .. } => {
                 Lookup::Miss(MissReason::Corrupt)

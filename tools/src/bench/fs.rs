@@ -40,6 +40,10 @@ pub struct FsArgs {
     /// Interleaved rounds (A B A B ...) per variant.
     #[arg(long, default_value_t = 3)]
     rounds: usize,
+    /// Run only these variants (comma separated: passthrough_verify_on_open,
+    /// passthrough_no_verify, fallback); default all.
+    #[arg(long, value_delimiter = ',')]
+    only: Vec<String>,
     /// One JSON document on stdout.
     #[arg(long)]
     json: bool,
@@ -115,6 +119,13 @@ fn run_variant(
         json!(counters.passthrough_opens),
     );
     out.insert("fallback_opens".into(), json!(counters.fallback_opens));
+    // The FUSE read requests the daemon answered, and their mean size
+    // (what the mount's readahead and max_pages make of a dd-like read).
+    out.insert("fallback_reads".into(), json!(counters.fallback_reads));
+    out.insert(
+        "fallback_read_bytes_mean".into(),
+        json!(counters.fallback_read_bytes / counters.fallback_reads.max(1)),
+    );
     out.insert("bytes_per_pass".into(), json!(bytes));
     out.insert("read_gbps_rounds".into(), json!(m));
     out.insert("read_gbps_baseline_rounds".into(), json!(b));
@@ -176,7 +187,10 @@ pub fn run(a: FsArgs) -> Result<()> {
     ];
     let mut cold = true;
     let mut results = Vec::new();
-    for v in &variants {
+    for v in variants
+        .iter()
+        .filter(|v| a.only.is_empty() || a.only.iter().any(|o| o == v.name))
+    {
         eprintln!("fs bench: {} ({} rounds)", v.name, a.rounds);
         results.push(run_variant(&a, &g3, &mnt, &rels, v, &mut cold)?);
     }

@@ -7,6 +7,7 @@ pub mod g3;
 pub mod g4;
 pub mod gds;
 pub mod io;
+pub mod peers;
 pub mod prefetch;
 pub mod replay;
 pub mod replay_daemon;
@@ -43,6 +44,10 @@ pub enum BenchCmd {
     /// Tenant A's lookups of tenant B's prefixes vs misses (timing side
     /// channel; Mann-Whitney and Kolmogorov-Smirnov on latency samples).
     Tenancy(tenancy::TenancyArgs),
+    /// kvtier (client -> kvtierd -> G3) beside foyer's hybrid cache and
+    /// Mooncake Store on the same blocks and disk: put/get GB/s, p50/p99,
+    /// acknowledged blocks lost across a restart.
+    Peers(peers::PeersArgs),
 }
 
 /// Runs one benchmark.
@@ -58,5 +63,6 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
         BenchCmd::Tenancy(a) => tenancy::run(a),
         BenchCmd::Prefetch(a) => prefetch::run(a),
         BenchCmd::Scale(a) => scale::run(a),
+        BenchCmd::Peers(a) => peers::run(a),
     }
 }
