@@ -16,6 +16,10 @@ end), for several ways of making a block file durable:
   recycled   files that already exist at full size with written extents
              (an evicted block's file): open, overwrite in place, fdatasync,
              rename into place, directory fsync per group
+  recycled_ack  what G3's recycled write waits for before its ack
+             (daemon/src/g3/recycle.rs): open an existing file, overwrite
+             (O_DSYNC at <= 1 MiB, else fdatasync), rename; no directory
+             fsync
 
 Usage: scripts/bench_write_phases.py DIR [--size 2MiB] [--blocks 64]
        [--threads 8] [--group 8] [--rounds 3]
@@ -116,7 +120,8 @@ def shard_of(i):
     return "%02x" % (i % 8)
 
 
-def mode_fresh(d, size, blocks, threads, group, buf, ph, rnd, late=False, recycled=False):
+def mode_fresh(d, size, blocks, threads, group, buf, ph, rnd, late=False, recycled=False,
+               nodir=False):
     tmp = os.path.join(d, "tmp")
     free = os.path.join(d, "free")
     bl = os.path.join(d, "blocks-%d-%s" % (rnd, "r" if recycled else ("l" if late else "f")))
@@ -136,7 +141,7 @@ def mode_fresh(d, size, blocks, threads, group, buf, ph, rnd, late=False, recycl
             write_chunks(fd, buf, size)
             os.close(fd)
         os.sync()
-    dsync = size <= CHUNK and not late and not recycled
+    dsync = size <= CHUNK and not late and (not recycled or nodir)
     groups = [list(range(g, min(g + group, blocks))) for g in range(0, blocks, group)]
     commit_lock = threading.Lock()
 
@@ -148,7 +153,10 @@ def mode_fresh(d, size, blocks, threads, group, buf, ph, rnd, late=False, recycl
             src = os.path.join(free if recycled else tmp, "%d-%d" % (rnd, i))
             t = time.perf_counter()
             if recycled:
-                fd = os.open(src, os.O_WRONLY | os.O_DIRECT)
+                fl = os.O_WRONLY | os.O_DIRECT
+                if dsync:
+                    fl |= os.O_DSYNC
+                fd = os.open(src, fl)
                 ph.add("open_existing", time.perf_counter() - t)
             else:
                 fl = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT
@@ -185,6 +193,8 @@ def mode_fresh(d, size, blocks, threads, group, buf, ph, rnd, late=False, recycl
             ph.add("fdatasync_group_parallel", time.perf_counter() - t)
             for fd in fds:
                 os.close(fd)
+        if nodir:
+            return
         with commit_lock:
             t = time.perf_counter()
             dirs = [os.path.join(bl, s) for s in sorted({shard_of(i) for i in g})]
@@ -233,13 +243,15 @@ def main():
     os.makedirs(work)
     summary = {}
     for rnd in range(a.rounds):
-        for mode in ("raw", "fresh", "fresh_late", "recycled"):
+        for mode in ("raw", "fresh", "fresh_late", "recycled", "recycled_ack"):
             ph = Phases()
             if mode == "raw":
                 el = mode_raw(work, size, a.blocks, a.threads * a.group, a.group, buf, ph, rnd)
             else:
                 el = mode_fresh(work, size, a.blocks, a.threads, a.group, buf, ph, rnd,
-                                late=(mode == "fresh_late"), recycled=(mode == "recycled"))
+                                late=(mode == "fresh_late"),
+                                recycled=mode.startswith("recycled"),
+                                nodir=(mode == "recycled_ack"))
             gbps = size * a.blocks / el / 1e9
             rec = {"mode": mode, "round": rnd, "file_bytes": size, "blocks": a.blocks,
                    "threads": a.threads, "group": a.group, "gbps": round(gbps, 3),
