@@ -302,7 +302,7 @@ impl G3Store {
             cfg,
         });
         let mut report = store.recover()?;
-        report.adopted += store.scan_recycled()?;
+        report.adopted += store.scan_recycled(report.clean_start)?;
         store.trim_quarantine();
         report.index_rebuilt = index_rebuilt;
         tracing::info!(
