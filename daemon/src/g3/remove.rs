@@ -15,11 +15,12 @@ impl G3Store {
     }
 
     /// Evicts a block on request (leases and pins do not protect against
-    /// this either): like [`G3Store::delete_block`], but its file may be
-    /// kept in the recycle pool for a later offload of the same size to
-    /// overwrite (recycle.rs); `false` when absent.
+    /// this either): [`G3Store::delete_block`] (the same `Deleted` event,
+    /// as before), but its file may be kept in the recycle pool for a
+    /// later offload of the same size to overwrite (recycle.rs); `false`
+    /// when absent.
     pub fn evict_block(&self, ns: &NamespaceId, key: &BlockKey) -> Result<bool> {
-        self.remove_block(ns, key, RemoveReason::Evicted, true)
+        self.remove_block(ns, key, RemoveReason::Deleted, true)
     }
 
     /// `retire`: the file may go to the recycle pool rather than be
