@@ -65,15 +65,7 @@ impl S3Server {
             return Ok(None);
         };
         let dir = tempfile::Builder::new().prefix("kvtier-s3-").tempdir()?;
-        let mut ports = [0u16; 10];
-        let mut held = Vec::new();
-        for p in ports.iter_mut() {
-            // Hold each listener until all are chosen so they differ.
-            let l = TcpListener::bind("127.0.0.1:0")?;
-            *p = l.local_addr()?.port();
-            held.push(l);
-        }
-        drop(held);
+        let ports = free_ports()?;
         let nanos = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.subsec_nanos());
@@ -96,9 +88,36 @@ impl S3Server {
             bucket: bucket.to_string(),
             secret_access_key: secret,
         };
-        s.spawn()?;
-        s.wait_ready(Duration::from_secs(60))?;
-        Ok(Some(s))
+        // The ports are free when chosen, not when weed binds them: a
+        // listener of a test running beside this one (a peer server, a
+        // proxy) can take one in between, and weed exits at once. Fresh
+        // ports then, a few times (seen in CI: "weed exited with exit
+        // status: 255").
+        let mut attempt = 1;
+        loop {
+            s.spawn()?;
+            match s.wait_ready(Duration::from_secs(60)) {
+                Ok(()) => return Ok(Some(s)),
+                Err(e) if attempt < 4 && s.exited() => {
+                    eprintln!("S3 test server did not start ({e}); retrying on other ports");
+                    s.kill();
+                    // A clean data dir: nothing recorded under the old ports.
+                    let data = s.dir.path().join("data");
+                    let _ = std::fs::remove_dir_all(&data);
+                    std::fs::create_dir_all(&data)?;
+                    s.ports = free_ports()?;
+                    attempt += 1;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Whether the weed process has exited.
+    fn exited(&mut self) -> bool {
+        self.child
+            .as_mut()
+            .is_some_and(|c| matches!(c.try_wait(), Ok(Some(_))))
     }
 
     fn spawn(&mut self) -> std::io::Result<()> {
@@ -237,4 +256,17 @@ impl Drop for S3Server {
     fn drop(&mut self) {
         self.kill();
     }
+}
+
+/// Ten distinct ports free now on loopback (each listener is held until
+/// all are chosen so they differ).
+fn free_ports() -> std::io::Result<[u16; 10]> {
+    let mut ports = [0u16; 10];
+    let mut held = Vec::new();
+    for p in ports.iter_mut() {
+        let l = TcpListener::bind("127.0.0.1:0")?;
+        *p = l.local_addr()?.port();
+        held.push(l);
+    }
+    Ok(ports)
 }
