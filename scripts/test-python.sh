@@ -11,12 +11,19 @@ cd "$(dirname "$0")/.."
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target}"
 [ -x "$CARGO_TARGET_DIR/debug/kvtierd" ] || cargo build -q -p kvtier-daemon --bin kvtierd
 [ -x "$CARGO_TARGET_DIR/debug/kvtier" ] || cargo build -q -p kvtier-tools --bin kvtier
-MATURIN_PEP517_ARGS="--profile dev" .venv/bin/pip install -q --force-reinstall --no-deps ./client/python
+# One build, the user's way (pip's PEP 517 build through maturin), into a
+# wheel that both venvs install: the package is abi3, and every PEP 517
+# build pays about 30 s for its isolated build environment.
+wheels="$CARGO_TARGET_DIR/wheels/test-python"
+rm -rf "$wheels"
+MATURIN_PEP517_ARGS="--profile dev" .venv/bin/pip wheel -q --no-deps -w "$wheels" ./client/python
+whl="$(ls "$wheels"/kvtier-*.whl)"
+.venv/bin/pip install -q --force-reinstall --no-deps "$whl"
 # The engine connectors' suite runs in the engines' venv (vLLM, SGLang,
 # LMCache at pinned versions; scripts/engines-venv.sh caches it). A venv
 # that cannot be installed fails the run: these tests never skip.
 EV="$(./scripts/engines-venv.sh)"
-MATURIN_PEP517_ARGS="--profile dev" "$EV/bin/python" -m pip install -q --force-reinstall --no-deps ./client/python
+"$EV/bin/python" -m pip install -q --force-reinstall --no-deps "$whl"
 cd client/python
 rc=0
 ../../.venv/bin/python -m pytest -q -p no:cacheprovider tests || rc=$?
