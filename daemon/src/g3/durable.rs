@@ -18,6 +18,9 @@ use std::sync::atomic::Ordering;
 /// put's outcome before it tries to place its own file.
 const WRITER_WAIT_MS: u64 = 10_000;
 
+/// Directory fsyncs one group commit keeps in flight at most (threads).
+const COMMIT_FSYNCS_IN_FLIGHT_MAX: usize = 32;
+
 /// Pool buffers one write takes at most.
 const BUFS_PER_WRITE: usize = 4;
 
@@ -201,20 +204,83 @@ impl G3Store {
         let mut dirs: Vec<&Path> = items.iter().map(|p| p.dir.as_path()).collect();
         dirs.sort_unstable();
         dirs.dedup();
-        for dir in dirs {
-            if let Err(e) = self.fs.sync_dir(dir, SyncSite::CommitDirFsync) {
-                self.poison(format!("fsync of directory {}: {e}", dir.display()));
-                return Err(group::Failure::Dir {
-                    dir: dir.to_path_buf(),
-                    errno: e.raw_os_error(),
-                    msg: e.to_string(),
-                });
-            }
+        if let Some((dir, e)) = self.sync_dirs_at_once(&dirs, SyncSite::CommitDirFsync) {
+            self.poison(format!("fsync of directory {}: {e}", dir.display()));
+            return Err(group::Failure::Dir {
+                dir: dir.to_path_buf(),
+                errno: e.raw_os_error(),
+                msg: e.to_string(),
+            });
         }
         let recs: Vec<(u64, &Record)> = items.iter().map(|p| (p.id, &p.rec)).collect();
         self.disk
             .put(&recs)
             .map_err(|e| group::Failure::Index(e.to_string()))
+    }
+
+    /// fsyncs every directory of a group, all at once (up to
+    /// `COMMIT_FSYNCS_IN_FLIGHT_MAX` threads), and returns the first
+    /// failure. Each directory still gets its own fsync (what POSIX asks
+    /// for a rename to be durable); issued together, a journaling
+    /// filesystem (ext4's jbd2, XFS's log) serves them with one journal
+    /// commit, where one after another each paid a commit or a cache flush
+    /// of its own: a request's 8 blocks land in about 8 of the 256 shard
+    /// directories, and those sequential fsyncs were the largest cost of
+    /// an offload (docs/BENCHMARKS.md, "Where an offload's time goes").
+    pub(super) fn sync_dirs_at_once<'d>(
+        &self,
+        dirs: &[&'d Path],
+        site: SyncSite,
+    ) -> Option<(&'d Path, std::io::Error)> {
+        let sync = |d: &'d Path| self.fs.sync_dir(d, site).err().map(|e| (d, e));
+        if dirs.len() <= 1 {
+            return dirs.first().and_then(|d| sync(d));
+        }
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let run = || {
+            let mut first = None;
+            loop {
+                let k = next.fetch_add(1, Ordering::Relaxed);
+                let Some(d) = dirs.get(k) else { break };
+                if let Some(f) = sync(d) {
+                    first.get_or_insert(f);
+                }
+            }
+            first
+        };
+        let workers = dirs.len().min(COMMIT_FSYNCS_IN_FLIGHT_MAX);
+        std::thread::scope(|sc| {
+            // A thread that cannot start leaves its share to the others
+            // (this one always runs).
+            let hs: Vec<_> = (1..workers)
+                .filter_map(|_| {
+                    std::thread::Builder::new()
+                        .name("g3-commit-fsync".into())
+                        .spawn_scoped(sc, run)
+                        .ok()
+                })
+                .collect();
+            let mut first = run();
+            for h in hs {
+                match h.join() {
+                    Ok(f) => {
+                        if first.is_none() {
+                            first = f;
+                        }
+                    }
+                    Err(_) => {
+                        // Its directories' fsync outcome is unknown: fail
+                        // the group rather than ack on a guess.
+                        if first.is_none() {
+                            first = dirs.first().map(|d| {
+                                (*d, std::io::Error::other("a commit fsync thread panicked"))
+                            });
+                        }
+                    }
+                }
+            }
+            first
+        })
     }
 
     /// Creates `blocks/<ns>/<shard>` durably the first time it is needed.
