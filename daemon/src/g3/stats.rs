@@ -52,6 +52,12 @@ pub(super) struct Counters {
     pub(super) write_errors: AtomicU64,
     pub(super) renames_undone: AtomicU64,
     pub(super) orphans_replaced: AtomicU64,
+    /// Offloads that overwrote a recycled file (recycle.rs).
+    pub(super) recycled_writes: AtomicU64,
+    /// Evicted files retired into the recycle pool.
+    pub(super) recycle_retired: AtomicU64,
+    /// Pooled files unlinked.
+    pub(super) recycle_dropped: AtomicU64,
     pub(super) seq: AtomicU64,
 }
 
