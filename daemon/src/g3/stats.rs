@@ -67,6 +67,7 @@ impl G3Store {
     pub fn recovery_figures(&self) -> Vec<(&'static str, u64)> {
         let st = self.stats();
         let r = self.recovery.lock().map(|r| r.clone()).unwrap_or_default();
+        let rc = self.recycle_counts();
         vec![
             ("index_rebuilt", u64::from(r.index_rebuilt)),
             ("clean_start", u64::from(r.clean_start)),
@@ -80,6 +81,11 @@ impl G3Store {
             ("quarantine_trimmed", st.quarantine_trimmed),
             ("renames_undone", st.renames_undone),
             ("orphans_replaced", st.orphans_replaced),
+            ("recycled_writes", rc.recycled_writes),
+            ("recycle_retired", rc.retired),
+            ("recycle_dropped", rc.dropped),
+            ("recycle_pool_bytes", rc.bytes),
+            ("recycle_pool_files", rc.files),
         ]
     }
 
