@@ -20,9 +20,12 @@ end), for several ways of making a block file durable:
              (daemon/src/g3/recycle.rs): open an existing file, overwrite
              (O_DSYNC at <= 1 MiB, else fdatasync), rename; no directory
              fsync
+  recycled_ack_fdatasync  recycled_ack with fdatasync instead of O_DSYNC at
+             every size (is O_DSYNC still the cheaper flush for one-chunk
+             files once they are overwrites in place?)
 
 Usage: scripts/bench_write_phases.py DIR [--size 2MiB] [--blocks 64]
-       [--threads 8] [--group 8] [--rounds 3]
+       [--threads 8] [--group 8] [--rounds 3] [--modes raw,recycled_ack,...]
 Prints one JSON line per (mode, round) and a summary of medians.
 """
 
@@ -121,7 +124,7 @@ def shard_of(i):
 
 
 def mode_fresh(d, size, blocks, threads, group, buf, ph, rnd, late=False, recycled=False,
-               nodir=False):
+               nodir=False, fdatasync_always=False):
     tmp = os.path.join(d, "tmp")
     free = os.path.join(d, "free")
     bl = os.path.join(d, "blocks-%d-%s" % (rnd, "r" if recycled else ("l" if late else "f")))
@@ -141,7 +144,8 @@ def mode_fresh(d, size, blocks, threads, group, buf, ph, rnd, late=False, recycl
             write_chunks(fd, buf, size)
             os.close(fd)
         os.sync()
-    dsync = size <= CHUNK and not late and (not recycled or nodir)
+    dsync = (size <= CHUNK and not late and (not recycled or nodir)
+             and not fdatasync_always)
     groups = [list(range(g, min(g + group, blocks))) for g in range(0, blocks, group)]
     commit_lock = threading.Lock()
 
@@ -234,6 +238,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--parallel-dirs", action="store_true",
                     help="fsync a group's directories at once instead of one after another")
+    ap.add_argument("--modes", default="raw,fresh,fresh_late,recycled,recycled_ack",
+                    help="comma-separated; raw is always run (the ratios' baseline)")
     a = ap.parse_args()
     global PARALLEL_DIRS
     PARALLEL_DIRS = a.parallel_dirs
@@ -243,7 +249,8 @@ def main():
     os.makedirs(work)
     summary = {}
     for rnd in range(a.rounds):
-        for mode in ("raw", "fresh", "fresh_late", "recycled", "recycled_ack"):
+        modes = ["raw"] + [m for m in a.modes.split(",") if m and m != "raw"]
+        for mode in modes:
             ph = Phases()
             if mode == "raw":
                 el = mode_raw(work, size, a.blocks, a.threads * a.group, a.group, buf, ph, rnd)
@@ -251,7 +258,8 @@ def main():
                 el = mode_fresh(work, size, a.blocks, a.threads, a.group, buf, ph, rnd,
                                 late=(mode == "fresh_late"),
                                 recycled=mode.startswith("recycled"),
-                                nodir=(mode == "recycled_ack"))
+                                nodir=mode.startswith("recycled_ack"),
+                                fdatasync_always=(mode == "recycled_ack_fdatasync"))
             gbps = size * a.blocks / el / 1e9
             rec = {"mode": mode, "round": rnd, "file_bytes": size, "blocks": a.blocks,
                    "threads": a.threads, "group": a.group, "gbps": round(gbps, 3),
