@@ -621,3 +621,34 @@ fn pooled_files_are_dropped_before_blocks_are_evicted() {
         reads_back(&s, &ns, seed);
     }
 }
+
+/// `recycle_pool_bytes` bounds the pool (evictions past it unlink) and 0
+/// turns it off (every eviction unlinks, `recycle/` stays empty).
+#[test]
+fn the_recycle_pool_is_bounded_and_zero_turns_it_off() {
+    let ns = namespace(65536, "recycle-bound").unwrap();
+    let file_len = block(&ns, 0).1.file_len();
+    for (bound_files, kept) in [(2u64, 2usize), (0, 0)] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = common::cfg(dir.path(), EngineKind::Auto);
+        c.recycle_pool_bytes = bound_files * file_len;
+        let s = G3Store::open(c, Box::new(kvtier_daemon::policy::Lru::new())).unwrap();
+        // All puts first: a put after an eviction would reuse its file.
+        for seed in 0..4 {
+            let (_, h, p) = block(&ns, seed);
+            assert_eq!(s.put(&ns.id(), &h, &p).unwrap(), PutOutcome::Stored);
+        }
+        for seed in 0..4 {
+            assert!(s.evict_block(&ns.id(), &block(&ns, seed).0).unwrap());
+        }
+        let rc = s.recycle_counts();
+        assert_eq!(rc.files as usize, kept, "bound {bound_files} files: {rc:?}");
+        assert_eq!(rc.bytes, kept as u64 * file_len, "{rc:?}");
+        assert_eq!(recycled_files(dir.path()), kept);
+        // The evicted blocks are gone either way.
+        for seed in 0..4 {
+            assert!(s.stat(&ns.id(), &block(&ns, seed).0).is_none());
+        }
+        s.close().unwrap();
+    }
+}
