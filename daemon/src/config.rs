@@ -55,6 +55,11 @@ engine = "auto"
 # capacity. Unset quarantine_max: capacity / 32.
 # quarantine_max = "128MiB"
 quarantine_max_files = 256
+# Evicted block files kept in recycle/ for later offloads of the same size
+# to overwrite in place (no new extents, no directory fsync before the
+# ack); counted against capacity, at most half of it. "0" turns it off.
+# Unset: capacity / 2.
+# recycle_max = "2GiB"
 
 [g4]
 # Shared tier: s3://bucket/prefix, file:///path or memory://. "" disables
@@ -316,6 +321,10 @@ pub struct G3Section {
     pub quarantine_max: Option<u64>,
     /// Files `quarantine/` may hold.
     pub quarantine_max_files: usize,
+    /// Bytes of evicted files `recycle/` may keep (`None`: capacity / 2;
+    /// 0: off).
+    #[serde(deserialize_with = "de_size_opt")]
+    pub recycle_max: Option<u64>,
 }
 
 /// `[g4]`: every key of [`G4Config`](crate::g4::G4Config) (one source for
@@ -688,6 +697,7 @@ impl Default for G3Section {
             engine: "auto".into(),
             quarantine_max: None,
             quarantine_max_files: 256,
+            recycle_max: None,
         }
     }
 }
@@ -1146,6 +1156,9 @@ mod tests {
         assert!(e.contains("whole number"), "{e}");
         let c = Config::from_toml("[g3]\ncapacity = \"1.5TiB\"\n").unwrap();
         assert_eq!(c.g3.capacity, 3 << 39);
+        assert_eq!(c.g3.recycle_max, None);
+        let c = Config::from_toml("[g3]\nrecycle_max = \"0\"\n").unwrap();
+        assert_eq!(c.g3.recycle_max, Some(0));
     }
 
     #[test]

@@ -79,6 +79,10 @@ const SCRAPED_COUNTERS: &[(&str, &str, &[&str])] = &[
     ("kvtier_g3_quarantine_trimmed_total", "Quarantined G3 entries deleted to stay within the quarantine bounds", &[]),
     ("kvtier_g3_renames_undone_total", "G3 renames undone after a failed group commit", &[]),
     ("kvtier_g3_orphans_replaced_total", "Unindexed G3 block files replaced by a fresh offload", &[]),
+    // The G3 recycle pool (g3/recycle.rs).
+    ("kvtier_g3_recycled_writes_total", "G3 offloads that overwrote a pooled (evicted) file in place", &[]),
+    ("kvtier_g3_recycle_retired_total", "Evicted G3 block files kept in recycle/ for reuse", &[]),
+    ("kvtier_g3_recycle_dropped_total", "Pooled G3 files unlinked (room needed, the bound, a refused lease)", &[]),
     // The mount.
     ("kvtier_mount_opens_total", "Opens of block files on the mount, by mode (passthrough, fallback)", &["mode"]),
     ("kvtier_mount_fallback_reads_total", "Read requests on the mount answered by the daemon (not passthrough)", &[]),
@@ -119,6 +123,8 @@ const SCRAPED_GAUGES: &[(&str, &str, &[&str])] = &[
     ("kvtier_g3_index_rebuilt_at_open", "1 when G3's index was rebuilt from the files at this open", &[]),
     ("kvtier_g3_clean_start", "1 when G3 found a clean shutdown at this open", &[]),
     ("kvtier_g3_quarantine_bytes", "Bytes in G3's quarantine/ now", &[]),
+    ("kvtier_g3_recycle_pool_bytes", "Bytes of evicted files in G3's recycle/ now (bounded by recycle_max, counted against capacity)", &[]),
+    ("kvtier_g3_recycle_pool_files", "Evicted files in G3's recycle/ now", &[]),
     ("kvtier_prefetch_waiting_blocks", "Prefetched blocks waiting for a prefetch thread", &[]),
     ("kvtier_mount_passthrough_active", "1 while new opens on the mount use FUSE passthrough", &[]),
 ];
@@ -465,6 +471,9 @@ impl Metrics {
                     self.gauge("kvtier_g3_recovered_at_open", &["quarantined"], x)
                 }
                 "quarantine_bytes" => self.gauge("kvtier_g3_quarantine_bytes", &[], x),
+                "recycle_pool_bytes" | "recycle_pool_files" => {
+                    self.gauge(&format!("kvtier_g3_{k}"), &[], x)
+                }
                 // Also kvtier_quarantined_total (the backend's figure).
                 "quarantined" => {}
                 other => self.count(&format!("kvtier_g3_{other}_total"), &[], x),
@@ -708,6 +717,8 @@ mod tests {
             "kvtier_g3_recovered_at_open{found=\"orphans_reindexed\"} 0",
             "kvtier_g3_renames_undone_total 0",
             "kvtier_g3_quarantine_bytes",
+            "kvtier_g3_recycled_writes_total 0",
+            "kvtier_g3_recycle_pool_bytes 0",
         ] {
             assert!(text.contains(line), "{line} missing in\n{text}");
         }
@@ -736,6 +747,11 @@ mod tests {
                 ("quarantine_trimmed", 0),
                 ("renames_undone", 0),
                 ("orphans_replaced", 0),
+                ("recycled_writes", 0),
+                ("recycle_retired", 0),
+                ("recycle_dropped", 0),
+                ("recycle_pool_bytes", 0),
+                ("recycle_pool_files", 0),
             ],
             ..Default::default()
         }));

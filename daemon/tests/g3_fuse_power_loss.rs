@@ -116,6 +116,8 @@ struct Iter {
     files_dropped: u64,
     files_torn: u64,
     evictions: u64,
+    /// Puts that overwrote a recycled file (g3/recycle.rs).
+    recycled_writes: u64,
     crashed_in_close: u64,
     cut_after_close: u64,
     crashed_in_recovery: u64,
@@ -213,6 +215,12 @@ impl Run {
                 2 => {
                     store.set_priority(&ns_id, key, rng.random_range(0..4));
                     store.mark_in_g4(&ns_id, key);
+                }
+                3 => {
+                    // A requested eviction keeps the file in the recycle
+                    // pool: the next put of this size overwrites it in
+                    // place (g3/recycle.rs), under the cut.
+                    let _ = store.evict_block(&ns_id, key);
                 }
                 _ => {}
             }
@@ -336,6 +344,7 @@ fn iteration(sc: Scenario, seed: u64, skip: Option<SyncSite>) -> Result<Iter, St
         let s = run.open().map_err(|e| err("open", &e))?;
         run.workload(&s, epoch, seed);
         it.evictions += s.stats().evictions;
+        it.recycled_writes += s.recycle_counts().recycled_writes;
         s.close().map_err(|e| err("clean close", &e))?;
         drop(s);
         epoch += 1;
@@ -370,6 +379,7 @@ fn iteration(sc: Scenario, seed: u64, skip: Option<SyncSite>) -> Result<Iter, St
         }
     }
     it.evictions += s.stats().evictions;
+    it.recycled_writes += s.recycle_counts().recycled_writes;
     stop(s);
     let cycle = |run: &mut Run, it: &mut Iter| {
         let c = run.rig.power_cycle();
@@ -442,6 +452,7 @@ fn fuse_power_loss_short() {
                 total.files_dropped += it.files_dropped;
                 total.files_torn += it.files_torn;
                 total.evictions += it.evictions;
+                total.recycled_writes += it.recycled_writes;
                 total.crashed_in_close += it.crashed_in_close;
                 total.cut_after_close += it.cut_after_close;
                 total.crashed_in_recovery += it.crashed_in_recovery;
@@ -455,7 +466,7 @@ fn fuse_power_loss_short() {
         }
     }
     println!(
-        "fuse power loss: {n} iterations (seeds {seed0}..{}) in {:?}, O_DIRECT in {direct}, acked blocks checked {}, entries dropped {}, files dropped {}, torn {}, evictions {}, crashes inside close {}, after a clean close {}, inside recovery {}, blocks lost 0",
+        "fuse power loss: {n} iterations (seeds {seed0}..{}) in {:?}, O_DIRECT in {direct}, acked blocks checked {}, entries dropped {}, files dropped {}, torn {}, evictions {}, recycled writes {}, crashes inside close {}, after a clean close {}, inside recovery {}, blocks lost 0",
         seed0 + n,
         t.elapsed(),
         total.acked,
@@ -463,6 +474,7 @@ fn fuse_power_loss_short() {
         total.files_dropped,
         total.files_torn,
         total.evictions,
+        total.recycled_writes,
         total.crashed_in_close,
         total.cut_after_close,
         total.crashed_in_recovery,
@@ -479,6 +491,8 @@ fn fuse_power_loss_short() {
     }
     if n >= 8 {
         assert!(total.acked > 0 && total.entries_dropped > 0, "{total:?}");
+        // The recycle pool runs under the cut (requested evictions).
+        assert!(total.recycled_writes > 0, "{total:?}");
     }
 }
 
@@ -500,6 +514,7 @@ fn fuse_mutation_check() {
         SyncSite::CommitDirFsync,
         SyncSite::ShardDirFsync,
         SyncSite::CloseRemovalsFsync,
+        SyncSite::RecycleDirFsync,
     ];
     for site in sites {
         let caught = (0..tries).find_map(|i| {

@@ -342,6 +342,9 @@ struct Iter {
     /// Blocks evicted by the sessions that lost power or closed cleanly
     /// before it (proves the eviction path runs under the crash).
     evictions: u64,
+    /// Puts that overwrote a recycled file (g3/recycle.rs: evictions
+    /// keep files for reuse, so the pool runs under the crash too).
+    recycled_writes: u64,
     /// Iterations whose close failed because power was lost inside it.
     crashed_in_close: u64,
     /// Iterations whose recovery (reopen) failed because power was lost
@@ -377,6 +380,7 @@ fn iteration(sc: Scenario, seed: u64, skip: Option<SyncSite>) -> Result<Iter, St
         let s = run.open().map_err(|e| err("open", &e))?;
         run.workload(&s, epoch, seed);
         it.evictions += s.stats().evictions;
+        it.recycled_writes += s.recycle_counts().recycled_writes;
         s.close().map_err(|e| err("clean close", &e))?;
         drop(s);
         epoch += 1;
@@ -402,6 +406,7 @@ fn iteration(sc: Scenario, seed: u64, skip: Option<SyncSite>) -> Result<Iter, St
         }
     }
     it.evictions += s.stats().evictions;
+    it.recycled_writes += s.recycle_counts().recycled_writes;
     run.fs.crash_now();
     stop(s);
     let cycle = |it: &mut Iter| -> Result<(), String> {
@@ -480,6 +485,7 @@ fn power_loss_short() {
                 total.files_dropped += it.files_dropped;
                 total.files_torn += it.files_torn;
                 total.evictions += it.evictions;
+                total.recycled_writes += it.recycled_writes;
                 total.crashed_in_close += it.crashed_in_close;
                 total.crashed_in_recovery += it.crashed_in_recovery;
             }
@@ -487,13 +493,14 @@ fn power_loss_short() {
         }
     }
     println!(
-        "power loss: {n} iterations (seeds {seed0}..{}), acked blocks checked {}, entries undone {}, files dropped {}, torn {}, evictions {}, crashes inside close {}, inside recovery {}, blocks lost 0",
+        "power loss: {n} iterations (seeds {seed0}..{}), acked blocks checked {}, entries undone {}, files dropped {}, torn {}, evictions {}, recycled writes {}, crashes inside close {}, inside recovery {}, blocks lost 0",
         seed0 + n,
         total.acked,
         total.entries_undone,
         total.files_dropped,
         total.files_torn,
         total.evictions,
+        total.recycled_writes,
         total.crashed_in_close,
         total.crashed_in_recovery
     );
@@ -502,6 +509,10 @@ fn power_loss_short() {
     // recovery. A replay of one seed proves less, so only full runs check.
     if n >= 40 {
         assert!(total.evictions > 0, "no eviction ran: {total:?}");
+        assert!(
+            total.recycled_writes > 0,
+            "no put overwrote a recycled file: {total:?}"
+        );
         assert!(
             total.crashed_in_close > 0,
             "no crash landed inside close: {total:?}"

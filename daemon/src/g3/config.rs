@@ -42,6 +42,12 @@ pub struct G3Config {
     pub quarantine_max_bytes: u64,
     /// Files `quarantine/` may hold (at least 1).
     pub quarantine_max_files: usize,
+    /// Bytes of evicted block files kept in `recycle/` for later offloads
+    /// of the same size to overwrite in place (recycle.rs; 0: off). They
+    /// count against `capacity_bytes` (dropped before any block is
+    /// evicted for room), so this is a share of the tier, not extra disk;
+    /// capped at half of `capacity_bytes`.
+    pub recycle_pool_bytes: u64,
 }
 
 /// How a block file's data is made durable before its rename.
@@ -75,6 +81,7 @@ impl G3Config {
             sync_mode: SyncMode::Auto,
             quarantine_max_bytes: capacity_bytes / 32,
             quarantine_max_files: 256,
+            recycle_pool_bytes: capacity_bytes / 2,
         }
     }
 
@@ -82,6 +89,12 @@ impl G3Config {
     /// most half of capacity.
     pub(super) fn quarantine_bound_bytes(&self) -> u64 {
         self.quarantine_max_bytes.min(self.capacity_bytes / 2)
+    }
+
+    /// The recycle pool's byte bound in force: `recycle_pool_bytes`, at
+    /// most half of capacity.
+    pub(super) fn recycle_bound_bytes(&self) -> u64 {
+        self.recycle_pool_bytes.min(self.capacity_bytes / 2)
     }
 
     pub(super) fn validate(&self) -> Result<()> {

@@ -14,9 +14,23 @@ use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 
+/// Where a written block file was renamed to.
+pub(super) struct Placed {
+    /// Its shard directory.
+    pub(super) dir: PathBuf,
+    /// It overwrote a recycled file, whose `recycle/` name was durable:
+    /// the ack needs no fsync of `dir` (the rename is made durable at
+    /// close; a power cut before leaves it in `recycle/`, put back at the
+    /// next open).
+    pub(super) recycled: bool,
+}
+
 /// How long a put of a key another put is committing waits for that
 /// put's outcome before it tries to place its own file.
 const WRITER_WAIT_MS: u64 = 10_000;
+
+/// Directory fsyncs one group commit keeps in flight at most (threads).
+const COMMIT_FSYNCS_IN_FLIGHT_MAX: usize = 32;
 
 /// Pool buffers one write takes at most.
 const BUFS_PER_WRITE: usize = 4;
@@ -36,11 +50,17 @@ impl G3Store {
         payload: &[u8],
         id: u64,
         sole: bool,
-    ) -> Result<Option<PathBuf>> {
-        let seq = self.counters.seq.fetch_add(1, Ordering::Relaxed);
-        let tmp = self
-            .tmp_dir
-            .join(format!("{id:016x}.{}.{seq}", std::process::id()));
+        spare: Option<PathBuf>,
+    ) -> Result<Option<Placed>> {
+        let recycled = spare.is_some();
+        let tmp = match spare {
+            Some(p) => p,
+            None => {
+                let seq = self.counters.seq.fetch_add(1, Ordering::Relaxed);
+                self.tmp_dir
+                    .join(format!("{id:016x}.{}.{seq}", std::process::id()))
+            }
+        };
         let final_path = self.block_file_path(ns, &header.key);
         let mut flags = libc::O_CLOEXEC;
         if self.direct_ok {
@@ -54,10 +74,18 @@ impl G3Store {
         if dsync {
             flags |= libc::O_DSYNC;
         }
-        let file = self
-            .fs
-            .create_new(&tmp, flags)
-            .map_err(|e| Error::io("creating", &tmp, e))?;
+        let file = if recycled {
+            // A pooled file of exactly this length, written extents: an
+            // overwrite in place allocates nothing (recycle.rs).
+            self.fs.open_existing(&tmp, flags).map_err(|e| {
+                let _ = self.fs.remove_file(&tmp, Unlink::Temp);
+                Error::io("opening recycled file", &tmp, e)
+            })?
+        } else {
+            self.fs
+                .create_new(&tmp, flags)
+                .map_err(|e| Error::io("creating", &tmp, e))?
+        };
         let cleanup = |e: Error| {
             let _ = self.fs.remove_file(&tmp, Unlink::Temp);
             e
@@ -129,6 +157,20 @@ impl G3Store {
             .unwrap_or(&self.blocks_dir)
             .to_path_buf();
         self.ensure_dir(&dir).map_err(cleanup)?;
+        // A recycled file's new directory is noted before its rename out
+        // of `recycle/`, under the settle lock: a settle's fsync of
+        // `recycle/` then always finds it (and fsyncs it first).
+        let _settle = if recycled {
+            let g = self
+                .recycle_settle
+                .read()
+                .map_err(|_| cleanup(lock_err("g3 recycle pool")))?;
+            self.note_unsynced_dir(&dir);
+            self.note_unsynced_dir(&self.recycle_dir);
+            Some(g)
+        } else {
+            None
+        };
         match self.fs.rename_noreplace(&tmp, &final_path) {
             Ok(()) => {}
             Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {
@@ -157,7 +199,7 @@ impl G3Store {
                     self.fs
                         .rename_noreplace(&tmp, &final_path)
                         .map_err(|e| cleanup(Error::io("renaming into place", &final_path, e)))?;
-                    return Ok(Some(dir));
+                    return Ok(Some(Placed { dir, recycled }));
                 }
                 tracing::warn!(%ns, key = %header.key, "g3: replacing an unindexed (orphan) block file");
                 self.counters
@@ -169,7 +211,12 @@ impl G3Store {
             }
             Err(e) => return Err(cleanup(Error::io("renaming into place", &final_path, e))),
         }
-        Ok(Some(dir))
+        if recycled {
+            self.counters
+                .recycled_writes
+                .fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(Some(Placed { dir, recycled }))
     }
 
     fn is_indexed(&self, id: u64) -> bool {
@@ -198,18 +245,17 @@ impl G3Store {
         &self,
         items: &[group::Pending],
     ) -> std::result::Result<(), group::Failure> {
-        let mut dirs: Vec<&Path> = items.iter().map(|p| p.dir.as_path()).collect();
+        // Recycled writes (no `dir`) need no directory fsync (recycle.rs).
+        let mut dirs: Vec<&Path> = items.iter().filter_map(|p| p.dir.as_deref()).collect();
         dirs.sort_unstable();
         dirs.dedup();
-        for dir in dirs {
-            if let Err(e) = self.fs.sync_dir(dir, SyncSite::CommitDirFsync) {
-                self.poison(format!("fsync of directory {}: {e}", dir.display()));
-                return Err(group::Failure::Dir {
-                    dir: dir.to_path_buf(),
-                    errno: e.raw_os_error(),
-                    msg: e.to_string(),
-                });
-            }
+        if let Some((dir, e)) = self.sync_dirs_at_once(&dirs, SyncSite::CommitDirFsync) {
+            self.poison(format!("fsync of directory {}: {e}", dir.display()));
+            return Err(group::Failure::Dir {
+                dir: dir.to_path_buf(),
+                errno: e.raw_os_error(),
+                msg: e.to_string(),
+            });
         }
         let recs: Vec<(u64, &Record)> = items.iter().map(|p| (p.id, &p.rec)).collect();
         self.disk
@@ -217,8 +263,73 @@ impl G3Store {
             .map_err(|e| group::Failure::Index(e.to_string()))
     }
 
+    /// fsyncs every directory of a group, all at once (up to
+    /// `COMMIT_FSYNCS_IN_FLIGHT_MAX` threads), and returns the first
+    /// failure. Each directory still gets its own fsync (what POSIX asks
+    /// for a rename to be durable); issued together, a journaling
+    /// filesystem (ext4's jbd2, XFS's log) serves them with one journal
+    /// commit, where one after another each paid a commit or a cache flush
+    /// of its own: a request's 8 blocks land in about 8 of the 256 shard
+    /// directories, and those sequential fsyncs were the largest cost of
+    /// an offload (docs/BENCHMARKS.md, "Where an offload's time goes").
+    pub(super) fn sync_dirs_at_once<'d>(
+        &self,
+        dirs: &[&'d Path],
+        site: SyncSite,
+    ) -> Option<(&'d Path, std::io::Error)> {
+        let sync = |d: &'d Path| self.fs.sync_dir(d, site).err().map(|e| (d, e));
+        if dirs.len() <= 1 {
+            return dirs.first().and_then(|d| sync(d));
+        }
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let run = || {
+            let mut first = None;
+            loop {
+                let k = next.fetch_add(1, Ordering::Relaxed);
+                let Some(d) = dirs.get(k) else { break };
+                if let Some(f) = sync(d) {
+                    first.get_or_insert(f);
+                }
+            }
+            first
+        };
+        let workers = dirs.len().min(COMMIT_FSYNCS_IN_FLIGHT_MAX);
+        std::thread::scope(|sc| {
+            // A thread that cannot start leaves its share to the others
+            // (this one always runs).
+            let hs: Vec<_> = (1..workers)
+                .filter_map(|_| {
+                    std::thread::Builder::new()
+                        .name("g3-commit-fsync".into())
+                        .spawn_scoped(sc, run)
+                        .ok()
+                })
+                .collect();
+            let mut first = run();
+            for h in hs {
+                match h.join() {
+                    Ok(f) => {
+                        if first.is_none() {
+                            first = f;
+                        }
+                    }
+                    Err(_) => {
+                        // Its directories' fsync outcome is unknown: fail
+                        // the group rather than ack on a guess.
+                        if first.is_none() {
+                            first = dirs.first().map(|d| {
+                                (*d, std::io::Error::other("a commit fsync thread panicked"))
+                            });
+                        }
+                    }
+                }
+            }
+            first
+        })
+    }
+
     /// Creates `blocks/<ns>/<shard>` durably the first time it is needed.
-    fn ensure_dir(&self, dir: &Path) -> Result<()> {
+    pub(super) fn ensure_dir(&self, dir: &Path) -> Result<()> {
         let mut known = self.known_dirs.lock().map_err(|_| lock_err("g3 dirs"))?;
         if known.contains(dir) {
             return Ok(());

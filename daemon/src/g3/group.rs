@@ -66,8 +66,9 @@ type Slot = Arc<OnceLock<std::result::Result<(), Failure>>>;
 
 /// One queued write.
 pub struct Pending {
-    /// The shard directory the file was renamed into.
-    pub dir: PathBuf,
+    /// The shard directory the file was renamed into, when its fsync is
+    /// due before the ack (`None`: a recycled file, recycle.rs).
+    pub dir: Option<PathBuf>,
     /// Index id.
     pub id: u64,
     /// Index record.

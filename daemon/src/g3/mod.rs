@@ -14,6 +14,8 @@
 //!   write in parallel, group commit, publish in input order).
 //! - `durable`: one block file made durable (temp write, flush, no-replace
 //!   rename, shard directories) and the group commit's fsyncs and commit.
+//! - `recycle`: the pool of evicted files reused by the write path (no
+//!   extent allocation, no directory fsync before the ack).
 //! - `pool`: the aligned write buffers and the read path's bounce buffers. `fsops`: directory fsync,
 //!   no-replace rename, O_DIRECT probe.
 //! - `seam`: the filesystem seam (`G3Fs`, `RealFs`, the named sync sites);
@@ -35,6 +37,10 @@
 //!   name the mount and G4 use), 4096-byte header + padded payload.
 //! - `tmp/`: writes in progress; anything here at open is removed.
 //! - `quarantine/`: blocks that failed verification, kept for inspection.
+//! - `recycle/`: evicted block files kept for offloads of the same size to
+//!   overwrite in place (`recycle`; named `<file_len>.<pid>.<seq>`); one
+//!   with a valid header whose `blocks/` name is absent at open is an
+//!   acknowledged block whose rename a power cut took back: put back.
 //! - `index.redb`: the persistent index (a cache of the files).
 //!
 //! Architecture invariant: a block is visible (index, lookups, events) only
@@ -61,6 +67,7 @@ mod quarantine;
 mod read;
 pub mod reclaimer;
 pub mod recover;
+mod recycle;
 mod remove;
 pub mod seam;
 mod snapshot;
@@ -89,6 +96,7 @@ pub use events::{EventSink, G3Event, RemoveReason};
 pub use leases::LeaseId;
 pub use lookup::BlockInfo;
 pub use recover::{RecoveryReport, CLEAN_MARKER};
+pub use recycle::RecycleCounts;
 pub use snapshot::SNAPSHOT_FILE;
 pub use stats::G3Stats;
 pub use verify::VerifyReport;
@@ -100,6 +108,13 @@ pub struct G3Store {
     blocks_dir: PathBuf,
     tmp_dir: PathBuf,
     quarantine_dir: PathBuf,
+    /// Evicted files kept for reuse (recycle.rs).
+    recycle_dir: PathBuf,
+    recycle: Mutex<recycle::RecyclePool>,
+    /// Written while pending retirements are made durable (one at a
+    /// time); read by a recycled write from noting its new directory to
+    /// its rename out of `recycle/` (recycle.rs: the order of fsyncs).
+    recycle_settle: RwLock<()>,
     engine: Arc<dyn IoEngine>,
     /// Every file operation that changes the disk (seam.rs).
     fs: Arc<dyn seam::G3Fs>,
@@ -220,12 +235,19 @@ impl G3Store {
         let blocks_dir = cfg.root.join("blocks");
         let tmp_dir = cfg.root.join("tmp");
         let quarantine_dir = cfg.root.join("quarantine");
+        let recycle_dir = cfg.root.join("recycle");
         // Directories this open creates are made durable (an fsync of
         // each one's parent) before any block goes in: a block's own
         // fsyncs reach only up to `blocks/`, so a fresh root or `blocks/`
         // lost to a power cut would take every block with it.
         let mut created: Vec<PathBuf> = Vec::new();
-        for d in [&cfg.root, &blocks_dir, &tmp_dir, &quarantine_dir] {
+        for d in [
+            &cfg.root,
+            &blocks_dir,
+            &tmp_dir,
+            &quarantine_dir,
+            &recycle_dir,
+        ] {
             created.extend(
                 d.ancestors()
                     .take_while(|a| !a.exists())
@@ -251,6 +273,9 @@ impl G3Store {
             blocks_dir,
             tmp_dir,
             quarantine_dir,
+            recycle_dir,
+            recycle: Mutex::new(recycle::RecyclePool::default()),
+            recycle_settle: RwLock::new(()),
             engine,
             fs,
             direct_ok,
@@ -277,6 +302,7 @@ impl G3Store {
             cfg,
         });
         let mut report = store.recover()?;
+        report.adopted += store.scan_recycled(report.clean_start)?;
         store.trim_quarantine();
         report.index_rebuilt = index_rebuilt;
         tracing::info!(

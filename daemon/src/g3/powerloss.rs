@@ -394,6 +394,29 @@ impl G3Fs for PowerLossFs {
         Ok(())
     }
 
+    fn open_existing(&self, path: &Path, custom_flags: i32) -> io::Result<File> {
+        let mut st = self.op()?;
+        let ino = self.bury(path)?;
+        // Whatever is written through it is unsynced until a sync says
+        // otherwise (the block engine's writes, the header zeroing).
+        self.before_write(&mut st, ino)?;
+        OpenOptions::new()
+            .write(true)
+            .custom_flags(custom_flags)
+            .open(path)
+    }
+
+    fn retire(&self, from: &Path, to: &Path) -> io::Result<()> {
+        let mut st = self.op()?;
+        let ino = self.bury(from)?;
+        super::fsops::rename_noreplace(from, to)?;
+        self.renamed(&mut st, from, to, None, ino);
+        // For the block, a removal (excuses its absence after a crash).
+        let n = st.ops;
+        st.removed_blocks.push((n, from.to_path_buf()));
+        Ok(())
+    }
+
     fn remove_file(&self, path: &Path, why: Unlink) -> io::Result<()> {
         let mut st = self.op()?;
         let ino = self.bury(path)?;

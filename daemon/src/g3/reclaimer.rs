@@ -65,9 +65,12 @@ pub(super) fn spawn(store: &Arc<G3Store>) -> Option<std::thread::JoinHandle<()>>
             let cap = s.block_capacity() as f64;
             let used = s.mem.read().map(|m| m.used_bytes).unwrap_or(0) as f64;
             if used > s.cfg.high_watermark * cap {
-                let n = s.evict_to((s.cfg.low_watermark * cap) as u64);
+                // Background evictions keep their files for reuse.
+                let n = s.evict_to((s.cfg.low_watermark * cap) as u64, true);
                 tracing::debug!(evicted = n, "g3: eviction pass");
             }
+            // Off the write path: retired files become reusable.
+            s.settle_retired();
             if let Err(e) = s.disk.flush_if_dirty() {
                 tracing::warn!(error = %e, "g3: index flush failed");
             }
@@ -84,7 +87,8 @@ pub(super) fn spawn(store: &Arc<G3Store>) -> Option<std::thread::JoinHandle<()>>
 impl G3Store {
     /// Evicts policy victims (never leased or pinned blocks) until usage is
     /// at most `target_bytes` or nothing more may go. Returns blocks evicted.
-    pub(crate) fn evict_to(&self, target_bytes: u64) -> u64 {
+    /// `retire`: victims' files may go to the recycle pool.
+    pub(crate) fn evict_to(&self, target_bytes: u64, retire: bool) -> u64 {
         self.sweep_leases();
         let mut n = 0;
         loop {
@@ -111,7 +115,9 @@ impl G3Store {
                 break;
             };
             let removed = match self.disk.get(id) {
-                Ok(Some(rec)) => self.remove_block(&rec.ns, &rec.key, RemoveReason::Evicted),
+                Ok(Some(rec)) => {
+                    self.remove_block(&rec.ns, &rec.key, RemoveReason::Evicted, retire)
+                }
                 Ok(None) => Ok(false),
                 Err(e) => Err(e),
             };
@@ -159,18 +165,28 @@ impl G3Store {
             .read()
             .map_err(|_| lock_err("g3 index"))?
             .used_bytes;
-        if used + need <= cap {
+        // Pooled files (recycle.rs) are on the disk too: room is made by
+        // dropping them first, then by evicting (unlinking: a victim
+        // retired into the pool would free nothing).
+        let pooled = self.recycle_bytes();
+        if used + pooled + need <= cap {
             return Ok(());
         }
+        if pooled > 0 {
+            self.drop_spares(used + pooled + need - cap);
+            if used + self.recycle_bytes() + need <= cap {
+                return Ok(());
+            }
+        }
         if need <= cap {
-            self.evict_to(cap - need);
+            self.evict_to(cap.saturating_sub(need + self.recycle_bytes()), false);
         }
         let used = self
             .mem
             .read()
             .map_err(|_| lock_err("g3 index"))?
             .used_bytes;
-        if used + need > cap {
+        if used + self.recycle_bytes() + need > cap {
             return Err(Error::LimitReached {
                 what: "g3 capacity_bytes (the rest is pinned, leased or taken by this batch)",
                 limit: cap,

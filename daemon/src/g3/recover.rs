@@ -373,8 +373,45 @@ impl G3Store {
         rep.set_aside += 1;
     }
 
+    /// Indexes a verified block file found outside the walk (a recycled
+    /// file put back into place, recycle.rs): redb, memory, policy.
+    pub(super) fn adopt_verified(&self, ns: &NamespaceId, h: &BlockHeader) -> Result<()> {
+        let (id, check) = digest(ns, &h.key);
+        let r = Record {
+            ns: *ns,
+            key: h.key,
+            payload_len: h.payload_len,
+            payload_blake3: h.payload_blake3,
+            created_unix_ms: h.created_unix_ms,
+            hits: 0,
+            last_access_s: super::now_s(),
+            pin_until_s: 0,
+            priority: 0,
+            flags: 0,
+        };
+        self.disk.put(&[(id, &r)])?;
+        let e = entry_of(&r, check);
+        let size_bytes = e.file_len();
+        self.mem
+            .write()
+            .map_err(|_| super::lock_err("g3 index"))?
+            .insert(*ns, id, e);
+        self.policy
+            .lock()
+            .map_err(|_| super::lock_err("g3 policy"))?
+            .on_insert(
+                id,
+                BlockMeta {
+                    parent: None,
+                    size_bytes,
+                    hints: Hints::default(),
+                },
+            );
+        Ok(())
+    }
+
     /// Reads and fully verifies a file that the index does not know.
-    fn verify_file(
+    pub(super) fn verify_file(
         &self,
         path: &Path,
         ns: &NamespaceId,

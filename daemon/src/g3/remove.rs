@@ -11,14 +11,27 @@ impl G3Store {
     /// Deletes a block (leases and pins do not protect against this);
     /// `false` when absent.
     pub fn delete_block(&self, ns: &NamespaceId, key: &BlockKey) -> Result<bool> {
-        self.remove_block(ns, key, RemoveReason::Deleted)
+        self.remove_block(ns, key, RemoveReason::Deleted, false)
     }
 
+    /// Evicts a block on request (leases and pins do not protect against
+    /// this either): [`G3Store::delete_block`] (the same `Deleted` event,
+    /// as before), but its file may be kept in the recycle pool for a
+    /// later offload of the same size to overwrite (recycle.rs); `false`
+    /// when absent.
+    pub fn evict_block(&self, ns: &NamespaceId, key: &BlockKey) -> Result<bool> {
+        self.remove_block(ns, key, RemoveReason::Deleted, true)
+    }
+
+    /// `retire`: the file may go to the recycle pool rather than be
+    /// unlinked (not when the room is needed now: pooled bytes count
+    /// against capacity, so retiring frees nothing).
     pub(super) fn remove_block(
         &self,
         ns: &NamespaceId,
         key: &BlockKey,
         reason: RemoveReason,
+        retire: bool,
     ) -> Result<bool> {
         let (id, check) = digest(ns, key);
         let present = self
@@ -32,12 +45,29 @@ impl G3Store {
             return Ok(false);
         }
         let path = self.block_file_path(ns, key);
-        let unlinked = match self.fs.remove_file(&path, super::seam::Unlink::Block) {
-            Ok(()) => {
+        let removed = if retire {
+            let len = self
+                .mem
+                .read()
+                .map_err(|_| lock_err("g3 index"))?
+                .map
+                .get(&id)
+                .map(super::index::Entry::file_len)
+                .unwrap_or(0);
+            self.retire_or_unlink(&path, len)
+        } else {
+            match self.fs.remove_file(&path, super::seam::Unlink::Block) {
+                Ok(()) => Ok(true),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+                Err(e) => Err(e),
+            }
+        };
+        let unlinked = match removed {
+            Ok(true) => {
                 self.note_removal(&path);
                 true
             }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,
+            Ok(false) => false,
             Err(e) => return Err(Error::io("removing", &path, e)),
         };
         if self.forget(ns, key, id)? {
@@ -63,14 +93,27 @@ impl G3Store {
         }
     }
 
+    /// Remembers a directory whose entries changed without an fsync (a
+    /// recycled write's rename, recycle.rs): made durable with the
+    /// removals at close.
+    pub(super) fn note_unsynced_dir(&self, dir: &std::path::Path) {
+        if let Ok(mut set) = self.unsynced_removals.lock() {
+            set.insert(dir.to_path_buf());
+        }
+    }
+
     /// Makes every unlink so far durable (close, before the marker).
     pub(super) fn sync_removals(&self) -> Result<()> {
-        let dirs: Vec<std::path::PathBuf> = self
+        let mut dirs: Vec<std::path::PathBuf> = self
             .unsynced_removals
             .lock()
             .map_err(|_| lock_err("g3 removals"))?
             .drain()
             .collect();
+        // `recycle/` last: its fsync makes the removal of names recycled
+        // writes renamed into `blocks/` durable, which must not come before
+        // their new names (recycle.rs).
+        dirs.sort_by_key(|d| *d == self.recycle_dir);
         for d in dirs {
             match self
                 .fs

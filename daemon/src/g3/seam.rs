@@ -57,6 +57,11 @@ pub enum SyncSite {
     /// fsync of shard directories after a failed commit's renames are
     /// undone (a file that comes back is adopted at the next open).
     UndoDirFsync,
+    /// fsync of `recycle/` and of the shard directories evicted files
+    /// left, before any of them is overwritten by a new block
+    /// (recycle.rs): else a power cut could give an inode that now holds
+    /// one block its old name, or no name at all.
+    RecycleDirFsync,
 }
 
 impl SyncSite {
@@ -76,6 +81,7 @@ impl SyncSite {
         SyncSite::IndexSync,
         SyncSite::IndexRebuildDirFsync,
         SyncSite::UndoDirFsync,
+        SyncSite::RecycleDirFsync,
     ];
 
     /// A stable name (docs/RELIABILITY.md lists them).
@@ -95,6 +101,7 @@ impl SyncSite {
             SyncSite::IndexSync => "index.sync",
             SyncSite::IndexRebuildDirFsync => "index.rebuild_dir_fsync",
             SyncSite::UndoDirFsync => "undo.dir_fsync",
+            SyncSite::RecycleDirFsync => "recycle.dir_fsync",
         }
     }
 
@@ -112,6 +119,7 @@ impl SyncSite {
                 | SyncSite::ShardDirFsync
                 | SyncSite::MarkerRemoveDirFsync
                 | SyncSite::CloseRemovalsFsync
+                | SyncSite::RecycleDirFsync
         )
     }
 }
@@ -155,6 +163,19 @@ pub trait G3Fs: Send + Sync + std::fmt::Debug {
     /// The storage behind `index.redb`: `None` lets redb open the file
     /// itself (production).
     fn index_backend(&self, path: &Path) -> io::Result<Option<super::powerloss::IndexFile>>;
+    /// Opens an existing file for writing in place (`O_WRONLY` plus
+    /// `custom_flags`, no create, no truncate): a recycled block file.
+    fn open_existing(&self, path: &Path, custom_flags: i32) -> io::Result<File> {
+        OpenOptions::new()
+            .write(true)
+            .custom_flags(custom_flags)
+            .open(path)
+    }
+    /// Moves an evicted block file into the recycle pool: a rename that,
+    /// for the block, is a removal (the simulator records it as one).
+    fn retire(&self, from: &Path, to: &Path) -> io::Result<()> {
+        self.rename(from, to)
+    }
     /// Test seam, not a filesystem operation: called by the write path
     /// after it copied the payload bytes of the chunk at `file_off` into
     /// its own buffer and before it hashes them, so that a test can play a

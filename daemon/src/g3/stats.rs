@@ -52,6 +52,12 @@ pub(super) struct Counters {
     pub(super) write_errors: AtomicU64,
     pub(super) renames_undone: AtomicU64,
     pub(super) orphans_replaced: AtomicU64,
+    /// Offloads that overwrote a recycled file (recycle.rs).
+    pub(super) recycled_writes: AtomicU64,
+    /// Evicted files retired into the recycle pool.
+    pub(super) recycle_retired: AtomicU64,
+    /// Pooled files unlinked.
+    pub(super) recycle_dropped: AtomicU64,
     pub(super) seq: AtomicU64,
 }
 
@@ -61,6 +67,7 @@ impl G3Store {
     pub fn recovery_figures(&self) -> Vec<(&'static str, u64)> {
         let st = self.stats();
         let r = self.recovery.lock().map(|r| r.clone()).unwrap_or_default();
+        let rc = self.recycle_counts();
         vec![
             ("index_rebuilt", u64::from(r.index_rebuilt)),
             ("clean_start", u64::from(r.clean_start)),
@@ -74,6 +81,11 @@ impl G3Store {
             ("quarantine_trimmed", st.quarantine_trimmed),
             ("renames_undone", st.renames_undone),
             ("orphans_replaced", st.orphans_replaced),
+            ("recycled_writes", rc.recycled_writes),
+            ("recycle_retired", rc.retired),
+            ("recycle_dropped", rc.dropped),
+            ("recycle_pool_bytes", rc.bytes),
+            ("recycle_pool_files", rc.files),
         ]
     }
 

@@ -4,6 +4,7 @@
 //! blocks to the in-memory index, the policy and the event stream, in
 //! input order. Also the write gate's two refusals: closed and poisoned.
 
+use super::durable::Placed;
 use super::group;
 use super::index::{digest, Entry, Record, FLAG_EPHEMERAL, PIN_FOREVER};
 use super::{lock_err, now_s, G3Event, G3Store};
@@ -50,6 +51,8 @@ struct BatchJob {
     at: usize,
     id: u64,
     check: u64,
+    /// A recycled file taken for it (recycle.rs); `None`: a fresh file.
+    spare: std::sync::Mutex<Option<PathBuf>>,
 }
 
 /// The index record of a freshly written block.
@@ -129,7 +132,7 @@ impl G3Store {
         // 1. In input order: validate, skip present keys and repeats, and
         //    make room for everything this batch will add.
         enum Planned {
-            Write(u64, u64),
+            Write(u64, u64, Option<PathBuf>),
             Present,
             Repeat(usize),
         }
@@ -149,14 +152,27 @@ impl G3Store {
                     return Ok(Planned::Repeat(first));
                 }
                 let file_len = it.header.file_len();
-                self.make_room(reserved_bytes, file_len)?;
+                // A pooled file of this size first: its bytes leave the
+                // pool's share of capacity, so the room is already there.
+                let spare = self.take_spare(file_len);
+                if let Err(e) = self.make_room(reserved_bytes, file_len) {
+                    if let Some(s) = spare {
+                        self.drop_taken_spare(&s);
+                    }
+                    return Err(e);
+                }
                 reserved_bytes += file_len;
-                Ok(Planned::Write(id, check))
+                Ok(Planned::Write(id, check, spare))
             });
             match planned {
-                Ok(Planned::Write(id, check)) => {
+                Ok(Planned::Write(id, check, spare)) => {
                     first_of.insert(id, at);
-                    jobs.push(BatchJob { at, id, check });
+                    jobs.push(BatchJob {
+                        at,
+                        id,
+                        check,
+                        spare: std::sync::Mutex::new(spare),
+                    });
                 }
                 Ok(Planned::Present) => out[at] = Some(Ok(PutOutcome::AlreadyPresent)),
                 Ok(Planned::Repeat(first)) => repeats.push((at, first)),
@@ -175,12 +191,16 @@ impl G3Store {
         let full = AtomicBool::new(false);
         let next = AtomicUsize::new(0);
         let write_some = || {
-            let mut done: Vec<(usize, Result<Option<PathBuf>>)> = Vec::new();
+            let mut done: Vec<(usize, Result<Option<Placed>>)> = Vec::new();
             loop {
                 let k = next.fetch_add(1, Ordering::Relaxed);
                 let Some(job) = jobs.get(k) else { break };
                 let it = &items[job.at];
+                let spare = job.spare.lock().ok().and_then(|mut s| s.take());
                 let r = if full.load(Ordering::Acquire) {
+                    if let Some(s) = &spare {
+                        self.drop_taken_spare(s);
+                    }
                     // Starting more writes on a full filesystem only churns
                     // it; the caller retries after eviction or cleanup.
                     Err(Error::NoSpace {
@@ -188,10 +208,18 @@ impl G3Store {
                         op: "writing (an earlier block of this batch hit a full filesystem)",
                     })
                 } else {
-                    self.check_writable().and_then(|()| {
-                        let sole = sole.get(k).copied().unwrap_or(false);
-                        self.write_durable(ns, it.header, it.payload, job.id, sole)
-                    })
+                    match self.check_writable() {
+                        Ok(()) => {
+                            let sole = sole.get(k).copied().unwrap_or(false);
+                            self.write_durable(ns, it.header, it.payload, job.id, sole, spare)
+                        }
+                        Err(e) => {
+                            if let Some(s) = &spare {
+                                self.drop_taken_spare(s);
+                            }
+                            Err(e)
+                        }
+                    }
                 };
                 if let Err(e) = &r {
                     if matches!(e, Error::NoSpace { .. }) {
@@ -204,7 +232,7 @@ impl G3Store {
             done
         };
         let workers = self.cfg.io_depth.min(jobs.len());
-        let mut written: Vec<(usize, Result<Option<PathBuf>>)> = if workers <= 1 {
+        let mut written: Vec<(usize, Result<Option<Placed>>)> = if workers <= 1 {
             write_some()
         } else {
             std::thread::scope(|sc| {
@@ -238,7 +266,15 @@ impl G3Store {
             let Some(job) = jobs.get(k) else { continue };
             let it = &items[job.at];
             match r {
-                Ok(Some(dir)) => {
+                Ok(Some(placed)) => {
+                    let dir = if placed.recycled {
+                        // Made durable by the next settle or at close (or
+                        // put back from recycle/ after a power cut): not
+                        // before the ack (noted by write_durable).
+                        None
+                    } else {
+                        Some(placed.dir)
+                    };
                     pending.push(group::Pending {
                         dir,
                         id: job.id,

@@ -354,7 +354,7 @@ impl Backend for Node {
         }
         // Removes the local copy only: G4 (shared by every node) keeps its
         // own, so an evicted block can still onboard from there.
-        Ok(if self.g3.delete_block(ns, key)? {
+        Ok(if self.g3.evict_block(ns, key)? {
             self.evicted_by_request
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             EvictOutcome::Evicted

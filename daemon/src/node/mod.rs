@@ -349,10 +349,12 @@ impl Node {
             return out;
         }
         let need: u64 = failed.iter().map(|&i| items[i].header.file_len()).sum();
+        // Pooled files (g3/recycle.rs) first: they hold disk space too.
+        self.g3.release_recycled();
         let used = self.g3.stats().used_bytes;
         let evicted = self
             .g3
-            .evict_to(used.saturating_sub(need.saturating_mul(2)));
+            .evict_to(used.saturating_sub(need.saturating_mul(2)), false);
         self.enospc_evictions.fetch_add(evicted, Ordering::Relaxed);
         tracing::warn!(
             failed = failed.len(),

@@ -81,6 +81,23 @@ impl G3Fs for SkipFs {
         }
         RealFs.remove_file(path, why)
     }
+    fn open_existing(&self, path: &Path, mut flags: i32) -> io::Result<std::fs::File> {
+        // A recycled block file (g3/recycle.rs): the same mutation as a
+        // fresh one's create.
+        if self.skip == Some(SyncSite::BlockODsync) {
+            flags &= !libc::O_DSYNC;
+        }
+        RealFs.open_existing(path, flags)
+    }
+    fn retire(&self, from: &Path, to: &Path) -> io::Result<()> {
+        // An eviction into the recycle pool: for the block, a removal
+        // like an unlink's, which excuses its absence after a cut
+        // (without this the harness counted a recycled eviction as an
+        // acknowledged block lost: seed 61535, large-batch-evict).
+        let op = self.fault.counters().ops;
+        self.removed.lock().unwrap().push((op, from.to_path_buf()));
+        RealFs.retire(from, to)
+    }
     fn create_dir(&self, path: &Path) -> io::Result<()> {
         RealFs.create_dir(path)
     }
