@@ -14,6 +14,8 @@
 //! another use, and ordering by it is ordering by `last + mean * ln(p)`.
 //! Nothing is fitted to a trace: the probabilities and the mean age are
 //! measured, and with one class (or equal probabilities) the order is LRU.
+//! The mean age is the class's own (shrunk towards the pooled mean, not
+//! below it): a class reused late decays slower than the pooled mean says.
 //!
 //! - **Classes** (all observable through the policy trait): hits so far
 //!   (0, 1, 2-3, 4-7, 8+); the chain's *generation* (how many times the
