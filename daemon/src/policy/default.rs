@@ -86,6 +86,12 @@ const PRIOR_REUSES: f64 = 0.5;
 const PRIOR_STAGES: f64 = 1.0;
 /// Weight of the pooled mean reuse age in a class's own mean (in reuses).
 const CLASS_AGE_PRIOR_REUSES: f64 = 2.0;
+/// The value threshold of the key, in lifetimes of decay at the pooled
+/// reuse age (see `Learner::recompute`). Chosen on the tune seeds as the
+/// largest value whose double still keeps the default at or above LRU on
+/// every tune trace (0.5; 1 gains more there but 2 falls 0.007 below LRU
+/// on rag).
+const EXPIRY_LIFETIMES: f64 = 0.5;
 /// Floor of a class probability inside the logarithm (bounds the shift).
 const P_FLOOR: f64 = 1e-4;
 
@@ -192,11 +198,22 @@ impl Learner {
             // The class's own mean reuse age (a class reused late decays
             // slower than the pooled mean says), shrunk towards the pooled
             // mean by a prior of CLASS_AGE_PRIOR_REUSES reuses at it, and
-            // not below it (measured the same on the tune seeds without
-            // the floor; with it no class is shifted less than before).
-            let own = (self.class_age_sum[c] + mean_age * CLASS_AGE_PRIOR_REUSES)
-                / (self.reuses[c] + CLASS_AGE_PRIOR_REUSES);
-            self.shift[c] = (p / p_max).ln() * own.max(mean_age) * scale;
+            // not below it: the expiry term below then never shortens a
+            // class's stay, it only lengthens that of classes reused late.
+            let own = ((self.class_age_sum[c] + mean_age * CLASS_AGE_PRIOR_REUSES)
+                / (self.reuses[c] + CLASS_AGE_PRIOR_REUSES))
+                .max(mean_age);
+            // The key is the time at which the block's value
+            // `p * exp(-age / own)` falls to a threshold `theta`:
+            // `last + own * ln(p / theta)`. With one time scale for all
+            // classes `theta` only adds a constant; with a class's own
+            // scale it does not, and a class reused late keeps its value
+            // longer. `ln(p_max / theta)` is set to EXPIRY_LIFETIMES
+            // lifetimes at the pooled scale, and the constant part (the
+            // same for every class) is dropped.
+            let expiry = EXPIRY_LIFETIMES * lifetime / mean_age.max(1.0);
+            self.shift[c] = ((p / p_max).ln() + expiry) * own - expiry * mean_age;
+            self.shift[c] *= scale;
         }
     }
 
