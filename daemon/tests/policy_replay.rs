@@ -247,11 +247,11 @@ fn default_beats_lru_on_mooncake_trace() {
             "mooncake {f}: lru {lru:.4} default {def:.4} (+{:.4})",
             def - lru
         );
-        // Issue #19's floor: never below LRU by more than 0.003 (measured
-        // -0.0002 at 25% since the per-class reuse ages).
+        // Issue #19's floor: never below LRU by more than 0.003 (a step of
+        // this session measured -0.0002 at 25%; now +0.0005).
         assert!(def >= lru - 0.003, "at {f}: default {def} < lru {lru}");
-        // Issue targets: +0.02 at 5% and at 10% (measured +0.0274 and
-        // +0.0210, docs/BENCHMARKS.md).
+        // Issue targets: +0.02 at 5% and at 10% (measured +0.0249 and
+        // +0.0203, docs/BENCHMARKS.md).
         if f == 0.05 || f == 0.1 {
             assert!(
                 def >= lru + 0.02,
