@@ -180,6 +180,7 @@ fn one_shot_flood_does_not_evict_hot_prefix() {
                 input_length: 0,
                 output_length: 0,
                 hash_ids,
+                hints: None,
             })
             .collect(),
     };

@@ -14,6 +14,8 @@
 //! another use, and ordering by it is ordering by `last + mean * ln(p)`.
 //! Nothing is fitted to a trace: the probabilities and the mean age are
 //! measured, and with one class (or equal probabilities) the order is LRU.
+//! The mean age is the class's own (shrunk towards the pooled mean, not
+//! below it): a class reused late decays slower than the pooled mean says.
 //!
 //! - **Classes** (all observable through the policy trait): hits so far
 //!   (0, 1, 2-3, 4-7, 8+); the chain's *generation* (how many times the
@@ -82,6 +84,14 @@ const DECAY: f64 = 0.99;
 /// Prior of every class: half a reuse in one stage (p = 0.5, no opinion).
 const PRIOR_REUSES: f64 = 0.5;
 const PRIOR_STAGES: f64 = 1.0;
+/// Weight of the pooled mean reuse age in a class's own mean (in reuses).
+const CLASS_AGE_PRIOR_REUSES: f64 = 2.0;
+/// The value threshold of the key, in lifetimes of decay at the pooled
+/// reuse age (see `Learner::recompute`). Chosen on the tune seeds as the
+/// largest value whose double still keeps the default at or above LRU on
+/// every tune trace (0.5; 1 gains more there but 2 falls 0.007 below LRU
+/// on rag).
+const EXPIRY_LIFETIMES: f64 = 0.5;
 /// Floor of a class probability inside the logarithm (bounds the shift).
 const P_FLOOR: f64 = 1e-4;
 
@@ -144,6 +154,9 @@ struct Learner {
     reuses: Vec<f64>,
     reuse_age_sum: f64,
     reuse_count: f64,
+    /// Sum of reuse ages per class (decayed with the counts): a class's
+    /// own time scale.
+    class_age_sum: Vec<f64>,
     /// `ln(p / p_max) * mean reuse age`, per class (<= 0).
     shift: Vec<f64>,
 }
@@ -155,12 +168,14 @@ impl Learner {
             reuses: vec![0.0; CLASSES],
             reuse_age_sum: 0.0,
             reuse_count: 0.0,
+            class_age_sum: vec![0.0; CLASSES],
             shift: vec![0.0; CLASSES],
         }
     }
 
     fn reuse(&mut self, class: u8, age: u64) {
         self.reuses[usize::from(class)] += 1.0;
+        self.class_age_sum[usize::from(class)] += age as f64;
         self.reuse_age_sum += age as f64;
         self.reuse_count += 1.0;
     }
@@ -180,12 +195,35 @@ impl Learner {
             .fold(P_FLOOR, f64::max);
         for c in 0..CLASSES {
             let p = self.probability(c).max(P_FLOOR);
-            self.shift[c] = (p / p_max).ln() * mean_age * scale;
+            // The class's own mean reuse age (a class reused late decays
+            // slower than the pooled mean says), shrunk towards the pooled
+            // mean by a prior of CLASS_AGE_PRIOR_REUSES reuses at it, and
+            // not below it: the expiry term below then never shortens a
+            // class's stay, it only lengthens that of classes reused late.
+            let own = ((self.class_age_sum[c] + mean_age * CLASS_AGE_PRIOR_REUSES)
+                / (self.reuses[c] + CLASS_AGE_PRIOR_REUSES))
+                .max(mean_age);
+            // The key is the time at which the block's value
+            // `p * exp(-age / own)` falls to a threshold `theta`:
+            // `last + own * ln(p / theta)`. With one time scale for all
+            // classes `theta` only adds a constant; with a class's own
+            // scale it does not, and a class reused late keeps its value
+            // longer. `ln(p_max / theta)` is set to EXPIRY_LIFETIMES
+            // lifetimes at the pooled scale, and the constant part (the
+            // same for every class) is dropped.
+            let expiry = EXPIRY_LIFETIMES * lifetime / mean_age.max(1.0);
+            self.shift[c] = ((p / p_max).ln() + expiry) * own - expiry * mean_age;
+            self.shift[c] *= scale;
         }
     }
 
     fn decay(&mut self) {
-        for v in self.stages.iter_mut().chain(self.reuses.iter_mut()) {
+        for v in self
+            .stages
+            .iter_mut()
+            .chain(self.reuses.iter_mut())
+            .chain(self.class_age_sum.iter_mut())
+        {
             *v *= DECAY;
         }
         self.reuse_age_sum *= DECAY;

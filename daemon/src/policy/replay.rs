@@ -11,7 +11,7 @@
 
 use super::admission::{AdmissionEvent, G4Admission};
 use super::belady::{Belady, ReplayClock};
-use super::trace::{ratio, Trace};
+use super::trace::{ratio, RequestHints, Trace};
 use super::{BlockMeta, DefaultPolicy, EvictionPolicy, Lru};
 use crate::error::{Error, Result};
 use kvtier_client::Hints;
@@ -28,6 +28,17 @@ pub trait ReplayTarget {
     /// Stores the blocks `ids[from..]` not yet cached; the parent of
     /// `ids[i]` is `ids[i - 1]`.
     fn store(&mut self, ids: &[u64], from: usize) -> Result<()>;
+    /// [`ReplayTarget::store`] with the engine hints of the request, if
+    /// the trace has them; a target that cannot pass them on ignores them.
+    fn store_with_hints(
+        &mut self,
+        ids: &[u64],
+        from: usize,
+        hints: Option<RequestHints>,
+    ) -> Result<()> {
+        let _ = hints;
+        self.store(ids, from)
+    }
     /// Blocks held now.
     fn len_blocks(&self) -> u64;
     /// Called before request `index` is replayed (offline policies need it).
@@ -177,7 +188,7 @@ impl PolicyTarget {
         true
     }
 
-    fn insert(&mut self, id: u64, parent: Option<u64>) {
+    fn insert(&mut self, id: u64, parent: Option<u64>, hints: Hints) {
         if self.cached.contains(&id) || self.capacity_blocks == 0 || !self.make_room(1) {
             return;
         }
@@ -186,6 +197,7 @@ impl PolicyTarget {
             id,
             BlockMeta {
                 parent,
+                hints,
                 ..BlockMeta::default()
             },
         );
@@ -211,7 +223,7 @@ impl ReplayTarget for PolicyTarget {
                 if let Some(g4) = self.g4.as_mut() {
                     g4.hit_blocks += 1;
                 }
-                self.insert(id, i.checked_sub(1).map(|p| ids[p]));
+                self.insert(id, i.checked_sub(1).map(|p| ids[p]), Hints::default());
             } else {
                 break;
             }
@@ -220,6 +232,14 @@ impl ReplayTarget for PolicyTarget {
         Ok(n)
     }
     fn store(&mut self, ids: &[u64], from: usize) -> Result<()> {
+        self.store_with_hints(ids, from, None)
+    }
+    fn store_with_hints(
+        &mut self,
+        ids: &[u64],
+        from: usize,
+        hints: Option<RequestHints>,
+    ) -> Result<()> {
         // kvtierd stores one request's new blocks as one batch: room for
         // all of them first, then the inserts in order (`put_blocks`). So
         // does the replay, so that its hits are the daemon's. A batch that
@@ -239,7 +259,8 @@ impl ReplayTarget for PolicyTarget {
             if self.cached.contains(&id) {
                 continue;
             }
-            self.insert(id, i.checked_sub(1).map(|p| ids[p]));
+            let h = hints.map_or_else(Hints::default, |h| h.for_block(i, ids.len()));
+            self.insert(id, i.checked_sub(1).map(|p| ids[p]), h);
             if self.cached.contains(&id) {
                 self.admit(id, AdmissionEvent::Stored);
             }
@@ -301,7 +322,7 @@ pub fn replay_range(
         let g4_before = target.g4_hit_blocks();
         let hit = target.lookup(ids)?;
         let g4_hit = target.g4_hit_blocks() - g4_before;
-        target.store(ids, hit)?;
+        target.store_with_hints(ids, hit, r.hints)?;
         s.requested_blocks += ids.len() as u64;
         s.hit_blocks += hit as u64;
         s.hits_per_request

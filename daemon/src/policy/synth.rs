@@ -12,7 +12,7 @@
 //! per (parent id, content), so equal ids mean equal prefixes exactly as
 //! in a real engine's chained block hashes.
 
-use super::trace::{Request, Trace};
+use super::trace::{Request, RequestHints, Trace};
 use std::collections::{BTreeMap, HashMap};
 
 /// Seeds a policy may be tuned on.
@@ -187,14 +187,38 @@ struct Builder {
 
 impl Builder {
     fn push(&mut self, time_ms: u64, contents: &[Content], output_tokens: u64) {
+        self.push_hinted(time_ms, contents, output_tokens, None);
+    }
+
+    /// A request with the hints an engine would set on it.
+    fn push_hinted(
+        &mut self,
+        time_ms: u64,
+        contents: &[Content],
+        output_tokens: u64,
+        hints: Option<RequestHints>,
+    ) {
         let hash_ids = self.interner.chain(contents);
         self.out.push(Request {
             timestamp: time_ms,
             input_length: hash_ids.len() as u64 * BLOCK_TOKENS,
             output_length: output_tokens,
             hash_ids,
+            hints,
         });
     }
+}
+
+/// The engine knows these blocks are ephemeral: a partial last block (an
+/// engine knows a block is not full), reasoning it drops from the next
+/// prompt, a batch job's one-shot documents. Nothing else is hinted: what
+/// only the generator knows (whether a session continues, a document's
+/// future popularity) is not.
+fn ephemeral_tail(blocks: usize) -> Option<RequestHints> {
+    Some(RequestHints {
+        ephemeral_tail_blocks: blocks as u32,
+        ..RequestHints::default()
+    })
 }
 
 /// An event queue of continuations: due time -> states.
@@ -260,7 +284,7 @@ pub fn chat(seed: u64, requests: usize) -> Trace {
             let mut req = conv.clone();
             // The partial last block: the next turn re-tokenises it.
             req.extend(uniq.take(1));
-            b.push(now, &req, rng.range(50, 600));
+            b.push_hinted(now, &req, rng.range(50, 600), ephemeral_tail(1));
             // The answer becomes part of the next turn's prompt.
             conv.extend(uniq.take(rng.range(0, 2)));
             let survive = 0.85 - 0.45 / (1.0 + f64::from(turns));
@@ -306,7 +330,12 @@ pub fn agent(seed: u64, requests: usize) -> Trace {
             // Reasoning: written once, dropped from the next step's prompt.
             let reasoning = uniq.take(rng.range(0, 3));
             req.extend(&reasoning);
-            b.push(now, &req, rng.range(100, 2000));
+            b.push_hinted(
+                now,
+                &req,
+                rng.range(100, 2000),
+                ephemeral_tail(reasoning.len()),
+            );
             if !sub && rng.chance(0.15) {
                 // A sub-agent: its own long prompt, a task from the parent;
                 // it runs to completion on its own schedule.
@@ -403,13 +432,15 @@ pub fn batch_scan(seed: u64, requests: usize) -> Trace {
         } else {
             // A scan job: one-shot long documents behind one instruction.
             let mut c = instruction.clone();
-            c.extend(uniq.take(rng.range(8, 60)));
+            let docs = uniq.take(rng.range(8, 60));
+            c.extend(&docs);
             let hash_ids: Vec<u64> = scans.chain(&c).into_iter().map(|id| id + offset).collect();
             out.push(Request {
                 timestamp: now,
                 input_length: hash_ids.len() as u64 * BLOCK_TOKENS,
                 output_length: rng.range(20, 200),
                 hash_ids,
+                hints: ephemeral_tail(docs.len()),
             });
         }
     }

@@ -13,8 +13,37 @@ use std::path::Path;
 /// prompt (1M tokens of 16-token blocks is ~1.2 MB of ids).
 pub const LINE_BYTES_MAX: usize = 16 << 20;
 
+/// What an engine can tell about a request's blocks (optional in a trace:
+/// Mooncake's traces have none). The replay hands them to the policy with
+/// each stored block, as kvtierd does with the hints of a `put`.
+#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
+#[serde(default)]
+pub struct RequestHints {
+    /// The last this many blocks of the request are ephemeral (reasoning
+    /// tokens dropped from the next prompt, a partial last block the next
+    /// turn re-tokenises, a one-shot batch document).
+    pub ephemeral_tail_blocks: u32,
+    /// Priority of the request's stored blocks (0 = normal).
+    pub priority: u8,
+    /// Expected reuses of the request's stored blocks (0 = unknown).
+    pub expected_reuse: u16,
+}
+
+impl RequestHints {
+    /// The hints of block `index` of a request of `len` blocks.
+    pub fn for_block(&self, index: usize, len: usize) -> kvtier_client::Hints {
+        let tail = (self.ephemeral_tail_blocks as usize).min(len);
+        kvtier_client::Hints {
+            priority: self.priority,
+            pinned: false,
+            ephemeral: index >= len - tail,
+            expected_reuse: self.expected_reuse,
+        }
+    }
+}
+
 /// One request of a trace.
-#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, Deserialize, PartialEq, Eq)]
 pub struct Request {
     /// Arrival time in milliseconds.
     #[serde(default)]
@@ -27,6 +56,9 @@ pub struct Request {
     pub output_length: u64,
     /// The prompt's block chain, root first.
     pub hash_ids: Vec<u64>,
+    /// Engine hints for the request's blocks, if the trace carries them.
+    #[serde(default)]
+    pub hints: Option<RequestHints>,
 }
 
 /// A whole trace in memory.
@@ -68,6 +100,21 @@ impl Trace {
         let text =
             std::fs::read_to_string(path).map_err(|e| Error::io("reading trace", path, e))?;
         Self::parse(&text)
+    }
+
+    /// Whether any request carries engine hints.
+    pub fn has_hints(&self) -> bool {
+        self.requests.iter().any(|r| r.hints.is_some())
+    }
+
+    /// The same trace with every engine hint removed (what a policy sees
+    /// from an engine that sets none).
+    pub fn without_hints(&self) -> Self {
+        let mut t = self.clone();
+        for r in &mut t.requests {
+            r.hints = None;
+        }
+        t
     }
 
     /// Number of distinct block ids.
@@ -127,5 +174,20 @@ mod tests {
         assert_eq!(t.requested_blocks(), 5);
         assert!((t.ceiling_hit_ratio() - 0.4).abs() < 1e-12);
         assert!(Trace::parse("{\"hash_ids\": \"x\"}").is_err());
+        // Engine hints are optional per request; unknown fields of them are
+        // defaults, the tail is clamped to the request's length.
+        let h =
+            Trace::parse("{\"hash_ids\": [1, 2, 3], \"hints\": {\"ephemeral_tail_blocks\": 9}}")
+                .unwrap();
+        let hints = h.requests[0].hints.unwrap();
+        assert!((0..3).all(|i| hints.for_block(i, 3).ephemeral));
+        let h = Trace::parse(
+            "{\"hash_ids\": [1, 2], \"hints\": {\"ephemeral_tail_blocks\": 1, \"priority\": 2}}",
+        )
+        .unwrap();
+        let hints = h.requests[0].hints.unwrap();
+        assert!(!hints.for_block(0, 2).ephemeral && hints.for_block(1, 2).ephemeral);
+        assert_eq!(hints.for_block(0, 2).priority, 2);
+        assert!(t.requests[0].hints.is_none() && !t.has_hints());
     }
 }
