@@ -52,7 +52,7 @@ use kvtier_daemon::g3::G3Store;
 use kvtier_daemon::policy::replay::{
     replay, replay_dry, PolicyKind, ReplayStats, ReplayTarget, TtftModel,
 };
-use kvtier_daemon::policy::trace::Trace;
+use kvtier_daemon::policy::trace::{RequestHints, Trace};
 use serde_json::{json, Map, Value};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -398,6 +398,17 @@ impl ReplayTarget for DaemonTarget<'_> {
     }
 
     fn store(&mut self, ids: &[u64], from: usize) -> kvtier_daemon::error::Result<()> {
+        self.store_with_hints(ids, from, None)
+    }
+
+    /// The trace's engine hints travel with each block's offload, as an
+    /// engine's would, so the daemon's policy sees what the dry run's does.
+    fn store_with_hints(
+        &mut self,
+        ids: &[u64],
+        from: usize,
+        hints: Option<RequestHints>,
+    ) -> kvtier_daemon::error::Result<()> {
         if from >= ids.len() {
             return Ok(());
         }
@@ -415,7 +426,7 @@ impl ReplayTarget for DaemonTarget<'_> {
                     key: key_of(ids[i]),
                     parent: i.checked_sub(1).map(|p| key_of(ids[p])),
                     payload: &self.payloads[i - start],
-                    hints: Hints::default(),
+                    hints: hints.map_or_else(Hints::default, |h| h.for_block(i, ids.len())),
                 })
                 .collect();
             let t = Instant::now();
