@@ -8,8 +8,10 @@ use std::process::Command;
 
 /// A small deterministic Mooncake-style trace: a few shared system prompts,
 /// conversations whose next turn re-reads the previous prompt, one-shot
-/// tails. Ids are dense from 0 as in the Mooncake trace.
-fn synthetic_trace(requests: usize) -> String {
+/// tails. Ids are dense from 0 as in the Mooncake trace. `hinted`: a new
+/// conversation's fresh tail is marked ephemeral, as an engine marks a
+/// partial last block (the trace's optional `hints`).
+fn synthetic_trace(requests: usize, hinted: bool) -> String {
     let mut x: u64 = 0x2545_F491_4F6C_DD1D;
     let mut rnd = |n: u64| {
         x ^= x << 13;
@@ -27,6 +29,7 @@ fn synthetic_trace(requests: usize) -> String {
     let mut convs: Vec<Vec<u64>> = Vec::new();
     let mut out = String::new();
     for t in 0..requests {
+        let mut hints = "";
         let ids = if !convs.is_empty() && rnd(10) < 6 {
             // Next turn of a recent conversation: its prompt plus new blocks.
             let back = (rnd(convs.len().min(12) as u64) as usize).min(convs.len() - 1);
@@ -42,10 +45,13 @@ fn synthetic_trace(requests: usize) -> String {
             let mut ids = systems[rnd(systems.len() as u64) as usize].clone();
             ids.extend(fresh(1 + rnd(4) as usize));
             convs.push(ids.clone());
+            if hinted {
+                hints = r#", "hints": {"ephemeral_tail_blocks": 2}"#;
+            }
             ids
         };
         out.push_str(&format!(
-            "{{\"timestamp\": {t}, \"input_length\": {}, \"output_length\": 10, \"hash_ids\": {ids:?}}}\n",
+            "{{\"timestamp\": {t}, \"input_length\": {}, \"output_length\": 10, \"hash_ids\": {ids:?}{hints}}}\n",
             ids.len() * 512
         ));
     }
@@ -91,7 +97,7 @@ fn check_contract(v: &serde_json::Value, path: &str, siblings: bool) {
 fn real_daemon_replay_matches_the_dry_run_and_verifies_bytes() {
     let dir = tempfile::tempdir().unwrap();
     let trace = dir.path().join("trace.jsonl");
-    std::fs::write(&trace, synthetic_trace(150)).unwrap();
+    std::fs::write(&trace, synthetic_trace(150, false)).unwrap();
 
     let t = std::time::Instant::now();
     let j = replay(&trace, dir.path(), "lru");
@@ -164,4 +170,18 @@ fn real_daemon_replay_matches_the_dry_run_and_verifies_bytes() {
         "default: daemon {} hit blocks, dry run {}",
         d["hit_blocks"], j["hit_blocks"]
     );
+    let plain_dry_hits = j["hit_blocks"].clone();
+
+    // A trace with engine hints: each block's hints travel with its
+    // offload, so the daemon's policy decides as the hinted dry run does.
+    let hinted = dir.path().join("hinted.jsonl");
+    std::fs::write(&hinted, synthetic_trace(150, true)).unwrap();
+    let j = replay(&hinted, dir.path(), "default");
+    let d = &j["daemon"];
+    // The hints change what the policy keeps on this trace (else this
+    // check could not tell hints sent from hints dropped).
+    assert_ne!(j["hit_blocks"], plain_dry_hits, "{j}");
+    assert_eq!(d["hit_blocks"], d["hit_blocks_dry_run_g3_ids"], "{d}");
+    assert_eq!(d["requests_with_other_hits_g3_ids"], 0, "{d}");
+    assert_eq!(d["verified_blocks"], d["hit_blocks"]);
 }
