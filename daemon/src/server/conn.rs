@@ -723,7 +723,7 @@ impl Conn<'_> {
                         self.drop_lease(&mut out[i]);
                         continue;
                     };
-                    let len = u64::from(it.shm_len);
+                    let len = it.shm_len;
                     if ranges.overlaps(it.shm_offset, len) {
                         self.run_reads(&ns, std::mem::take(&mut pending), &mut out, &mut files);
                         ranges.clear();
