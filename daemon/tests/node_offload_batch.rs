@@ -278,26 +278,8 @@ fn an_onboard_request_reads_its_blocks_together_and_misses_stay_in_place() {
         let stored = node.offload(&id, &h, &data[i], None, Hints::default());
         assert_eq!(stored.unwrap(), PutOutcome::Stored);
     }
-    // Damage block 2's file on disk (found by its payload).
-    let mut damaged = 0;
-    let mut stack = vec![dir.path().join("g3")];
-    while let Some(d) = stack.pop() {
-        for e in std::fs::read_dir(&d).unwrap() {
-            let p = e.unwrap().path();
-            if p.is_dir() {
-                stack.push(p);
-            } else if let Ok(mut b) = std::fs::read(&p) {
-                if b.len() >= HEADER_BYTES + data[2].len()
-                    && b[HEADER_BYTES..HEADER_BYTES + data[2].len()] == data[2][..]
-                {
-                    b[HEADER_BYTES + 100] ^= 0x40;
-                    std::fs::write(&p, &b).unwrap();
-                    damaged += 1;
-                }
-            }
-        }
-    }
-    assert_eq!(damaged, 1, "block 2's file not found under g3/");
+    // Damage block 2's payload on disk.
+    damage_file_of(&dir.path().join("g3"), &data[2], HEADER_BYTES + 100);
 
     let gate = Arc::new(Gate {
         node,
@@ -352,4 +334,125 @@ fn an_onboard_request_reads_its_blocks_together_and_misses_stay_in_place() {
         "the request's reads ran one by one ({} at most at once)",
         gate.most_at_once()
     );
+}
+
+/// Damages one byte of the block file whose payload is `payload`, at
+/// `at` from the file's start (the header is the first 4096 bytes).
+fn damage_file_of(root: &std::path::Path, payload: &[u8], at: usize) {
+    let mut damaged = 0;
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                stack.push(p);
+            } else if let Ok(mut b) = std::fs::read(&p) {
+                if b.len() >= HEADER_BYTES + payload.len()
+                    && b[HEADER_BYTES..HEADER_BYTES + payload.len()] == payload[..]
+                {
+                    b[at] ^= 0x40;
+                    std::fs::write(&p, &b).unwrap();
+                    damaged += 1;
+                }
+            }
+        }
+    }
+    assert_eq!(damaged, 1, "the block's file not found under {root:?}");
+}
+
+/// With leases, the reads gathered so far run before an item whose lease
+/// the connection's limit refuses: a failed read gives its lease back
+/// first, as when items were read one by one. 4 direct-fd items, at most
+/// 3 leases per connection, the first block's header damaged (its lease is
+/// taken, its open fails): the other 3 are all served and leased.
+#[test]
+fn a_failed_reads_lease_is_given_back_before_a_later_item_is_refused_for_the_limit() {
+    use kvtier_client::proto::{ItemStatus, OnboardItem, OnboardMode, Request, Response};
+    use std::io::{Read, Write};
+    let dir = tempfile::tempdir().unwrap();
+    let node = Node::open(NodeConfig::new(G3Config::new(
+        dir.path().join("g3"),
+        64 << 20,
+    )))
+    .unwrap();
+    let ns = ns();
+    let id = ns.id();
+    let keys: Vec<BlockKey> = (0..4).map(|i| BlockKey::from_u64(9100 + i)).collect();
+    let data: Vec<Vec<u8>> = (0..4).map(|i| onboard_payload(40 + i)).collect();
+    for i in 0..4 {
+        let h = BlockHeader::for_payload(&ns, keys[i], &data[i], 1);
+        let stored = node.offload(&id, &h, &data[i], None, Hints::default());
+        assert_eq!(stored.unwrap(), PutOutcome::Stored);
+    }
+    damage_file_of(&dir.path().join("g3"), &data[0], 40);
+
+    let sock = dir.path().join("kvtierd.sock");
+    let server = Server::bind(
+        &SocketOptions {
+            path: sock.clone(),
+            mode: 0o600,
+            group: None,
+        },
+        node,
+        Metrics::new().unwrap(),
+        EventBus::new(),
+        ServerLimits {
+            leases_per_conn_max: 3,
+            ..ServerLimits::default()
+        },
+    )
+    .unwrap();
+    let stop = server.shutdown_handle();
+    let serving = std::thread::spawn(move || server.run());
+
+    let mut s = std::os::unix::net::UnixStream::connect(&sock).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    // Passed fds are dropped by a plain read; only the reply matters.
+    let mut call = |req: &Request, id: u32| -> Response {
+        s.write_all(&req.encode(id)).unwrap();
+        let mut len = [0u8; 4];
+        s.read_exact(&mut len).unwrap();
+        let mut b = vec![0u8; u32::from_le_bytes(len) as usize];
+        s.read_exact(&mut b).unwrap();
+        Response::decode(&b, req.op()).unwrap().1
+    };
+    let hello = Request::Hello {
+        shm_bytes: 0,
+        pid: std::process::id(),
+    };
+    assert!(matches!(call(&hello, 1), Response::Hello { .. }));
+    let onboard = Request::Onboard {
+        ns: id,
+        mode: OnboardMode::DirectFd,
+        lease_ttl_ms: 30_000,
+        items: keys
+            .iter()
+            .map(|k| OnboardItem {
+                key: *k,
+                shm_offset: 0,
+                shm_len: 0,
+            })
+            .collect(),
+    };
+    let Response::Onboard { items } = call(&onboard, 2) else {
+        panic!("onboard reply")
+    };
+    stop.trigger();
+    let status: Vec<ItemStatus> = items.iter().map(|r| r.status).collect();
+    assert_eq!(
+        status,
+        vec![
+            ItemStatus::Corrupt,
+            ItemStatus::Ok,
+            ItemStatus::Ok,
+            ItemStatus::Ok
+        ]
+    );
+    assert_eq!(items[0].lease_id, 0, "the failed item keeps no lease");
+    assert!(items[1..].iter().all(|r| r.lease_id != 0));
+    // fd indexes follow the request order of the served items.
+    let fds: Vec<u32> = items[1..].iter().map(|r| r.fd_index).collect();
+    assert_eq!(fds, vec![0, 1, 2]);
+    drop(s);
+    serving.join().unwrap().unwrap();
 }

@@ -706,6 +706,9 @@ impl Conn<'_> {
                 match leased {
                     Ok(l) => out[i].lease_id = l,
                     Err(st) => {
+                        if st == ItemStatus::LimitReached {
+                            self.error("limit");
+                        }
                         out[i].status = st;
                         continue;
                     }
@@ -741,19 +744,19 @@ impl Conn<'_> {
     }
 
     /// Leases one onboard item within the connection's and the uid's
-    /// budgets; the item's status when it cannot be.
+    /// budgets; the item's status when it cannot be. A refusal for the
+    /// limit is not counted here: the caller may retry once after the
+    /// gathered reads gave their failed leases back, and counts the one
+    /// that stands.
     fn lease_item(
         &mut self,
         ns: &NamespaceId,
         key: &BlockKey,
         ttl_ms: u32,
     ) -> std::result::Result<u64, ItemStatus> {
-        if self.leases.len() >= self.sh.limits.leases_per_conn_max {
-            self.error("limit");
-            return Err(ItemStatus::LimitReached);
-        }
-        if !self.sh.quotas.take(self.who.uid, Res::Lease) {
-            self.error("limit");
+        if self.leases.len() >= self.sh.limits.leases_per_conn_max
+            || !self.sh.quotas.take(self.who.uid, Res::Lease)
+        {
             return Err(ItemStatus::LimitReached);
         }
         match self.sh.backend.lease(ns, key, ttl_ms) {
@@ -769,6 +772,11 @@ impl Conn<'_> {
                     .with_label_values(&[reason_name(reason)])
                     .inc();
                 Err(miss_status(reason))
+            }
+            // The store's lease budget: counted by the caller, as above.
+            Err(Error::LimitReached { .. }) => {
+                self.sh.quotas.give(self.who.uid, Res::Lease, 1);
+                Err(ItemStatus::LimitReached)
             }
             Err(e) => {
                 self.sh.quotas.give(self.who.uid, Res::Lease, 1);
