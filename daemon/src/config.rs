@@ -950,7 +950,7 @@ impl Config {
             return Err(bad(
                 "server.onboard_reads_in_flight_max",
                 format!(
-                    "{} is not in 1..={reads_max}",
+                    "{} is not in 1..={reads_max} (1 reads a request's blocks one after another)",
                     s.onboard_reads_in_flight_max
                 ),
             ));
@@ -1122,6 +1122,12 @@ mod tests {
         let c = Config::from_toml("[metrics]\naddr = \"nope\"\n").unwrap();
         let e = c.validate().unwrap_err();
         assert!(e.to_string().contains("metrics.addr"), "{e}");
+        let c = Config::from_toml("[server]\nonboard_reads_in_flight_max = 0\n").unwrap();
+        let e = c.validate().unwrap_err();
+        assert!(
+            e.to_string().contains("server.onboard_reads_in_flight_max"),
+            "{e}"
+        );
     }
 
     #[test]
