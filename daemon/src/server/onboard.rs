@@ -1,5 +1,6 @@
 //! The read step of one onboard request: its blocks are read at once, up
-//! to `onboard_reads_in_flight_max` concurrent [`Backend`] calls, so the
+//! to `onboard_reads_in_flight_max` concurrent [`Backend`] calls (and at
+//! most [`READER_THREADS_MAX`] reader threads daemon-wide), so the
 //! disk sees every block of the request together (each G3 read keeps its
 //! own chunks in flight on a ring of the engine's bounded pool) instead of
 //! one block after another.
@@ -17,7 +18,38 @@ use crate::error::{Error, Result};
 use crate::tier::Lookup;
 use kvtier_client::{BlockHeader, BlockKey, NamespaceId, Tier};
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
+
+/// Reader threads running for onboards at once, all connections together
+/// (each request's connection thread reads too and is not counted). The
+/// disk sees at most the G3 ring pool (`io_depth`) anyway; this keeps many
+/// connections from starting `onboard_reads_in_flight_max` threads each.
+pub(super) const READER_THREADS_MAX: usize = 64;
+
+static READERS: AtomicUsize = AtomicUsize::new(0);
+
+/// Reader threads taken from the shared budget, given back on drop (a
+/// panicking read included).
+struct Reserved(usize);
+
+impl Reserved {
+    /// Up to `want` threads, as many as the budget has left.
+    fn take(want: usize) -> Reserved {
+        let mut got = 0;
+        let _ = READERS.fetch_update(Ordering::AcqRel, Ordering::Acquire, |now| {
+            got = want.min(READER_THREADS_MAX.saturating_sub(now));
+            Some(now + got)
+        });
+        Reserved(got)
+    }
+}
+
+impl Drop for Reserved {
+    fn drop(&mut self) {
+        READERS.fetch_sub(self.0, Ordering::AcqRel);
+    }
+}
 
 /// One block to read.
 pub(super) enum ReadJob<'a> {
@@ -66,8 +98,9 @@ pub(super) fn read_all(
     in_flight_max: usize,
 ) -> Vec<Got> {
     let n = jobs.len();
-    let workers = in_flight_max.min(n);
-    if workers <= 1 {
+    let reserved = Reserved::take(in_flight_max.min(n).saturating_sub(1));
+    let extra = reserved.0;
+    if extra == 0 {
         return jobs.into_iter().map(|j| read_one(b, ns, j)).collect();
     }
     let queue = Mutex::new(jobs.into_iter().enumerate());
@@ -83,7 +116,7 @@ pub(super) fn read_all(
     std::thread::scope(|sc| {
         // A thread that cannot start leaves its share to the others (this
         // one always runs).
-        let hs: Vec<_> = (1..workers)
+        let hs: Vec<_> = (0..extra)
             .filter_map(|_| {
                 std::thread::Builder::new()
                     .name("onboard-reader".into())
@@ -104,6 +137,7 @@ pub(super) fn read_all(
             }
         }
     });
+    drop(reserved);
     // A job a panicked thread took has no outcome: an error for that item.
     slots
         .into_iter()
@@ -154,6 +188,21 @@ impl Ranges {
 #[cfg(test)]
 mod tests {
     use super::Ranges;
+
+    #[test]
+    fn the_reader_budget_is_shared_and_given_back() {
+        use super::{Reserved, READER_THREADS_MAX};
+        // Nothing else in this (unit test) binary onboards through a
+        // server, so the budget is this test's alone.
+        let a = Reserved::take(READER_THREADS_MAX - 2);
+        assert_eq!(a.0, READER_THREADS_MAX - 2);
+        let b = Reserved::take(16);
+        assert_eq!(b.0, 2, "only what is left");
+        assert_eq!(Reserved::take(1).0, 0, "none past the budget");
+        drop(a);
+        let c = Reserved::take(16);
+        assert_eq!(c.0, 16, "a dropped reservation was given back");
+    }
 
     #[test]
     fn ranges_find_every_overlap_and_only_those() {
