@@ -34,6 +34,9 @@ region_bytes_max = "4GiB"
 # Leases one connection may hold, and the longest lease.
 leases_per_conn_max = 4096
 lease_ttl_max_ms = 30000
+# Block reads one onboard request runs at once (the disk sees a request's
+# blocks together; the G3 ring pool, io_depth, bounds what reaches it).
+onboard_reads_in_flight_max = 16
 # Pins held at once, and the longest pin.
 pins_max = 65536
 pin_ttl_max_ms = 3600000
@@ -291,6 +294,8 @@ pub struct ServerSection {
     pub region_bytes_max: u64,
     /// Leases per connection.
     pub leases_per_conn_max: usize,
+    /// Block reads one onboard request runs at once.
+    pub onboard_reads_in_flight_max: usize,
     /// Longest lease.
     pub lease_ttl_max_ms: u32,
     /// Pins at once.
@@ -679,6 +684,7 @@ impl Default for ServerSection {
             io_timeout_ms: 5_000,
             region_bytes_max: 4 << 30,
             leases_per_conn_max: 4096,
+            onboard_reads_in_flight_max: crate::server::ONBOARD_READS_IN_FLIGHT_DEFAULT,
             lease_ttl_max_ms: 30_000,
             pins_max: 65536,
             pin_ttl_max_ms: 3_600_000,
@@ -949,6 +955,16 @@ impl Config {
                 "lease bounds must be positive",
             ));
         }
+        let reads_max = crate::server::ONBOARD_READS_IN_FLIGHT_MAX;
+        if s.onboard_reads_in_flight_max == 0 || s.onboard_reads_in_flight_max > reads_max {
+            return Err(bad(
+                "server.onboard_reads_in_flight_max",
+                format!(
+                    "{} is not in 1..={reads_max} (1 reads a request's blocks one after another)",
+                    s.onboard_reads_in_flight_max
+                ),
+            ));
+        }
         if s.pins_max == 0 || s.pin_ttl_max_ms == 0 {
             return Err(bad("server.pins_max", "pin bounds must be positive"));
         }
@@ -1116,6 +1132,12 @@ mod tests {
         let c = Config::from_toml("[metrics]\naddr = \"nope\"\n").unwrap();
         let e = c.validate().unwrap_err();
         assert!(e.to_string().contains("metrics.addr"), "{e}");
+        let c = Config::from_toml("[server]\nonboard_reads_in_flight_max = 0\n").unwrap();
+        let e = c.validate().unwrap_err();
+        assert!(
+            e.to_string().contains("server.onboard_reads_in_flight_max"),
+            "{e}"
+        );
     }
 
     #[test]

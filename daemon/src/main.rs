@@ -214,6 +214,7 @@ fn run() -> Result<()> {
             io_timeout_ms: cfg.server.io_timeout_ms,
             region_bytes_max: cfg.server.region_bytes_max,
             leases_per_conn_max: cfg.server.leases_per_conn_max,
+            onboard_reads_in_flight_max: cfg.server.onboard_reads_in_flight_max,
             drain_timeout_ms: 10_000,
             lease_ttl_max_ms: cfg.server.lease_ttl_max_ms,
         },

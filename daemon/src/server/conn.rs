@@ -1,6 +1,7 @@
 //! One client connection: handshake, then request/reply until the client
 //! leaves, errs, idles out, or subscribes (then it is an event stream).
 
+use super::onboard::{read_all, Ranges, ReadJob};
 use super::quota::Res;
 use super::{OffloadBlock, PrefetchCaller, Shared};
 use crate::access::Grant;
@@ -660,7 +661,6 @@ impl Conn<'_> {
         items: Vec<proto::OnboardItem>,
     ) -> (Response, Vec<std::fs::File>) {
         let b = self.sh.backend.clone();
-        let m = self.sh.metrics.clone();
         if mode == OnboardMode::Shm && self.region.is_none() {
             return (
                 Response::Error {
@@ -670,90 +670,155 @@ impl Conn<'_> {
                 Vec::new(),
             );
         }
-        let mut files = Vec::new();
-        let mut out = Vec::with_capacity(items.len());
         let keys: Vec<BlockKey> = items.iter().map(|it| it.key).collect();
         let known = b.prepare_onboard(&ns, &keys);
-        for (i, it) in items.into_iter().enumerate() {
-            let mut r = OnboardResult {
-                status: ItemStatus::Absent,
-                tier: Tier::G3,
-                lease_id: 0,
-                payload_len: 0,
-                payload_blake3: [0; 32],
-                fd_index: u32::MAX,
-                file_offset: 0,
-            };
+        let region = self.region.take();
+        let mut files = Vec::new();
+        let mut out: Vec<OnboardResult> = Vec::with_capacity(items.len());
+        // Items are checked and leased in order; their reads are gathered
+        // and run together (onboard.rs). The gathered reads run first
+        // whenever an item would see their outcome: its lease is refused
+        // for the limit (a failed read gives its lease back, as it did
+        // when items were read one by one), or its destination overlaps
+        // one of theirs.
+        let mut pending: Vec<(usize, ReadJob<'_>)> = Vec::new();
+        let mut ranges = Ranges::default();
+        for (i, it) in items.iter().enumerate() {
+            out.push(empty_result());
             if let Some(reason) = known.get(i).copied().flatten() {
-                m.misses.with_label_values(&[reason_name(reason)]).inc();
-                r.status = miss_status(reason);
-                out.push(r);
+                self.sh
+                    .metrics
+                    .misses
+                    .with_label_values(&[reason_name(reason)])
+                    .inc();
+                out[i].status = miss_status(reason);
                 continue;
             }
             // Lease first so the block cannot go away between the read and
             // the client's use of it.
             if lease_ttl_ms > 0 {
-                if self.leases.len() >= self.sh.limits.leases_per_conn_max {
-                    self.error("limit");
-                    r.status = ItemStatus::LimitReached;
-                    out.push(r);
-                    continue;
+                let mut leased = self.lease_item(&ns, &it.key, lease_ttl_ms);
+                if matches!(leased, Err(ItemStatus::LimitReached)) && !pending.is_empty() {
+                    self.run_reads(&ns, std::mem::take(&mut pending), &mut out, &mut files);
+                    ranges.clear();
+                    leased = self.lease_item(&ns, &it.key, lease_ttl_ms);
                 }
-                if !self.sh.quotas.take(self.who.uid, Res::Lease) {
-                    self.error("limit");
-                    r.status = ItemStatus::LimitReached;
-                    out.push(r);
-                    continue;
-                }
-                match b.lease(&ns, &it.key, lease_ttl_ms) {
-                    Ok(Lookup::Hit(l)) => {
-                        r.lease_id = l;
-                        self.leases.push(l);
-                    }
-                    Ok(Lookup::Miss(reason)) => {
-                        self.sh.quotas.give(self.who.uid, Res::Lease, 1);
-                        m.misses.with_label_values(&[reason_name(reason)]).inc();
-                        r.status = miss_status(reason);
-                        out.push(r);
-                        continue;
-                    }
-                    Err(e) => {
-                        self.sh.quotas.give(self.who.uid, Res::Lease, 1);
-                        r.status = self.status_of(&e);
-                        out.push(r);
+                match leased {
+                    Ok(l) => out[i].lease_id = l,
+                    Err(st) => {
+                        if st == ItemStatus::LimitReached {
+                            self.error("limit");
+                        }
+                        out[i].status = st;
                         continue;
                     }
                 }
             }
-            let got = match mode {
+            let job = match mode {
                 OnboardMode::Shm => {
-                    let Some(dst) = self
-                        .region
+                    let dst = region
                         .as_ref()
                         .filter(|reg| reg.populated(it.shm_offset, it.shm_len as usize))
-                        .and_then(|reg| reg.slice_mut(it.shm_offset, it.shm_len as usize))
-                    else {
+                        .and_then(|reg| reg.slice_mut(it.shm_offset, it.shm_len as usize));
+                    let Some(dst) = dst else {
                         self.error("invalid");
-                        r.status = ItemStatus::Invalid;
-                        out.push(r);
+                        out[i].status = ItemStatus::Invalid;
+                        self.drop_lease(&mut out[i]);
                         continue;
                     };
-                    b.read_into(&ns, &it.key, dst).map(|l| match l {
-                        Lookup::Hit((h, t)) => Lookup::Hit((h, t, 0u64)),
-                        Lookup::Miss(x) => Lookup::Miss(x),
-                    })
-                }
-                OnboardMode::DirectFd => b.open_for_read(&ns, &it.key).map(|l| match l {
-                    Lookup::Hit(rf) => {
-                        r.fd_index = files.len() as u32;
-                        files.push(rf.file);
-                        Lookup::Hit((rf.header, rf.tier, rf.offset))
+                    let len = it.shm_len;
+                    if ranges.overlaps(it.shm_offset, len) {
+                        self.run_reads(&ns, std::mem::take(&mut pending), &mut out, &mut files);
+                        ranges.clear();
                     }
-                    Lookup::Miss(x) => Lookup::Miss(x),
-                }),
+                    ranges.add(it.shm_offset, len);
+                    ReadJob::Shm { key: it.key, dst }
+                }
+                OnboardMode::DirectFd => ReadJob::Fd { key: it.key },
             };
-            match got {
-                Ok(Lookup::Hit((h, tier, off))) => {
+            pending.push((i, job));
+        }
+        self.run_reads(&ns, pending, &mut out, &mut files);
+        self.region = region;
+        (Response::Onboard { items: out }, files)
+    }
+
+    /// Leases one onboard item within the connection's and the uid's
+    /// budgets; the item's status when it cannot be. A refusal for the
+    /// limit is not counted here: the caller may retry once after the
+    /// gathered reads gave their failed leases back, and counts the one
+    /// that stands.
+    fn lease_item(
+        &mut self,
+        ns: &NamespaceId,
+        key: &BlockKey,
+        ttl_ms: u32,
+    ) -> std::result::Result<u64, ItemStatus> {
+        if self.leases.len() >= self.sh.limits.leases_per_conn_max
+            || !self.sh.quotas.take(self.who.uid, Res::Lease)
+        {
+            return Err(ItemStatus::LimitReached);
+        }
+        match self.sh.backend.lease(ns, key, ttl_ms) {
+            Ok(Lookup::Hit(l)) => {
+                self.leases.push(l);
+                Ok(l)
+            }
+            Ok(Lookup::Miss(reason)) => {
+                self.sh.quotas.give(self.who.uid, Res::Lease, 1);
+                self.sh
+                    .metrics
+                    .misses
+                    .with_label_values(&[reason_name(reason)])
+                    .inc();
+                Err(miss_status(reason))
+            }
+            // The store's lease budget: counted by the caller, as above.
+            Err(Error::LimitReached { .. }) => {
+                self.sh.quotas.give(self.who.uid, Res::Lease, 1);
+                Err(ItemStatus::LimitReached)
+            }
+            Err(e) => {
+                self.sh.quotas.give(self.who.uid, Res::Lease, 1);
+                Err(self.status_of(&e))
+            }
+        }
+    }
+
+    /// Gives back the lease of an item that is not served.
+    fn drop_lease(&mut self, r: &mut OnboardResult) {
+        if r.lease_id != 0 {
+            self.sh.quotas.give(self.who.uid, Res::Lease, 1);
+            self.sh.backend.release(r.lease_id);
+            self.leases.retain(|x| *x != r.lease_id);
+            r.lease_id = 0;
+        }
+    }
+
+    /// Reads the gathered items together and records their outcomes in
+    /// request order (fd indexes follow it too).
+    fn run_reads(
+        &mut self,
+        ns: &NamespaceId,
+        pending: Vec<(usize, ReadJob<'_>)>,
+        out: &mut [OnboardResult],
+        files: &mut Vec<std::fs::File>,
+    ) {
+        if pending.is_empty() {
+            return;
+        }
+        let (at, jobs): (Vec<usize>, Vec<ReadJob<'_>>) = pending.into_iter().unzip();
+        let b = self.sh.backend.clone();
+        let m = self.sh.metrics.clone();
+        let got = read_all(&*b, ns, jobs, self.sh.limits.onboard_reads_in_flight_max);
+        for (i, g) in at.into_iter().zip(got) {
+            let Some(r) = out.get_mut(i) else { continue };
+            match g {
+                Ok(Lookup::Hit((h, tier, off, file))) => {
+                    if let Some(f) = file {
+                        r.fd_index = files.len() as u32;
+                        files.push(f);
+                    }
                     r.status = ItemStatus::Ok;
                     r.tier = tier;
                     r.payload_len = h.payload_len;
@@ -768,15 +833,10 @@ impl Conn<'_> {
                 }
                 Err(e) => r.status = self.status_of(&e),
             }
-            if r.status != ItemStatus::Ok && r.lease_id != 0 {
-                self.sh.quotas.give(self.who.uid, Res::Lease, 1);
-                b.release(r.lease_id);
-                self.leases.retain(|x| *x != r.lease_id);
-                r.lease_id = 0;
+            if r.status != ItemStatus::Ok {
+                self.drop_lease(r);
             }
-            out.push(r);
         }
-        (Response::Onboard { items: out }, files)
     }
 
     fn stats_json(&self) -> String {
@@ -918,6 +978,14 @@ impl Conn<'_> {
 fn limited_result() -> OnboardResult {
     OnboardResult {
         status: ItemStatus::LimitReached,
+        ..empty_result()
+    }
+}
+
+/// An onboard item's result before it is served (absent until it is).
+fn empty_result() -> OnboardResult {
+    OnboardResult {
+        status: ItemStatus::Absent,
         tier: Tier::G3,
         lease_id: 0,
         payload_len: 0,

@@ -14,6 +14,7 @@
 pub mod backend;
 mod conn;
 mod mem;
+mod onboard;
 mod quota;
 
 pub use backend::{
@@ -34,6 +35,13 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// Default of [`ServerLimits::onboard_reads_in_flight_max`]: the G3
+/// engine's default ring pool (`g3.io_depth`), so one request can keep the
+/// disk as busy as the store allows.
+pub const ONBOARD_READS_IN_FLIGHT_DEFAULT: usize = 16;
+/// Largest accepted `server.onboard_reads_in_flight_max`.
+pub const ONBOARD_READS_IN_FLIGHT_MAX: usize = 256;
+
 /// Bounds of the server.
 #[derive(Debug, Clone)]
 pub struct ServerLimits {
@@ -47,6 +55,8 @@ pub struct ServerLimits {
     pub region_bytes_max: u64,
     /// Leases one connection may hold.
     pub leases_per_conn_max: usize,
+    /// Block reads one onboard request runs at once (server/onboard.rs).
+    pub onboard_reads_in_flight_max: usize,
     /// How long shutdown waits for requests in flight.
     pub drain_timeout_ms: u64,
     /// Longest lease (told to clients in the hello reply; the backend
@@ -62,6 +72,7 @@ impl Default for ServerLimits {
             io_timeout_ms: 5_000,
             region_bytes_max: 4 << 30,
             leases_per_conn_max: 4096,
+            onboard_reads_in_flight_max: ONBOARD_READS_IN_FLIGHT_DEFAULT,
             drain_timeout_ms: 10_000,
             lease_ttl_max_ms: 30_000,
         }
