@@ -61,8 +61,10 @@ quarantine_max_files = 256
 # Evicted block files kept in recycle/ for later offloads of the same size
 # to overwrite in place (no new extents, no directory fsync before the
 # ack); counted against capacity, at most half of it. "0" turns it off.
-# Unset: capacity / 2.
+# Unset: capacity / 2. recycle_max_files bounds the files (a start after
+# a crash reads one header per pooled file).
 # recycle_max = "2GiB"
+recycle_max_files = 4096
 
 [g4]
 # Shared tier: s3://bucket/prefix, file:///path or memory://. "" disables
@@ -330,6 +332,9 @@ pub struct G3Section {
     /// 0: off).
     #[serde(deserialize_with = "de_size_opt")]
     pub recycle_max: Option<u64>,
+    /// Files `recycle/` may keep (bounds the headers a start after a
+    /// crash reads).
+    pub recycle_max_files: usize,
 }
 
 /// `[g4]`: every key of [`G4Config`](crate::g4::G4Config) (one source for
@@ -704,6 +709,7 @@ impl Default for G3Section {
             quarantine_max: None,
             quarantine_max_files: 256,
             recycle_max: None,
+            recycle_max_files: 4096,
         }
     }
 }

@@ -628,10 +628,13 @@ fn pooled_files_are_dropped_before_blocks_are_evicted() {
 fn the_recycle_pool_is_bounded_and_zero_turns_it_off() {
     let ns = namespace(65536, "recycle-bound").unwrap();
     let file_len = block(&ns, 0).1.file_len();
-    for (bound_files, kept) in [(2u64, 2usize), (0, 0)] {
+    // (byte bound in files, file bound, files kept): the byte bound, the
+    // file bound (which caps the headers a crash start reads), off.
+    for (bound_files, files_max, kept) in [(2u64, 4096, 2usize), (8, 3, 3), (0, 4096, 0)] {
         let dir = tempfile::tempdir().unwrap();
         let mut c = common::cfg(dir.path(), EngineKind::Auto);
         c.recycle_pool_bytes = bound_files * file_len;
+        c.recycle_pool_files_max = files_max;
         let s = G3Store::open(c, Box::new(kvtier_daemon::policy::Lru::new())).unwrap();
         // All puts first: a put after an eviction would reuse its file.
         for seed in 0..4 {
@@ -642,7 +645,10 @@ fn the_recycle_pool_is_bounded_and_zero_turns_it_off() {
             assert!(s.evict_block(&ns.id(), &block(&ns, seed).0).unwrap());
         }
         let rc = s.recycle_counts();
-        assert_eq!(rc.files as usize, kept, "bound {bound_files} files: {rc:?}");
+        assert_eq!(
+            rc.files as usize, kept,
+            "bound {bound_files} files' bytes, {files_max} files: {rc:?}"
+        );
         assert_eq!(rc.bytes, kept as u64 * file_len, "{rc:?}");
         assert_eq!(recycled_files(dir.path()), kept);
         // The evicted blocks are gone either way.

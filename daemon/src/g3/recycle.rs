@@ -71,6 +71,15 @@ pub(super) struct RecyclePool {
 }
 
 impl RecyclePool {
+    /// Pooled files, reusable or not yet.
+    fn files(&self) -> usize {
+        self.ready
+            .values()
+            .chain(self.pending.values())
+            .map(Vec::len)
+            .sum()
+    }
+
     fn push_pending(&mut self, len: u64, s: Spare) {
         self.pending.entry(len).or_default().push(s);
         self.bytes += len;
@@ -109,15 +118,7 @@ impl G3Store {
         let (files, bytes) = self
             .recycle
             .lock()
-            .map(|p| {
-                let n = p
-                    .ready
-                    .values()
-                    .chain(p.pending.values())
-                    .map(Vec::len)
-                    .sum::<usize>();
-                (n as u64, p.bytes)
-            })
+            .map(|p| (p.files() as u64, p.bytes))
             .unwrap_or((0, 0));
         RecycleCounts {
             recycled_writes: self.counters.recycled_writes.load(Ordering::Relaxed),
@@ -138,10 +139,11 @@ impl G3Store {
     /// when it could not be pooled, unlinked); `Ok(false)`: it was gone.
     pub(super) fn retire_or_unlink(&self, path: &Path, len: u64) -> std::io::Result<bool> {
         let room = self.pool_enabled()
-            && self
-                .recycle
-                .lock()
-                .is_ok_and(|p| !p.disabled && p.bytes + len <= self.cfg.recycle_bound_bytes());
+            && self.recycle.lock().is_ok_and(|p| {
+                !p.disabled
+                    && p.bytes + len <= self.cfg.recycle_bound_bytes()
+                    && p.files() < self.cfg.recycle_pool_files_max
+            });
         if !room {
             return match self.fs.remove_file(path, Unlink::Block) {
                 Ok(()) => Ok(true),
@@ -444,7 +446,10 @@ impl G3Store {
         let mut kept = Vec::new();
         let mut bytes = 0;
         for (len, path) in spares {
-            if self.pool_enabled() && bytes + len <= self.cfg.recycle_bound_bytes() {
+            if self.pool_enabled()
+                && bytes + len <= self.cfg.recycle_bound_bytes()
+                && kept.len() < self.cfg.recycle_pool_files_max
+            {
                 bytes += len;
                 kept.push((len, path));
             } else {
