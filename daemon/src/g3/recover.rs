@@ -289,18 +289,7 @@ impl G3Store {
                     }
                     match self.verify_file(&path, &ns, &key) {
                         Ok(h) => {
-                            let r = Record {
-                                ns,
-                                key,
-                                payload_len: h.payload_len,
-                                payload_blake3: h.payload_blake3,
-                                created_unix_ms: h.created_unix_ms,
-                                hits: 0,
-                                last_access_s: super::now_s(),
-                                pin_until_s: 0,
-                                priority: 0,
-                                flags: 0,
-                            };
+                            let r = adopted_record(ns, key, &h);
                             self.disk.put(&[(id, &r)])?;
                             let mut e = entry_of(&r, check);
                             e.flags |= FLAG_SEEN;
@@ -377,18 +366,7 @@ impl G3Store {
     /// file put back into place, recycle.rs): redb, memory, policy.
     pub(super) fn adopt_verified(&self, ns: &NamespaceId, h: &BlockHeader) -> Result<()> {
         let (id, check) = digest(ns, &h.key);
-        let r = Record {
-            ns: *ns,
-            key: h.key,
-            payload_len: h.payload_len,
-            payload_blake3: h.payload_blake3,
-            created_unix_ms: h.created_unix_ms,
-            hits: 0,
-            last_access_s: super::now_s(),
-            pin_until_s: 0,
-            priority: 0,
-            flags: 0,
-        };
+        let r = adopted_record(*ns, h.key, h);
         self.disk.put(&[(id, &r)])?;
         let e = entry_of(&r, check);
         let size_bytes = e.file_len();
@@ -484,5 +462,23 @@ fn entry_of(r: &Record, check: u64) -> Entry {
         leases: 0,
         priority: r.priority,
         flags: r.flags,
+    }
+}
+
+/// The index record of a verified block file the index did not know
+/// (found by the walk, or put back from `recycle/`): no hits, no hints,
+/// last accessed now.
+fn adopted_record(ns: NamespaceId, key: BlockKey, h: &BlockHeader) -> Record {
+    Record {
+        ns,
+        key,
+        payload_len: h.payload_len,
+        payload_blake3: h.payload_blake3,
+        created_unix_ms: h.created_unix_ms,
+        hits: 0,
+        last_access_s: super::now_s(),
+        pin_until_s: 0,
+        priority: 0,
+        flags: 0,
     }
 }
