@@ -160,33 +160,36 @@ impl G3Store {
             });
         }
         let need = reserved.saturating_add(incoming);
-        let used = self
-            .mem
-            .read()
-            .map_err(|_| lock_err("g3 index"))?
-            .used_bytes;
+        let used_bytes = || -> Result<u64> {
+            Ok(self
+                .mem
+                .read()
+                .map_err(|_| lock_err("g3 index"))?
+                .used_bytes)
+        };
         // Pooled files (recycle.rs) are on the disk too: room is made by
         // dropping them first, then by evicting (unlinking: a victim
-        // retired into the pool would free nothing).
-        let pooled = self.recycle_bytes();
-        if used + pooled + need <= cap {
-            return Ok(());
-        }
-        if pooled > 0 {
-            self.drop_spares(used + pooled + need - cap);
-            if used + self.recycle_bytes() + need <= cap {
+        // retired into the pool would free nothing). A few rounds: the
+        // background reclaimer may retire victims into the pool meanwhile
+        // (its evictions move bytes from blocks to the pool), which is
+        // room that dropping spares gives back.
+        for _ in 0..3 {
+            let used = used_bytes()?;
+            let pooled = self.recycle_bytes();
+            if used + pooled + need <= cap {
                 return Ok(());
             }
+            if pooled > 0 {
+                self.drop_spares(used + pooled + need - cap);
+                if used_bytes()? + self.recycle_bytes() + need <= cap {
+                    return Ok(());
+                }
+            }
+            if need <= cap {
+                self.evict_to(cap.saturating_sub(need + self.recycle_bytes()), false);
+            }
         }
-        if need <= cap {
-            self.evict_to(cap.saturating_sub(need + self.recycle_bytes()), false);
-        }
-        let used = self
-            .mem
-            .read()
-            .map_err(|_| lock_err("g3 index"))?
-            .used_bytes;
-        if used + self.recycle_bytes() + need > cap {
+        if used_bytes()? + self.recycle_bytes() + need > cap {
             return Err(Error::LimitReached {
                 what: "g3 capacity_bytes (the rest is pinned, leased or taken by this batch)",
                 limit: cap,
