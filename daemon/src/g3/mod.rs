@@ -47,6 +47,7 @@
 //! after its file and directory entry are durable; bytes leave this module
 //! only after their header, length, padding and payload checksum verified.
 
+pub mod access_order;
 mod block_tier;
 mod close;
 mod config;

@@ -53,6 +53,9 @@ impl G3Store {
                         e.last_access_s.store(now_s(), Ordering::Relaxed);
                     }
                 }
+                // In request order when the server reads a request's
+                // blocks at once (access_order.rs).
+                super::access_order::wait_for_turn();
                 if let Ok(mut p) = self.policy.lock() {
                     p.on_access(id);
                 }

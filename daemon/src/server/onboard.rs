@@ -15,6 +15,7 @@
 
 use super::backend::{Backend, ReadFile};
 use crate::error::{Error, Result};
+use crate::g3::access_order::AccessOrder;
 use crate::tier::Lookup;
 use kvtier_client::{BlockHeader, BlockKey, NamespaceId, Tier};
 use std::collections::BTreeMap;
@@ -103,12 +104,15 @@ pub(super) fn read_all(
     if extra == 0 {
         return jobs.into_iter().map(|j| read_one(b, ns, j)).collect();
     }
+    // Jobs are taken in order, so the earliest unfinished one is always
+    // running: waiting for the earlier touches cannot deadlock.
+    let order = AccessOrder::new(n);
     let queue = Mutex::new(jobs.into_iter().enumerate());
     let take = || queue.lock().ok().and_then(|mut q| q.next());
     let work = || {
         let mut done = Vec::new();
         while let Some((i, job)) = take() {
-            done.push((i, read_one(b, ns, job)));
+            done.push((i, order.run(i, || read_one(b, ns, job))));
         }
         done
     };
