@@ -122,12 +122,15 @@ pub(crate) fn enqueue(
         key: *key,
         enqueued: Instant::now(),
     };
+    // Counted before the send: the dispatcher may take the job (and
+    // decrement, saturating at 0) before this thread runs again, which
+    // left the gauge at 1 with the queue empty (g4_behaviour
+    // write_through_uploads_and_reports_safe, once in a CI run).
+    stats::inc(&inner.stats.upload_queue_depth);
     match q.tx.try_send(job) {
-        Ok(()) => {
-            stats::inc(&inner.stats.upload_queue_depth);
-            EnqueueOutcome::Queued
-        }
+        Ok(()) => EnqueueOutcome::Queued,
         Err(_) => {
+            stats::dec(&inner.stats.upload_queue_depth);
             q.done_one();
             stats::inc(&inner.stats.uploads_dropped_queue_full);
             EnqueueOutcome::DroppedQueueFull
