@@ -146,25 +146,105 @@ impl FaultMount {
         &self.mountpoint
     }
 
-    /// Unmounts now.
-    pub fn unmount(mut self) -> std::io::Result<()> {
-        self.unmount_inner()
+    /// Unmounts now, waiting up to [`UNMOUNT_BUSY_WAIT_MS`] for a file
+    /// reference the kernel is still dropping.
+    pub fn unmount(self) -> std::io::Result<()> {
+        self.unmount_within(UNMOUNT_BUSY_WAIT_MS)
     }
 
-    fn unmount_inner(&mut self) -> std::io::Result<()> {
+    /// Like [`FaultMount::unmount`], waiting at most `busy_wait_ms` while
+    /// the mount is busy; still busy: the error names what of this
+    /// process holds a file there, and the mount is detached.
+    pub fn unmount_within(mut self, busy_wait_ms: u64) -> std::io::Result<()> {
+        self.unmount_inner(busy_wait_ms)
+    }
+
+    fn unmount_inner(&mut self, busy_wait_ms: u64) -> std::io::Result<()> {
         let Some(session) = self.session.take() else {
             return Ok(());
         };
-        match session.umount_and_join() {
-            Ok(()) => Ok(()),
+        match unmount_when_free(&self.mountpoint, busy_wait_ms) {
+            // Unmounted: the session thread ends on the device's ENODEV.
+            Ok(()) => session.join(),
             Err(e) => {
-                // Busy: detach, so the next mount (or the temp dir's
-                // removal) is not blocked; the session thread ends when
-                // the last file is closed.
+                // Busy for good: detach, so the next mount (or the temp
+                // dir's removal) is not blocked; the session thread ends
+                // when the last file is closed.
                 detach(&self.mountpoint);
+                drop(session);
                 Err(e)
             }
         }
+    }
+}
+
+/// How long [`FaultMount::unmount`] retries a busy mount before it
+/// reports it busy. The last close of a file does not always drop the
+/// kernel's last reference to it at once: an io_uring ring's teardown and a request completed
+/// after its submitter left run from a kernel workqueue, and a child
+/// process between fork and exec holds a copy of every descriptor (a CI
+/// run saw EBUSY once with nothing of the test left open).
+pub const UNMOUNT_BUSY_WAIT_MS: u64 = 5_000;
+
+/// Unmounts `mountpoint` (a plain umount, never lazy), retrying while it
+/// is busy for at most `busy_wait_ms`. Still busy after that: the error
+/// names what of this process holds a file there.
+fn unmount_when_free(mountpoint: &Path, busy_wait_ms: u64) -> std::io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(mountpoint.as_os_str().as_bytes())
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_millis(busy_wait_ms);
+    loop {
+        // SAFETY: `c` is a valid NUL-terminated path during the call.
+        if unsafe { libc::umount2(c.as_ptr(), 0) } == 0 {
+            return Ok(());
+        }
+        let e = std::io::Error::last_os_error();
+        match e.raw_os_error() {
+            // Not (or no longer) a mount point: fuser's own unmount
+            // then finds nothing to do.
+            Some(libc::EINVAL) | Some(libc::ENOENT) => return Ok(()),
+            Some(libc::EBUSY) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            Some(libc::EBUSY) => {
+                return Err(std::io::Error::new(
+                    e.kind(),
+                    format!(
+                        "{e}; still busy after {busy_wait_ms} ms; this process's \
+                         descriptors there: {}",
+                        open_under(mountpoint)
+                    ),
+                ))
+            }
+            _ => return Err(e),
+        }
+    }
+}
+
+/// This process's open descriptors under `dir`, as `fd -> path`, or
+/// "none" (then the reference is the kernel's or another process's).
+fn open_under(dir: &Path) -> String {
+    let Ok(rd) = std::fs::read_dir("/proc/self/fd") else {
+        return "unknown (/proc/self/fd unreadable)".into();
+    };
+    let held: Vec<String> = rd
+        .flatten()
+        .filter_map(|e| {
+            let target = std::fs::read_link(e.path()).ok()?;
+            target.starts_with(dir).then(|| {
+                format!(
+                    "{} -> {}",
+                    e.file_name().to_string_lossy(),
+                    target.display()
+                )
+            })
+        })
+        .collect();
+    if held.is_empty() {
+        "none".into()
+    } else {
+        held.join(", ")
     }
 }
 
@@ -184,7 +264,7 @@ fn detach(mountpoint: &Path) {
 
 impl Drop for FaultMount {
     fn drop(&mut self) {
-        if let Err(e) = self.unmount_inner() {
+        if let Err(e) = self.unmount_inner(UNMOUNT_BUSY_WAIT_MS) {
             tracing::warn!(mountpoint = %self.mountpoint.display(), error = %e,
                 "faultfs: unmount failed; detached");
         }

@@ -102,6 +102,52 @@ fn kernel_requests_and_the_power_cut() {
     );
 }
 
+/// A file whose last reference goes a moment after the unmount starts
+/// (as an io_uring ring's teardown drops its files from a kernel
+/// workqueue) does not fail the unmount; one held for good fails it with
+/// the holder named, and the mount is detached.
+#[test]
+fn unmount_waits_out_a_moment_busy_and_names_a_holder() {
+    if !nix_root() || !Path::new("/dev/fuse").exists() {
+        eprintln!("SKIP: faultfs needs root and /dev/fuse");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mnt = dir.path().join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    let fs = FaultFs::new(3);
+    let m = fs.mount(&mnt).unwrap();
+    let f = std::fs::File::create(mnt.join("held")).unwrap();
+    let closer = std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        drop(f);
+    });
+    m.unmount()
+        .expect("a file closed 300 ms in must not fail the unmount");
+    closer.join().unwrap();
+
+    let m = fs.mount(&mnt).unwrap();
+    let f = std::fs::File::open(mnt.join("held")).unwrap();
+    let e = m.unmount_within(100).unwrap_err();
+    assert_eq!(
+        e.raw_os_error(),
+        None,
+        "the message carries the holder: {e}"
+    );
+    let msg = e.to_string();
+    assert!(
+        msg.contains("still busy after 100 ms") && msg.contains("held"),
+        "{msg}"
+    );
+    drop(f);
+    // Detached: the mount point is an empty directory again.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while std::fs::read_dir(&mnt).unwrap().next().is_some() {
+        assert!(std::time::Instant::now() < deadline, "still mounted");
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+}
+
 fn nix_root() -> bool {
     // SAFETY: geteuid has no preconditions.
     unsafe { libc::geteuid() == 0 }
