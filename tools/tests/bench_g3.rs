@@ -23,6 +23,11 @@ fn bench_g3_tiny_json_contract() {
             "1000",
             "--recovery-blocks",
             "20",
+            "--pool-blocks",
+            "16",
+            // The 1 M default fills redb for a minute in a debug build.
+            "--clean-restart-blocks",
+            "1000",
             "--json",
         ])
         .arg("--dir")
@@ -43,6 +48,14 @@ fn bench_g3_tiny_json_contract() {
     }
     assert!(v["lookup"]["lookup_p99_us"].is_number());
     assert!(v["recovery"]["recovery_ms"].is_number());
+    let pool = &v["pool_restart"];
+    assert_eq!(pool["unsettled_pooled_before_crash"], 16, "{pool}");
+    assert_eq!(pool["unsettled_put_back"], 16, "{pool}");
+    // One of the 16 settled files took the extra put.
+    assert_eq!(pool["settled_pooled_before_crash"], 15, "{pool}");
+    assert_eq!(pool["settled_pooled_after_open"], 15, "{pool}");
+    assert_eq!(pool["crash_restart_walked"], true, "{pool}");
+    assert!(pool["settled_crash_restart_ms"].is_number());
     fn check(v: &serde_json::Value, path: &str) {
         if let Some(o) = v.as_object() {
             for (k, x) in o {

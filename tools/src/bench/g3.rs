@@ -47,6 +47,10 @@ pub struct G3Args {
     /// Blocks written for the recovery figure (8 KiB files).
     #[arg(long, default_value_t = 20_000)]
     recovery_blocks: usize,
+    /// Blocks written then evicted into the recycle pool for the
+    /// crash-restart-with-a-full-pool figure (4 KiB payloads).
+    #[arg(long, default_value_t = 4096)]
+    pool_blocks: usize,
     /// Blocks in the index for the clean-restart figure (index only).
     #[arg(long, default_value_t = 1_000_000)]
     clean_restart_blocks: usize,
@@ -435,23 +439,7 @@ fn recovery_report(
     )?;
     let payload = payload(4096);
     let hs = headers(&ns, &payload, n, 99);
-    let next = AtomicUsize::new(0);
-    std::thread::scope(|s| -> Result<()> {
-        let mut js = Vec::new();
-        for _ in 0..depth {
-            js.push(s.spawn(|| -> Result<()> {
-                loop {
-                    let i = next.fetch_add(1, Ordering::Relaxed);
-                    let Some(h) = hs.get(i) else { return Ok(()) };
-                    store.put_block(&ns.id(), h, &payload, PutMeta::default())?;
-                }
-            }));
-        }
-        for j in js {
-            j.join().map_err(|_| anyhow::anyhow!("writer panicked"))??;
-        }
-        Ok(())
-    })?;
+    put_all(&store, &ns, &hs, &payload, depth)?;
     store.close()?;
     drop(store);
     // Clean restart: the marker is there, the index is trusted.
@@ -490,6 +478,120 @@ fn recovery_report(
         "walk_ms_floor": walk_ms,
         "walk_files": files,
         "recovery_ms_per_1m_blocks_extrapolated": ms * 1e6 / n.max(1) as f64,
+    }))
+}
+
+/// Puts every block of `hs` (the same payload), `depth` at a time.
+fn put_all(
+    store: &G3Store,
+    ns: &Namespace,
+    hs: &[BlockHeader],
+    payload: &[u8],
+    depth: usize,
+) -> Result<()> {
+    let next = AtomicUsize::new(0);
+    std::thread::scope(|s| -> Result<()> {
+        let mut js = Vec::new();
+        for _ in 0..depth.max(1) {
+            js.push(s.spawn(|| -> Result<()> {
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(h) = hs.get(i) else { return Ok(()) };
+                    store.put_block(&ns.id(), h, payload, PutMeta::default())?;
+                }
+            }));
+        }
+        for j in js {
+            j.join().map_err(|_| anyhow::anyhow!("writer panicked"))??;
+        }
+        Ok(())
+    })
+}
+
+/// A start after a crash with a full recycle pool, two ways. `n` blocks
+/// are written and evicted into `recycle/` (the pool's file bound, 4096
+/// by default, bounds `n` in use), and the store is dropped without a
+/// close, so the open reads one header per pooled file:
+/// - unsettled: the evictions were never made durable (no later write
+///   of that size took a spare), so every pooled file still carries its
+///   block's header and is verified in full and put back as a block;
+/// - settled: one more put of the same size settled the pool (headers
+///   blanked), so the open reads headers only and pools the files.
+///
+/// The floor beside them is a plain cold read of the same headers.
+fn pool_restart_report(
+    tmp: &Path,
+    n: usize,
+    depth: usize,
+    engine: EngineKind,
+    sync: SyncMode,
+) -> Result<Value> {
+    let root = tmp.join("pool-restart");
+    let _ = std::fs::remove_dir_all(&root);
+    let ns = Namespace::new(
+        "bench",
+        KvLayout::with_block_bytes(4096)?,
+        "",
+        b"pool".to_vec(),
+    )?;
+    let payload = payload(4096);
+    let hs = headers(&ns, &payload, n, 77);
+    let crash_open = |store: Arc<G3Store>| -> Result<(Arc<G3Store>, f64, bool)> {
+        drop(store);
+        let cold = drop_page_cache();
+        let t = Instant::now();
+        let store = open_store(&root, depth, engine, sync)?;
+        Ok((store, t.elapsed().as_secs_f64() * 1e3, cold))
+    };
+    let evict_all = |store: &G3Store| -> Result<u64> {
+        for h in &hs {
+            store.evict_block(&ns.id(), &h.key)?;
+        }
+        Ok(store.recycle_counts().files)
+    };
+    let store = open_store(&root, depth, engine, sync)?;
+    put_all(&store, &ns, &hs, &payload, depth)?;
+    let pooled_unsettled = evict_all(&store)?;
+    let (store, unsettled_ms, cold) = crash_open(store)?;
+    let put_back = store.recovery.lock().map(|r| r.adopted).unwrap_or(0);
+    anyhow::ensure!(
+        put_back == pooled_unsettled,
+        "the crash start put back {put_back} blocks, not the {pooled_unsettled} pooled unsettled"
+    );
+    let pooled_before = evict_all(&store)?;
+    let extra = headers(&ns, &payload, 1, 78);
+    put_all(&store, &ns, &extra, &payload, 1)?;
+    let pooled_settled = store.recycle_counts().files;
+    let (store, settled_ms, _) = crash_open(store)?;
+    let pooled_after = store.recycle_counts().files;
+    let walked = store.recovery.lock().is_ok_and(|r| !r.clean_start);
+    drop(store);
+    drop_page_cache();
+    let t = Instant::now();
+    let mut head = vec![0u8; kvtier_client::block::HEADER_BYTES];
+    let mut read = 0u64;
+    for e in std::fs::read_dir(root.join("recycle"))? {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::File::open(e?.path())?;
+        if f.read_exact_at(&mut head, 0).is_ok() {
+            read += 1;
+        }
+    }
+    let floor_ms = t.elapsed().as_secs_f64() * 1e3;
+    let _ = std::fs::remove_dir_all(&root);
+    Ok(json!({
+        "blocks_evicted": n,
+        "cold": cold,
+        "crash_restart_walked": walked,
+        "unsettled_pooled_before_crash": pooled_unsettled,
+        "unsettled_put_back": put_back,
+        "unsettled_crash_restart_ms": unsettled_ms,
+        "settled_pooled_before_crash": pooled_settled,
+        "settled_pooled_after_open": pooled_after,
+        "settled_crash_restart_ms": settled_ms,
+        "pooled_before_settling": pooled_before,
+        "header_reads": read,
+        "header_reads_ms_floor": floor_ms,
     }))
 }
 
@@ -608,6 +710,11 @@ pub fn run(a: G3Args) -> Result<()> {
     eprintln!("g3 bench: recovery of {} blocks", a.recovery_blocks);
     let recovery = recovery_report(tmp.path(), a.recovery_blocks, a.depth, engine, sync)?;
     eprintln!(
+        "g3 bench: crash restart with {} blocks evicted into the recycle pool",
+        a.pool_blocks
+    );
+    let pool_restart = pool_restart_report(tmp.path(), a.pool_blocks, a.depth, engine, sync)?;
+    eprintln!(
         "g3 bench: clean restart with {} blocks indexed",
         a.clean_restart_blocks
     );
@@ -619,6 +726,7 @@ pub fn run(a: G3Args) -> Result<()> {
         "sizes": per_size,
         "lookup": lookup,
         "recovery": recovery,
+        "pool_restart": pool_restart,
         "clean_restart": clean,
     });
     emit(&report, a.json)
