@@ -65,6 +65,10 @@ quarantine_max_files = 256
 # a crash reads one header per pooled file).
 # recycle_max = "2GiB"
 recycle_max_files = 4096
+# Evicted files whose retirement is not yet durable still hold their
+# block: a start after a crash verifies each in full and puts it back.
+# Past this many bytes of them the pool is made durable at once.
+recycle_unsettled_max = "256MiB"
 
 [g4]
 # Shared tier: s3://bucket/prefix, file:///path or memory://. "" disables
@@ -335,6 +339,10 @@ pub struct G3Section {
     /// Files `recycle/` may keep (bounds the headers a start after a
     /// crash reads).
     pub recycle_max_files: usize,
+    /// Bytes of pooled files not yet made durable as room (bounds what a
+    /// start after a crash verifies in full).
+    #[serde(deserialize_with = "de_size")]
+    pub recycle_unsettled_max: u64,
 }
 
 /// `[g4]`: every key of [`G4Config`](crate::g4::G4Config) (one source for
@@ -710,6 +718,7 @@ impl Default for G3Section {
             quarantine_max_files: 256,
             recycle_max: None,
             recycle_max_files: 4096,
+            recycle_unsettled_max: 256 << 20,
         }
     }
 }

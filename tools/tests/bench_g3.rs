@@ -50,7 +50,14 @@ fn bench_g3_tiny_json_contract() {
     assert!(v["recovery"]["recovery_ms"].is_number());
     let pool = &v["pool_restart"];
     assert_eq!(pool["unsettled_pooled_before_crash"], 16, "{pool}");
-    assert_eq!(pool["unsettled_put_back"], 16, "{pool}");
+    // Each pooled file is put back or, settled by the reclaimer first,
+    // kept as room.
+    assert_eq!(
+        pool["unsettled_put_back"].as_u64().unwrap()
+            + pool["unsettled_pooled_after_open"].as_u64().unwrap(),
+        16,
+        "{pool}"
+    );
     // One of the 16 settled files took the extra put.
     assert_eq!(pool["settled_pooled_before_crash"], 15, "{pool}");
     assert_eq!(pool["settled_pooled_after_open"], 15, "{pool}");

@@ -56,6 +56,16 @@ pub struct G3Config {
     /// faster); the pool only has to cover the lag between an eviction and
     /// the offloads that reuse its file.
     pub recycle_pool_files_max: usize,
+    /// Bytes of evicted files in `recycle/` whose retirement is not yet
+    /// durable. Past it the pool is settled at once (an fsync of
+    /// `recycle/` and of the shard directories, then the headers are
+    /// blanked). An unsettled file still carries its block's header, so a
+    /// start after a crash verifies it in full and puts the block back:
+    /// this bounds the bytes such a start reads and hashes (otherwise
+    /// only settled by the next offload of the same file size, so a bulk
+    /// eviction could leave the whole pool, up to half of capacity, to
+    /// verify).
+    pub recycle_unsettled_bytes_max: u64,
 }
 
 /// How a block file's data is made durable before its rename.
@@ -91,6 +101,7 @@ impl G3Config {
             quarantine_max_files: 256,
             recycle_pool_bytes: capacity_bytes / 2,
             recycle_pool_files_max: 4096,
+            recycle_unsettled_bytes_max: 256 << 20,
         }
     }
 

@@ -28,7 +28,10 @@
 //!   synced: a power cut may bring the old, valid block back, which is
 //!   correct data for its key and is put back at open), so the open does
 //!   not read the whole pool; zeroed earlier, a power cut could give the
-//!   blanked inode its old name in `blocks/` back (found by the harness);
+//!   blanked inode its old name in `blocks/` back (found by the harness).
+//!   Retirements are settled by the next offload of the same size or,
+//!   past `recycle_unsettled_bytes_max`, at once: a crash start verifies
+//!   every unsettled file in full;
 //! - the fsync of `recycle/` also makes the removal of names that recycled
 //!   writes renamed out of it durable, so their new directories are
 //!   fsynced first (settle, close), and a recycled write holds
@@ -83,6 +86,14 @@ impl RecyclePool {
     fn push_pending(&mut self, len: u64, s: Spare) {
         self.pending.entry(len).or_default().push(s);
         self.bytes += len;
+    }
+
+    /// Bytes of the files whose retirement is not durable yet.
+    fn pending_bytes(&self) -> u64 {
+        self.pending
+            .iter()
+            .map(|(len, v)| len * v.len() as u64)
+            .sum()
     }
 }
 
@@ -164,7 +175,7 @@ impl G3Store {
         // whether the inode may be reused.
         match self.claim_inode(&spare) {
             Ok(()) => {
-                if let Ok(mut p) = self.recycle.lock() {
+                let over = self.recycle.lock().is_ok_and(|mut p| {
                     p.push_pending(
                         len,
                         Spare {
@@ -172,10 +183,15 @@ impl G3Store {
                             from_dir: path.parent().map(Path::to_path_buf),
                         },
                     );
-                }
+                    p.pending_bytes() > self.cfg.recycle_unsettled_bytes_max
+                });
                 self.counters
                     .recycle_retired
                     .fetch_add(1, Ordering::Relaxed);
+                if over {
+                    // Bounds what a crash start verifies (config.rs).
+                    self.settle_retired();
+                }
             }
             Err(e) => {
                 if e.raw_os_error() != Some(libc::EAGAIN) {
