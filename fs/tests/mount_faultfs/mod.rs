@@ -3,7 +3,7 @@
 //! fsync of a file and of a directory, and renameat2(RENAME_NOREPLACE),
 //! and what a power cut keeps. Needs root and /dev/fuse (else SKIP).
 
-use kvtier_fs::faultfs::FaultFs;
+use kvtier_fs::faultfs::{FaultFs, FaultMount};
 use std::io::Write;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::OpenOptionsExt;
@@ -31,15 +31,10 @@ fn rename_noreplace(from: &Path, to: &Path) -> std::io::Result<()> {
 
 #[test]
 fn kernel_requests_and_the_power_cut() {
-    if !nix_root() || !Path::new("/dev/fuse").exists() {
-        eprintln!("SKIP: faultfs needs root and /dev/fuse");
+    let Some((dir, fs, m)) = mounted(7) else {
         return;
-    }
-    let dir = tempfile::tempdir().unwrap();
+    };
     let mnt = dir.path().join("mnt");
-    std::fs::create_dir(&mnt).unwrap();
-    let fs = FaultFs::new(7);
-    let m = fs.mount(&mnt).unwrap();
     let d = mnt.join("d");
     std::fs::create_dir(&d).unwrap();
     std::fs::File::open(&mnt).unwrap().sync_all().unwrap();
@@ -108,15 +103,10 @@ fn kernel_requests_and_the_power_cut() {
 /// the holder named, and the mount is detached.
 #[test]
 fn unmount_waits_out_a_moment_busy_and_names_a_holder() {
-    if !nix_root() || !Path::new("/dev/fuse").exists() {
-        eprintln!("SKIP: faultfs needs root and /dev/fuse");
+    let Some((dir, fs, m)) = mounted(3) else {
         return;
-    }
-    let dir = tempfile::tempdir().unwrap();
+    };
     let mnt = dir.path().join("mnt");
-    std::fs::create_dir(&mnt).unwrap();
-    let fs = FaultFs::new(3);
-    let m = fs.mount(&mnt).unwrap();
     let f = std::fs::File::create(mnt.join("held")).unwrap();
     let closer = std::thread::spawn(move || {
         std::thread::sleep(std::time::Duration::from_millis(300));
@@ -146,6 +136,21 @@ fn unmount_waits_out_a_moment_busy_and_names_a_holder() {
         assert!(std::time::Instant::now() < deadline, "still mounted");
         std::thread::sleep(std::time::Duration::from_millis(10));
     }
+}
+
+/// A `FaultFs` of `seed` mounted at `<temp dir>/mnt`; `None` (SKIP
+/// printed) without root or /dev/fuse.
+fn mounted(seed: u64) -> Option<(tempfile::TempDir, FaultFs, FaultMount)> {
+    if !nix_root() || !Path::new("/dev/fuse").exists() {
+        eprintln!("SKIP: faultfs needs root and /dev/fuse");
+        return None;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mnt = dir.path().join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    let fs = FaultFs::new(seed);
+    let m = fs.mount(&mnt).unwrap();
+    Some((dir, fs, m))
 }
 
 fn nix_root() -> bool {

@@ -431,12 +431,7 @@ fn recovery_report(
     let root = tmp.join("recovery");
     let _ = std::fs::remove_dir_all(&root);
     let store = open_store(&root, depth, engine, sync)?;
-    let ns = Namespace::new(
-        "bench",
-        KvLayout::with_block_bytes(4096)?,
-        "",
-        b"rec".to_vec(),
-    )?;
+    let ns = ns_4k(b"rec")?;
     let payload = payload(4096);
     let hs = headers(&ns, &payload, n, 99);
     put_all(&store, &ns, &hs, &payload, depth)?;
@@ -479,6 +474,16 @@ fn recovery_report(
         "walk_files": files,
         "recovery_ms_per_1m_blocks_extrapolated": ms * 1e6 / n.max(1) as f64,
     }))
+}
+
+/// A namespace of 4 KiB blocks (the recovery figures' small files).
+fn ns_4k(salt: &[u8]) -> Result<Namespace> {
+    Ok(Namespace::new(
+        "bench",
+        KvLayout::with_block_bytes(4096)?,
+        "",
+        salt.to_vec(),
+    )?)
 }
 
 /// Puts every block of `hs` (the same payload), `depth` at a time.
@@ -529,12 +534,7 @@ fn pool_restart_report(
 ) -> Result<Value> {
     let root = tmp.join("pool-restart");
     let _ = std::fs::remove_dir_all(&root);
-    let ns = Namespace::new(
-        "bench",
-        KvLayout::with_block_bytes(4096)?,
-        "",
-        b"pool".to_vec(),
-    )?;
+    let ns = ns_4k(b"pool")?;
     let payload = payload(4096);
     let hs = headers(&ns, &payload, n, 77);
     let crash_open = |store: Arc<G3Store>| -> Result<(Arc<G3Store>, f64, bool)> {
