@@ -277,52 +277,8 @@ impl Run {
                 ));
             }
         }
-        let st = store.stats();
-        if st.quarantined > 0 {
-            return Err(format!(
-                "{} block(s) quarantined: torn data became visible",
-                st.quarantined
-            ));
-        }
-        let files = block_files(&self.root().join("blocks"));
-        for f in &files {
-            let key = f
-                .file_name()
-                .and_then(|n| n.to_str())
-                .and_then(|n| BlockKey::from_hex(n).ok());
-            if !key.is_some_and(|k| visible.contains(&k)) {
-                return Err(format!("file {} is not in the index", f.display()));
-            }
-        }
-        if files.len() != visible.len() {
-            return Err(format!(
-                "{} files under blocks/, {} blocks visible",
-                files.len(),
-                visible.len()
-            ));
-        }
-        let tmp = common::temp_files(&self.root());
-        if tmp > 0 {
-            return Err(format!("{tmp} temp files left after recovery"));
-        }
-        Ok(())
+        common::tree_matches_index(store, &self.root(), &visible)
     }
-}
-
-fn block_files(dir: &Path) -> Vec<PathBuf> {
-    let mut out = Vec::new();
-    let Ok(rd) = std::fs::read_dir(dir) else {
-        return out;
-    };
-    for e in rd.flatten() {
-        let p = e.path();
-        if p.is_dir() {
-            out.extend(block_files(&p));
-        } else {
-            out.push(p);
-        }
-    }
-    out
 }
 
 /// Stops a store after power was lost: close (joins the reclaimer; fails

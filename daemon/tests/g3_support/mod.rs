@@ -57,6 +57,63 @@ pub fn temp_files(root: &std::path::Path) -> usize {
         .unwrap_or(0)
 }
 
+/// After a power cut and recovery (the power-loss harnesses): nothing
+/// quarantined (no torn data became visible), every file under
+/// `blocks/` is a visible block and each visible block has one file, and
+/// no temp file is left.
+pub fn tree_matches_index(
+    store: &G3Store,
+    root: &std::path::Path,
+    visible: &std::collections::HashSet<BlockKey>,
+) -> Result<(), String> {
+    let st = store.stats();
+    if st.quarantined > 0 {
+        return Err(format!(
+            "{} block(s) quarantined: torn data became visible",
+            st.quarantined
+        ));
+    }
+    let files = block_files(&root.join("blocks"));
+    for f in &files {
+        let key = f
+            .file_name()
+            .and_then(|n| n.to_str())
+            .and_then(|n| BlockKey::from_hex(n).ok());
+        if !key.is_some_and(|k| visible.contains(&k)) {
+            return Err(format!("file {} is not in the index", f.display()));
+        }
+    }
+    if files.len() != visible.len() {
+        return Err(format!(
+            "{} files under blocks/, {} blocks visible",
+            files.len(),
+            visible.len()
+        ));
+    }
+    let tmp = temp_files(root);
+    if tmp > 0 {
+        return Err(format!("{tmp} temp files left after recovery"));
+    }
+    Ok(())
+}
+
+/// Every file under `dir`, recursively.
+pub fn block_files(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return out;
+    };
+    for e in rd.flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            out.extend(block_files(&p));
+        } else {
+            out.push(p);
+        }
+    }
+    out
+}
+
 /// A tmpfs of `size` (e.g. `"6m"`) mounted on a temp dir, unmounted on
 /// drop: a disk that fills up. Needs root.
 pub struct SmallTmpfs {
