@@ -180,10 +180,11 @@ impl FaultMount {
 
 /// How long [`FaultMount::unmount`] retries a busy mount before it
 /// reports it busy. The last close of a file does not always drop the
-/// kernel's last reference to it at once: an io_uring ring's teardown and a request completed
-/// after its submitter left run from a kernel workqueue, and a child
-/// process between fork and exec holds a copy of every descriptor (a CI
-/// run saw EBUSY once with nothing of the test left open).
+/// kernel's last reference to it at once: an io_uring ring's teardown
+/// and a request completed after its submitter left run from a kernel
+/// workqueue, and a child process between fork and exec holds a copy of
+/// every descriptor (a CI run saw EBUSY once right after the power-loss
+/// harness had closed and dropped its store).
 pub const UNMOUNT_BUSY_WAIT_MS: u64 = 5_000;
 
 /// Unmounts `mountpoint` (a plain umount, never lazy), retrying while it
