@@ -144,10 +144,10 @@ impl Node {
         }
     }
 
-    /// Whether this node has bytes queued to send on a connection from
-    /// its `port` (its network namespace's /proc/<pid>/net/tcp: an
-    /// ESTABLISHED socket with a non-zero tx_queue).
-    fn sending_on(&self, port: u16) -> bool {
+    /// Whether this node has more than `min_bytes` queued to send on a
+    /// connection from its `port` (its network namespace's
+    /// /proc/<pid>/net/tcp: an ESTABLISHED socket's tx_queue).
+    fn sending_on(&self, port: u16, min_bytes: u64) -> bool {
         let Some(pid) = self.child.as_ref().map(Child::id) else {
             return false;
         };
@@ -162,7 +162,7 @@ impl Node {
                 (local, f.get(3), tx),
                 (Some(p), Some(&"01"), Some(tx))
                     if u16::from_str_radix(p, 16) == Ok(port)
-                        && u64::from_str_radix(tx, 16).is_ok_and(|n| n > 0)
+                        && u64::from_str_radix(tx, 16).is_ok_and(|n| n > min_bytes)
             )
         })
     }
@@ -543,7 +543,8 @@ fn cluster_in_network_namespaces() {
         // only after the transfer (the kill then landed too late in 2 runs
         // of 5 here, even unloaded).
         let t = Instant::now();
-        while !cl.nodes[a].sending_on(PEER_PORT) {
+        // Over 64 KiB: block bytes, not a heartbeat or holdings answer.
+        while !cl.nodes[a].sending_on(PEER_PORT, 64 << 10) {
             assert!(t.elapsed() < CONVERGE, "B never asked A");
             std::thread::sleep(Duration::from_millis(2));
         }
