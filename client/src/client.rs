@@ -759,6 +759,34 @@ pub(crate) fn missed(e: &Error, n: usize) -> Vec<Onboarded> {
     vec![Onboarded::Miss(m); n]
 }
 
+/// One failed outcome per block of an offload refused as a whole.
+fn missed_offloads(e: &Error, n: usize) -> Vec<OffloadOutcome> {
+    vec![OffloadOutcome::Failed(Miss::from_error(e)); n]
+}
+
+/// The blocks of a chain: block i's parent is block i-1, `first_parent`
+/// for the first. The one place a key list becomes parent links, so every
+/// offload of a chain records the same parents.
+fn chain_blocks<'p>(
+    first_parent: Option<BlockKey>,
+    keys: &[BlockKey],
+    payloads: &[&'p [u8]],
+    hints: Hints,
+) -> Vec<OffloadBlock<'p>> {
+    let mut parent = first_parent;
+    let mut blocks = Vec::with_capacity(keys.len());
+    for (k, p) in keys.iter().zip(payloads) {
+        blocks.push(OffloadBlock {
+            key: *k,
+            parent,
+            payload: p,
+            hints,
+        });
+        parent = Some(*k);
+    }
+    blocks
+}
+
 impl<'a> NsHandle<'a> {
     /// The namespace.
     pub fn namespace(&self) -> &Namespace {
@@ -773,6 +801,16 @@ impl<'a> NsHandle<'a> {
     /// Keys of every full block of `tokens`.
     pub fn hash_chain(&self, tokens: &[u32]) -> Vec<BlockKey> {
         self.ns.hash_chain(tokens)
+    }
+
+    /// Keys of the full blocks of `tokens` following the block `parent`
+    /// ([`Namespace::hash_chain_after`]).
+    pub fn hash_chain_after(
+        &self,
+        parent: Option<BlockKey>,
+        tokens: &[u32],
+    ) -> Result<Vec<BlockKey>> {
+        self.ns.hash_chain_after(parent, tokens)
     }
 
     /// Longest cached prefix of `chain`, with the tier of each block.
@@ -816,13 +854,18 @@ impl<'a> NsHandle<'a> {
         self.offload_with(blocks, &[])
     }
 
-    /// Offloads the full blocks of `tokens` (keys from the namespace's hash
-    /// chain, block i's parent is block i-1, `first_parent` for the first),
-    /// `payloads[i]` being block i's KV. In a dynamo-mode namespace each
-    /// block's header also carries its Dynamo routing facts (parent,
-    /// tokens_hash, token ids), so the daemon can announce it to a Dynamo
-    /// router, now, after a restart and from G4. Returns the keys and the
-    /// outcomes (one per full block with a payload).
+    /// Offloads the full blocks of `tokens`, `payloads[i]` being block i's
+    /// KV. `first_parent` is the key of the block before `tokens[0]` (the
+    /// last key of an earlier call), None for a chain's start: the keys are
+    /// the namespace's hash chain continued after it
+    /// ([`Namespace::hash_chain_after`]), so a token list offloaded in
+    /// parts gets exactly the keys and parents of hashing it whole. In a
+    /// dynamo-mode namespace each block's header also carries its Dynamo
+    /// routing facts (parent, tokens_hash, token ids), so the daemon can
+    /// announce it to a Dynamo router, now, after a restart and from G4.
+    /// Returns the keys and the outcomes (one per full block with a
+    /// payload); a parent that cannot be a key of the namespace's mode gets
+    /// no keys and a refused outcome per payload.
     pub fn offload_tokens(
         &self,
         first_parent: Option<BlockKey>,
@@ -830,12 +873,15 @@ impl<'a> NsHandle<'a> {
         payloads: &[&[u8]],
         hints: Hints,
     ) -> (Vec<BlockKey>, Vec<OffloadOutcome>) {
-        let keys = self.ns.hash_chain(tokens);
+        let keys = match self.ns.hash_chain_after(first_parent, tokens) {
+            Ok(k) => k,
+            Err(e) => return (Vec::new(), missed_offloads(&e, payloads.len())),
+        };
         let n = keys.len().min(payloads.len());
         let mut metas = Vec::with_capacity(n);
         if self.ns.hash_mode == crate::HashMode::Dynamo {
             let bt = self.ns.layout.tokens_per_block as usize;
-            if let Ok(blocks) = self.ns.dynamo_blocks(tokens) {
+            if let Ok(blocks) = self.ns.dynamo_blocks_after(first_parent, tokens) {
                 let mut parent = first_parent.and_then(|k| k.as_u64());
                 for (i, b) in blocks.iter().take(n).enumerate() {
                     metas.push(Some(crate::block::DynamoMeta {
@@ -847,17 +893,7 @@ impl<'a> NsHandle<'a> {
                 }
             }
         }
-        let mut parent = first_parent;
-        let mut blocks = Vec::with_capacity(n);
-        for (k, p) in keys.iter().zip(payloads).take(n) {
-            blocks.push(OffloadBlock {
-                key: *k,
-                parent,
-                payload: p,
-                hints,
-            });
-            parent = Some(*k);
-        }
+        let blocks = chain_blocks(first_parent, &keys[..n], payloads, hints);
         let out = self.offload_with(&blocks, &metas);
         (keys[..n].to_vec(), out)
     }
@@ -949,18 +985,7 @@ impl<'a> NsHandle<'a> {
         payloads: &[&[u8]],
         hints: Hints,
     ) -> Vec<OffloadOutcome> {
-        let mut parent = first_parent;
-        let mut blocks = Vec::with_capacity(keys.len());
-        for (k, p) in keys.iter().zip(payloads) {
-            blocks.push(OffloadBlock {
-                key: *k,
-                parent,
-                payload: p,
-                hints,
-            });
-            parent = Some(*k);
-        }
-        self.offload(&blocks)
+        self.offload(&chain_blocks(first_parent, keys, payloads, hints))
     }
 
     /// Onboards `keys[i]` into `bufs[i]` (each at least the block's payload

@@ -212,12 +212,19 @@ pub const DYNAMO_SCHEME: &str = "dynamo-kv-hashing/1.6.1";
 /// tokens of block i as u32 LE), with key[-1] = 32 zero bytes. A trailing
 /// partial block is ignored.
 pub fn blake3_chain(ns: &Namespace, tokens: &[u32]) -> Vec<BlockKey> {
+    blake3_chain_after(ns, [0u8; 32], tokens)
+}
+
+/// The default chain continued after the block whose key is `parent` (its
+/// 32 raw bytes): the keys [`blake3_chain`] gives the blocks of `tokens`
+/// when they follow that block's prefix. `[0; 32]` starts a chain.
+pub fn blake3_chain_after(ns: &Namespace, parent: [u8; 32], tokens: &[u32]) -> Vec<BlockKey> {
     let per = ns.layout.tokens_per_block as usize;
     if per == 0 {
         return Vec::new();
     }
     let digest = ns.digest();
-    let mut parent = [0u8; 32];
+    let mut parent = parent;
     let mut out = Vec::with_capacity(tokens.len() / per);
     for block in tokens.chunks_exact(per) {
         let mut h = blake3::Hasher::new();
@@ -260,6 +267,38 @@ fn dynamo_err(e: dynamo_kv_hashing::KvHashingError) -> Error {
 /// `salt`, its LoRA name `lora` (empty meaning none). A trailing partial block
 /// is ignored.
 pub fn dynamo_blocks(
+    salt: &str,
+    lora: &str,
+    block_tokens: u32,
+    tokens: &[u32],
+) -> Result<Vec<DynamoBlock>> {
+    dynamo_blocks_after(salt, lora, block_tokens, None, tokens)
+}
+
+/// [`dynamo_blocks`] of `tokens` when they follow the block whose sequence
+/// hash is `parent`: what Dynamo gives these blocks when it hashes the
+/// whole token list. A block's tokens hash depends on its tokens and the
+/// salt only; its sequence hash is Dynamo's chain step
+/// (`compute_next_sequence_hash`, the recurrence Dynamo's router and
+/// indexer use) from the parent's.
+pub fn dynamo_blocks_after(
+    salt: &str,
+    lora: &str,
+    block_tokens: u32,
+    parent: Option<u64>,
+    tokens: &[u32],
+) -> Result<Vec<DynamoBlock>> {
+    let mut blocks = dynamo_blocks_fresh(salt, lora, block_tokens, tokens)?;
+    if let Some(mut prev) = parent {
+        for b in &mut blocks {
+            b.sequence_hash = dynamo_tokens::compute_next_sequence_hash(prev, b.tokens_hash);
+            prev = b.sequence_hash;
+        }
+    }
+    Ok(blocks)
+}
+
+fn dynamo_blocks_fresh(
     salt: &str,
     lora: &str,
     block_tokens: u32,

@@ -7,10 +7,14 @@
 //! tenant's blocks.
 
 use crate::error::{Error, Result};
-use crate::key::{blake3_chain, dynamo_blocks, BlockKey, DynamoBlock, HashMode};
+use crate::key::{blake3_chain_after, dynamo_blocks_after, BlockKey, DynamoBlock, HashMode};
 
-/// Longest model id, adapter id or tenant salt accepted, in bytes.
-pub const NAME_BYTES_MAX: usize = 256;
+/// Longest model id, adapter id (Dynamo's LoRA name) or tenant salt
+/// (Dynamo's salt) accepted, in bytes. Dynamo bounds neither; 64 KiB takes
+/// any salt or adapter name people use (a JSON cache-namespace blob, a path)
+/// while a namespace stays a few hundred KiB at most in memory. Names never
+/// cross the socket (only the 16-byte id does), so no frame bound applies.
+pub const NAME_BYTES_MAX: usize = 64 << 10;
 
 /// Element type of the KV tensors.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -330,15 +334,35 @@ impl Namespace {
     /// Keys of every full block of `tokens` in the namespace's hash mode.
     /// Opaque namespaces get none: their keys come from the engine.
     pub fn hash_chain(&self, tokens: &[u32]) -> Vec<BlockKey> {
+        self.hash_chain_after(None, tokens).unwrap_or_default()
+    }
+
+    /// Keys of every full block of `tokens` when they follow the block
+    /// `parent` (None: they start a chain). However a token list is split,
+    /// hashing each part after the last key of the part before gives the
+    /// keys of hashing the whole list (docs/FORMAT.md, "Chains"). Refuses a
+    /// parent that cannot be a key of this namespace's mode (32 bytes in
+    /// blake3 mode, 8 in dynamo mode). Opaque namespaces get no keys.
+    pub fn hash_chain_after(
+        &self,
+        parent: Option<BlockKey>,
+        tokens: &[u32],
+    ) -> Result<Vec<BlockKey>> {
         match self.hash_mode {
-            HashMode::Blake3 => blake3_chain(self, tokens),
-            HashMode::Dynamo => self
-                .dynamo_blocks(tokens)
-                .unwrap_or_default()
+            HashMode::Blake3 => {
+                let p = match parent {
+                    None => [0u8; 32],
+                    Some(k) => <[u8; 32]>::try_from(k.as_bytes())
+                        .map_err(|_| parent_len_err(&k, "a blake3-mode key is 32 bytes"))?,
+                };
+                Ok(blake3_chain_after(self, p, tokens))
+            }
+            HashMode::Dynamo => Ok(self
+                .dynamo_blocks_after(parent, tokens)?
                 .into_iter()
                 .map(|b| BlockKey::from_u64(b.sequence_hash))
-                .collect(),
-            HashMode::Opaque => Vec::new(),
+                .collect()),
+            HashMode::Opaque => Ok(Vec::new()),
         }
     }
 
@@ -347,6 +371,17 @@ impl Namespace {
     /// salt and adapter as Dynamo's salt and LoRA name. Refused outside
     /// dynamo mode.
     pub fn dynamo_blocks(&self, tokens: &[u32]) -> Result<Vec<DynamoBlock>> {
+        self.dynamo_blocks_after(None, tokens)
+    }
+
+    /// [`Self::dynamo_blocks`] of `tokens` when they follow the block
+    /// `parent` (an 8-byte Dynamo key): the blocks Dynamo computes for them
+    /// when it hashes the parent's whole prefix and `tokens` as one list.
+    pub fn dynamo_blocks_after(
+        &self,
+        parent: Option<BlockKey>,
+        tokens: &[u32],
+    ) -> Result<Vec<DynamoBlock>> {
         if self.hash_mode != HashMode::Dynamo {
             return Err(Error::InvalidNamespace {
                 field: "hash_mode",
@@ -356,11 +391,30 @@ impl Namespace {
                 ),
             });
         }
+        let parent = parent
+            .map(|k| {
+                k.as_u64()
+                    .ok_or_else(|| parent_len_err(&k, "a dynamo-mode key is 8 bytes"))
+            })
+            .transpose()?;
         let salt = std::str::from_utf8(&self.tenant_salt).map_err(|_| Error::InvalidNamespace {
             field: "tenant_salt",
             reason: "dynamo mode needs a UTF-8 salt".into(),
         })?;
-        dynamo_blocks(salt, &self.adapter, self.layout.tokens_per_block, tokens)
+        dynamo_blocks_after(
+            salt,
+            &self.adapter,
+            self.layout.tokens_per_block,
+            parent,
+            tokens,
+        )
+    }
+}
+
+fn parent_len_err(k: &BlockKey, reason: &'static str) -> Error {
+    Error::InvalidKey {
+        input: k.to_hex(),
+        reason,
     }
 }
 

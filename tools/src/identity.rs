@@ -1,7 +1,7 @@
 //! `kvtier hash` and `kvtier inspect`.
 
 use anyhow::{bail, Context, Result};
-use kvtier_client::{block, HashMode, KvLayout, Namespace, DYNAMO_SCHEME};
+use kvtier_client::{block, BlockKey, HashMode, KvLayout, Namespace, DYNAMO_SCHEME};
 use std::path::PathBuf;
 
 /// Arguments of `kvtier hash`.
@@ -12,19 +12,26 @@ pub struct HashArgs {
     /// dynamo-kv-hashing crate at the pinned version).
     #[arg(long, default_value = "blake3", value_parser = ["blake3", "dynamo"])]
     mode: String,
-    /// Tenant salt (Dynamo's salt in dynamo mode; empty means none).
-    #[arg(long, default_value = "")]
+    /// Tenant salt (Dynamo's salt in dynamo mode; empty means none). May
+    /// start with `-` (`--salt -x`).
+    #[arg(long, default_value = "", allow_hyphen_values = true)]
     salt: String,
     /// Dynamo's LoRA name (dynamo mode only; empty means none). In a
-    /// namespace it is the adapter id.
-    #[arg(long)]
+    /// namespace it is the adapter id. May start with `-`.
+    #[arg(long, allow_hyphen_values = true)]
     lora: Option<String>,
     /// Tokens per block.
     #[arg(long, default_value_t = 16)]
     block_tokens: u32,
-    /// Comma-separated token ids.
-    #[arg(long, value_delimiter = ',', required = true)]
-    tokens: Vec<u32>,
+    /// Comma-separated token ids; empty (`--tokens ""`) is zero blocks, as
+    /// in Dynamo.
+    #[arg(long, required = true, value_parser = parse_tokens)]
+    tokens: Tokens,
+    /// Key of the block before the first token (hex): the chain continues
+    /// after it, as when the parent's prefix and these tokens are hashed as
+    /// one list.
+    #[arg(long, value_parser = parse_key)]
+    parent: Option<BlockKey>,
     /// Model id (blake3 mode: part of the namespace).
     #[arg(long, default_value = "default")]
     model: String,
@@ -34,8 +41,31 @@ pub struct HashArgs {
     json: bool,
 }
 
+/// `--tokens`: comma-separated u32s, possibly none.
+#[derive(Debug, Clone)]
+struct Tokens(Vec<u32>);
+
+fn parse_tokens(s: &str) -> std::result::Result<Tokens, String> {
+    if s.trim().is_empty() {
+        return Ok(Tokens(Vec::new()));
+    }
+    s.split(',')
+        .map(|t| {
+            t.trim()
+                .parse::<u32>()
+                .map_err(|e| format!("token {t:?}: {e} (token ids are 0..=4294967295)"))
+        })
+        .collect::<std::result::Result<Vec<_>, _>>()
+        .map(Tokens)
+}
+
+fn parse_key(s: &str) -> std::result::Result<BlockKey, String> {
+    BlockKey::from_hex(s).map_err(|e| e.to_string())
+}
+
 /// Prints one lowercase hex key per full block.
 pub fn hash(a: HashArgs) -> Result<()> {
+    let tokens = a.tokens.0;
     if a.block_tokens == 0 {
         bail!("--block-tokens must be at least 1");
     }
@@ -51,7 +81,7 @@ pub fn hash(a: HashArgs) -> Result<()> {
     )?
     .with_hash_mode(mode)?;
     if mode == HashMode::Dynamo {
-        let blocks = ns.dynamo_blocks(&a.tokens)?;
+        let blocks = ns.dynamo_blocks_after(a.parent, &tokens)?;
         if a.json {
             let list: Vec<_> = blocks
                 .iter()
@@ -75,7 +105,7 @@ pub fn hash(a: HashArgs) -> Result<()> {
         return Ok(());
     }
     let keys: Vec<String> = ns
-        .hash_chain(&a.tokens)
+        .hash_chain_after(a.parent, &tokens)?
         .iter()
         .map(|k| k.to_hex())
         .collect();

@@ -290,15 +290,23 @@ impl Namespace {
 
     /// Keys of every full block of `tokens` (a list of ints or a numpy
     /// integer array), as a list of bytes. A partial last block has no key.
-    /// Opaque namespaces return [] (their keys come from the engine).
+    /// With `parent` (the key of the block before `tokens[0]`, e.g. the
+    /// last key of an earlier call) the chain continues after it: a token
+    /// list hashed in parts gets the keys of hashing it whole. Opaque
+    /// namespaces return [] (their keys come from the engine).
+    #[pyo3(signature = (tokens, parent=None))]
     fn hash_chain<'py>(
         &self,
         py: Python<'py>,
         tokens: &Bound<'py, PyAny>,
+        parent: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyList>> {
         let t = tokens_from(tokens)?;
+        let parent = parent.map(key_from).transpose()?;
         let ns = self.inner.clone();
-        let keys = py.detach(move || ns.hash_chain(&t));
+        let keys = py
+            .detach(move || ns.hash_chain_after(parent, &t))
+            .map_err(crate::errors::from_client)?;
         keys_to_py(py, &keys)
     }
 

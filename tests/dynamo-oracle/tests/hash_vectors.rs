@@ -27,9 +27,12 @@ struct Case {
 }
 
 fn random_string(rng: &mut StdRng) -> String {
-    match rng.random_range(0..4) {
+    match rng.random_range(0..6) {
         0 => String::new(),
         1 => "tenant-a".into(),
+        4 => format!("-x{}", rng.random::<u16>()),
+        // Past the old 256-byte namespace bound: Dynamo takes any length.
+        5 => "long-salt/".repeat(rng.random_range(26..200)),
         2 => (0..rng.random_range(1..24))
             .map(|_| rng.random_range(b'a'..=b'z') as char)
             .collect(),
@@ -154,10 +157,15 @@ fn cli(c: &Case) -> serde_json::Value {
     let csv: Vec<String> = c.tokens.iter().map(|t| t.to_string()).collect();
     let out = Command::new(common::bin("kvtier"))
         .args(["hash", "--mode", "dynamo", "--json"])
-        .arg(format!("--salt={}", c.salt))
-        .arg(format!("--lora={}", c.lora))
+        // Separate values, as people type them: a salt such as `-x` and
+        // an empty token list must be taken (issue 27).
+        .arg("--salt")
+        .arg(&c.salt)
+        .arg("--lora")
+        .arg(&c.lora)
         .arg(format!("--block-tokens={}", c.block))
-        .arg(format!("--tokens={}", csv.join(",")))
+        .arg("--tokens")
+        .arg(csv.join(","))
         .output()
         .unwrap();
     assert!(
@@ -174,10 +182,7 @@ fn cli_matches_dynamo_on_random_inputs() {
     let mut blocks_checked = 0usize;
     // Each case is a process start: fewer than the client test, same spread.
     for _ in 0..120 {
-        let mut c = random_case(&mut rng);
-        if c.tokens.is_empty() {
-            c.tokens.push(7); // the CLI requires at least one token
-        }
+        let c = random_case(&mut rng);
         let want = dynamo(&c, false);
         let j = cli(&c);
         assert_eq!(j["mode"], "dynamo");
@@ -214,4 +219,53 @@ fn cli_matches_dynamo_on_random_inputs() {
         .map(|w| format!("{:016x}", w.0))
         .collect();
     assert_eq!(lines, want);
+}
+
+/// `kvtier hash` takes what Dynamo takes: no tokens (zero blocks), a salt
+/// and LoRA name starting with `-`, and `--parent` continues a chain
+/// exactly as Dynamo hashes the whole list (issue 27).
+#[test]
+fn cli_takes_empty_tokens_dash_salts_and_a_parent() {
+    let empty = Case {
+        tokens: Vec::new(),
+        salt: "-x".into(),
+        lora: "--lora-ish".into(),
+        block: 16,
+    };
+    let j = cli(&empty);
+    assert_eq!(j["blocks"].as_array().unwrap().len(), 0);
+
+    let c = Case {
+        tokens: (60_000..60_064).collect(),
+        salt: "-tenant".into(),
+        lora: String::new(),
+        block: 16,
+    };
+    let want = dynamo(&c, false);
+    let first: Vec<String> = c.tokens[..32].iter().map(|t| t.to_string()).collect();
+    let second: Vec<String> = c.tokens[32..].iter().map(|t| t.to_string()).collect();
+    let run = |tokens: &[String], parent: Option<u64>| -> Vec<String> {
+        let mut cmd = Command::new(common::bin("kvtier"));
+        cmd.args(["hash", "--mode", "dynamo", "--salt", "-tenant"])
+            .args(["--block-tokens", "16", "--tokens"])
+            .arg(tokens.join(","));
+        if let Some(p) = parent {
+            cmd.arg("--parent").arg(format!("{p:016x}"));
+        }
+        let out = cmd.output().unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout)
+            .unwrap()
+            .lines()
+            .map(str::to_string)
+            .collect()
+    };
+    let mut got = run(&first, None);
+    got.extend(run(&second, Some(want[1].0)));
+    let want_hex: Vec<String> = want.iter().map(|w| format!("{:016x}", w.0)).collect();
+    assert_eq!(got, want_hex);
 }

@@ -250,3 +250,104 @@ fn dynamo_router_learns_what_kvtier_holds() {
     assert_eq!(h.lookup(&all_keys).prefix_len(), 8);
     assert_eq!(r.score(StorageTier::Disk, &longer), 8);
 }
+
+/// Issue 27: a chain offloaded in parts (`offload_tokens` with the last key
+/// of the part before as parent) is one chain to Dynamo. Dynamo's own
+/// request-side hashing of the whole token list is the judge: the keys
+/// kvtier stored and announced are Dynamo's sequence hashes, every stored
+/// event names its block's true parent, Dynamo's tree scores the whole
+/// request, and kvtier's lookup by Dynamo's keys finds every block.
+#[test]
+fn a_chain_offloaded_in_parts_has_dynamos_keys() {
+    use dynamo_kv_router::protocols::{
+        compute_block_hash_for_seq, compute_seq_hash_for_block, BlockHashOptions,
+    };
+    let worker = WORKER.to_string();
+    let d = Daemon::start(&["--dynamo-worker-id", &worker]);
+    let ns = namespace();
+    let cli = EventsCli::start(&d.socket);
+    let client = Client::connect(&d.socket).unwrap();
+    let h = client.namespace(&ns);
+    let mut r = Router::new();
+    let bt = BLOCK_TOKENS as usize;
+    // Three requests, each split its own way (block counts per part).
+    let splits: [&[usize]; 3] = [&[2, 2], &[1, 3, 1, 2], &[4, 1]];
+    let mut stored_blocks = 0usize;
+    for (s, split) in splits.iter().enumerate() {
+        let n: usize = split.iter().sum();
+        let tokens: Vec<u32> = (0..(n * bt) as u32)
+            .map(|t| 60_000 + t + 1000 * s as u32)
+            .collect();
+        let locals = compute_block_hash_for_seq(
+            &tokens,
+            BLOCK_TOKENS,
+            BlockHashOptions {
+                cache_namespace: Some(SALT),
+                lora_name: Some(LORA),
+                ..Default::default()
+            },
+        );
+        let want: Vec<u64> = compute_seq_hash_for_block(&locals);
+        let data = payloads(n, s as u8 + 1);
+        let mut parent = None;
+        let mut at = 0usize;
+        let mut keys = Vec::new();
+        for part in split.iter() {
+            let refs: Vec<&[u8]> = data[at..at + part].iter().map(|p| &p[..]).collect();
+            let (k, out) = h.offload_tokens(
+                parent,
+                &tokens[at * bt..(at + part) * bt],
+                &refs,
+                Hints::default(),
+            );
+            assert!(
+                out.iter()
+                    .all(|o| *o == kvtier_client::OffloadOutcome::Stored),
+                "{out:?}"
+            );
+            parent = k.last().copied();
+            keys.extend(k);
+            at += part;
+        }
+        let got: Vec<u64> = keys.iter().map(|k| k.as_u64().unwrap()).collect();
+        assert_eq!(got, want, "split {split:?}: kvtier's keys are not Dynamo's");
+        stored_blocks += n;
+        r.pump_until(&cli, "the parts' Disk stores", |r| {
+            r.count(StorageTier::Disk, true) == stored_blocks
+        });
+        assert_eq!(r.score(StorageTier::Disk, &tokens), n as u32, "split {split:?}");
+        let dynamo_keys: Vec<kvtier_client::BlockKey> =
+            want.iter().map(|&v| kvtier_client::BlockKey::from_u64(v)).collect();
+        assert_eq!(h.lookup(&dynamo_keys).prefix_len(), n, "split {split:?}");
+    }
+    // Every announced block's parent is the block before it in its chain.
+    let mut parent_of: HashMap<u64, Option<u64>> = HashMap::new();
+    for e in r.events.iter().filter(|e| e.storage_tier == StorageTier::Disk) {
+        if let KvCacheEventData::Stored(st) = &e.event.data {
+            let mut p = st.parent_hash.map(|p| p.0);
+            for b in &st.blocks {
+                parent_of.insert(b.block_hash.0, p);
+                p = Some(b.block_hash.0);
+            }
+        }
+    }
+    for (s, split) in splits.iter().enumerate() {
+        let n: usize = split.iter().sum();
+        let tokens: Vec<u32> = (0..(n * bt) as u32)
+            .map(|t| 60_000 + t + 1000 * s as u32)
+            .collect();
+        let want = compute_seq_hash_for_block(&compute_block_hash_for_seq(
+            &tokens,
+            BLOCK_TOKENS,
+            BlockHashOptions {
+                cache_namespace: Some(SALT),
+                lora_name: Some(LORA),
+                ..Default::default()
+            },
+        ));
+        for (i, k) in want.iter().enumerate() {
+            let expect = (i > 0).then(|| want[i - 1]);
+            assert_eq!(parent_of.get(k), Some(&expect), "split {split:?} block {i}");
+        }
+    }
+}

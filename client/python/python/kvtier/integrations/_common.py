@@ -232,16 +232,20 @@ def base_hints(extra: Optional[Mapping[str, Any]]) -> BlockHints:
 
 
 def offload_grouped(client: kvtier.Client, ns, keys: list, bufs: list, hints: Sequence[BlockHints], parent=None) -> list:
-    """``client.offload`` of keys whose hints differ: one call per distinct
-    hints (in first-seen order), results back in ``keys`` order."""
-    groups: dict[BlockHints, list[int]] = {}
-    for i, h in enumerate(hints):
-        groups.setdefault(h, []).append(i)
-    out: list = [None] * len(keys)
-    for h, idx in groups.items():
-        res = client.offload(ns, [keys[i] for i in idx], [bufs[i] for i in idx], parent, **h.kwargs())
-        for i, r in zip(idx, res):
-            out[i] = r
+    """``client.offload`` of the chain ``keys`` (``keys[0]``'s parent is
+    ``parent``) whose hints differ: one call per run of equal hints, in
+    chain order, each run's parent the key before it, so every block is
+    recorded under its own parent however the hints change. Results back
+    in ``keys`` order."""
+    out: list = []
+    start = 0
+    while start < len(keys):
+        end = start + 1
+        while end < len(keys) and hints[end] == hints[start]:
+            end += 1
+        run_parent = parent if start == 0 else keys[start - 1]
+        out.extend(client.offload(ns, keys[start:end], bufs[start:end], run_parent, **hints[start].kwargs()))
+        start = end
     return out
 
 
