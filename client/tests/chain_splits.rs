@@ -51,6 +51,16 @@ fn split_keys(n: &Namespace, parts: &[Vec<u32>]) -> Vec<BlockKey> {
     keys
 }
 
+/// Dynamo's request for the whole list (the oracle).
+fn dynamo_request(tokens: &[u32], salt: &str, lora: &str) -> dynamo_kv_hashing::Request {
+    dynamo_kv_hashing::Request::builder()
+        .tokens(tokens.to_vec())
+        .salt((!salt.is_empty()).then(|| salt.to_string()))
+        .lora_name((!lora.is_empty()).then(|| lora.to_string()))
+        .build()
+        .unwrap()
+}
+
 fn salt() -> impl Strategy<Value = String> {
     prop_oneof![
         Just(String::new()),
@@ -74,12 +84,7 @@ proptest! {
         lora in prop_oneof![Just(String::new()), "[a-z0-9-]{1,20}"],
     ) {
         let n = ns(HashMode::Dynamo, block, &salt, &lora);
-        let want = dynamo_kv_hashing::Request::builder()
-            .tokens(tokens.clone())
-            .salt((!salt.is_empty()).then(|| salt.clone()))
-            .lora_name((!lora.is_empty()).then(|| lora.clone()))
-            .build()
-            .unwrap()
+        let want = dynamo_request(&tokens, &salt, &lora)
             .sequence_hashes(block)
             .unwrap();
         let ps = parts(&tokens, block as usize, &cuts);
@@ -95,12 +100,7 @@ proptest! {
             }
             tokens_hashes.extend(bs.iter().map(|b| b.tokens_hash));
         }
-        let want_tokens = dynamo_kv_hashing::Request::builder()
-            .tokens(tokens.clone())
-            .salt((!salt.is_empty()).then(|| salt.clone()))
-            .lora_name((!lora.is_empty()).then(|| lora.clone()))
-            .build()
-            .unwrap()
+        let want_tokens = dynamo_request(&tokens, &salt, &lora)
             .block_hashes(block)
             .unwrap();
         prop_assert_eq!(tokens_hashes, want_tokens);

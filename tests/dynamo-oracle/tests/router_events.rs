@@ -262,6 +262,18 @@ fn a_chain_offloaded_in_parts_has_dynamos_keys() {
     use dynamo_kv_router::protocols::{
         compute_block_hash_for_seq, compute_seq_hash_for_block, BlockHashOptions,
     };
+    // Dynamo's request-side sequence hashes of a whole token list.
+    let dynamo_seq = |tokens: &[u32]| -> Vec<u64> {
+        compute_seq_hash_for_block(&compute_block_hash_for_seq(
+            tokens,
+            BLOCK_TOKENS,
+            BlockHashOptions {
+                cache_namespace: Some(SALT),
+                lora_name: Some(LORA),
+                ..Default::default()
+            },
+        ))
+    };
     let worker = WORKER.to_string();
     let d = Daemon::start(&["--dynamo-worker-id", &worker]);
     let ns = namespace();
@@ -278,16 +290,7 @@ fn a_chain_offloaded_in_parts_has_dynamos_keys() {
         let tokens: Vec<u32> = (0..(n * bt) as u32)
             .map(|t| 60_000 + t + 1000 * s as u32)
             .collect();
-        let locals = compute_block_hash_for_seq(
-            &tokens,
-            BLOCK_TOKENS,
-            BlockHashOptions {
-                cache_namespace: Some(SALT),
-                lora_name: Some(LORA),
-                ..Default::default()
-            },
-        );
-        let want: Vec<u64> = compute_seq_hash_for_block(&locals);
+        let want = dynamo_seq(&tokens);
         let data = payloads(n, s as u8 + 1);
         let mut parent = None;
         let mut at = 0usize;
@@ -315,14 +318,24 @@ fn a_chain_offloaded_in_parts_has_dynamos_keys() {
         r.pump_until(&cli, "the parts' Disk stores", |r| {
             r.count(StorageTier::Disk, true) == stored_blocks
         });
-        assert_eq!(r.score(StorageTier::Disk, &tokens), n as u32, "split {split:?}");
-        let dynamo_keys: Vec<kvtier_client::BlockKey> =
-            want.iter().map(|&v| kvtier_client::BlockKey::from_u64(v)).collect();
+        assert_eq!(
+            r.score(StorageTier::Disk, &tokens),
+            n as u32,
+            "split {split:?}"
+        );
+        let dynamo_keys: Vec<kvtier_client::BlockKey> = want
+            .iter()
+            .map(|&v| kvtier_client::BlockKey::from_u64(v))
+            .collect();
         assert_eq!(h.lookup(&dynamo_keys).prefix_len(), n, "split {split:?}");
     }
     // Every announced block's parent is the block before it in its chain.
     let mut parent_of: HashMap<u64, Option<u64>> = HashMap::new();
-    for e in r.events.iter().filter(|e| e.storage_tier == StorageTier::Disk) {
+    for e in r
+        .events
+        .iter()
+        .filter(|e| e.storage_tier == StorageTier::Disk)
+    {
         if let KvCacheEventData::Stored(st) = &e.event.data {
             let mut p = st.parent_hash.map(|p| p.0);
             for b in &st.blocks {
@@ -336,15 +349,7 @@ fn a_chain_offloaded_in_parts_has_dynamos_keys() {
         let tokens: Vec<u32> = (0..(n * bt) as u32)
             .map(|t| 60_000 + t + 1000 * s as u32)
             .collect();
-        let want = compute_seq_hash_for_block(&compute_block_hash_for_seq(
-            &tokens,
-            BLOCK_TOKENS,
-            BlockHashOptions {
-                cache_namespace: Some(SALT),
-                lora_name: Some(LORA),
-                ..Default::default()
-            },
-        ));
+        let want = dynamo_seq(&tokens);
         for (i, k) in want.iter().enumerate() {
             let expect = (i > 0).then(|| want[i - 1]);
             assert_eq!(parent_of.get(k), Some(&expect), "split {split:?} block {i}");
