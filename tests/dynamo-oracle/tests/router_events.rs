@@ -285,12 +285,14 @@ fn a_chain_offloaded_in_parts_has_dynamos_keys() {
     // Three requests, each split its own way (block counts per part).
     let splits: [&[usize]; 3] = [&[2, 2], &[1, 3, 1, 2], &[4, 1]];
     let mut stored_blocks = 0usize;
+    let mut chains: Vec<Vec<u64>> = Vec::new();
     for (s, split) in splits.iter().enumerate() {
         let n: usize = split.iter().sum();
         let tokens: Vec<u32> = (0..(n * bt) as u32)
             .map(|t| 60_000 + t + 1000 * s as u32)
             .collect();
         let want = dynamo_seq(&tokens);
+        chains.push(want.clone());
         let data = payloads(n, s as u8 + 1);
         let mut parent = None;
         let mut at = 0usize;
@@ -344,12 +346,7 @@ fn a_chain_offloaded_in_parts_has_dynamos_keys() {
             }
         }
     }
-    for (s, split) in splits.iter().enumerate() {
-        let n: usize = split.iter().sum();
-        let tokens: Vec<u32> = (0..(n * bt) as u32)
-            .map(|t| 60_000 + t + 1000 * s as u32)
-            .collect();
-        let want = dynamo_seq(&tokens);
+    for (want, split) in chains.iter().zip(splits) {
         for (i, k) in want.iter().enumerate() {
             let expect = (i > 0).then(|| want[i - 1]);
             assert_eq!(parent_of.get(k), Some(&expect), "split {split:?} block {i}");
