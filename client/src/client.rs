@@ -873,24 +873,37 @@ impl<'a> NsHandle<'a> {
         payloads: &[&[u8]],
         hints: Hints,
     ) -> (Vec<BlockKey>, Vec<OffloadOutcome>) {
-        let keys = match self.ns.hash_chain_after(first_parent, tokens) {
-            Ok(k) => k,
-            Err(e) => return (Vec::new(), missed_offloads(&e, payloads.len())),
+        // Dynamo mode: one pass gives both the keys and the routing facts.
+        let refused = |e: &Error| (Vec::new(), missed_offloads(e, payloads.len()));
+        let dynamo = match self.ns.hash_mode {
+            crate::HashMode::Dynamo => match self.ns.dynamo_blocks_after(first_parent, tokens) {
+                Ok(b) => Some(b),
+                Err(e) => return refused(&e),
+            },
+            _ => None,
+        };
+        let keys: Vec<BlockKey> = match &dynamo {
+            Some(blocks) => blocks
+                .iter()
+                .map(|b| BlockKey::from_u64(b.sequence_hash))
+                .collect(),
+            None => match self.ns.hash_chain_after(first_parent, tokens) {
+                Ok(k) => k,
+                Err(e) => return refused(&e),
+            },
         };
         let n = keys.len().min(payloads.len());
         let mut metas = Vec::with_capacity(n);
-        if self.ns.hash_mode == crate::HashMode::Dynamo {
+        if let Some(blocks) = &dynamo {
             let bt = self.ns.layout.tokens_per_block as usize;
-            if let Ok(blocks) = self.ns.dynamo_blocks_after(first_parent, tokens) {
-                let mut parent = first_parent.and_then(|k| k.as_u64());
-                for (i, b) in blocks.iter().take(n).enumerate() {
-                    metas.push(Some(crate::block::DynamoMeta {
-                        parent,
-                        tokens_hash: b.tokens_hash,
-                        token_ids: tokens[i * bt..(i + 1) * bt].to_vec(),
-                    }));
-                    parent = Some(b.sequence_hash);
-                }
+            let mut parent = first_parent.and_then(|k| k.as_u64());
+            for (i, b) in blocks.iter().take(n).enumerate() {
+                metas.push(Some(crate::block::DynamoMeta {
+                    parent,
+                    tokens_hash: b.tokens_hash,
+                    token_ids: tokens[i * bt..(i + 1) * bt].to_vec(),
+                }));
+                parent = Some(b.sequence_hash);
             }
         }
         let blocks = chain_blocks(first_parent, &keys[..n], payloads, hints);

@@ -340,7 +340,8 @@ impl Namespace {
     /// Keys of every full block of `tokens` when they follow the block
     /// `parent` (None: they start a chain). However a token list is split,
     /// hashing each part after the last key of the part before gives the
-    /// keys of hashing the whole list (docs/FORMAT.md, "Chains"). Refuses a
+    /// keys of hashing the whole list (docs/FORMAT.md, "Sequence hashes",
+    /// chains in parts). Refuses a
     /// parent that cannot be a key of this namespace's mode (32 bytes in
     /// blake3 mode, 8 in dynamo mode). Opaque namespaces get no keys.
     pub fn hash_chain_after(
