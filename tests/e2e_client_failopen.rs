@@ -129,3 +129,59 @@ fn a_silent_daemon_is_a_timeout_miss_within_the_deadline() {
     assert_eq!(l.miss.unwrap().cause, MissCause::Unavailable);
     assert!(start.elapsed() < Duration::from_millis(500));
 }
+
+/// A daemon that is gone is tried again on the next call, so one that
+/// comes back is reached at once, inside the reconnect back-off (the vLLM,
+/// SGLang and LMCache dead-daemon tests missed their first calls after a
+/// fast restart). A daemon that is there but silent still backs off: no
+/// call waits out its deadline again within the back-off.
+#[test]
+fn a_restarted_daemon_is_reached_at_once_and_a_hung_one_backs_off() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("s");
+    let mut cfg = ClientConfig::new(&sock);
+    cfg.region_bytes = 1 << 20;
+    cfg.timeout_ms = 300;
+    cfg.reconnect_backoff_ms = 600_000;
+    let c = Client::with_config(cfg);
+    let key = [BlockKey::from_u64(1)];
+    // Nothing at the path, then a socket file whose daemon is gone.
+    let e = c.ensure_connected().unwrap_err().to_string();
+    assert!(!e.contains("backoff"), "{e}");
+    drop(UnixListener::bind(&sock).unwrap());
+    let e = c.ensure_connected().unwrap_err().to_string();
+    assert!(!e.contains("backoff"), "a gone daemon is tried again: {e}");
+    // The daemon comes back: reached by the next call.
+    std::fs::remove_file(&sock).unwrap();
+    let l = UnixListener::bind(&sock).unwrap();
+    let t = std::thread::spawn(move || fake_daemon(l, true));
+    let mut buf = vec![0u8; BLOCK];
+    let r = c.namespace(&ns()).onboard_into(&key, &mut [&mut buf[..]]);
+    // The fake daemon answers with a corrupt block: reaching it is the point.
+    assert!(
+        matches!(&r[0], Onboarded::Miss(m) if m.cause == MissCause::Corrupt),
+        "the restarted daemon was not reached: {r:?}"
+    );
+    drop(c);
+    t.join().unwrap();
+
+    // A silent daemon: the call times out, and the next one backs off
+    // instead of waiting out another deadline.
+    let sock2 = dir.path().join("s2");
+    let l = UnixListener::bind(&sock2).unwrap();
+    let t = std::thread::spawn(move || fake_daemon(l, false));
+    let mut cfg = ClientConfig::new(&sock2);
+    cfg.region_bytes = 1 << 20;
+    cfg.timeout_ms = 300;
+    cfg.reconnect_backoff_ms = 600_000;
+    let c = Client::with_config(cfg);
+    let r = c.namespace(&ns()).onboard_into(&key, &mut [&mut buf[..]]);
+    assert!(
+        matches!(&r[0], Onboarded::Miss(m) if m.cause == MissCause::Timeout),
+        "{r:?}"
+    );
+    let e = c.ensure_connected().unwrap_err().to_string();
+    assert!(e.contains("reconnect backoff"), "{e}");
+    drop(c);
+    t.join().unwrap();
+}

@@ -6,8 +6,10 @@
 //! dead daemon, a timeout, a refused request, a corrupt block or a storage
 //! failure comes back as a [`Miss`] with its [`MissCause`], so the engine
 //! simply recomputes. After a failure the connection is dropped and the next
-//! call reconnects by itself (at most one attempt per
-//! [`ClientConfig::reconnect_backoff_ms`]).
+//! call reconnects by itself: at once when the daemon was gone (a refused
+//! connect costs microseconds, and a restarted daemon is reached on the
+//! next call), at most once per [`ClientConfig::reconnect_backoff_ms`]
+//! after a timeout or a refusal by a daemon that is there.
 //!
 //! **Integrity.** The client verifies what it onboards itself, whatever the
 //! mode: it decodes and validates the block header the daemon placed in the
@@ -56,7 +58,8 @@ pub struct ClientConfig {
     /// Onboard by reading the block file from a passed fd instead of having
     /// the daemon copy into the region.
     pub direct_read: bool,
-    /// Minimum pause between reconnect attempts.
+    /// Minimum pause between reconnect attempts after a timeout or a
+    /// refusal (a daemon that is gone is tried again on the next call).
     pub reconnect_backoff_ms: u64,
 }
 
@@ -201,11 +204,23 @@ struct Conn {
     next_req: u32,
 }
 
+/// Whether a failure starts the reconnect back-off. A daemon that is gone
+/// (nothing listening, the connection broken or reset: `Unavailable`)
+/// costs the next call one refused connect, microseconds, and a daemon
+/// that came back is reached at once; without that the first calls after
+/// every restart missed for nothing. A daemon that is there but hung or
+/// refusing (a timeout, an error reply, a protocol failure) would make
+/// every call wait out its deadline or redo the hello: those back off.
+fn backs_off(e: &Error) -> bool {
+    !matches!(e, Error::Unavailable { .. })
+}
+
 /// A connection to `kvtierd` that reconnects by itself. Calls on one
 /// `Client` are serialised; open one per worker thread for parallelism.
 pub struct Client {
     cfg: ClientConfig,
     conn: Mutex<Option<Conn>>,
+    /// When a call last failed in a way the back-off applies to.
     last_failure: Mutex<Option<Instant>>,
     /// A region that outlives connections (set by [`Client::alloc_pool`]):
     /// every (re)connect hands the daemon this one instead of a fresh one.
@@ -295,10 +310,9 @@ impl Client {
         }
         let r = self.open_now();
         if let Ok(mut lf) = self.last_failure.lock() {
-            *lf = if r.is_err() {
-                Some(Instant::now())
-            } else {
-                None
+            *lf = match &r {
+                Err(e) if backs_off(e) => Some(Instant::now()),
+                _ => None,
             };
         }
         r
@@ -434,8 +448,10 @@ impl Client {
             Ok((resp, fds)) => f(conn.region.as_deref(), resp, fds),
             Err(e) => {
                 *g = None;
-                if let Ok(mut lf) = self.last_failure.lock() {
-                    *lf = Some(Instant::now());
+                if backs_off(&e) {
+                    if let Ok(mut lf) = self.last_failure.lock() {
+                        *lf = Some(Instant::now());
+                    }
                 }
                 Err(e)
             }
