@@ -383,3 +383,166 @@ fn docs_name_only_commands_and_flags_that_exist() {
     }
     assert!(checked > 5, "{lines:?}");
 }
+
+/// `kvtier events` as an operator runs it, its stdout lines collected by a
+/// thread (so the test never blocks on a stopped follower).
+struct Follower {
+    child: std::process::Child,
+    lines: std::sync::mpsc::Receiver<String>,
+    seen: Vec<String>,
+}
+
+impl Follower {
+    fn start(socket: &std::path::Path) -> Follower {
+        let mut child = Command::new(kvtier())
+            .args(["events"])
+            .env("KVTIER_SOCKET", socket)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let out = child.stdout.take().unwrap();
+        let (tx, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            use std::io::BufRead;
+            for l in std::io::BufReader::new(out).lines() {
+                let Ok(l) = l else { return };
+                if tx.send(l).is_err() {
+                    return;
+                }
+            }
+        });
+        Follower {
+            child,
+            lines,
+            seen: Vec::new(),
+        }
+    }
+
+    fn signal(&self, sig: nix::sys::signal::Signal) {
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.child.id() as i32), sig).unwrap();
+    }
+
+    /// Waits (generously: a loaded 2-core box) for a line naming `key`,
+    /// failing if the follower exits first.
+    fn wait_for(&mut self, key: &kvtier_client::BlockKey, what: &str) {
+        let hex = key.to_hex();
+        let t = std::time::Instant::now();
+        while !self.seen.iter().any(|l| l.contains(&hex)) {
+            match self
+                .lines
+                .recv_timeout(std::time::Duration::from_millis(200))
+            {
+                Ok(l) => self.seen.push(l),
+                Err(_) => {
+                    if let Some(st) = self.child.try_wait().unwrap() {
+                        let mut err = String::new();
+                        use std::io::Read;
+                        let _ = self.child.stderr.take().unwrap().read_to_string(&mut err);
+                        panic!("`kvtier events` exited ({st}) before {what}: {err}");
+                    }
+                    assert!(
+                        t.elapsed() < std::time::Duration::from_secs(120),
+                        "no event for {what} within 120 s"
+                    );
+                }
+            }
+        }
+    }
+}
+
+impl Drop for Follower {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn tiny_ns() -> kvtier_client::Namespace {
+    kvtier_client::Namespace::new(
+        "e2e-events",
+        kvtier_client::KvLayout::with_block_bytes(4096).unwrap(),
+        "",
+        "t",
+    )
+    .unwrap()
+}
+
+/// Offloads `n` chained 4 KiB blocks (in batches) from token `first` on;
+/// returns their keys.
+fn offload_tiny(socket: &std::path::Path, first: u32, n: usize) -> Vec<kvtier_client::BlockKey> {
+    let c = kvtier_client::Client::connect(socket).unwrap();
+    let ns = tiny_ns();
+    let h = c.namespace(&ns);
+    let tokens: Vec<u32> = (first..first + n as u32 * 16).collect();
+    let keys = h.hash_chain(&tokens);
+    let data = vec![7u8; 4096];
+    let mut parent = None;
+    for part in keys.chunks(256) {
+        let refs: Vec<&[u8]> = part.iter().map(|_| &data[..]).collect();
+        let out = h.offload_chain(parent, part, &refs, kvtier_client::Hints::default());
+        assert!(
+            out.iter()
+                .all(|o| *o == kvtier_client::OffloadOutcome::Stored),
+            "{out:?}"
+        );
+        parent = part.last().copied();
+    }
+    keys
+}
+
+/// A follower stopped and continued (SIGSTOP/SIGCONT, as a shell's ^Z and
+/// `fg` do) goes on following: its recv with a timeout fails with EINTR
+/// on the continue, which is no error. Several cycles, each while the
+/// follower waits in that recv (it is idle and caught up).
+#[test]
+fn kvtier_events_survives_stop_and_continue() {
+    use nix::sys::signal::Signal;
+    let d = Daemon::start();
+    let mut f = Follower::start(&d.socket);
+    // Subscribed and caught up once the first store shows.
+    let k0 = offload_tiny(&d.socket, 0, 1);
+    f.wait_for(&k0[0], "the first store");
+    for i in 0..3u32 {
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        f.signal(Signal::SIGSTOP);
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        f.signal(Signal::SIGCONT);
+        let k = offload_tiny(&d.socket, 1_000_000 * (i + 1), 1);
+        f.wait_for(&k[0], "a store after SIGSTOP/SIGCONT");
+    }
+}
+
+/// A follower that stops reading for many times the daemon's write
+/// timeout, while thousands of events go by, is not disconnected: once it
+/// reads again it is told it lagged and then gets the events that follow.
+#[test]
+fn a_stalled_events_follower_gets_lagged_and_is_never_dropped() {
+    use nix::sys::signal::Signal;
+    // A short write timeout: the old server dropped a follower whose
+    // socket stayed full that long.
+    let d = Daemon::start_with(
+        &[],
+        &[("KVTIERD_SERVER_IO_TIMEOUT_MS".into(), "300".into())],
+    );
+    let mut f = Follower::start(&d.socket);
+    let k0 = offload_tiny(&d.socket, 0, 1);
+    f.wait_for(&k0[0], "the first store");
+    f.signal(Signal::SIGSTOP);
+    // More than the bus queues for one subscriber (4096) plus what its
+    // socket holds: the socket fills, the daemon waits on it, the bus
+    // drops the rest.
+    let flood = kvtier_daemon::events::QUEUE_DEPTH + 1024;
+    offload_tiny(&d.socket, 10_000_000, flood);
+    // Stalled for 10x the write timeout with the socket full.
+    std::thread::sleep(std::time::Duration::from_secs(3));
+    f.signal(Signal::SIGCONT);
+    let marker = offload_tiny(&d.socket, 20_000_000, 1);
+    f.wait_for(&marker[0], "the store after the stall");
+    assert!(
+        f.seen.iter().any(|l| l.contains("\"lagged\"")),
+        "no lag notice among {} lines",
+        f.seen.len()
+    );
+    assert!(f.child.try_wait().unwrap().is_none(), "the follower exited");
+}

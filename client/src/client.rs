@@ -721,10 +721,15 @@ impl EventStream {
                 )))
             }
             Ok(_) => {}
+            // A signal (a stop and continue, SIGSTOP/SIGCONT, makes a recv
+            // with a timeout fail with EINTR even without a handler) is no
+            // event yet, not the end of the stream.
             Err(e)
                 if matches!(
                     e.kind(),
-                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    std::io::ErrorKind::WouldBlock
+                        | std::io::ErrorKind::TimedOut
+                        | std::io::ErrorKind::Interrupted
                 ) =>
             {
                 return Ok(None)

@@ -8,7 +8,6 @@ use crate::access::Grant;
 use crate::error::Error;
 use crate::tier::{Lookup, MissReason, PutOutcome};
 use kvtier_client::block::HEADER_BYTES;
-use kvtier_client::events::{KvEvent, KvEventData, StorageTier};
 use kvtier_client::proto::{
     self, code, ItemStatus, OnboardMode, OnboardResult, RecvError, Request, Response, KEYS_MAX,
 };
@@ -912,65 +911,7 @@ impl Conn<'_> {
     }
 
     fn event_loop(&self, sub: &crate::events::Subscription) {
-        use std::sync::mpsc::RecvTimeoutError;
-        loop {
-            if self.sh.shutdown.load(Ordering::SeqCst) {
-                return;
-            }
-            match sub.rx.recv_timeout(Duration::from_millis(200)) {
-                Ok(ev) => {
-                    let dropped = sub.take_dropped();
-                    if dropped > 0 {
-                        let lag = Response::Event(KvEvent {
-                            event_id: 0,
-                            namespace: NamespaceId([0; 16]),
-                            storage_tier: StorageTier::Disk,
-                            data: KvEventData::Lagged { dropped },
-                            dynamo_worker: None,
-                        });
-                        if !send(self.fd, &lag, 0, 0, &[]) {
-                            return;
-                        }
-                    }
-                    // A tenant sees only its namespaces' events.
-                    if !self.who.grant.may(&ev.namespace) {
-                        continue;
-                    }
-                    if !send(self.fd, &Response::Event((*ev).clone()), 0, 0, &[]) {
-                        return;
-                    }
-                }
-                Err(RecvTimeoutError::Timeout) => {
-                    if self.peer_gone() {
-                        return;
-                    }
-                }
-                Err(RecvTimeoutError::Disconnected) => return,
-            }
-        }
-    }
-
-    /// Whether the peer closed (a subscriber sends nothing, so EOF is the
-    /// only signal we get between events).
-    fn peer_gone(&self) -> bool {
-        let mut b = [0u8; 1];
-        // SAFETY: valid fd, one-byte buffer.
-        let n = unsafe {
-            libc::recv(
-                self.fd,
-                b.as_mut_ptr() as *mut libc::c_void,
-                1,
-                libc::MSG_PEEK | libc::MSG_DONTWAIT,
-            )
-        };
-        if n == 0 {
-            return true;
-        }
-        n < 0
-            && !matches!(
-                std::io::Error::last_os_error().kind(),
-                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted
-            )
+        super::follow::serve(self.fd, sub, &self.who.grant, &self.sh.shutdown);
     }
 }
 

@@ -13,6 +13,7 @@
 
 pub mod backend;
 mod conn;
+mod follow;
 mod mem;
 mod onboard;
 mod quota;
