@@ -120,6 +120,7 @@ impl Backend for Node {
             .unwrap_or(Ok(PutOutcome::AlreadyPresent))?;
         if outcome == PutOutcome::Stored {
             super::events::g3_stored(&self.events, ns, header, parent);
+            self.note_parent(ns, header, parent, hints);
             self.admit(ns, &header.key, AdmissionEvent::Stored, hints, false);
         }
         Ok(outcome)
@@ -148,6 +149,7 @@ impl Backend for Node {
             if matches!(r, Ok(PutOutcome::Stored)) {
                 let key = &b.header.key;
                 super::events::g3_stored(&self.events, ns, &b.header, b.parent);
+                self.note_parent(ns, &b.header, b.parent, b.hints);
                 self.admit(ns, key, AdmissionEvent::Stored, b.hints, false);
             }
         }

@@ -72,15 +72,21 @@ pub(super) fn g3_stored(
     }
 }
 
-/// A block became safe in G4 (uploaded by this node, or found there).
-pub(super) fn g4_stored(slot: &Slot, ns: &NamespaceId, header: &BlockHeader) {
+/// A block became safe in G4 (uploaded by this node, or found there),
+/// under `parent` (else its header's).
+pub(super) fn g4_stored(
+    slot: &Slot,
+    ns: &NamespaceId,
+    header: &BlockHeader,
+    parent: Option<BlockKey>,
+) {
     let Ok(g) = slot.read() else { return };
     if let Some(bus) = g.as_ref() {
         bus.publish(
             *ns,
             StorageTier::External,
             KvEventData::Stored {
-                parent_hash: parent_of(header, None),
+                parent_hash: parent_of(header, parent),
                 blocks: vec![stored_block(header)],
             },
         );

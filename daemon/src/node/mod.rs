@@ -191,6 +191,8 @@ pub struct Node {
     admission: G4Admission,
     events: Arc<RwLock<Option<EventBus>>>,
     listeners: events::Listeners,
+    /// Orders External events (offloads tell it parents their headers lack).
+    g4_order: Option<Arc<g4_order::G4Order>>,
     /// Where recently promoted blocks came from, so the read that follows
     /// the promoting lease reports the tier that actually delivered them.
     promoted: Mutex<(PromotedMemo, u64)>,
@@ -265,13 +267,14 @@ impl Node {
             )?));
         }
         let g4_enqueued = Arc::new(AtomicU64::new(0));
+        let mut g4_order = None;
         if let Some(g4) = &g4_store {
             // Bounded by g4.startup_check_timeout_ms; a failure is logged,
             // counted and shown by /healthz, never fatal.
             if g4.startup_check().is_ok() {
                 tracing::info!(url = %g4.config().url, "G4 start-up check passed");
             }
-            uplink::start(&g3, g4, events.clone())?;
+            g4_order = Some(uplink::start(&g3, g4, events.clone())?);
         }
         let mut node_id = String::from("local");
         let mut peer_fanout = 1;
@@ -305,6 +308,7 @@ impl Node {
             admission: cfg.admission,
             events,
             listeners,
+            g4_order,
             promoted: Mutex::new((HashMap::new(), 0)),
             leases: Mutex::new(HashMap::new()),
             pins: Mutex::new(HashMap::new()),

@@ -466,3 +466,56 @@ fn promotions_yield_to_fetches_in_flight() {
     assert!(b.wait_promotions(Duration::from_secs(5)));
     assert!(b.g3().stat(&id, &h.key).is_some());
 }
+
+/// A blake3 chain's headers name no parent, and uploads finish in any
+/// order: the External stores still come parent first, each with the
+/// parent its offload gave (issue #27).
+#[test]
+fn external_stores_of_a_blake3_chain_come_in_order_with_their_parents() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = node(dir.path(), true, None);
+    let bus = EventBus::new();
+    let sub = bus.subscribe().unwrap();
+    n.attach_events(bus);
+    let id = ns().id();
+    const CHAIN: u64 = 24;
+    let blocks: Vec<_> = (0..CHAIN).map(block).collect();
+    for (i, (h, p)) in blocks.iter().enumerate() {
+        assert!(h.dynamo.is_none());
+        let parent = i.checked_sub(1).map(|j| blocks[j].0.key);
+        n.offload(&id, h, p, parent, Hints::default()).unwrap();
+    }
+    assert!(n.g4().unwrap().flush(Duration::from_secs(30)));
+    let mut external = Vec::new();
+    let t = Instant::now();
+    while external.len() < CHAIN as usize {
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "External stores: {external:?}"
+        );
+        if let Ok(e) = sub.rx.recv_timeout(Duration::from_millis(50)) {
+            if e.storage_tier == StorageTier::External {
+                if let KvEventData::Stored {
+                    parent_hash,
+                    blocks,
+                } = &e.data
+                {
+                    external.push((blocks[0].block_hash, *parent_hash));
+                }
+            }
+        }
+    }
+    let mut announced = std::collections::HashSet::new();
+    for (key, parent) in &external {
+        let i = blocks.iter().position(|(h, _)| h.key == *key).unwrap();
+        let want = i.checked_sub(1).map(|j| blocks[j].0.key);
+        assert_eq!(*parent, want, "block {i}'s parent: {external:?}");
+        if let Some(p) = parent {
+            assert!(
+                announced.contains(p),
+                "block {i} before its parent: {external:?}"
+            );
+        }
+        announced.insert(*key);
+    }
+}

@@ -26,8 +26,13 @@ use kvtier_client::{BlockHeader, BlockKey, Hints, NamespaceId};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-/// Starts G4's upload workers over `g3`.
-pub(super) fn start(g3: &Arc<G3Store>, g4: &Arc<G4Store>, slot: Slot) -> Result<()> {
+/// Starts G4's upload workers over `g3`; the orderer of their External
+/// events is returned (offloads tell it their parents).
+pub(super) fn start(
+    g3: &Arc<G3Store>,
+    g4: &Arc<G4Store>,
+    slot: Slot,
+) -> Result<Arc<super::g4_order::G4Order>> {
     // The sweeper's TTL and capacity deletions are `Removed` in External,
     // and G3 forgets its `in_g4` mark for them: a restart must not
     // announce a G4 copy that is gone (and the block may be written
@@ -58,6 +63,7 @@ pub(super) fn start(g3: &Arc<G3Store>, g4: &Arc<G4Store>, slot: Slot) -> Result<
         }
     };
     let order = Arc::new(super::g4_order::G4Order::new(g3.clone(), slot));
+    let ordered = order.clone();
     let on_uploaded = Arc::new(
         move |ns: &NamespaceId, key: &BlockKey, outcome: UploadOutcome| {
             if !outcome.is_safe_in_g4() {
@@ -74,7 +80,8 @@ pub(super) fn start(g3: &Arc<G3Store>, g4: &Arc<G4Store>, slot: Slot) -> Result<
             tokio::task::spawn_blocking(move || order.uploaded(&ns, &key));
         },
     );
-    g4.start_uploader(Arc::new(source), Some(on_uploaded))
+    g4.start_uploader(Arc::new(source), Some(on_uploaded))?;
+    Ok(ordered)
 }
 
 /// A G3 block's header, checksum-verified (a buffered 4 KiB read; the
@@ -89,6 +96,24 @@ pub(super) fn read_header(g3: &G3Store, ns: &NamespaceId, key: &BlockKey) -> Opt
 
 impl Node {
     /// Queues a block for upload when admission says so.
+    /// An offload stored `header`'s block under `parent`: when its header
+    /// names no parent (blake3 namespaces), the External event of its
+    /// upload gets this one (ephemeral blocks are never uploaded).
+    pub(super) fn note_parent(
+        &self,
+        ns: &NamespaceId,
+        header: &BlockHeader,
+        parent: Option<BlockKey>,
+        hints: Hints,
+    ) {
+        let (Some(order), Some(parent)) = (&self.g4_order, parent) else {
+            return;
+        };
+        if !hints.ephemeral && header.dynamo.as_ref().and_then(|d| d.parent).is_none() {
+            order.stored(ns, &header.key, parent);
+        }
+    }
+
     pub(super) fn admit(
         &self,
         ns: &NamespaceId,
