@@ -133,6 +133,10 @@ replay_batches_max = 10000
 # Blocks a start-up announces (after AllBlocksCleared) at most.
 announce_blocks_max = 1000000
 # dp_rank = 0
+# An empty batch after this long without one, so a subscriber that
+# reconnected across a restart (or lost batches) sees the sequence gap and
+# asks the replay socket at once; 0: none.
+heartbeat_ms = 1000
 # Namespaces published, with the Dynamo salt and LoRA name their workers use:
 # [[events.zmq.namespaces]]
 # id = "0123456789abcdef0123456789abcdef"
@@ -478,6 +482,10 @@ pub struct ZmqSection {
     pub announce_blocks_max: usize,
     /// `data_parallel_rank` of every batch (unset: nil, the listener's own).
     pub dp_rank: Option<u32>,
+    /// An empty batch after this long without a batch (0: none): a
+    /// subscriber that missed batches, or reconnected across a restart,
+    /// sees the gap without waiting for the next store.
+    pub heartbeat_ms: u64,
     /// Allow a TCP endpoint on an address other than loopback (the events
     /// carry token ids, as sensitive as the KV itself).
     pub allow_non_loopback: bool,
@@ -499,6 +507,7 @@ impl Default for ZmqSection {
             replay_batches_max: 10_000,
             announce_blocks_max: 1_000_000,
             dp_rank: None,
+            heartbeat_ms: 1000,
             allow_non_loopback: false,
             ipc_mode: "0600".into(),
             namespaces: Vec::new(),
@@ -555,6 +564,12 @@ impl ZmqSection {
             return Err(bad(
                 "events.zmq.replay_batches_max",
                 "must be between 1 and 1000000",
+            ));
+        }
+        if self.heartbeat_ms > 3_600_000 {
+            return Err(bad(
+                "events.zmq.heartbeat_ms",
+                "must be at most 3600000 (0: no heartbeat)",
             ));
         }
         if self.namespaces.is_empty() {

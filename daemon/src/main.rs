@@ -292,6 +292,7 @@ fn run() -> Result<()> {
             replay_batches_max: z.replay_batches_max,
             announce_blocks_max: z.announce_blocks_max,
             dp_rank: z.dp_rank,
+            heartbeat_ms: z.heartbeat_ms,
             ipc_mode: z.ipc_mode_bits()?,
             published,
         };

@@ -97,6 +97,7 @@ const SCRAPED_COUNTERS: &[(&str, &str, &[&str])] = &[
     ("kvtier_events_zmq_resyncs_total", "ZMQ publisher restarts with AllBlocksCleared and the holdings", &[]),
     ("kvtier_events_zmq_announce_truncated_total", "Holdings announcements cut at their size bound", &[]),
     ("kvtier_events_zmq_orphans_total", "Held blocks left out of an announcement (parent not held)", &[]),
+    ("kvtier_events_zmq_heartbeats_total", "Empty ZMQ batches sent while idle (events.zmq.heartbeat_ms)", &[]),
     ("kvtier_events_zmq_replays_total", "Replay requests answered", &[]),
     ("kvtier_events_zmq_replay_snapshots_total", "Replays answered with a holdings snapshot (asked-for batches no longer kept)", &[]),
     ("kvtier_events_zmq_send_errors_total", "ZMQ sends that failed", &[]),

@@ -17,6 +17,8 @@ support = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(support)
 
 Daemon = support.Daemon
+# Daemons a test starts itself (its own config), closed after it.
+start_daemon = support.start_daemon
 
 
 @pytest.fixture

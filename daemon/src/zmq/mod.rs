@@ -1,12 +1,15 @@
-//! KV events on vLLM's ZMQ wire, for an NVIDIA Dynamo router (`[events.zmq]`).
+//! KV events on vLLM 0.33.0's ZMQ wire (`[events.zmq]`), for NVIDIA
+//! Dynamo's router and any consumer written against vLLM's types.
 //!
-//! Dynamo's router ingests a worker's KV events from a ZMQ PUB socket:
-//! multipart messages `[topic, seq (u64 big-endian), payload]`, the payload
-//! a msgpack `KVEventBatch` ([`wire`]), and a ROUTER socket beside it that
-//! answers "replay from seq N" with `[seq, payload]` frames and an empty
-//! payload as the end. kvtierd speaks exactly that (vLLM's
-//! `ZmqEventPublisher` is the model), proven against Dynamo's own decoder,
-//! radix indexer and standalone indexer in tests/dynamo-oracle.
+//! A PUB socket sends multipart messages `[topic, seq (u64 big-endian),
+//! payload]`, the payload a msgpack `KVEventBatch` ([`wire`]); a ROUTER
+//! socket beside it answers "replay from seq N" (`[identity, "", N]`) as
+//! vLLM 0.33.0's `ZmqEventPublisher` does: `[identity, "", topic, seq,
+//! payload]` per batch, then `[identity, "", "", -1, ""]` as the end.
+//! Proven with vLLM's own `msgspec` decoder
+//! (client/python/tests_engines/test_zmq_events.py) and with Dynamo
+//! 1.6.1's decoder, normalizer, radix indexer and standalone indexer
+//! (tests/dynamo-oracle).
 //!
 //! - Only the namespaces configured are published, each with the salt and
 //!   LoRA name its workers hash with ([`convert`]); blocks whose routing
@@ -23,12 +26,19 @@
 //!   and those of them G4 has a copy of as EXTERNAL, so a router that knew
 //!   the node before the restart forgets what went away. Blocks only in G4
 //!   (evicted from G3) are not announced again until they are uploaded or
-//!   fetched: after a restart the router under-reports G4, never over. Sequence numbers start at the clock
-//!   (microseconds since the Unix epoch), above every earlier run's: a
-//!   consumer sees a gap, not stale numbers, and asks for a replay.
+//!   fetched: after a restart the router under-reports G4, never over.
+//!   Sequence numbers start at the clock (microseconds since the Unix
+//!   epoch), above every earlier run's: a consumer sees a gap, not stale
+//!   numbers, and asks for a replay.
+//! - A subscriber connected across a restart reconnects after the
+//!   start-up's batches went out: after `heartbeat_ms` without a batch the
+//!   publisher sends an empty one, whose number shows the gap, so the
+//!   subscriber asks for a replay without waiting for the next store.
 //! - Replay keeps the last `replay_batches_max` batches; a request older
-//!   than them is answered with a fresh `AllBlocksCleared` and holdings
-//!   first, then the batches kept.
+//!   than them is answered with a fresh `AllBlocksCleared` and the
+//!   holdings instead, numbered contiguously up to the newest batch sent
+//!   (the live stream goes on from the next number), so a Dynamo listener
+//!   finds the replay in order with nothing missing.
 
 mod convert;
 mod publisher;
@@ -60,6 +70,8 @@ pub struct ZmqOptions {
     pub announce_blocks_max: usize,
     /// `data_parallel_rank` of each batch.
     pub dp_rank: Option<u32>,
+    /// An empty batch after this long without one (0: none).
+    pub heartbeat_ms: u64,
     /// Permission bits of `ipc://` socket files.
     pub ipc_mode: u32,
     /// The namespaces covered.
@@ -87,6 +99,8 @@ pub struct ZmqStats {
     /// Holdings not announced because a parent is not held (a router
     /// would refuse them).
     pub orphans: AtomicU64,
+    /// Empty batches sent while idle.
+    pub heartbeats: AtomicU64,
     /// Replay requests answered.
     pub replays: AtomicU64,
     /// Replays that began with holdings (asked for batches no longer kept).
@@ -108,6 +122,7 @@ impl ZmqStats {
             ("resyncs", g(&self.resyncs)),
             ("announce_truncated", g(&self.announce_truncated)),
             ("orphans", g(&self.orphans)),
+            ("heartbeats", g(&self.heartbeats)),
             ("replays", g(&self.replays)),
             ("replay_snapshots", g(&self.replay_snapshots)),
             ("send_errors", g(&self.send_errors)),

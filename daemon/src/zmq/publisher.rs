@@ -51,6 +51,43 @@ impl Ring {
             .collect();
         (v, gone)
     }
+
+    /// The newest batch's sequence number.
+    fn newest(&self) -> Option<u64> {
+        self.batches.back().map(|(s, _)| *s)
+    }
+}
+
+/// A snapshot's batches, merged into at most `room` (at least one).
+fn pack(batches: Vec<Vec<WireEvent>>, room: u64) -> Vec<Vec<WireEvent>> {
+    let room = room.max(1);
+    if batches.len() as u64 <= room {
+        return batches;
+    }
+    let all: Vec<WireEvent> = batches.into_iter().flatten().collect();
+    let per = all.len().div_ceil(room as usize).max(1);
+    all.chunks(per).map(<[WireEvent]>::to_vec).collect()
+}
+
+/// The replies to a replay from `start` when batches it needs are gone:
+/// the snapshot (AllBlocksCleared and the holdings, which stand for every
+/// kept batch too) numbered so that it ends at `newest`, the newest batch
+/// sent, contiguous and never above it: the consumer's next live batch is
+/// then `newest + 1`, as a Dynamo listener's replay check wants (batches
+/// in order, none missing; `first > start` only says the older ones are
+/// gone). More batches than numbers in `start..=newest` are merged.
+fn numbered_snapshot(
+    snap: Vec<Vec<WireEvent>>,
+    start: u64,
+    newest: u64,
+) -> Vec<(u64, Vec<WireEvent>)> {
+    let packed = pack(snap, newest.saturating_sub(start).saturating_add(1));
+    let first = newest.saturating_add(1).saturating_sub(packed.len() as u64);
+    packed
+        .into_iter()
+        .enumerate()
+        .map(|(i, b)| (first + i as u64, b))
+        .collect()
 }
 
 /// A running publisher; stops when dropped.
@@ -202,6 +239,7 @@ impl ZmqPublisher {
             Bytes::from(opts.topic.clone().into_bytes()),
             seq0,
             opts.dp_rank,
+            Some(Duration::from_millis(opts.heartbeat_ms)).filter(|d| !d.is_zero()),
             stats.clone(),
             stop_rx.clone(),
         ));
@@ -229,7 +267,7 @@ impl ZmqPublisher {
         tracing::info!(
             endpoint = %endpoint,
             replay_endpoint = %replay_endpoint.clone().unwrap_or_default(),
-            "events: ZMQ publisher (vLLM KVEventBatch wire) bound"
+            "events: ZMQ publisher bound (vLLM 0.33.0 KVEventBatch: tagged-map events, topic-framed replay)"
         );
         Ok(ZmqPublisher {
             stats,
@@ -333,14 +371,22 @@ async fn live(
     topic: Bytes,
     seq0: u64,
     dp_rank: Option<u32>,
+    heartbeat: Option<Duration>,
     stats: Arc<ZmqStats>,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
     let mut seq = seq0;
     loop {
+        // Idle for `heartbeat`: an empty batch, so a subscriber that missed
+        // batches (one that reconnected across a restart missed the
+        // start-up's) sees the gap now and asks for a replay.
         let evs = tokio::select! {
             b = rx.recv() => match b { Some(b) => b, None => return },
             _ = stop.changed() => return,
+            _ = idle(heartbeat) => {
+                stats.heartbeats.fetch_add(1, Ordering::Relaxed);
+                Vec::new()
+            }
         };
         count_stored(&evs, &stats);
         let payload = Bytes::from(wire::batch(now_s(), &evs, dp_rank));
@@ -366,6 +412,13 @@ async fn live(
     }
 }
 
+async fn idle(d: Option<Duration>) {
+    match d {
+        Some(d) => tokio::time::sleep(d).await,
+        None => std::future::pending().await,
+    }
+}
+
 /// `[identity, "", start]` (a DEALER's request) or `[identity, start]`.
 fn replay_start(m: &ZmqMessage) -> Option<(Bytes, u64)> {
     let id = m.get(0)?.clone();
@@ -382,6 +435,7 @@ async fn replay(
     stats: Arc<ZmqStats>,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
+    let topic = Bytes::from(opts.topic.clone().into_bytes());
     loop {
         let m = tokio::select! {
             m = sock.recv() => m,
@@ -392,36 +446,41 @@ async fn replay(
             continue;
         };
         stats.replays.fetch_add(1, Ordering::Relaxed);
-        let (kept, gone) = match ring.lock() {
-            Ok(r) => r.since(start),
+        let (kept, newest) = match ring.lock() {
+            Ok(r) => {
+                let (kept, gone) = r.since(start);
+                (kept, r.newest().filter(|_| gone))
+            }
             Err(_) => continue,
         };
-        let mut replies: Vec<(u64, Bytes)> = Vec::new();
-        if gone {
-            // Batches the consumer needs are gone: tell it the present
-            // first (labelled with the first number it asked for), then
-            // what is kept, which is newer.
-            stats.replay_snapshots.fetch_add(1, Ordering::Relaxed);
-            let (p, h, lim, st) = (
-                opts.published.clone(),
-                holdings.clone(),
-                opts.announce_blocks_max,
-                stats.clone(),
-            );
-            let snap = tokio::task::spawn_blocking(move || snapshot(&p, &h, lim, &st))
-                .await
-                .unwrap_or_default();
-            replies.extend(
-                snap.iter()
-                    .map(|b| (start, Bytes::from(wire::batch(now_s(), b, opts.dp_rank)))),
-            );
-        }
-        replies.extend(kept);
+        let replies: Vec<(u64, Bytes)> = match newest {
+            // Batches the consumer needs are gone: the present instead.
+            Some(newest) => {
+                stats.replay_snapshots.fetch_add(1, Ordering::Relaxed);
+                let (p, h, lim, st) = (
+                    opts.published.clone(),
+                    holdings.clone(),
+                    opts.announce_blocks_max,
+                    stats.clone(),
+                );
+                let snap = tokio::task::spawn_blocking(move || snapshot(&p, &h, lim, &st))
+                    .await
+                    .unwrap_or_default();
+                numbered_snapshot(snap, start, newest)
+                    .into_iter()
+                    .map(|(seq, b)| (seq, Bytes::from(wire::batch(now_s(), &b, opts.dp_rank))))
+                    .collect()
+            }
+            None => kept,
+        };
+        // vLLM 0.33.0's framing: `[identity, "", topic, seq, payload]`,
+        // then `[identity, "", "", END_SEQ, ""]`.
         let empty = Bytes::new();
         for (seq, payload) in replies {
             let frames = vec![
                 id.clone(),
                 empty.clone(),
+                topic.clone(),
                 Bytes::copy_from_slice(&seq.to_be_bytes()),
                 payload,
             ];
@@ -433,7 +492,13 @@ async fn replay(
                 break;
             }
         }
-        let end = vec![id, empty.clone(), Bytes::from_static(&END_SEQ), empty];
+        let end = vec![
+            id,
+            empty.clone(),
+            empty.clone(),
+            Bytes::from_static(&END_SEQ),
+            empty,
+        ];
         if let Ok(msg) = ZmqMessage::try_from(end) {
             let _ = sock.send(msg).await;
         }
@@ -482,6 +547,7 @@ mod tests {
             replay_batches_max: 16,
             announce_blocks_max: 100,
             dp_rank: None,
+            heartbeat_ms: 0,
             ipc_mode: 0o600,
             published,
         };
@@ -514,6 +580,38 @@ mod tests {
             stats.lagged_events.load(Ordering::Relaxed),
             crate::events::QUEUE_DEPTH as u64 + 10
         );
+    }
+
+    /// A replay older than the kept batches gets the snapshot numbered
+    /// contiguously up to the newest batch sent (Dynamo's replay check:
+    /// in order, none missing, ending where the live stream goes on),
+    /// merged when the numbers asked for are fewer than its batches.
+    #[test]
+    fn snapshot_replies_are_contiguous_and_end_at_the_newest_batch() {
+        let removed = |h| WireEvent::Removed {
+            hashes: vec![h],
+            tier: StorageTier::Disk,
+        };
+        let snap = || {
+            vec![
+                vec![WireEvent::Cleared],
+                vec![removed(1), removed(2)],
+                vec![removed(3)],
+            ]
+        };
+        let seqs = |v: &[(u64, Vec<WireEvent>)]| v.iter().map(|x| x.0).collect::<Vec<_>>();
+        let all =
+            |v: Vec<(u64, Vec<WireEvent>)>| v.into_iter().flat_map(|x| x.1).collect::<Vec<_>>();
+        let flat: Vec<WireEvent> = snap().into_iter().flatten().collect();
+        let r = numbered_snapshot(snap(), 0, 1_000);
+        assert_eq!(seqs(&r), [998, 999, 1_000]);
+        assert_eq!(all(r), flat);
+        let r = numbered_snapshot(snap(), 999, 1_000);
+        assert_eq!(seqs(&r), [999, 1_000]);
+        assert_eq!(all(r), flat);
+        let r = numbered_snapshot(snap(), 1_000, 1_000);
+        assert_eq!(seqs(&r), [1_000]);
+        assert_eq!(all(r), flat);
     }
 
     #[test]

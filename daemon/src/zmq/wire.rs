@@ -1,21 +1,25 @@
-//! vLLM's KV event wire form, as NVIDIA Dynamo's router decodes it
-//! (`dynamo_kv_router::zmq_wire`, 1.6.1).
+//! The KV event wire form of vLLM 0.33.0 (`vllm/distributed/kv_events.py`),
+//! which vLLM's own `msgspec.msgpack.Decoder(KVEventBatch)` and NVIDIA
+//! Dynamo 1.6.1's router (`dynamo_kv_router::zmq_wire`) both decode.
 //!
-//! vLLM's publisher sends msgspec structs with `array_like=True, tag=True`:
-//! a batch is `[ts, [event, ...], data_parallel_rank]` and each event a
-//! positional array whose first element is its tag. kvtier writes exactly
-//! that shape:
+//! A batch (`KVEventBatch`, `array_like`) is `[ts, [event, ...],
+//! data_parallel_rank]`. Each event is a msgspec tagged struct that is not
+//! `array_like` in 0.33.0: a map whose `type` key holds the tag, then the
+//! fields by name (older vLLM sent positional arrays; 0.33.0's decoder
+//! refuses them, Dynamo reads both):
 //!
-//! - `["BlockStored", block_hashes, parent_block_hash, token_ids,
-//!   block_size, lora_id, medium, lora_name, extra_keys]` (`lora_id` is
-//!   vLLM's old slot, always nil; the cache salt travels in the first
-//!   block's `extra_keys` as `"dynamo-cache-salt:<salt>"`, after the LoRA
-//!   name, which is where Dynamo's decoder looks for it);
-//! - `["BlockRemoved", block_hashes, medium]`;
-//! - `["AllBlocksCleared"]`.
+//! - `{type: "BlockStored", block_hashes, parent_block_hash, token_ids,
+//!   block_size, lora_id, medium, lora_name[, extra_keys]}` (`lora_id` is
+//!   vLLM's retired slot, always nil; the cache salt travels in the first
+//!   block's `extra_keys` entry as `"dynamo-cache-salt:<salt>"`, after the
+//!   LoRA name, which is where Dynamo's decoder looks for it; `extra_keys`
+//!   is left out, as vLLM's encoder leaves out a default, when no salt);
+//! - `{type: "BlockRemoved", block_hashes, medium}`;
+//! - `{type: "AllBlocksCleared"}`.
 //!
 //! `medium` is `"DISK"` for G3 and `"EXTERNAL"` for G4 (Dynamo's
-//! `StorageTier::to_kv_medium`).
+//! `StorageTier::to_kv_medium`). An empty batch (no events) is the
+//! publisher's idle heartbeat.
 
 use kvtier_client::events::StorageTier;
 
@@ -84,6 +88,21 @@ fn uint(out: &mut Vec<u8>, v: u64) {
     let _ = rmp::encode::write_uint(out, v);
 }
 
+fn map(out: &mut Vec<u8>, n: usize) {
+    let _ = rmp::encode::write_map_len(out, n as u32);
+}
+fn opt_str(out: &mut Vec<u8>, s: &str) {
+    if s.is_empty() {
+        nil(out);
+    } else {
+        str(out, s);
+    }
+}
+
+/// One event: a msgspec tagged struct as vLLM 0.33.0's encoder writes it
+/// (`omit_defaults=True`, not `array_like`): a map whose first key is the
+/// tag field `type`, then the declared fields in declaration order; the
+/// required ones always (nil when unset), the defaulted ones only when set.
 fn event(out: &mut Vec<u8>, ev: &WireEvent) {
     match ev {
         WireEvent::Stored {
@@ -94,34 +113,37 @@ fn event(out: &mut Vec<u8>, ev: &WireEvent) {
             lora_name,
             salt,
         } => {
-            arr(out, 9);
+            map(out, 8 + usize::from(!salt.is_empty()));
+            str(out, "type");
             str(out, "BlockStored");
+            str(out, "block_hashes");
             arr(out, blocks.len());
             for b in blocks {
                 uint(out, b.hash);
             }
+            str(out, "parent_block_hash");
             match parent {
                 Some(p) => uint(out, *p),
                 None => nil(out),
             }
+            str(out, "token_ids");
             arr(out, blocks.iter().map(|b| b.token_ids.len()).sum());
             for b in blocks {
                 for t in &b.token_ids {
                     uint(out, u64::from(*t));
                 }
             }
+            str(out, "block_size");
             uint(out, u64::from(*block_size));
-            nil(out); // lora_id: vLLM's retired slot
+            str(out, "lora_id");
+            nil(out); // vLLM's retired slot
+            str(out, "medium");
             str(out, medium(*tier));
-            if lora_name.is_empty() {
-                nil(out);
-            } else {
-                str(out, lora_name);
-            }
-            if salt.is_empty() {
-                nil(out);
-            } else {
+            str(out, "lora_name");
+            opt_str(out, lora_name);
+            if !salt.is_empty() {
                 // Aligned with blocks; only the first carries the salt.
+                str(out, "extra_keys");
                 arr(out, blocks.len());
                 for i in 0..blocks.len() {
                     if i > 0 {
@@ -138,16 +160,20 @@ fn event(out: &mut Vec<u8>, ev: &WireEvent) {
             }
         }
         WireEvent::Removed { hashes, tier } => {
-            arr(out, 3);
+            map(out, 3);
+            str(out, "type");
             str(out, "BlockRemoved");
+            str(out, "block_hashes");
             arr(out, hashes.len());
             for h in hashes {
                 uint(out, *h);
             }
+            str(out, "medium");
             str(out, medium(*tier));
         }
         WireEvent::Cleared => {
-            arr(out, 1);
+            map(out, 1);
+            str(out, "type");
             str(out, "AllBlocksCleared");
         }
     }
@@ -180,7 +206,7 @@ mod tests {
     }
 
     #[test]
-    fn stored_event_has_vllms_positional_shape() {
+    fn events_are_tagged_maps_in_a_positional_batch() {
         let ev = WireEvent::Stored {
             parent: Some(7),
             block_size: 2,
@@ -199,10 +225,9 @@ mod tests {
             salt: "s".into(),
         };
         let v = decode(&batch(1.5, &[ev, WireEvent::Cleared], Some(3)));
-        let text = v.to_string();
         assert_eq!(
-            text,
-            r#"[1.5, [["BlockStored", [18446744073709551615, 9], 7, [1, 2, 3, 4], 2, nil, "DISK", "ad", [["ad", "dynamo-cache-salt:s"], nil]], ["AllBlocksCleared"]], 3]"#
+            v.to_string(),
+            r#"[1.5, [{"type": "BlockStored", "block_hashes": [18446744073709551615, 9], "parent_block_hash": 7, "token_ids": [1, 2, 3, 4], "block_size": 2, "lora_id": nil, "medium": "DISK", "lora_name": "ad", "extra_keys": [["ad", "dynamo-cache-salt:s"], nil]}, {"type": "AllBlocksCleared"}], 3]"#
         );
         let removed = WireEvent::Removed {
             hashes: vec![5],
@@ -210,7 +235,22 @@ mod tests {
         };
         assert_eq!(
             decode(&batch(2.5, &[removed], None)).to_string(),
-            r#"[2.5, [["BlockRemoved", [5], "EXTERNAL"]], nil]"#
+            r#"[2.5, [{"type": "BlockRemoved", "block_hashes": [5], "medium": "EXTERNAL"}], nil]"#
+        );
+        let plain = WireEvent::Stored {
+            parent: None,
+            block_size: 1,
+            blocks: vec![WireBlock {
+                hash: 4,
+                token_ids: vec![8],
+            }],
+            tier: StorageTier::External,
+            lora_name: String::new(),
+            salt: String::new(),
+        };
+        assert_eq!(
+            decode(&batch(3.5, &[plain], Some(0))).to_string(),
+            r#"[3.5, [{"type": "BlockStored", "block_hashes": [4], "parent_block_hash": nil, "token_ids": [8], "block_size": 1, "lora_id": nil, "medium": "EXTERNAL", "lora_name": nil}], 0]"#
         );
     }
 }
