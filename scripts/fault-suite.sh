@@ -223,7 +223,37 @@ node_promotion_power_loss() {
   grep -E '^node promotion power loss:|^SKIP' "$log"
 }
 
+# One owner per G3 directory and corrupt copies found and repaired
+# (tests/e2e_g3_safety.rs, issue 28): the default-run cases, then the
+# ignored long variants (KVTIER_G3_SAFETY_ROUNDS rounds, default 5: kill
+# -9 under load with a refused second daemon; corrupt fd reads repaired
+# from G4), and the recovery walk's symlink and other-filesystem cases.
+# One scenario per test, plus one per PASS/FAIL round line.
+g3_safety() {
+  local log="$LOG_DIR/g3_safety.log"
+  KVTIER_G3_SAFETY_ROUNDS=${KVTIER_G3_SAFETY_ROUNDS:-5} \
+    cargo test -p kvtier --test e2e_g3_safety -- --include-ignored --nocapture \
+    --test-threads=1 >"$log" 2>&1
+  local rc=$?
+  local p f
+  p=$(grep -cE '^test .* \.\.\. ok$|^PASS g3 safety' "$log")
+  f=$(grep -cE '^test .* \.\.\. FAILED$|^FAIL g3 safety' "$log")
+  log="$LOG_DIR/g3_walk.log"
+  cargo test -p kvtier-daemon --lib g3:: -- --nocapture >"$log" 2>&1
+  local rc2=$?
+  p=$((p + $(grep -cE '^test g3::(walk|dir_lock|tests)::.* \.\.\. ok$' "$log")))
+  f=$((f + $(grep -cE '^test g3::.* \.\.\. FAILED$' "$log")))
+  PASSED=$((PASSED + p))
+  FAILED=$((FAILED + f))
+  if { [ "$rc" -ne 0 ] || [ "$rc2" -ne 0 ]; } && [ "$f" -eq 0 ]; then
+    echo "g3_safety: cargo test failed without a test failure; see $LOG_DIR"
+    FAILED=$((FAILED + 1))
+  fi
+  grep -E '^(PASS|FAIL) g3 safety' "$LOG_DIR/g3_safety.log"
+}
+
 g4_faults
+g3_safety
 g3_power_loss
 g3_fuse_power_loss
 node_promotion_power_loss

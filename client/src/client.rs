@@ -555,6 +555,16 @@ impl Client {
         self.items_ids(keys, |keys| Request::Verify { ns, keys, repair })
     }
 
+    /// Reports blocks of `ns` that failed this client's verification
+    /// after a passed-fd read (the direct-read onboard does so by itself).
+    /// The daemon re-verifies its own copy: only a real mismatch
+    /// quarantines and repairs it. Per key: Repaired, Corrupt (confirmed,
+    /// no good copy anywhere: dropped), Ok (the daemon's copy verifies:
+    /// nothing done), Absent.
+    pub fn report_corrupt(&self, ns: NamespaceId, keys: &[BlockKey]) -> Result<Vec<ItemStatus>> {
+        self.items_ids(keys, |keys| Request::ReportCorrupt { ns, keys })
+    }
+
     fn items_ids(
         &self,
         keys: &[BlockKey],
@@ -1246,6 +1256,9 @@ impl<'a> NsHandle<'a> {
         let files: Vec<std::fs::File> = fds.into_iter().map(std::fs::File::from).collect();
         let mut out = Vec::with_capacity(keys.len());
         let mut leases = Vec::new();
+        // Blocks whose bytes failed verification here (not the daemon's
+        // own Corrupt answers: it has quarantined those already).
+        let mut corrupt = Vec::new();
         for (j, it) in items.iter().enumerate() {
             if it.lease_id != 0 {
                 leases.push(it.lease_id);
@@ -1269,6 +1282,9 @@ impl<'a> NsHandle<'a> {
             let h = match self.check_header(&hb, &keys[j], it, bufs[j].len()) {
                 Ok(h) => h,
                 Err(m) => {
+                    if m.cause == MissCause::Corrupt {
+                        corrupt.push(keys[j]);
+                    }
                     out.push(Onboarded::Miss(m));
                     continue;
                 }
@@ -1286,12 +1302,28 @@ impl<'a> NsHandle<'a> {
                     tier: it.tier,
                     payload_len: h.payload_len,
                 },
-                Err(e) => Onboarded::Miss(Miss::new(MissCause::Corrupt, e.to_string())),
+                Err(e) => {
+                    corrupt.push(keys[j]);
+                    Onboarded::Miss(Miss::new(MissCause::Corrupt, e.to_string()))
+                }
             });
         }
         // Leases time out anyway; a failed release costs nothing but time.
         let _ = self.client.release(&leases);
+        if !corrupt.is_empty() {
+            self.report_corrupt(&corrupt);
+        }
         out
+    }
+
+    /// Tells the daemon that blocks read over a passed fd failed this
+    /// client's verification: the daemon re-verifies its copy and, on a
+    /// real mismatch, quarantines and repairs it, so the corrupt copy is
+    /// not served again (the daemon hands fds out unverified). Best
+    /// effort: the miss stands whatever the answer (a later onboard reads
+    /// the repaired copy).
+    fn report_corrupt(&self, keys: &[BlockKey]) {
+        let _ = self.client.report_corrupt(self.id, keys);
     }
 
     fn keys_op(

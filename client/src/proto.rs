@@ -67,8 +67,12 @@ pub const OP_LIST: u8 = 11;
 pub const OP_SUBSCRIBE: u8 = 12;
 /// Op: verify blocks on the daemon's side (and repair bad ones).
 pub const OP_VERIFY: u8 = 13;
+/// Op: the client found a block it read over a passed fd corrupt; the
+/// daemon re-verifies its own copy and, only on a real mismatch,
+/// quarantines and repairs it (a report alone never removes a block).
+pub const OP_REPORT_CORRUPT: u8 = 14;
 /// Op: fetch the non-local blocks of a chain into G3 in the background.
-/// (16: 14 and 15 are free.)
+/// (16: 15 is free.)
 pub const OP_PREFETCH: u8 = 16;
 /// Reply bit.
 pub const OP_REPLY: u8 = 0x80;
@@ -316,6 +320,18 @@ pub enum Request {
         keys: Vec<BlockKey>,
         /// Re-fetch a good copy of a bad block.
         repair: bool,
+    },
+    /// Blocks this client read over a passed fd and found corrupt. The
+    /// daemon re-verifies each (a report is a hint, never trusted): a
+    /// copy that fails is quarantined (lookups stop reporting it) and
+    /// replaced by a verified copy from G4 or a peer. Reply: `Items`
+    /// (Repaired; Corrupt = confirmed, no good copy anywhere; Ok = the
+    /// daemon's copy verifies, nothing done; Absent).
+    ReportCorrupt {
+        /// Namespace.
+        ns: NamespaceId,
+        /// Keys.
+        keys: Vec<BlockKey>,
     },
     /// Metadata of keys.
     Stat {
@@ -733,6 +749,7 @@ impl Request {
             Request::Unpin { .. } => OP_UNPIN,
             Request::Evict { .. } => OP_EVICT,
             Request::Verify { .. } => OP_VERIFY,
+            Request::ReportCorrupt { .. } => OP_REPORT_CORRUPT,
             Request::Stat { .. } => OP_STAT,
             Request::Stats => OP_STATS,
             Request::List { .. } => OP_LIST,
@@ -757,6 +774,7 @@ impl Request {
             OP_LIST => "list",
             OP_SUBSCRIBE => "subscribe",
             OP_VERIFY => "verify",
+            OP_REPORT_CORRUPT => "report_corrupt",
             OP_PREFETCH => "prefetch",
             _ => "unknown",
         }
@@ -772,6 +790,7 @@ impl Request {
             }
             Request::Lookup { ns, keys }
             | Request::Unpin { ns, keys }
+            | Request::ReportCorrupt { ns, keys }
             | Request::Stat { ns, keys } => {
                 w.ns(ns);
                 write_keys(&mut w, keys);
@@ -895,6 +914,10 @@ impl Request {
                 repair: r.bool()?,
             },
             OP_STAT => Request::Stat {
+                ns: r.ns()?,
+                keys: read_keys(&mut r)?,
+            },
+            OP_REPORT_CORRUPT => Request::ReportCorrupt {
                 ns: r.ns()?,
                 keys: read_keys(&mut r)?,
             },
@@ -1128,7 +1151,7 @@ impl Response {
                     Response::Lookup { tiers }
                 }
                 OP_OFFLOAD | OP_RELEASE | OP_PIN | OP_UNPIN | OP_EVICT | OP_VERIFY
-                | OP_PREFETCH => {
+                | OP_REPORT_CORRUPT | OP_PREFETCH => {
                     let n = r.count(KEYS_MAX, 1)?;
                     let mut status = Vec::with_capacity(n);
                     for _ in 0..n {
@@ -1445,6 +1468,10 @@ mod tests {
                 ns,
                 keys: vec![k(8), k(9)],
                 repair: true,
+            },
+            Request::ReportCorrupt {
+                ns,
+                keys: vec![k(10)],
             },
         ];
         for r in reqs {

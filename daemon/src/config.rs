@@ -69,6 +69,13 @@ recycle_max_files = 4096
 # block: a start after a crash verifies each in full and puts it back.
 # Past this many bytes of them the pool is made durable at once.
 recycle_unsettled_max = "256MiB"
+# Background scrub: every block is re-read and verified at this average
+# rate (bytes per second; "0" turns it off), a corrupt copy quarantined and
+# replaced from G4 or a peer. A pass starts scrub_pause_ms after the last
+# one ended (and after start-up). 16MiB/s is about 0.5% of an NVMe's read
+# bandwidth; a pass over 1 TiB takes about 18 hours.
+scrub_bytes_per_s = "16MiB"
+scrub_pause_ms = 3600000
 
 [g4]
 # Shared tier: s3://bucket/prefix, file:///path or memory://. "" disables
@@ -347,6 +354,12 @@ pub struct G3Section {
     /// start after a crash verifies in full).
     #[serde(deserialize_with = "de_size")]
     pub recycle_unsettled_max: u64,
+    /// Average read rate of the background scrub, bytes per second (0:
+    /// off; node/scrub.rs).
+    #[serde(deserialize_with = "de_size")]
+    pub scrub_bytes_per_s: u64,
+    /// Time between scrub passes (and from start-up to the first).
+    pub scrub_pause_ms: u64,
 }
 
 /// `[g4]`: every key of [`G4Config`](crate::g4::G4Config) (one source for
@@ -734,6 +747,8 @@ impl Default for G3Section {
             recycle_max: None,
             recycle_max_files: 4096,
             recycle_unsettled_max: 256 << 20,
+            scrub_bytes_per_s: 16 << 20,
+            scrub_pause_ms: 3_600_000,
         }
     }
 }

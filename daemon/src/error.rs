@@ -108,6 +108,21 @@ pub enum Error {
         /// Deadline.
         timeout_ms: u64,
     },
+    /// Another process holds the data directory (its lock file is
+    /// locked): two daemons on one directory would corrupt each other's
+    /// index, so the second one stops at once.
+    #[error(
+        "{dir} is in use by another kvtierd ({holder}; lock {lock_file}): \
+         stop that one first, or give this one its own directory"
+    )]
+    InUse {
+        /// The data directory.
+        dir: PathBuf,
+        /// Its lock file.
+        lock_file: PathBuf,
+        /// What the holder wrote there: `pid <pid> socket <path>`.
+        holder: String,
+    },
     /// An error from the client crate (format, keys, protocol).
     #[error(transparent)]
     Client(#[from] kvtier_client::Error),

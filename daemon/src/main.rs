@@ -402,7 +402,13 @@ fn node_config(cfg: &Config) -> Result<NodeConfig> {
     g3.recycle_unsettled_bytes_max = cfg.g3.recycle_unsettled_max;
     g3.lease_ttl_max_ms = u64::from(cfg.server.lease_ttl_max_ms);
     g3.leases_max = cfg.server.leases_per_conn_max.saturating_mul(64);
+    // Named by a second kvtierd refused this directory (dir_lock.rs).
+    g3.owner_note = format!("socket {}", cfg.server.socket.display());
     let mut n = NodeConfig::new(g3);
+    n.scrub = kvtier_daemon::node::ScrubLimits {
+        bytes_per_s: cfg.g3.scrub_bytes_per_s,
+        pause_ms: cfg.g3.scrub_pause_ms,
+    };
     n.policy = cfg.g3.policy.clone();
     n.g4 = cfg.g4.to_g4_config(&cfg.g3.dir);
     n.admission = cfg

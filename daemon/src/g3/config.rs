@@ -66,6 +66,10 @@ pub struct G3Config {
     /// eviction could leave the whole pool, up to half of capacity, to
     /// verify).
     pub recycle_unsettled_bytes_max: u64,
+    /// Written into the directory's lock file beside the pid (kvtierd:
+    /// `socket <path>`), so that a second daemon refused the directory
+    /// names the holder (dir_lock.rs).
+    pub owner_note: String,
 }
 
 /// How a block file's data is made durable before its rename.
@@ -102,6 +106,7 @@ impl G3Config {
             recycle_pool_bytes: capacity_bytes / 2,
             recycle_pool_files_max: 4096,
             recycle_unsettled_bytes_max: 256 << 20,
+            owner_note: String::new(),
         }
     }
 

@@ -404,7 +404,12 @@ impl DiskIndex {
             None => Database::create(path),
             Some(b) => redb::Builder::new().create_with_backend(b),
         }
-        .map_err(|e| (true, fail(&e)))?;
+        .map_err(|e| {
+            // Another handle holds the file (redb's own lock): that is an
+            // index in use, never a damaged one to set aside and rebuild.
+            let damaged = !matches!(e, redb::DatabaseError::DatabaseAlreadyOpen);
+            (damaged, fail(&e))
+        })?;
         Self::init(db, path).map_err(|e| (false, e))
     }
 

@@ -51,6 +51,7 @@ pub mod access_order;
 mod block_tier;
 mod close;
 mod config;
+pub mod dir_lock;
 mod durable;
 pub mod engine;
 mod events;
@@ -76,6 +77,7 @@ mod stats;
 #[cfg(test)]
 mod tests;
 mod verify;
+pub(crate) mod walk;
 mod write;
 
 use crate::error::{Error, Result};
@@ -87,6 +89,7 @@ use leases::Leases;
 use pool::{BouncePool, BufferPool};
 use stats::Counters;
 use std::collections::{HashMap, HashSet};
+use std::os::unix::fs::MetadataExt;
 use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex, RwLock};
@@ -145,6 +148,10 @@ pub struct G3Store {
     reclaimer: Mutex<Option<std::thread::JoinHandle<()>>>,
     /// What recovery found at open.
     pub recovery: Mutex<RecoveryReport>,
+    /// This store's exclusive hold on `root` (dir_lock.rs): taken before
+    /// anything in it is read or moved, released on drop (after `disk`,
+    /// declared above it, closed the index).
+    _dir_lock: dir_lock::DirLock,
 }
 
 impl std::fmt::Debug for G3Store {
@@ -242,13 +249,19 @@ impl G3Store {
         // fsyncs reach only up to `blocks/`, so a fresh root or `blocks/`
         // lost to a power cut would take every block with it.
         let mut created: Vec<PathBuf> = Vec::new();
-        for d in [
-            &cfg.root,
-            &blocks_dir,
-            &tmp_dir,
-            &quarantine_dir,
-            &recycle_dir,
-        ] {
+        created.extend(
+            cfg.root
+                .ancestors()
+                .take_while(|a| !a.exists())
+                .map(std::path::Path::to_path_buf),
+        );
+        fs.create_dir_all(&cfg.root)
+            .map_err(|e| Error::io("creating", &cfg.root, e))?;
+        // One owner per directory, before anything in it is read, created
+        // or moved: a second daemon must not rebuild (or set aside) the
+        // index the first one is using.
+        let lock = dir_lock::DirLock::take(&cfg.root, &cfg.owner_note)?;
+        for d in [&blocks_dir, &tmp_dir, &quarantine_dir, &recycle_dir] {
             created.extend(
                 d.ancestors()
                     .take_while(|a| !a.exists())
@@ -266,6 +279,15 @@ impl G3Store {
         for p in parents {
             fs.sync_dir(&p, seam::SyncSite::OpenDirFsync)
                 .map_err(|e| Error::io("flushing directory", &p, e))?;
+        }
+        // Recovery, trimming and the recycle scan act on these: each must
+        // be a directory of its own, not a link out of the data directory
+        // nor another filesystem (walk.rs).
+        let root_dev = std::fs::metadata(&cfg.root)
+            .map_err(|e| Error::io("stat", &cfg.root, e))?
+            .dev();
+        for d in [&blocks_dir, &tmp_dir, &quarantine_dir, &recycle_dir] {
+            walk::check_own_dir(d, root_dev).map_err(|e| Error::io("checking", d, e))?;
         }
         let direct_ok = fsops::probe_direct(fs.as_ref(), &tmp_dir)?;
         let (disk, index_rebuilt) = recover::open_index(fs.as_ref(), &cfg.root)?;
@@ -300,6 +322,7 @@ impl G3Store {
             reclaim: Arc::new(reclaimer::Signal::default()),
             reclaimer: Mutex::new(None),
             recovery: Mutex::new(RecoveryReport::default()),
+            _dir_lock: lock,
             cfg,
         });
         let mut report = store.recover()?;

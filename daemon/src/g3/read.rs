@@ -44,7 +44,7 @@ impl G3Store {
             });
         }
         let dst = &mut dst[..file_len as usize];
-        match self.read_verified(ns, key, dst)? {
+        match self.read_verified(ns, key, file_len, Some(dst))? {
             ReadOutcome::Ok(h) => {
                 self.counters.hits.fetch_add(1, Ordering::Relaxed);
                 if let Ok(mem) = self.mem.read() {
@@ -61,8 +61,44 @@ impl G3Store {
                 }
                 Ok(Lookup::Hit(h))
             }
-            ReadOutcome::Vanished => {
+            other => {
                 self.counters.misses.fetch_add(1, Ordering::Relaxed);
+                self.settle_failed_read(ns, key, id, other)
+            }
+        }
+    }
+
+    /// Re-reads and verifies a block's file without serving it: the
+    /// background scrub and a client's corruption report (node/repair.rs).
+    /// No hit is counted and no access stamped (eviction order is the
+    /// clients'). A copy that fails is quarantined (a Removed event;
+    /// lookups stop reporting it) and reads `Miss(Corrupt)`; a vanished
+    /// one is forgotten (`Miss(Absent)`).
+    pub fn scrub_block(&self, ns: &NamespaceId, key: &BlockKey) -> Result<Lookup<()>> {
+        let found = {
+            let mem = self.mem.read().map_err(|_| lock_err("g3 index"))?;
+            mem.get(ns, key).map(|(id, e)| (id, e.file_len()))
+        };
+        let Some((id, file_len)) = found else {
+            return Ok(Lookup::Miss(MissReason::Absent));
+        };
+        match self.read_verified(ns, key, file_len, None)? {
+            ReadOutcome::Ok(_) => Ok(Lookup::Hit(())),
+            other => self.settle_failed_read(ns, key, id, other),
+        }
+    }
+
+    /// A read that did not verify: a vanished file is forgotten, a corrupt
+    /// one quarantined; both a miss.
+    fn settle_failed_read<T>(
+        &self,
+        ns: &NamespaceId,
+        key: &BlockKey,
+        id: u64,
+        outcome: ReadOutcome,
+    ) -> Result<Lookup<T>> {
+        match outcome {
+            ReadOutcome::Vanished | ReadOutcome::Ok(_) => {
                 // Evicted or deleted under us, or lost behind our back.
                 if self.forget(ns, key, id)? {
                     tracing::warn!(%ns, %key, "g3: block file vanished; dropped from the index");
@@ -75,22 +111,23 @@ impl G3Store {
                 Ok(Lookup::Miss(MissReason::Absent))
             }
             ReadOutcome::Corrupt(why) => {
-                self.counters.misses.fetch_add(1, Ordering::Relaxed);
                 self.quarantine(ns, key, id, &why);
                 Ok(Lookup::Miss(MissReason::Corrupt))
             }
         }
     }
 
-    /// Reads and verifies the file in the daemon's own (aligned, bounce)
-    /// memory and copies it to `dst` only once it verified: `dst` may be a
-    /// client's shared memory, and a client rewriting it mid-read must
-    /// never get a good block quarantined.
+    /// Reads and verifies the file (`want` bytes, as the index says) in
+    /// the daemon's own (aligned, bounce) memory and copies it to `dst`
+    /// only once it verified: `dst` may be a client's shared memory, and a
+    /// client rewriting it mid-read must never get a good block
+    /// quarantined. `None`: verify only.
     fn read_verified(
         &self,
         ns: &NamespaceId,
         key: &BlockKey,
-        dst: &mut [u8],
+        want: u64,
+        dst: Option<&mut [u8]>,
     ) -> Result<ReadOutcome> {
         let path = self.block_file_path(ns, key);
         let file = match self.open_block(&path, self.direct_ok) {
@@ -98,7 +135,6 @@ impl G3Store {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(ReadOutcome::Vanished),
             Err(e) => return Err(Error::io("opening", &path, e)),
         };
-        let want = dst.len() as u64;
         let size = file
             .metadata()
             .map_err(|e| Error::io("stat", &path, e))?
@@ -108,22 +144,23 @@ impl G3Store {
                 "file is {size} bytes, index says {want}"
             )));
         }
+        let len = want as usize;
         let mut own = self
             .bounce
-            .take(dst.len())
+            .take(len)
             .map_err(|e| Error::io("allocating", "g3 read buffer", e))?;
         let mut v = Verifier::new(ns, key, want);
         let got = self
             .engine
             .read_file(
                 file.as_raw_fd(),
-                &mut own.as_mut_slice()[..dst.len()],
+                &mut own.as_mut_slice()[..len],
                 &mut |piece| v.feed(piece),
             )
             .map_err(|e| Error::io("reading", &path, e));
         let outcome = got.map(|got| v.finish(got as u64));
-        if let Ok(ReadOutcome::Ok(_)) = &outcome {
-            dst.copy_from_slice(&own.as_slice()[..dst.len()]);
+        if let (Ok(ReadOutcome::Ok(_)), Some(dst)) = (&outcome, dst) {
+            dst.copy_from_slice(&own.as_slice()[..len]);
         }
         self.bounce.give(own);
         outcome

@@ -25,6 +25,7 @@
 use super::index::{digest, Entry, MemIndex, Record, FLAG_SEEN};
 use super::seam::{G3Fs, SyncSite, Unlink};
 use super::verify::{ReadOutcome, Verifier};
+use super::walk::{Kind, Step};
 use super::G3Store;
 use crate::error::{Error, Result};
 use crate::policy::BlockMeta;
@@ -66,10 +67,6 @@ pub struct RecoveryReport {
 /// Name of the clean-shutdown marker under the store's root.
 pub const CLEAN_MARKER: &str = "clean";
 const MARKER_MAGIC: &str = "kvtier-g3-clean v1 generation";
-
-fn read_dir(p: &Path) -> Result<std::fs::ReadDir> {
-    std::fs::read_dir(p).map_err(|e| Error::io("listing", p, e))
-}
 
 /// Opens `index.redb`; one that redb refuses (a damaged header, a file that
 /// is not redb) is moved aside as `index.redb.damaged.<ms>` and a fresh one
@@ -113,12 +110,25 @@ impl G3Store {
     pub(super) fn recover(&self) -> Result<RecoveryReport> {
         let t = Instant::now();
         let mut rep = RecoveryReport::default();
-        for e in read_dir(&self.tmp_dir)? {
-            let e = e.map_err(|e| Error::io("listing", &self.tmp_dir, e))?;
-            self.fs
-                .remove_file(&e.path(), Unlink::Temp)
-                .map_err(|err| Error::io("removing temp file", e.path(), err))?;
-            rep.temp_removed += 1;
+        // Interrupted writes (a link is unlinked, never followed; anything
+        // else is set aside).
+        let mut failed = None;
+        super::walk::walk(&self.tmp_dir, &mut |e| {
+            if failed.is_some() {
+                return Step::Skip;
+            }
+            match e.kind() {
+                Kind::File | Kind::Symlink => match self.fs.remove_file(e.path(), Unlink::Temp) {
+                    Ok(()) => rep.temp_removed += 1,
+                    Err(err) => failed = Some(Error::io("removing temp file", e.path(), err)),
+                },
+                _ => self.set_aside(e.path(), "not a temp file", &mut rep),
+            }
+            Step::Skip
+        })
+        .map_err(|e| Error::io("listing", &self.tmp_dir, e))?;
+        if let Some(e) = failed {
+            return Err(e);
         }
         let generation = self.disk.generation()?;
         let trusted = self.take_clean_marker(generation)?;
@@ -237,8 +247,11 @@ impl G3Store {
             .map_err(|e| Error::io("flushing directory", &self.cfg.root, e))
     }
 
-    /// Steps 3 and 4: walks `blocks/`, adopts unknown files, drops entries
-    /// without a file.
+    /// Steps 3 and 4: walks `blocks/` (walk.rs: no link followed, no
+    /// other filesystem entered), adopts unknown files, drops entries
+    /// without a file. Anything that is not `<ns>/<shard>/<key>` with a
+    /// regular file at the end (a link included) is set aside inside the
+    /// data directory, never followed.
     fn walk(
         &self,
         mem: &mut MemIndex,
@@ -246,68 +259,59 @@ impl G3Store {
         known: &mut std::collections::HashSet<std::path::PathBuf>,
         rep: &mut RecoveryReport,
     ) -> Result<()> {
-        for nsd in read_dir(&self.blocks_dir)? {
-            let nsd = nsd.map_err(|e| Error::io("listing", &self.blocks_dir, e))?;
-            let Some(ns) = nsd
-                .file_name()
-                .to_str()
-                .and_then(|s| NamespaceId::from_hex(s).ok())
-            else {
-                self.set_aside(&nsd.path(), "not a namespace directory", rep);
-                continue;
-            };
-            let Some(shards) = self.list_dir(&nsd.path(), rep) else {
-                continue;
-            };
-            for shard in shards {
-                let Ok(shard) = shard else { continue };
-                let Some(files) = self.list_dir(&shard.path(), rep) else {
-                    continue;
-                };
-                known.insert(shard.path());
-                for f in files {
-                    let Ok(f) = f else { continue };
-                    let Some(key) = f
-                        .file_name()
-                        .to_str()
+        let mut ns_of: Option<NamespaceId> = None;
+        let mut failed: Option<Error> = None;
+        super::walk::walk(&self.blocks_dir, &mut |e| {
+            if failed.is_some() {
+                return Step::Skip;
+            }
+            if e.kind() == Kind::Unlistable {
+                let why = format!(
+                    "cannot be listed: {}",
+                    e.error().map(ToString::to_string).unwrap_or_default()
+                );
+                self.set_aside(e.path(), &why, rep);
+                return Step::Skip;
+            }
+            let name = e.name().to_str();
+            match e.depth() {
+                1 => match name.and_then(|s| NamespaceId::from_hex(s).ok()) {
+                    Some(ns) if e.kind() == Kind::Dir => {
+                        ns_of = Some(ns);
+                        Step::Descend
+                    }
+                    _ => {
+                        self.set_aside(e.path(), "not a namespace directory", rep);
+                        Step::Skip
+                    }
+                },
+                2 if e.kind() == Kind::Dir => {
+                    known.insert(e.path().to_path_buf());
+                    Step::Descend
+                }
+                2 => {
+                    self.set_aside(e.path(), "not a shard directory", rep);
+                    Step::Skip
+                }
+                _ => {
+                    let key = name
                         .and_then(|s| BlockKey::from_hex(s).ok())
-                        .filter(|_| f.file_type().is_ok_and(|t| t.is_file()))
-                    else {
-                        self.set_aside(&f.path(), "not a block file", rep);
-                        continue;
-                    };
-                    let (id, check) = digest(&ns, &key);
-                    if let Some(e) = mem.map.get_mut(&id).filter(|e| e.check == check) {
-                        e.flags |= FLAG_SEEN;
-                        continue;
-                    }
-                    let path = f.path();
-                    if mem.map.contains_key(&id) {
-                        // Adopting would replace another block's entry.
-                        tracing::warn!(path = %path.display(), "g3: unindexed file's index digest collides with an indexed block; left unindexed");
-                        continue;
-                    }
-                    match self.verify_file(&path, &ns, &key) {
-                        Ok(h) => {
-                            let r = adopted_record(ns, key, &h);
-                            self.disk.put(&[(id, &r)])?;
-                            let mut e = entry_of(&r, check);
-                            e.flags |= FLAG_SEEN;
-                            order.push((r.last_access_s, id, Hints::default()));
-                            mem.insert(ns, id, e);
-                            rep.adopted += 1;
+                        .filter(|_| e.kind() == Kind::File && e.depth() == 3);
+                    match (ns_of, key) {
+                        (Some(ns), Some(key)) => {
+                            if let Err(err) = self.walk_file(e, &ns, &key, mem, order, rep) {
+                                failed = Some(err);
+                            }
                         }
-                        Err(why) => {
-                            tracing::warn!(path = %path.display(), reason = %why, "g3: unindexed file failed verification; quarantined");
-                            self.quarantine_file(
-                                &path,
-                                &format!("{}.{}", ns.to_hex(), key.to_hex()),
-                            );
-                            rep.quarantined += 1;
-                        }
+                        _ => self.set_aside(e.path(), "not a block file", rep),
                     }
+                    Step::Skip
                 }
             }
+        })
+        .map_err(|e| Error::io("listing", &self.blocks_dir, e))?;
+        if let Some(e) = failed {
+            return Err(e);
         }
         let unseen: Vec<u64> = mem
             .map
@@ -328,21 +332,57 @@ impl G3Store {
         Ok(())
     }
 
-    /// Lists a directory under `blocks/`; one that is not a directory or
-    /// cannot be listed is set aside (a miss for whatever it held, never a
-    /// refusal to start).
-    fn list_dir(&self, p: &Path, rep: &mut RecoveryReport) -> Option<std::fs::ReadDir> {
-        match std::fs::read_dir(p) {
-            Ok(d) => Some(d),
-            Err(e) => {
-                self.set_aside(p, &format!("cannot be listed: {e}"), rep);
-                None
+    /// One regular file `blocks/<ns>/<shard>/<key>` found by the walk: an
+    /// indexed one is marked seen (not read); an unknown one is opened
+    /// without following links, verified in full and adopted, or
+    /// quarantined.
+    fn walk_file(
+        &self,
+        e: &super::walk::Entry<'_>,
+        ns: &NamespaceId,
+        key: &BlockKey,
+        mem: &mut MemIndex,
+        order: &mut Vec<(u32, u64, Hints)>,
+        rep: &mut RecoveryReport,
+    ) -> Result<()> {
+        let (id, check) = digest(ns, key);
+        if let Some(en) = mem.map.get_mut(&id).filter(|en| en.check == check) {
+            en.flags |= FLAG_SEEN;
+            return Ok(());
+        }
+        let path = e.path();
+        if mem.map.contains_key(&id) {
+            // Adopting would replace another block's entry.
+            tracing::warn!(path = %path.display(), "g3: unindexed file's index digest collides with an indexed block; left unindexed");
+            return Ok(());
+        }
+        let verified = e
+            .open_file()
+            .map_err(|err| err.to_string())
+            .and_then(|f| self.verify_open(&f, ns, key));
+        match verified {
+            Ok(h) => {
+                let r = adopted_record(*ns, *key, &h);
+                self.disk.put(&[(id, &r)])?;
+                let mut en = entry_of(&r, check);
+                en.flags |= FLAG_SEEN;
+                order.push((r.last_access_s, id, Hints::default()));
+                mem.insert(*ns, id, en);
+                rep.adopted += 1;
+            }
+            Err(why) => {
+                tracing::warn!(path = %path.display(), reason = %why, "g3: unindexed file failed verification; quarantined");
+                self.quarantine_file(path, &format!("{}.{}", ns.to_hex(), key.to_hex()));
+                rep.quarantined += 1;
             }
         }
+        Ok(())
     }
 
-    /// Moves a stray or unreadable entry under `blocks/` to `quarantine/`
-    /// (as `stray.<name>.<ms>`), logs and counts it.
+    /// Moves a stray or unreadable entry under `blocks/` (or `tmp/`) to
+    /// `quarantine/` (as `stray.<name>.<ms>.<n>`), logs and counts it. A
+    /// link is moved as a link (rename does not follow it); a mount point
+    /// cannot be moved and stays, never entered.
     fn set_aside(&self, p: &Path, why: &str, rep: &mut RecoveryReport) {
         tracing::warn!(path = %p.display(), reason = why, "g3: stray entry under blocks/; set aside in quarantine/");
         let name = p
@@ -350,11 +390,12 @@ impl G3Store {
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default();
         let to = self.quarantine_dir.join(format!(
-            "stray.{name}.{}",
+            "stray.{name}.{}.{}",
             std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map(|d| d.as_millis())
-                .unwrap_or(0)
+                .unwrap_or(0),
+            rep.set_aside
         ));
         if let Err(e) = self.fs.rename(p, &to) {
             tracing::warn!(path = %p.display(), error = %e, "g3: cannot move a stray entry aside; left in place");
@@ -388,14 +429,25 @@ impl G3Store {
         Ok(())
     }
 
-    /// Reads and fully verifies a file that the index does not know.
+    /// Reads and fully verifies a file that the index does not know
+    /// (opened without following a link).
     pub(super) fn verify_file(
         &self,
         path: &Path,
         ns: &NamespaceId,
         key: &BlockKey,
     ) -> std::result::Result<BlockHeader, String> {
-        let file = std::fs::File::open(path).map_err(|e| e.to_string())?;
+        let file = open_nofollow(path).map_err(|e| e.to_string())?;
+        self.verify_open(&file, ns, key)
+    }
+
+    /// Reads and fully verifies an open block file.
+    pub(super) fn verify_open(
+        &self,
+        file: &std::fs::File,
+        ns: &NamespaceId,
+        key: &BlockKey,
+    ) -> std::result::Result<BlockHeader, String> {
         let size = file.metadata().map_err(|e| e.to_string())?.len();
         let max = 8192 + kvtier_client::block::PAYLOAD_BYTES_MAX;
         if size < 8192 || size > max || size % 4096 != 0 {
@@ -418,6 +470,15 @@ impl G3Store {
             ReadOutcome::Vanished => Err("vanished".into()),
         }
     }
+}
+
+/// Opens a file read-only without following a link in its last component.
+pub(super) fn open_nofollow(path: &Path) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)
 }
 
 /// Reads the index file front to back once so that the B-tree walk that

@@ -427,7 +427,7 @@ impl G3Store {
             let header = if trusted {
                 None
             } else {
-                std::fs::File::open(&path)
+                super::recover::open_nofollow(&path)
                     .and_then(|f| f.read_exact_at(&mut head, 0))
                     .ok()
                     .and_then(|()| BlockHeader::decode(&head).ok())

@@ -16,7 +16,10 @@
 //! - `events`: G3/G4 happenings turned into KV events on the bus.
 //! - `remove`: deletion across tiers (`evict --tier g3|g4|all`).
 //! - `repair`: daemon-side verify; a bad G3 copy is quarantined and
-//!   re-fetched (verified) from a peer or G4.
+//!   re-fetched (verified) from a peer or G4 (`kvtier verify`, a client's
+//!   corruption report).
+//! - `scrub`: the background G3 scrub (verify and repair at a bounded
+//!   rate), which finds copies corrupted at rest.
 //!
 //! Threading: the server calls the `Backend` methods from its own
 //! connection threads. G4 and peers are async: the node owns a small tokio
@@ -50,6 +53,7 @@ mod prefetch;
 mod promote;
 mod remove;
 mod repair;
+mod scrub;
 mod uplink;
 
 use crate::error::{Error, Result};
@@ -69,6 +73,7 @@ use tokio::runtime::{Handle, Runtime};
 pub use peers::PeerSetup;
 pub use prefetch::{PrefetchFigures, PrefetchLimits};
 pub use promote::PromoteFigures;
+pub use scrub::{ScrubFigures, ScrubLimits};
 
 /// Entries of the "promoted from" memo at most (see [`Node`]).
 const PROMOTED_MEMO_MAX: usize = 4096;
@@ -118,6 +123,8 @@ pub struct NodeConfig {
     pub pin_ttl_max_ms: u32,
     /// Bounds of the prefetch queue.
     pub prefetch: PrefetchLimits,
+    /// The background G3 scrub's rate and pause (scrub.rs).
+    pub scrub: ScrubLimits,
 }
 
 impl NodeConfig {
@@ -136,6 +143,7 @@ impl NodeConfig {
             pins_max: 65536,
             pin_ttl_max_ms: 3_600_000,
             prefetch: PrefetchLimits::default(),
+            scrub: ScrubLimits::default(),
         }
     }
 }
@@ -206,6 +214,8 @@ pub struct Node {
     fetch_permits: Arc<tokio::sync::Semaphore>,
     /// Chains asked for ahead of their requests.
     prefetcher: prefetch::Prefetcher,
+    /// The background G3 scrub.
+    scrubber: scrub::Scrubber,
     g4_enqueued: Arc<AtomicU64>,
     /// Blocks evicted because the filesystem filled before capacity did.
     enospc_evictions: AtomicU64,
@@ -316,6 +326,7 @@ impl Node {
             activity,
             fetch_permits: Arc::new(tokio::sync::Semaphore::new(fetch::FETCH_PARALLEL_MAX)),
             prefetcher: prefetch::Prefetcher::new(cfg.prefetch),
+            scrubber: scrub::Scrubber::default(),
             g4_enqueued,
             enospc_evictions: AtomicU64::new(0),
             capacity_problem,
@@ -333,6 +344,9 @@ impl Node {
         node.prefetcher
             .start(&node)
             .map_err(|e| Error::io("starting the prefetch threads", "", e))?;
+        node.scrubber
+            .start(&node, cfg.scrub)
+            .map_err(|e| Error::io("starting the g3 scrub thread", "", e))?;
         Ok(node)
     }
 
@@ -391,6 +405,11 @@ impl Node {
                 free
             )
         })
+    }
+
+    /// What the background G3 scrub did since start-up.
+    pub fn scrub_figures(&self) -> ScrubFigures {
+        self.scrubber.figures()
     }
 
     /// The local tier.
@@ -591,6 +610,7 @@ impl Node {
             h.take();
         }
         self.prefetcher.stop();
+        self.scrubber.stop();
         if !self.staging.wait_idle(g4_flush_timeout) {
             tracing::warn!("promotions still pending at shutdown; dropped (cache fills only)");
         }
@@ -609,6 +629,7 @@ impl Node {
 impl Drop for Node {
     fn drop(&mut self) {
         self.prefetcher.close();
+        self.scrubber.close();
         if let Ok(mut r) = self.runtime.lock() {
             if let Some(rt) = r.take() {
                 rt.shutdown_background();

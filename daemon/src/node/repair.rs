@@ -1,5 +1,6 @@
-//! Daemon-side verification with repair (`kvtier verify`): the G3 copy is
-//! re-read through G3's verifying read; one that fails is quarantined by
+//! Daemon-side verification with repair (`kvtier verify`, a client's
+//! corruption report, the background scrub): the G3 copy is re-read and
+//! verified by `G3Store::scrub_block`; one that fails is quarantined by
 //! that read (a `Disk` Removed event; lookups stop reporting it at once)
 //! and, with repair, fetched again from a peer or G4 (verified on arrival,
 //! written into G3), so the next onboard is a G3 hit on good bytes.
@@ -17,12 +18,8 @@ impl Node {
         key: &BlockKey,
         repair: bool,
     ) -> Result<VerifyOutcome> {
-        let Some(info) = self.g3.stat(ns, key) else {
-            return Ok(VerifyOutcome::Absent);
-        };
-        // One block at a time (a block is at most a few MiB).
-        let mut buf = vec![0u8; info.file_len as usize];
-        match self.g3.read_into(ns, key, &mut buf)? {
+        // Verified in G3's own buffer; not a hit, no access stamp.
+        match self.g3.scrub_block(ns, key)? {
             Lookup::Hit(_) => return Ok(VerifyOutcome::Ok),
             Lookup::Miss(MissReason::Corrupt) => {}
             Lookup::Miss(_) => return Ok(VerifyOutcome::Absent),

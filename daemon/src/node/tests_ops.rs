@@ -234,3 +234,44 @@ fn an_onboard_of_a_corrupt_g3_copy_is_served_from_g4_not_missed() {
         Lookup::Miss(r) => panic!("{r:?}"),
     }
 }
+
+/// Issue 28: the background scrub finds a G3 copy corrupted at rest (no
+/// client reads it) and repairs it from G4; it counts no hit.
+#[test]
+fn the_scrub_repairs_a_copy_corrupted_at_rest_from_g4() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = NodeConfig::new(G3Config::new(dir.path().join("g3"), 64 << 20));
+    c.g4 = Some(G4Config::new("memory://"));
+    c.fetch_deadline_ms = 5_000;
+    c.scrub = ScrubLimits {
+        bytes_per_s: 64 << 20,
+        pause_ms: 50,
+    };
+    let n = Node::open(c).unwrap();
+    let id = ns().id();
+    let (h0, p0) = offload_uploaded(&n, 0);
+    let (h1, _) = offload_uploaded(&n, 1);
+    let hits = n.g3().stats().hits;
+    corrupt(&n, &h0.key);
+    let t = Instant::now();
+    while n.scrub_figures().repaired < 1 {
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "{:?}",
+            n.scrub_figures()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let f = n.scrub_figures();
+    assert_eq!((f.corrupt, f.repaired), (1, 1), "{f:?}");
+    assert_eq!(n.g3().stats().hits, hits, "the scrub counted hits");
+    let mut buf = vec![0u8; (BLOCK + 8192) as usize];
+    match n.read_into(&id, &h0.key, &mut buf).unwrap() {
+        Lookup::Hit((h, tier)) => {
+            assert_eq!((h.key, tier), (h0.key, Tier::G3));
+            assert!(buf[4096..4096 + BLOCK as usize] == p0[..], "bytes differ");
+        }
+        Lookup::Miss(r) => panic!("{r:?}"),
+    }
+    assert!(n.g3().stat(&id, &h1.key).is_some());
+}

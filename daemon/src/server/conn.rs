@@ -511,6 +511,33 @@ impl Conn<'_> {
                         .collect(),
                 }
             }
+            // A client's word that a block it read over a passed fd is
+            // corrupt: never trusted (a tenant must not be able to remove
+            // blocks others use). The daemon re-reads and verifies its own
+            // copy; only a real mismatch quarantines it, and it is then
+            // repaired from G4 or a peer at once (node/repair.rs).
+            Request::ReportCorrupt { ns, keys } => {
+                let ns = self.ns_for(&ns);
+                Response::Items {
+                    status: keys
+                        .iter()
+                        .map(|k| {
+                            let st = match b.verify(&ns, k, true) {
+                                Ok(super::backend::VerifyOutcome::Ok) => ItemStatus::Ok,
+                                Ok(super::backend::VerifyOutcome::Repaired(_)) => {
+                                    ItemStatus::Repaired
+                                }
+                                Ok(super::backend::VerifyOutcome::Dropped) => ItemStatus::Corrupt,
+                                Ok(super::backend::VerifyOutcome::Absent) => ItemStatus::Absent,
+                                Err(e) => self.status_of(&e),
+                            };
+                            tracing::warn!(uid = self.who.uid, %ns, key = %k, outcome = ?st,
+                                "a client reported a corrupt block read over a passed fd; re-verified");
+                            st
+                        })
+                        .collect(),
+                }
+            }
             Request::Evict { ns, keys, tier } => Response::Items {
                 status: keys
                     .iter()
