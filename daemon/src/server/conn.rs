@@ -152,6 +152,12 @@ impl Conn<'_> {
                 );
                 return None;
             }
+            Err(RecvError::Io(e)) if e.kind() == std::io::ErrorKind::InvalidData => {
+                // Too many passed fds (already closed by the receive).
+                self.error("malformed");
+                send_err(self.fd, 0, code::MALFORMED, e.to_string());
+                return None;
+            }
             Err(RecvError::Io(e)) => {
                 if e.kind() == std::io::ErrorKind::TimedOut {
                     self.error("timeout");
