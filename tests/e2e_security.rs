@@ -228,3 +228,266 @@ fn a_hostile_daemon_cannot_leak_descriptors_into_a_client() {
         assert_eq!(m.settle("self", base), base, "{groups:?}: client kept fds");
     }
 }
+
+// ---- H1: data at rest ------------------------------------------------
+
+const NOBODY: u32 = 65534;
+
+/// Which of `files` uid nobody can read (run through setpriv, one shell).
+fn readable_by_nobody(files: &[std::path::PathBuf]) -> Vec<String> {
+    let mut script = String::new();
+    for f in files {
+        script.push_str(&format!(
+            "cat '{}' >/dev/null 2>&1 && echo '{}'\n",
+            f.display(),
+            f.display()
+        ));
+    }
+    let out = std::process::Command::new("setpriv")
+        .args([
+            &format!("--reuid={NOBODY}"),
+            &format!("--regid={NOBODY}"),
+            "--clear-groups",
+            "--",
+            "sh",
+            "-c",
+            &script,
+        ])
+        .output()
+        .expect("setpriv");
+    assert!(
+        out.status.success() || out.status.code() == Some(1),
+        "{out:?}"
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(str::to_string)
+        .collect()
+}
+
+/// Every regular file under `root` (as root sees them).
+fn files_under(root: &Path, out: &mut Vec<std::path::PathBuf>) {
+    for e in std::fs::read_dir(root).unwrap() {
+        let e = e.unwrap();
+        let t = e.file_type().unwrap();
+        if t.is_dir() {
+            files_under(&e.path(), out);
+        } else if t.is_file() {
+            out.push(e.path());
+        }
+    }
+}
+
+fn mode_of(p: &Path) -> u32 {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::symlink_metadata(p).unwrap().permissions().mode() & 0o7777
+}
+
+fn chmod(p: &Path, m: u32) {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(p, std::fs::Permissions::from_mode(m)).unwrap();
+}
+
+/// Opens a tree the way a daemon without the umask left it (0755 / 0644).
+fn open_up(root: &Path) {
+    chmod(root, 0o755);
+    for e in std::fs::read_dir(root).unwrap() {
+        let e = e.unwrap();
+        let t = e.file_type().unwrap();
+        if t.is_dir() {
+            open_up(&e.path());
+        } else if t.is_file() {
+            chmod(&e.path(), 0o644);
+        }
+    }
+}
+
+fn offload_some(socket: &Path, round: u32) {
+    let ns = kvtier_client::Namespace::new(
+        "rest",
+        kvtier_client::KvLayout::with_block_bytes(4096).unwrap(),
+        "",
+        "t",
+    )
+    .unwrap();
+    let c = Client::with_config(ClientConfig::new(socket));
+    let h = c.namespace(&ns);
+    let keys = h.hash_chain(&(round * 1000..round * 1000 + 64).collect::<Vec<u32>>());
+    let data: Vec<Vec<u8>> = (0..keys.len())
+        .map(|i| vec![i as u8 ^ 0x5a; 4096])
+        .collect();
+    let refs: Vec<&[u8]> = data.iter().map(|v| &v[..]).collect();
+    let out = h.offload_chain(None, &keys, &refs, kvtier_client::Hints::default());
+    assert!(
+        out.iter()
+            .all(|o| matches!(o, kvtier_client::OffloadOutcome::Stored)),
+        "{out:?}"
+    );
+}
+
+fn wait_files(root: &Path, at_least: usize) -> Vec<std::path::PathBuf> {
+    let until = Instant::now() + Duration::from_secs(60);
+    loop {
+        let mut f = Vec::new();
+        if root.exists() {
+            files_under(root, &mut f);
+        }
+        if f.len() >= at_least || Instant::now() > until {
+            return f;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn another_uid_reads_no_block_index_or_g4_object() {
+    let g4 = tempfile::tempdir().unwrap();
+    chmod(g4.path(), 0o755);
+    let store = g4.path().join("store");
+    let log = g4.path().join("kvtierd.log");
+    let mut d = Daemon::start_logged(
+        &["--g4".into(), format!("file://{}", store.display())],
+        &log,
+    );
+    // Only what the daemon creates decides: the test's dirs are open.
+    chmod(d.dir.path(), 0o755);
+    let g3 = d.dir.path().join("g3");
+    offload_some(&d.socket, 1);
+    // Its 4 blocks, written through to G4.
+    let g4_files = wait_files(&store, 4);
+    assert!(g4_files.len() >= 4, "G4 store: {g4_files:?}");
+    let mut all = g4_files;
+    files_under(&g3, &mut all);
+    assert!(
+        all.iter().any(|p| p.ends_with("index.redb")),
+        "no index in {all:?}"
+    );
+    let read = readable_by_nobody(&all);
+    assert!(read.is_empty(), "uid nobody read: {read:?}");
+
+    // A tree an earlier version left open, with a link to a file outside:
+    // tightened at start, the link's target untouched.
+    assert!(d.term(Duration::from_secs(30)).is_some());
+    open_up(&g3);
+    open_up(&store);
+    let outside = g4.path().join("outside");
+    std::fs::write(&outside, b"not the daemon's").unwrap();
+    chmod(&outside, 0o644);
+    std::os::unix::fs::symlink(&outside, g3.join("link-out")).unwrap();
+    assert!(!readable_by_nobody(&all).is_empty(), "open_up did not open");
+    d.restart();
+    let read = readable_by_nobody(&all);
+    assert!(read.is_empty(), "after restart uid nobody read: {read:?}");
+    assert_eq!(mode_of(&outside), 0o644, "a link was followed");
+    assert_eq!(mode_of(&g3) & 0o077, 0);
+    offload_some(&d.socket, 2);
+    let mut all = Vec::new();
+    files_under(&g3, &mut all);
+    assert!(readable_by_nobody(&all).is_empty());
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        text.contains("readable by the daemon's user only"),
+        "{text}"
+    );
+}
+
+// ---- M1: the socket's directory --------------------------------------
+
+/// Runs kvtierd with its socket at `sock` and `cfg`; returns its exit
+/// status and log when it refuses to start (None: it started).
+fn start_refused(sock: &Path, cfg: &str) -> Option<(std::process::ExitStatus, String)> {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg_path = dir.path().join("kvtierd.toml");
+    std::fs::write(&cfg_path, cfg).unwrap();
+    let mut child = std::process::Command::new(support::kvtierd_bin())
+        .arg("--config")
+        .arg(&cfg_path)
+        .arg("--socket")
+        .arg(sock)
+        .arg("--g3-dir")
+        .arg(dir.path().join("g3"))
+        .args(["--g3-capacity", "64MiB", "--metrics-addr", "", "--g4", ""])
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let until = Instant::now() + Duration::from_secs(30);
+    while Instant::now() < until {
+        if let Some(st) = child.try_wait().unwrap() {
+            let mut err = String::new();
+            use std::io::Read;
+            child
+                .stderr
+                .take()
+                .unwrap()
+                .read_to_string(&mut err)
+                .unwrap();
+            return Some((st, err));
+        }
+        if UnixStream::connect(sock).is_ok() {
+            let _ = child.kill();
+            let _ = child.wait();
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    panic!("kvtierd neither served nor exited");
+}
+
+#[test]
+fn a_socket_directory_another_user_controls_is_refused_and_no_link_is_followed() {
+    let base = tempfile::tempdir().unwrap();
+    chmod(base.path(), 0o755);
+    let victim = base.path().join("victim");
+    std::fs::write(&victim, b"root's").unwrap();
+    chmod(&victim, 0o600);
+
+    // Owned by another user: that user could swap the socket for a link.
+    let theirs = base.path().join("theirs");
+    std::fs::create_dir(&theirs).unwrap();
+    nix::unistd::chown(&theirs, Some(nix::unistd::Uid::from_raw(NOBODY)), None).unwrap();
+    let (st, err) = start_refused(&theirs.join("kvtierd.sock"), "").expect("started");
+    assert!(!st.success());
+    assert!(err.contains("owned by uid 65534"), "{err}");
+
+    // Writable by everyone, not sticky.
+    let open = base.path().join("open");
+    std::fs::create_dir(&open).unwrap();
+    chmod(&open, 0o777);
+    let (st, err) = start_refused(&open.join("kvtierd.sock"), "").expect("started");
+    assert!(!st.success());
+    assert!(err.contains("not sticky"), "{err}");
+
+    // Sticky and world-writable (like /tmp): a link someone placed at the
+    // socket path is refused and its target untouched.
+    let sticky = base.path().join("sticky");
+    std::fs::create_dir(&sticky).unwrap();
+    chmod(&sticky, 0o1777);
+    std::os::unix::fs::symlink(&victim, sticky.join("kvtierd.sock")).unwrap();
+    let cfg = "[server]\nsocket_group = \"nogroup\"\n";
+    let (st, _) = start_refused(&sticky.join("kvtierd.sock"), cfg).expect("started");
+    assert!(!st.success());
+    use std::os::unix::fs::MetadataExt;
+    let v = std::fs::metadata(&victim).unwrap();
+    assert_eq!((v.mode() & 0o7777, v.gid()), (0o600, 0), "link followed");
+
+    // Without the link it serves, its socket with the configured mode and
+    // group from the moment it appears; no private bind dir is left.
+    std::fs::remove_file(sticky.join("kvtierd.sock")).unwrap();
+    assert!(start_refused(&sticky.join("kvtierd.sock"), cfg).is_none());
+    let s = std::fs::symlink_metadata(sticky.join("kvtierd.sock")).unwrap();
+    assert_eq!((s.mode() & 0o777, s.gid()), (0o660, NOBODY));
+    let names: Vec<_> = std::fs::read_dir(&sticky)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert!(
+        names
+            .iter()
+            .all(|n| !n.to_string_lossy().starts_with(".kvtierd-bind")),
+        "{names:?}"
+    );
+}

@@ -6,6 +6,7 @@
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used))]
 
 pub mod access;
+pub mod at_rest;
 pub mod config;
 pub mod config_env;
 #[doc(hidden)]

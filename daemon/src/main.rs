@@ -79,6 +79,9 @@ fn main() {
 }
 
 fn run() -> Result<()> {
+    // Before anything is created: blocks, the index and a file:// G4 are
+    // tenants' prompts, readable by the daemon's user only (at_rest.rs).
+    kvtier_daemon::at_rest::set_private_umask();
     let args = Args::parse();
     if args.print_default_config {
         print!("{}", Config::default_toml());
@@ -157,6 +160,18 @@ fn run() -> Result<()> {
         tracing::info!(variable = %var, key = %key, "configuration from the environment");
     }
 
+    // Trees an earlier version (or a person) left readable are tightened,
+    // links never followed.
+    let mut private = vec![cfg.g3.dir.clone()];
+    if let Some(dir) = cfg
+        .g4
+        .url
+        .as_deref()
+        .and_then(|u| u.strip_prefix("file://"))
+    {
+        private.push(PathBuf::from(dir));
+    }
+    kvtier_daemon::at_rest::tighten_and_log(&private)?;
     std::fs::create_dir_all(&cfg.g3.dir)
         .with_context(|| format!("config: `g3.dir`: cannot create {}", cfg.g3.dir.display()))?;
     let node = Node::open(node_config(&cfg)?)?;

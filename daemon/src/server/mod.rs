@@ -12,6 +12,7 @@
 //! flight finish (up to `drain_timeout_ms`), then the backend is flushed.
 
 pub mod backend;
+mod bind;
 mod conn;
 mod mem;
 mod onboard;
@@ -28,7 +29,6 @@ use crate::error::{Error, Result};
 use crate::events::EventBus;
 use crate::metrics::Metrics;
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -167,28 +167,21 @@ impl Server {
             }
             std::fs::remove_file(path).map_err(|e| Error::io("removing stale socket", path, e))?;
         }
-        if let Some(dir) = path.parent() {
-            if !dir.as_os_str().is_empty() {
-                std::fs::create_dir_all(dir)
-                    .map_err(|e| Error::io("creating the socket directory", dir, e))?;
-            }
-        }
-        let listener =
-            UnixListener::bind(path).map_err(|e| Error::io("binding the socket", path, e))?;
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(sock.mode))
-            .map_err(|e| Error::io("setting socket permissions", path, e))?;
-        if let Some(g) = &sock.group {
-            let grp = nix::unistd::Group::from_name(g)
-                .ok()
-                .flatten()
-                .ok_or_else(|| Error::Config {
-                    key: "server.socket_group".into(),
-                    problem: format!("no group named {g:?}"),
-                })?;
-            nix::unistd::chown(path, None, Some(grp.gid)).map_err(|e| {
-                Error::io("changing the socket's group", path, std::io::Error::from(e))
-            })?;
-        }
+        let gid = match &sock.group {
+            Some(g) => Some(
+                nix::unistd::Group::from_name(g)
+                    .ok()
+                    .flatten()
+                    .ok_or_else(|| Error::Config {
+                        key: "server.socket_group".into(),
+                        problem: format!("no group named {g:?}"),
+                    })?
+                    .gid
+                    .as_raw(),
+            ),
+            None => None,
+        };
+        let listener = bind::bind_private(path, sock.mode, gid)?;
         backend.attach_events(bus.clone());
         metrics.set_bus(bus.clone());
         Ok(Server {
