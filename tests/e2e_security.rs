@@ -491,3 +491,148 @@ fn a_socket_directory_another_user_controls_is_refused_and_no_link_is_followed()
         "{names:?}"
     );
 }
+
+// ---- M2 / L4: the peer and metrics ports ------------------------------
+
+/// Opens `n` TCP connections to `addr` that never send a byte.
+fn silent_tcp(addr: &str, n: usize) -> Vec<std::net::TcpStream> {
+    (0..n)
+        .filter_map(|_| std::net::TcpStream::connect(addr).ok())
+        .collect()
+}
+
+#[test]
+fn silent_connections_do_not_starve_the_metrics_port() {
+    let d = Daemon::start();
+    let flood = silent_tcp(&d.metrics_addr, 80);
+    assert_eq!(flood.len(), 80);
+    for _ in 0..5 {
+        let (status, body) = d.http_get("/metrics");
+        assert!(status.contains("200"), "{status:?}");
+        assert!(body.contains("# TYPE kvtier_"), "{body}");
+        let (status, _) = d.http_get("/healthz");
+        assert!(status.contains("200"), "{status:?}");
+    }
+    drop(flood);
+}
+
+const PEER_SECRET: &[u8] = b"0123456789abcdef-security-tests";
+
+/// A daemon with its peer server on, one block stored; returns the daemon,
+/// the peer address, the block's path and its file bytes.
+fn peer_daemon() -> (Daemon, tempfile::TempDir, String, String, Vec<u8>) {
+    let sdir = tempfile::tempdir().unwrap();
+    let secret = sdir.path().join("secret");
+    std::fs::write(&secret, PEER_SECRET).unwrap();
+    chmod(&secret, 0o600);
+    let peer_addr = format!("127.0.0.1:{}", support::free_port());
+    let d = Daemon::start_with(
+        &[
+            "--peer-listen".into(),
+            peer_addr.clone(),
+            "--peer-secret-file".into(),
+            secret.display().to_string(),
+            "--g4".into(),
+            String::new(),
+        ],
+        &[],
+    );
+    let ns = kvtier_client::Namespace::new(
+        "peer",
+        kvtier_client::KvLayout::with_block_bytes(4096).unwrap(),
+        "",
+        "t",
+    )
+    .unwrap();
+    let c = Client::with_config(ClientConfig::new(&d.socket));
+    let h = c.namespace(&ns);
+    let keys = h.hash_chain(&(0..16).collect::<Vec<u32>>());
+    let out = h.offload_chain(
+        None,
+        &keys,
+        &[&[9u8; 4096][..]],
+        kvtier_client::Hints::default(),
+    );
+    assert!(
+        matches!(out[0], kvtier_client::OffloadOutcome::Stored),
+        "{out:?}"
+    );
+    let path = kvtier_daemon::peer::wire::block_url_path(&ns.id(), &keys[0]);
+    let file = std::fs::read(
+        d.dir
+            .path()
+            .join("g3")
+            .join(kvtier_client::block_path(&ns.id(), &keys[0])),
+    )
+    .unwrap_or_default();
+    (d, sdir, peer_addr, path, file)
+}
+
+/// One signed GET of `path` as bytes on the wire.
+fn signed_request(addr: &str, path: &str) -> Vec<u8> {
+    let key = kvtier_daemon::peer::auth::PeerKey::from_secret(PEER_SECRET).unwrap();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    format!(
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nAuthorization: {}\r\nConnection: close\r\n\r\n",
+        key.sign("GET", path, "", now)
+    )
+    .into_bytes()
+}
+
+/// Sends `req` on a new connection; (status, body). Status 0: the
+/// connection was closed without an answer.
+fn send_raw(addr: &str, req: &[u8]) -> (u16, Vec<u8>) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    if s.write_all(req).is_err() {
+        return (0, Vec::new());
+    }
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out);
+    let Some(end) = out.windows(4).position(|w| w == b"\r\n\r\n") else {
+        return (0, Vec::new());
+    };
+    let head = String::from_utf8_lossy(&out[..end]).to_string();
+    let status = head
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    (status, out[end + 4..].to_vec())
+}
+
+#[test]
+fn silent_connections_do_not_starve_signed_peer_requests() {
+    let (_d, _s, addr, path, file) = peer_daemon();
+    let flood = silent_tcp(&addr, 300);
+    assert_eq!(flood.len(), 300);
+    for i in 0..6 {
+        let (status, body) = send_raw(&addr, &signed_request(&addr, &path));
+        assert_eq!(
+            status, 200,
+            "signed request {i} behind 300 silent connections"
+        );
+        if !file.is_empty() {
+            assert!(body == file, "request {i}: wrong bytes");
+        }
+    }
+    drop(flood);
+}
+
+#[test]
+fn a_captured_peer_request_replayed_is_refused() {
+    let (_d, _s, addr, path, _) = peer_daemon();
+    let captured = signed_request(&addr, &path);
+    assert_eq!(send_raw(&addr, &captured).0, 200);
+    // Well within the ±30 s window.
+    std::thread::sleep(Duration::from_secs(1));
+    let (status, body) = send_raw(&addr, &captured);
+    assert_eq!(status, 401, "replay served ({} bytes)", body.len());
+    assert!(String::from_utf8_lossy(&body).contains("replayed"));
+    // A fresh signature for the same block is served.
+    assert_eq!(send_raw(&addr, &signed_request(&addr, &path)).0, 200);
+}

@@ -15,6 +15,7 @@ pub mod error;
 pub mod events;
 pub mod g3;
 pub mod g4;
+pub mod http_gate;
 pub mod log_limit;
 pub mod metrics;
 pub mod mount;
