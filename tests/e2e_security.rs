@@ -492,6 +492,91 @@ fn a_socket_directory_another_user_controls_is_refused_and_no_link_is_followed()
     );
 }
 
+// ---- L5: connections before their hello ------------------------------
+
+/// Runs `f` on a fresh thread whose effective uid and gid are `uid` (raw
+/// syscalls change only the calling thread's credentials; glibc's
+/// wrappers would change the whole test process). The kernel records the
+/// connecting thread's credentials (SO_PEERCRED) at connect.
+fn as_euid<T: Send + 'static>(uid: u32, f: impl FnOnce() -> T + Send + 'static) -> T {
+    std::thread::spawn(move || {
+        let keep = -1 as libc::c_long;
+        // SAFETY: plain syscalls on this thread's credentials.
+        unsafe {
+            assert_eq!(
+                libc::syscall(libc::SYS_setresgid, keep, uid as libc::c_long, keep),
+                0
+            );
+            assert_eq!(
+                libc::syscall(libc::SYS_setresuid, keep, uid as libc::c_long, keep),
+                0
+            );
+        }
+        f()
+    })
+    .join()
+    .unwrap()
+}
+
+/// A daemon whose socket everyone may open, with `cfg` added.
+fn open_daemon(cfg: &str) -> (Daemon, tempfile::TempDir) {
+    let cdir = tempfile::tempdir().unwrap();
+    let path = cdir.path().join("kvtierd.toml");
+    std::fs::write(&path, format!("[server]\nsocket_mode = \"0666\"\n{cfg}\n")).unwrap();
+    let d = Daemon::start_with(&["--config".into(), path.display().to_string()], &[]);
+    chmod(d.dir.path(), 0o755);
+    (d, cdir)
+}
+
+#[test]
+fn a_silent_connection_is_closed_at_the_hello_deadline() {
+    let (d, _c) = open_daemon("hello_timeout_ms = 1000\n");
+    let s = UnixStream::connect(&d.socket).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let t = Instant::now();
+    let mut b = [0u8; 1];
+    // Closed (EOF), not left for idle_timeout_ms (600 s).
+    let r = nix::sys::socket::recv(s.as_raw_fd(), &mut b, nix::sys::socket::MsgFlags::empty());
+    assert_eq!(r, Ok(0), "after {:?}", t.elapsed());
+    daemon_serves(&d);
+}
+
+#[test]
+fn one_uid_cannot_lock_others_out_in_single_tenant_mode() {
+    // Long hello deadline: only the per-uid bounds can save the slots.
+    let (d, _c) = open_daemon("hello_timeout_ms = 120000\nmax_connections = 1024\n");
+    // uid nobody opens more silent connections than the daemon serves.
+    let sock = d.socket.clone();
+    let silent: Vec<UnixStream> = as_euid(NOBODY, move || {
+        (0..1100)
+            .filter_map(|_| UnixStream::connect(&sock).ok())
+            .collect()
+    });
+    assert!(silent.len() >= 1024, "{}", silent.len());
+    // Root is still served, at once.
+    daemon_serves(&d);
+
+    // nobody past its hello on as many connections as it can get: its
+    // share (half of max_connections) ends, root is still served.
+    drop(silent);
+    let sock = d.socket.clone();
+    let held: Vec<Client> = as_euid(NOBODY, move || {
+        let mut held = Vec::new();
+        for _ in 0..1100 {
+            let mut cfg = ClientConfig::new(&sock);
+            cfg.region_bytes = 0;
+            let c = Client::with_config(cfg);
+            match c.ensure_connected() {
+                Ok(()) => held.push(c),
+                Err(_) => break,
+            }
+        }
+        held
+    });
+    assert!(held.len() < 1024, "nobody held {}", held.len());
+    daemon_serves(&d);
+}
+
 // ---- M2 / L4: the peer and metrics ports ------------------------------
 
 /// Opens `n` TCP connections to `addr` that never send a byte.
@@ -635,4 +720,150 @@ fn a_captured_peer_request_replayed_is_refused() {
     assert!(String::from_utf8_lossy(&body).contains("replayed"));
     // A fresh signature for the same block is served.
     assert_eq!(send_raw(&addr, &signed_request(&addr, &path)).0, 200);
+}
+
+// ---- M3: leases cannot hold the cache against eviction ----------------
+
+const UID_A: u32 = 61101;
+const UID_B: u32 = 61102;
+const BIG: u64 = 2 << 20;
+
+fn tenant_ns(t: &str) -> kvtier_client::Namespace {
+    kvtier_client::Namespace::new(
+        "lease",
+        kvtier_client::KvLayout::with_block_bytes(BIG).unwrap(),
+        "",
+        t,
+    )
+    .unwrap()
+}
+
+/// Offloads `n` blocks of tenant `t` as `uid`; the outcomes.
+fn offload_as(uid: u32, socket: &Path, t: &'static str, n: usize) -> Vec<String> {
+    let socket = socket.to_path_buf();
+    as_euid(uid, move || {
+        let mut cfg = ClientConfig::new(&socket);
+        cfg.timeout_ms = 120_000;
+        let c = Client::with_config(cfg);
+        c.ensure_connected().unwrap();
+        let ns = tenant_ns(t);
+        let h = c.namespace(&ns);
+        let keys = h.hash_chain(&(0..n as u32 * 16).collect::<Vec<u32>>());
+        let data: Vec<Vec<u8>> = (0..n).map(|i| vec![i as u8 + 1; BIG as usize]).collect();
+        let refs: Vec<&[u8]> = data.iter().map(|v| &v[..]).collect();
+        h.offload_chain(None, &keys, &refs, kvtier_client::Hints::default())
+            .iter()
+            .map(|o| format!("{o:?}"))
+            .collect()
+    })
+}
+
+/// As `uid`, leases every block of tenant `t` (direct onboard, 30 s, never
+/// released) on a connection kept open; the items' statuses.
+fn hold_leases_as(uid: u32, socket: &Path, t: &'static str, n: usize) -> (UnixStream, Vec<String>) {
+    let socket = socket.to_path_buf();
+    as_euid(uid, move || {
+        let s = UnixStream::connect(&socket).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+        proto::send_frame(s.as_raw_fd(), &hello(1), &[]).unwrap();
+        assert!(matches!(
+            reply(&s, proto::OP_HELLO),
+            Some(Response::Hello { .. })
+        ));
+        let ns = tenant_ns(t);
+        let keys = ns.hash_chain(&(0..n as u32 * 16).collect::<Vec<u32>>());
+        let req = Request::Onboard {
+            ns: ns.id(),
+            mode: proto::OnboardMode::DirectFd,
+            lease_ttl_ms: 30_000,
+            items: keys
+                .iter()
+                .map(|k| proto::OnboardItem {
+                    key: *k,
+                    shm_offset: 0,
+                    shm_len: 0,
+                })
+                .collect(),
+        };
+        proto::send_frame(s.as_raw_fd(), &req.encode(2), &[]).unwrap();
+        let Some(Response::Onboard { items }) = reply(&s, proto::OP_ONBOARD) else {
+            panic!("onboard reply")
+        };
+        let st = items.iter().map(|i| format!("{:?}", i.status)).collect();
+        (s, st)
+    })
+}
+
+/// A kvtierd of 64 MiB (support's Daemon fixes 256 MiB by flag), its
+/// socket open to every uid; killed on drop.
+struct Small {
+    dir: tempfile::TempDir,
+    child: std::process::Child,
+    socket: std::path::PathBuf,
+}
+
+impl Small {
+    fn start(cfg: &str) -> Small {
+        let dir = tempfile::tempdir().unwrap();
+        chmod(dir.path(), 0o755);
+        let cfg_path = dir.path().join("kvtierd.toml");
+        std::fs::write(
+            &cfg_path,
+            format!("[server]\nsocket_mode = \"0666\"\n\n[g3]\ncapacity = \"64MiB\"\n\n{cfg}"),
+        )
+        .unwrap();
+        let socket = dir.path().join("kvtierd.sock");
+        let child = std::process::Command::new(support::kvtierd_bin())
+            .arg("--config")
+            .arg(&cfg_path)
+            .arg("--socket")
+            .arg(&socket)
+            .arg("--g3-dir")
+            .arg(dir.path().join("g3"))
+            .args(["--metrics-addr", "", "--g4", ""])
+            .env("RUST_LOG", "warn")
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        support::wait_for_socket(&socket, Duration::from_secs(20));
+        Small { dir, child, socket }
+    }
+}
+
+impl Drop for Small {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = &self.dir;
+    }
+}
+
+#[test]
+fn one_tenant_re_leasing_its_blocks_cannot_make_anothers_offloads_fail() {
+    let d = Small::start(&format!(
+        "[[tenants]]\nname = \"a\"\nuids = [{UID_A}]\nnamespaces = [\"{}\"]\n\n\
+         [[tenants]]\nname = \"b\"\nuids = [{UID_B}]\nnamespaces = [\"{}\"]\n",
+        tenant_ns("a").id().to_hex(),
+        tenant_ns("b").id().to_hex(),
+    ));
+    // A fills 58 of 64 MiB and leases all of it, again and again.
+    let a = offload_as(UID_A, &d.socket, "a", 29);
+    assert!(a.iter().all(|o| o == "Stored"), "{a:?}");
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        held.push(hold_leases_as(UID_A, &d.socket, "a", 29));
+    }
+    // B's offloads evict A's unleased blocks and succeed.
+    let b = offload_as(UID_B, &d.socket, "b", 20);
+    assert!(b.iter().all(|o| o == "Stored"), "{b:?}");
+    // A holds at most its share (a quarter of 64 MiB) leased.
+    let leased: Vec<usize> = held
+        .iter()
+        .map(|(_, st)| st.iter().filter(|s| *s == "Ok").count())
+        .collect();
+    assert!(
+        (1..8).contains(&leased.iter().sum::<usize>()),
+        "A leased {leased:?} blocks of 2 MiB"
+    );
+    drop(held);
 }

@@ -226,6 +226,7 @@ fn run() -> Result<()> {
         ServerLimits {
             max_connections: cfg.server.max_connections,
             idle_timeout_ms: cfg.server.idle_timeout_ms,
+            hello_timeout_ms: cfg.server.hello_timeout_ms,
             io_timeout_ms: cfg.server.io_timeout_ms,
             region_bytes_max: cfg.server.region_bytes_max,
             leases_per_conn_max: cfg.server.leases_per_conn_max,

@@ -49,6 +49,9 @@ pub struct ServerLimits {
     pub max_connections: usize,
     /// A connection that sends no request for this long is closed.
     pub idle_timeout_ms: u64,
+    /// A connection must complete its hello within this long (a silent
+    /// connection holds a slot only this long, not `idle_timeout_ms`).
+    pub hello_timeout_ms: u64,
     /// Deadline for sending one reply.
     pub io_timeout_ms: u64,
     /// Largest shared region a client may register.
@@ -69,6 +72,7 @@ impl Default for ServerLimits {
         ServerLimits {
             max_connections: 1024,
             idle_timeout_ms: 600_000,
+            hello_timeout_ms: 5_000,
             io_timeout_ms: 5_000,
             region_bytes_max: 4 << 30,
             leases_per_conn_max: 4096,
@@ -287,6 +291,25 @@ impl Server {
             );
             return;
         };
+        // Before the hello nothing is known of the caller but its uid: a
+        // uid's unauthenticated connections are few and short-lived.
+        if !self.shared.quotas.take(uid, quota::Res::Hello) {
+            self.shared
+                .metrics
+                .errors
+                .with_label_values(&["busy"])
+                .inc();
+            conn::refuse(
+                &s,
+                proto_code::BUSY,
+                format!(
+                    "uid {uid} has {} connections waiting for their hello; send hello first",
+                    self.shared.quotas.limit_of(quota::Res::Hello)
+                ),
+            );
+            return;
+        }
+        let hello_taken = conn::HelloSlot::new(self.shared.clone(), uid);
         if !self.shared.quotas.take(uid, quota::Res::Conn) {
             self.shared
                 .metrics
@@ -321,7 +344,7 @@ impl Server {
             .name("kvtier-conn".into())
             .stack_size(512 << 10)
             .spawn(move || {
-                conn::serve(&shared, s, conn::Caller { uid, grant });
+                conn::serve(&shared, s, conn::Caller { uid, grant }, hello_taken);
                 shared.conns.fetch_sub(1, Ordering::SeqCst);
                 shared.quotas.give(uid, quota::Res::Conn, 1);
                 shared.metrics.connections.dec();
