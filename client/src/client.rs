@@ -411,6 +411,12 @@ impl Client {
             proto::RecvError::TooLarge(n) => Error::Protocol {
                 reason: format!("reply frame of {n} bytes"),
             },
+            // Too many passed fds (closed by the receive).
+            proto::RecvError::Io(e) if e.kind() == std::io::ErrorKind::InvalidData => {
+                Error::Protocol {
+                    reason: e.to_string(),
+                }
+            }
             proto::RecvError::Io(e) => io_to_error(sock, name, tmo, e),
         })?;
         let (rid, resp) = Response::decode(&body, op)?;

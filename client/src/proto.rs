@@ -22,7 +22,7 @@ use crate::events::KvEvent;
 use crate::key::{BlockKey, KEY_BYTES_MAX};
 use crate::namespace::NamespaceId;
 use crate::types::{Hints, Tier};
-use std::io::{IoSlice, IoSliceMut};
+use std::io::IoSlice;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 
 /// Protocol version this build speaks.
@@ -1234,7 +1234,9 @@ pub enum RecvError {
 
 /// Reads one frame body (after its length prefix) from a blocking socket,
 /// collecting any file descriptors that arrive with it (at most
-/// [`FDS_MAX`]; extra ones are closed by being dropped).
+/// [`FDS_MAX`]; extra ones are closed by being dropped). A message with
+/// more descriptors than one receive holds is refused (`Io` with
+/// `InvalidData`), its descriptors closed; the connection must be closed.
 pub fn recv_frame(fd: RawFd, fds: &mut Vec<OwnedFd>) -> std::result::Result<Vec<u8>, RecvError> {
     recv_frame_timed(fd, fds, None)
 }
@@ -1294,7 +1296,6 @@ fn recv_exact(
     eof_ok_at_start: bool,
     deadline: Option<std::time::Instant>,
 ) -> std::result::Result<usize, RecvError> {
-    use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
     let mut done = 0;
     while done < buf.len() {
         if let Some(d) = deadline {
@@ -1309,14 +1310,10 @@ fn recv_exact(
             set_recv_timeout(fd, left.max(std::time::Duration::from_millis(1)))
                 .map_err(RecvError::Io)?;
         }
-        let mut cmsg = nix::cmsg_space!([RawFd; FDS_MAX]);
-        let mut iov = [IoSliceMut::new(&mut buf[done..])];
-        let res = recvmsg::<()>(fd, &mut iov, Some(&mut cmsg), MsgFlags::MSG_CMSG_CLOEXEC);
-        let msg = match res {
-            Ok(m) => m,
-            Err(nix::errno::Errno::EINTR) => continue,
+        let n = match recv_some(fd, &mut buf[done..], fds) {
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
             Err(e) => {
-                let e = std::io::Error::from(e);
                 let e = if e.kind() == std::io::ErrorKind::WouldBlock {
                     std::io::Error::new(std::io::ErrorKind::TimedOut, "receive timed out")
                 } else {
@@ -1325,21 +1322,6 @@ fn recv_exact(
                 return Err(RecvError::Io(e));
             }
         };
-        if let Ok(cmsgs) = msg.cmsgs() {
-            for c in cmsgs {
-                if let ControlMessageOwned::ScmRights(raw) = c {
-                    for r in raw {
-                        // SAFETY: the kernel just installed this fd for us;
-                        // nothing else owns it.
-                        let owned = unsafe { OwnedFd::from_raw_fd(r) };
-                        if fds.len() < FDS_MAX {
-                            fds.push(owned);
-                        }
-                    }
-                }
-            }
-        }
-        let n = msg.bytes;
         if n == 0 {
             if done == 0 && eof_ok_at_start {
                 return Ok(0);
@@ -1352,6 +1334,72 @@ fn recv_exact(
         done += n;
     }
     Ok(done)
+}
+
+/// Bytes of control buffer for [`FDS_MAX`] descriptors in one message.
+fn cmsg_space_bytes() -> usize {
+    // SAFETY: pure arithmetic on a constant.
+    unsafe { libc::CMSG_SPACE((FDS_MAX * std::mem::size_of::<RawFd>()) as libc::c_uint) as usize }
+}
+
+/// One `recvmsg` into `buf`. Every descriptor the kernel installed is
+/// owned at once: kept in `fds` (up to [`FDS_MAX`] per frame) or closed.
+/// A truncated control message (`MSG_CTRUNC`: more descriptors than the
+/// buffer holds; the kernel installs those that fit and drops the rest) is
+/// refused with `InvalidData` after the installed ones are closed, so a
+/// hostile peer cannot leak descriptors into this process (nix's
+/// `cmsgs()` refuses to walk a truncated buffer, which left them open).
+fn recv_some(fd: RawFd, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> std::io::Result<usize> {
+    // u64s: cmsghdr alignment. 128 fds need 528 bytes.
+    let mut control = [0u64; 80];
+    let space = cmsg_space_bytes().min(std::mem::size_of_val(&control));
+    let mut iov = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
+    // SAFETY: an all-zero msghdr is valid; the fields set below point at
+    // live buffers of the stated lengths.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr().cast();
+    msg.msg_controllen = space as _;
+    // SAFETY: fd is the caller's socket; msg describes valid buffers.
+    let n = unsafe { libc::recvmsg(fd, &mut msg, libc::MSG_CMSG_CLOEXEC) };
+    if n < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let mut got = Vec::new();
+    // SAFETY: walking the control buffer the kernel filled, with the
+    // kernel's own length fields, through libc's bounds-checked macros.
+    unsafe {
+        let mut c = libc::CMSG_FIRSTHDR(&msg);
+        while !c.is_null() {
+            if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
+                let data = libc::CMSG_DATA(c) as *const RawFd;
+                let bytes = ((*c).cmsg_len as usize).saturating_sub(libc::CMSG_LEN(0) as usize);
+                for i in 0..bytes / std::mem::size_of::<RawFd>() {
+                    // The kernel just installed this fd for us; nothing
+                    // else owns it.
+                    got.push(OwnedFd::from_raw_fd(std::ptr::read_unaligned(data.add(i))));
+                }
+            }
+            c = libc::CMSG_NXTHDR(&msg, c);
+        }
+    }
+    if msg.msg_flags & libc::MSG_CTRUNC != 0 {
+        drop(got);
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("more than {FDS_MAX} file descriptors in one message (control data truncated); frame refused"),
+        ));
+    }
+    for f in got {
+        if fds.len() < FDS_MAX {
+            fds.push(f);
+        }
+    }
+    Ok(n as usize)
 }
 
 /// Sends one whole frame, with `fds` as SCM_RIGHTS on its first bytes.

@@ -51,8 +51,8 @@ pub struct AccessSection {
     /// Gids whose members are admins.
     pub admin_gids: Vec<u32>,
     /// Connections one uid may hold at once (unset: a quarter of
-    /// `server.max_connections`, at least 1), so one user cannot take
-    /// every slot.
+    /// `server.max_connections`, at least 1; without tenants, half), so
+    /// one user cannot take every slot.
     pub connections_per_uid_max: Option<usize>,
     /// Event subscriptions one uid may hold at once (unset: a quarter of
     /// the bus's subscriber slots, at least 1).
@@ -66,6 +66,12 @@ pub struct AccessSection {
     /// Live pins one uid may have made (unset: a quarter of
     /// `server.pins_max`).
     pub pins_per_uid_max: Option<usize>,
+    /// Bytes of blocks one uid may hold leased over all its connections
+    /// (unset with tenants: a quarter of `g3.capacity`; without tenants:
+    /// unbounded), so a uid that re-leases its blocks cannot keep the
+    /// cache from evicting for the others.
+    #[serde(deserialize_with = "crate::config::de_size_opt")]
+    pub lease_bytes_per_uid_max: Option<u64>,
 }
 
 /// What one caller may do.
@@ -255,9 +261,10 @@ pub fn uid_limits(cfg: &crate::config::Config, subscribers_max: usize) -> crate:
     let multi = !cfg.tenants.is_empty();
     let quarter = |n: usize| multi.then_some((n / 4).max(1));
     crate::server::UidLimits {
-        connections_per_uid_max: a
-            .connections_per_uid_max
-            .or(quarter(cfg.server.max_connections)),
+        // Without tenants too: one local user cannot take every slot.
+        connections_per_uid_max: a.connections_per_uid_max.or(Some(
+            quarter(cfg.server.max_connections).unwrap_or((cfg.server.max_connections / 2).max(1)),
+        )),
         subscribers_per_uid_max: a.subscribers_per_uid_max.or(quarter(subscribers_max)),
         onboards_per_uid_max: a.onboards_per_uid_max.or(multi.then_some(8)),
         leases_per_uid_max: a
@@ -265,6 +272,10 @@ pub fn uid_limits(cfg: &crate::config::Config, subscribers_max: usize) -> crate:
             .or(multi.then_some(cfg.server.leases_per_conn_max.saturating_mul(4))),
         pins_per_uid_max: a.pins_per_uid_max.or(quarter(cfg.server.pins_max)),
         pin_ttl_max_ms: cfg.server.pin_ttl_max_ms,
+        hellos_per_uid_max: Some(cfg.server.hellos_per_uid_max),
+        lease_bytes_per_uid_max: a
+            .lease_bytes_per_uid_max
+            .or(multi.then_some((cfg.g3.capacity / 4).max(1))),
     }
 }
 

@@ -27,6 +27,11 @@ max_connections = 1024
 # A connection that sends nothing for this long is closed (the client
 # reconnects by itself).
 idle_timeout_ms = 600000
+# A new connection must send its hello within this long, and one uid may
+# have at most this many connections that have not (silent connections
+# cannot hold the slots).
+hello_timeout_ms = 5000
+hellos_per_uid_max = 64
 # Deadline for sending one reply to a client.
 io_timeout_ms = 5000
 # Largest shared region one client may register.
@@ -192,16 +197,20 @@ verify_on_open = true
 # Admins: every namespace, list of all, stats. Unset: root and the daemon's uid.
 # admin_uids = [0]
 admin_gids = []
-# Per-uid shares (unset: a quarter of the global bound; onboards 8).
+# Per-uid shares (unset: a quarter of the global bound; onboards 8;
+# without tenants, connections: half of server.max_connections).
 # connections_per_uid_max = 256
 # subscribers_per_uid_max = 16
 # onboards_per_uid_max = 8
 # leases_per_uid_max = 16384
 # pins_per_uid_max = 16384
+# Bytes of blocks one uid may hold leased (unset with tenants: a quarter of
+# g3.capacity), so re-leasing cannot keep the cache from eviction.
+# lease_bytes_per_uid_max = "1GiB"
 "#;
 
 /// A size key that may be left out (then the struct default, `None`).
-fn de_size_opt<'de, D: serde::Deserializer<'de>>(
+pub(crate) fn de_size_opt<'de, D: serde::Deserializer<'de>>(
     d: D,
 ) -> std::result::Result<Option<u64>, D::Error> {
     de_size(d).map(Some)
@@ -304,6 +313,10 @@ pub struct ServerSection {
     pub max_connections: usize,
     /// Idle close.
     pub idle_timeout_ms: u64,
+    /// Deadline for a new connection's hello.
+    pub hello_timeout_ms: u64,
+    /// Connections of one uid before their hello.
+    pub hellos_per_uid_max: usize,
     /// Reply send deadline.
     pub io_timeout_ms: u64,
     /// Largest client region.
@@ -722,6 +735,8 @@ impl Default for ServerSection {
             socket_group: None,
             max_connections: 1024,
             idle_timeout_ms: 600_000,
+            hello_timeout_ms: 5_000,
+            hellos_per_uid_max: 64,
             io_timeout_ms: 5_000,
             region_bytes_max: 4 << 30,
             leases_per_conn_max: 4096,
@@ -986,6 +1001,12 @@ impl Config {
         }
         if s.idle_timeout_ms == 0 || s.io_timeout_ms == 0 {
             return Err(bad("server.io_timeout_ms", "timeouts must be positive"));
+        }
+        if s.hello_timeout_ms == 0 {
+            return Err(bad("server.hello_timeout_ms", "must be positive"));
+        }
+        if s.hellos_per_uid_max == 0 {
+            return Err(bad("server.hellos_per_uid_max", "must be at least 1"));
         }
         if s.region_bytes_max < 1 << 20 || s.region_bytes_max > kvtier_client::shm::REGION_BYTES_MAX
         {

@@ -6,6 +6,7 @@
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used))]
 
 pub mod access;
+pub mod at_rest;
 pub mod config;
 pub mod config_env;
 #[doc(hidden)]
@@ -14,6 +15,7 @@ pub mod error;
 pub mod events;
 pub mod g3;
 pub mod g4;
+pub mod http_gate;
 pub mod log_limit;
 pub mod metrics;
 pub mod mount;

@@ -79,6 +79,9 @@ fn main() {
 }
 
 fn run() -> Result<()> {
+    // Before anything is created: blocks, the index and a file:// G4 are
+    // tenants' prompts, readable by the daemon's user only (at_rest.rs).
+    kvtier_daemon::at_rest::set_private_umask();
     let args = Args::parse();
     if args.print_default_config {
         print!("{}", Config::default_toml());
@@ -157,6 +160,18 @@ fn run() -> Result<()> {
         tracing::info!(variable = %var, key = %key, "configuration from the environment");
     }
 
+    // Trees an earlier version (or a person) left readable are tightened,
+    // links never followed.
+    let mut private = vec![cfg.g3.dir.clone()];
+    if let Some(dir) = cfg
+        .g4
+        .url
+        .as_deref()
+        .and_then(|u| u.strip_prefix("file://"))
+    {
+        private.push(PathBuf::from(dir));
+    }
+    kvtier_daemon::at_rest::tighten_and_log(&private)?;
     std::fs::create_dir_all(&cfg.g3.dir)
         .with_context(|| format!("config: `g3.dir`: cannot create {}", cfg.g3.dir.display()))?;
     let node = Node::open(node_config(&cfg)?)?;
@@ -211,6 +226,7 @@ fn run() -> Result<()> {
         ServerLimits {
             max_connections: cfg.server.max_connections,
             idle_timeout_ms: cfg.server.idle_timeout_ms,
+            hello_timeout_ms: cfg.server.hello_timeout_ms,
             io_timeout_ms: cfg.server.io_timeout_ms,
             region_bytes_max: cfg.server.region_bytes_max,
             leases_per_conn_max: cfg.server.leases_per_conn_max,

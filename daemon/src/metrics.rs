@@ -575,6 +575,8 @@ impl Metrics {
 
 /// Connections the metrics endpoint serves at once.
 pub const METRICS_CONNECTIONS_MAX: usize = 64;
+/// Time a new metrics connection has to send its first byte.
+const METRICS_FIRST_BYTE: std::time::Duration = std::time::Duration::from_secs(2);
 
 static ACCEPT_WARN: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new(1000);
 
@@ -588,14 +590,23 @@ pub async fn serve(
     use http_body_util::Full;
     use hyper::body::Bytes;
     use hyper::{Response, StatusCode};
-    let conns = Arc::new(tokio::sync::Semaphore::new(METRICS_CONNECTIONS_MAX));
+    // Silent or idle connections are evicted for new ones (http_gate.rs):
+    // a flood cannot starve /metrics or /healthz (the liveness probe).
+    let gate = crate::http_gate::Gate::new(crate::http_gate::GateLimits {
+        connections_max: METRICS_CONNECTIONS_MAX,
+        pending_per_addr_max: METRICS_CONNECTIONS_MAX / 4,
+    });
     loop {
+        tokio::select! {
+            _ = gate.room() => {}
+            _ = shutdown.changed() => return,
+        }
         let accepted = tokio::select! {
             a = listener.accept() => a,
             _ = shutdown.changed() => return,
         };
-        let stream = match accepted {
-            Ok((stream, _)) => stream,
+        let (stream, from) = match accepted {
+            Ok(s) => s,
             Err(e) => {
                 // EMFILE and friends: back off instead of spinning on a
                 // listener that stays readable, and say so once a second.
@@ -604,21 +615,29 @@ pub async fn serve(
                 continue;
             }
         };
-        // A scraper or a flood holds at most this many connections; the
-        // rest are closed at once, so fds stay bounded.
-        let Ok(permit) = conns.clone().try_acquire_owned() else {
+        // At most this many connections, so fds stay bounded; only when
+        // each is in the middle of a request is a new one closed at once.
+        let Some((ticket, mut evicted)) = gate.admit(from.ip()) else {
             drop(stream);
             continue;
         };
         let metrics = metrics.clone();
         let backend = backend.clone();
         tokio::spawn(async move {
-            let _permit = permit;
+            if !crate::http_gate::first_byte(&stream, METRICS_FIRST_BYTE, &mut evicted).await {
+                return;
+            }
+            let ticket = Arc::new(ticket);
+            let svc_ticket = ticket.clone();
             let svc =
                 hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
                     let metrics = metrics.clone();
                     let backend = backend.clone();
+                    let ticket = svc_ticket.clone();
                     async move {
+                        // Not evicted while answering; evictable again
+                        // once answered (keep-alive idle).
+                        ticket.served();
                         let (status, ctype, body) = match req.uri().path() {
                             "/metrics" => {
                                 let b = backend.clone();
@@ -659,6 +678,7 @@ pub async fn serve(
                         if let Ok(v) = hyper::header::HeaderValue::from_str(ctype) {
                             resp.headers_mut().insert(hyper::header::CONTENT_TYPE, v);
                         }
+                        ticket.idle();
                         Ok::<_, std::convert::Infallible>(resp)
                     }
                 });
@@ -667,7 +687,10 @@ pub async fn serve(
                 .timer(hyper_util::rt::TokioTimer::new())
                 .header_read_timeout(std::time::Duration::from_secs(5))
                 .serve_connection(io, svc);
-            let _ = tokio::time::timeout(std::time::Duration::from_secs(30), conn).await;
+            tokio::select! {
+                _ = tokio::time::timeout(std::time::Duration::from_secs(30), conn) => {}
+                _ = &mut evicted => {}
+            }
         });
     }
 }

@@ -3,8 +3,9 @@
 //! instead of being read until time runs out; a server that cannot prove
 //! the secret is not believed. And the peer listener against hostile
 //! clients: a silent, idle or trickling connection is cut at the header
-//! deadline; past `connections_max` a connection is closed at once (and
-//! counted), and slots come back when the holders go.
+//! deadline; past `connections_max` held by authenticated peers a
+//! connection is closed at once (and counted), and slots come back when
+//! the holders go.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use kvtier_client::{BlockKey, KvLayout, Namespace};
@@ -200,15 +201,29 @@ async fn a_peer_client_that_trickles_or_stays_silent_is_cut_at_the_header_deadli
 async fn the_peer_listener_closes_connections_past_its_cap_and_serves_again_after() {
     let (server, _dir) = listener_under_test(30_000, 4).await;
     let addr = server.local_addr();
+    // Four peers that proved the secret (a signed request each, answered,
+    // kept alive) hold every slot; silent connections would not: they are
+    // evicted for newcomers (tests/e2e_security.rs).
+    let key = kvtier_daemon::peer::auth::PeerKey::from_secret(&[7u8; 32]).unwrap();
     let mut held = Vec::new();
     for _ in 0..4 {
-        held.push(tokio::net::TcpStream::connect(addr).await.unwrap());
-    }
-    // The accept loop takes them in order; wait until all four are served.
-    let t = Instant::now();
-    while server.metrics().connections.load(Ordering::Relaxed) < 4 {
-        assert!(t.elapsed() < Duration::from_secs(5), "never accepted 4");
-        tokio::time::sleep(Duration::from_millis(5)).await;
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as u64;
+        let req = format!(
+            "GET /nope HTTP/1.1\r\nHost: p\r\nAuthorization: {}\r\n\r\n",
+            key.sign("GET", "/nope", "", now)
+        );
+        s.write_all(req.as_bytes()).await.unwrap();
+        let mut buf = [0u8; 4096];
+        let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(buf[..n].starts_with(b"HTTP/1.1 404"), "{:?}", &buf[..n]);
+        held.push(s);
     }
     // Past the cap: closed at once, counted, the held ones untouched.
     for i in 0..8 {

@@ -1,11 +1,14 @@
 //! Request signatures with a shared secret.
 //!
-//! Header: `Authorization: kvtier-hmac <unix_ms>:<64 hex digits>`, where the
-//! digits are `blake3::keyed_hash(K, method \n path \n range \n unix_ms)` and
-//! `K = blake3::derive_key("kvtier peer v1", secret)`. The signature binds the
-//! method, the exact path and the `Range` header, and a timestamp that must
-//! lie within the allowed clock skew, so a captured header is useless for
-//! another block and goes stale. Comparison is constant-time
+//! Header: `Authorization: kvtier-hmac <unix_ms>:<nonce>:<64 hex digits>`,
+//! where the nonce is 32 fresh random hex digits and the digits are
+//! `blake3::keyed_hash(K, method \n path \n range \n nonce \n unix_ms)`,
+//! `K = blake3::derive_key("kvtier peer v2", secret)`. The signature binds
+//! the method, the exact path and the `Range` header, the nonce, and a
+//! timestamp that must lie within the allowed clock skew, so a captured
+//! header is useless for another block and goes stale; within the skew the
+//! server remembers every signature it accepted (peer/replay.rs), so a
+//! captured request replayed is refused. Comparison is constant-time
 //! (`blake3::Hash`'s `PartialEq`). Transport is plain TCP: the secret proves
 //! who asks, it does not hide the bytes (see docs/OPERATIONS.md).
 //!
@@ -19,7 +22,10 @@
 /// Authorization scheme name.
 pub const SCHEME: &str = "kvtier-hmac";
 /// Key-derivation context.
-const CONTEXT: &str = "kvtier peer v1";
+/// (v2: the nonce is signed; a v1 node's requests are refused, 401.)
+const CONTEXT: &str = "kvtier peer v2";
+/// Hex digits of a signature nonce.
+const NONCE_HEX_DIGITS: usize = 32;
 /// Request header carrying the client's nonce.
 pub const NONCE_HEADER: &str = "x-kvtier-nonce";
 /// Response header carrying the server's proof.
@@ -48,6 +54,17 @@ pub enum AuthFault {
     Stale,
     /// The signature does not match.
     BadSignature,
+    /// The signature was accepted before (peer/replay.rs).
+    Replayed,
+}
+
+/// An accepted signature: what the replay cache remembers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Signed {
+    /// The request's timestamp.
+    pub unix_ms: u64,
+    /// Its MAC (unique per nonce).
+    pub mac: [u8; 32],
 }
 
 impl PeerKey {
@@ -65,9 +82,16 @@ impl PeerKey {
         Ok(PeerKey(blake3::derive_key(CONTEXT, secret)))
     }
 
-    fn mac(&self, method: &str, path: &str, range: &str, unix_ms: u64) -> blake3::Hash {
+    fn mac(
+        &self,
+        method: &str,
+        path: &str,
+        range: &str,
+        nonce: &str,
+        unix_ms: u64,
+    ) -> blake3::Hash {
         let mut h = blake3::Hasher::new_keyed(&self.0);
-        for part in [method, path, range] {
+        for part in [method, path, range, nonce] {
             h.update(part.as_bytes());
             h.update(b"\n");
         }
@@ -75,11 +99,13 @@ impl PeerKey {
         h.finalize()
     }
 
-    /// The `Authorization` header value for a request.
+    /// The `Authorization` header value for a request, with a fresh nonce:
+    /// no two calls give the same value.
     pub fn sign(&self, method: &str, path: &str, range: &str, unix_ms: u64) -> String {
+        let nonce = Self::nonce();
         format!(
-            "{SCHEME} {unix_ms}:{}",
-            self.mac(method, path, range, unix_ms).to_hex()
+            "{SCHEME} {unix_ms}:{nonce}:{}",
+            self.mac(method, path, range, &nonce, unix_ms).to_hex()
         )
     }
 
@@ -133,14 +159,18 @@ impl PeerKey {
         range: &str,
         now_unix_ms: u64,
         skew_ms: u64,
-    ) -> Result<(), AuthFault> {
+    ) -> Result<Signed, AuthFault> {
         let h = header.ok_or(AuthFault::Missing)?;
         let rest = h
             .strip_prefix(SCHEME)
             .and_then(|r| r.strip_prefix(' '))
             .ok_or(AuthFault::Malformed)?;
-        let (ms, sig) = rest.split_once(':').ok_or(AuthFault::Malformed)?;
+        let (ms, rest) = rest.split_once(':').ok_or(AuthFault::Malformed)?;
+        let (nonce, sig) = rest.split_once(':').ok_or(AuthFault::Malformed)?;
         if ms.is_empty() || ms.len() > 19 || !ms.bytes().all(|b| b.is_ascii_digit()) {
+            return Err(AuthFault::Malformed);
+        }
+        if nonce.len() != NONCE_HEX_DIGITS || !nonce.bytes().all(|b| b.is_ascii_hexdigit()) {
             return Err(AuthFault::Malformed);
         }
         let unix_ms: u64 = ms.parse().map_err(|_| AuthFault::Malformed)?;
@@ -148,8 +178,11 @@ impl PeerKey {
         if now_unix_ms.abs_diff(unix_ms) > skew_ms {
             return Err(AuthFault::Stale);
         }
-        if self.mac(method, path, range, unix_ms) == sig {
-            Ok(())
+        if self.mac(method, path, range, nonce, unix_ms) == sig {
+            Ok(Signed {
+                unix_ms,
+                mac: *sig.as_bytes(),
+            })
         } else {
             Err(AuthFault::BadSignature)
         }
@@ -180,10 +213,11 @@ mod tests {
         let k = PeerKey::from_secret(b"0123456789abcdef-secret").unwrap();
         let other = PeerKey::from_secret(b"another-secret-0123456").unwrap();
         let h = k.sign("GET", "/v1/blocks/x/y", "", 1000);
-        assert_eq!(
-            k.verify(Some(&h), "GET", "/v1/blocks/x/y", "", 1500, 1000),
-            Ok(())
-        );
+        assert!(k
+            .verify(Some(&h), "GET", "/v1/blocks/x/y", "", 1500, 1000)
+            .is_ok());
+        // Every signature is fresh: same request, same instant, new nonce.
+        assert_ne!(h, k.sign("GET", "/v1/blocks/x/y", "", 1000));
         assert_eq!(
             other.verify(Some(&h), "GET", "/v1/blocks/x/y", "", 1500, 1000),
             Err(AuthFault::BadSignature)
@@ -210,6 +244,9 @@ mod tests {
             "kvtier-hmac 1:zz",
             "kvtier-hmac :00",
             "kvtier-hmac 1",
+            // v1 form (no nonce).
+            &format!("kvtier-hmac 1:{}", "0".repeat(64)),
+            "kvtier-hmac 1:0123:00",
         ] {
             assert_eq!(
                 k.verify(Some(bad), "GET", "/", "", 1, 10),

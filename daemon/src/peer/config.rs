@@ -47,6 +47,11 @@ pub struct PeerConfig {
     pub connections_max: usize,
     /// Allowed clock difference for request signatures.
     pub clock_skew_ms: u64,
+    /// Time a new connection to the peer server has to send its first
+    /// byte.
+    pub first_byte_timeout_ms: u64,
+    /// Accepted request signatures remembered to refuse replays.
+    pub replay_cache_max: usize,
     /// Peers asked per lookup.
     pub fanout_max: usize,
     /// Time given to one peer per lookup.
@@ -88,6 +93,8 @@ impl Default for PeerConfig {
             transfers_max: s.transfers_max,
             connections_max: s.connections_max,
             clock_skew_ms: s.clock_skew_ms,
+            first_byte_timeout_ms: s.first_byte_timeout_ms,
+            replay_cache_max: s.replay_cache_max,
             fanout_max: p.fanout_max,
             per_peer_timeout_ms: p.per_peer_timeout_ms,
             connect_timeout_ms: c.connect_timeout_ms,
@@ -182,6 +189,8 @@ impl PeerConfig {
         s.transfers_max = self.transfers_max;
         s.connections_max = self.connections_max;
         s.clock_skew_ms = self.clock_skew_ms;
+        s.first_byte_timeout_ms = self.first_byte_timeout_ms;
+        s.replay_cache_max = self.replay_cache_max;
         s.holdings_bytes_max = self.holdings_bytes_max;
         // Peers refresh at this period: half of it keeps one build per
         // period when several peers ask.

@@ -30,6 +30,7 @@ pub mod config;
 pub mod discovery;
 pub mod holdings;
 pub mod placement;
+pub mod replay;
 pub mod server;
 pub mod set;
 pub mod source;

@@ -8,10 +8,12 @@
 //! `chunk_bytes * CHANNEL_CHUNKS` whatever the block size.
 
 use super::auth::{AuthFault, PeerKey};
+use super::replay::{Refused, ReplayCache};
 use super::source::PeerSource;
 use super::unix_ms_now;
 use super::wire::{parse_block_path, parse_range, ByteRange, PathFault, RangeRequest};
 use crate::error::{Error, Result};
+use crate::http_gate::{self, Gate, GateLimits, Ticket};
 use bytes::Bytes;
 use http_body_util::{combinators::BoxBody, BodyExt, Full};
 use hyper::body::{Body, Frame, Incoming};
@@ -51,6 +53,12 @@ pub struct PeerServerConfig {
     pub chunk_bytes: usize,
     /// Time allowed to receive a request's headers.
     pub header_read_timeout_ms: u64,
+    /// Time allowed for a new connection's first byte.
+    pub first_byte_timeout_ms: u64,
+    /// Signatures remembered within the skew window to refuse replays
+    /// (about 48 bytes each); past it, signed requests get 503 until some
+    /// go stale.
+    pub replay_cache_max: usize,
     /// Longest a transfer may wait for the receiver to take the next chunk
     /// before the server gives up on it.
     pub send_stall_timeout_ms: u64,
@@ -93,6 +101,8 @@ impl PeerServerConfig {
             connections_max: 256,
             chunk_bytes: 1 << 20,
             header_read_timeout_ms: 5_000,
+            first_byte_timeout_ms: 2_000,
+            replay_cache_max: 1 << 19,
             send_stall_timeout_ms: 10_000,
             holdings_bytes_max: 4 << 20,
             holdings_cache_ms: 1_000,
@@ -115,6 +125,12 @@ impl PeerServerConfig {
                 "connections_max",
                 "must be at least transfers_max and at most 65536",
             );
+        }
+        if self.replay_cache_max == 0 {
+            return bad("replay_cache_max", "must be at least 1");
+        }
+        if self.first_byte_timeout_ms == 0 {
+            return bad("first_byte_timeout_ms", "must be positive");
         }
         if self.chunk_bytes < 4096 || self.chunk_bytes > (16 << 20) {
             return bad("chunk_bytes", "must be 4 KiB to 16 MiB");
@@ -148,8 +164,12 @@ pub struct PeerServerMetrics {
     pub absent: AtomicU64,
     /// 503 answers (transfer limit reached).
     pub busy: AtomicU64,
-    /// Connections closed on accept (connection limit reached).
+    /// Connections closed on accept (every slot held by a connection that
+    /// sent a signed request).
     pub connections_refused: AtomicU64,
+    /// Connections closed before a signed request to make room for a new
+    /// one (silent, or unauthenticated).
+    pub connections_evicted: AtomicU64,
     /// Connections accepted and served.
     pub connections: AtomicU64,
     /// Ranged requests (a lookup's header probe asks for bytes 0-4095).
@@ -168,6 +188,8 @@ struct State {
     metrics: Arc<PeerServerMetrics>,
     /// The last digest built and when (one build at a time).
     holdings: tokio::sync::Mutex<Option<(std::time::Instant, Bytes)>>,
+    /// Signatures accepted within the skew window (replays refused).
+    replay: ReplayCache,
 }
 
 /// A running peer server. Dropping it stops accepting and closes every open
@@ -206,6 +228,7 @@ impl PeerServer {
         let state = Arc::new(State {
             key,
             transfers: Arc::new(Semaphore::new(cfg.transfers_max)),
+            replay: ReplayCache::new(cfg.replay_cache_max, cfg.clock_skew_ms),
             cfg,
             source,
             metrics: metrics.clone(),
@@ -241,9 +264,16 @@ impl Drop for PeerServer {
 static ACCEPT_WARN: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new(1000);
 
 async fn accept_loop(listener: TcpListener, state: Arc<State>, shutdown: watch::Receiver<bool>) {
-    let conns = Arc::new(Semaphore::new(state.cfg.connections_max));
+    // Slots are earned by a request that passes the signature check; until
+    // then a connection may be evicted for a newer one (http_gate.rs).
+    let gate = Gate::new(GateLimits {
+        connections_max: state.cfg.connections_max,
+        pending_per_addr_max: (state.cfg.connections_max / 4).max(1),
+    });
+    let first_byte = Duration::from_millis(state.cfg.first_byte_timeout_ms);
     loop {
-        let (stream, _) = match listener.accept().await {
+        gate.room().await;
+        let (stream, from) = match listener.accept().await {
             Ok(s) => s,
             Err(e) => {
                 // EMFILE and friends: back off instead of spinning.
@@ -252,7 +282,7 @@ async fn accept_loop(listener: TcpListener, state: Arc<State>, shutdown: watch::
                 continue;
             }
         };
-        let Ok(permit) = conns.clone().try_acquire_owned() else {
+        let Some((ticket, mut evicted)) = gate.admit(from.ip()) else {
             state
                 .metrics
                 .connections_refused
@@ -264,12 +294,19 @@ async fn accept_loop(listener: TcpListener, state: Arc<State>, shutdown: watch::
         let _ = stream.set_nodelay(true);
         let state = state.clone();
         let mut shutdown = shutdown.clone();
+        let gate = gate.clone();
         tokio::spawn(async move {
-            let _permit = permit;
+            let ticket = Arc::new(ticket);
+            if !http_gate::first_byte(&stream, first_byte, &mut evicted).await {
+                note_evictions(&state, &gate);
+                return;
+            }
             let svc_state = state.clone();
+            let svc_ticket = ticket.clone();
             let svc = hyper::service::service_fn(move |req| {
                 let st = svc_state.clone();
-                async move { Ok::<_, std::convert::Infallible>(handle(&st, req).await) }
+                let t = svc_ticket.clone();
+                async move { Ok::<_, std::convert::Infallible>(handle(&st, req, &t).await) }
             });
             let mut builder = hyper::server::conn::http1::Builder::new();
             builder
@@ -278,10 +315,20 @@ async fn accept_loop(listener: TcpListener, state: Arc<State>, shutdown: watch::
             let conn = builder.serve_connection(TokioIo::new(stream), svc);
             tokio::select! {
                 _ = conn => {}
+                _ = &mut evicted => note_evictions(&state, &gate),
                 _ = shutdown.wait_for(|stop| *stop) => {}
             }
         });
     }
+}
+
+/// Copies the gate's eviction count into the server's counters.
+fn note_evictions(state: &State, gate: &Gate) {
+    let (evicted, _) = gate.counts();
+    state
+        .metrics
+        .connections_evicted
+        .fetch_max(evicted, Ordering::Relaxed);
 }
 
 fn plain(status: StatusCode, msg: &'static str) -> Response<RespBody> {
@@ -296,7 +343,7 @@ fn plain(status: StatusCode, msg: &'static str) -> Response<RespBody> {
 
 /// Answers one request; an authenticated request's answer carries the
 /// server's proof (auth.rs), whatever its status.
-async fn handle(st: &State, req: Request<Incoming>) -> Response<RespBody> {
+async fn handle(st: &State, req: Request<Incoming>, ticket: &Ticket) -> Response<RespBody> {
     let auth = req
         .headers()
         .get(header::AUTHORIZATION)
@@ -308,7 +355,7 @@ async fn handle(st: &State, req: Request<Incoming>) -> Response<RespBody> {
         .and_then(|v| v.to_str().ok())
         .filter(|n| n.len() <= 64)
         .map(str::to_owned);
-    let mut r = handle_inner(st, req).await;
+    let mut r = handle_inner(st, req, ticket).await;
     if r.status() != StatusCode::UNAUTHORIZED {
         if let (Some(a), Some(n)) = (auth, nonce) {
             let proof = st.key.prove(&n, &a, r.status().as_u16());
@@ -320,7 +367,7 @@ async fn handle(st: &State, req: Request<Incoming>) -> Response<RespBody> {
     r
 }
 
-async fn handle_inner(st: &State, req: Request<Incoming>) -> Response<RespBody> {
+async fn handle_inner(st: &State, req: Request<Incoming>, ticket: &Ticket) -> Response<RespBody> {
     st.metrics.requests.fetch_add(1, Ordering::Relaxed);
     let reject = |status, msg| {
         st.metrics.rejected.fetch_add(1, Ordering::Relaxed);
@@ -339,20 +386,35 @@ async fn handle_inner(st: &State, req: Request<Incoming>) -> Response<RespBody> 
         .headers()
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok());
-    if let Err(fault) = st.key.verify(
+    let now = unix_ms_now();
+    let verified = st.key.verify(
         auth,
         "GET",
         path,
         range_hdr.unwrap_or(""),
-        unix_ms_now(),
+        now,
         st.cfg.clock_skew_ms,
-    ) {
+    );
+    let verified = match verified.map(|s| st.replay.admit(&s, now)) {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(Refused::Replayed)) => Err(AuthFault::Replayed),
+        Ok(Err(Refused::Full)) => {
+            st.metrics.busy.fetch_add(1, Ordering::Relaxed);
+            return plain(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "too many signed requests in the replay window\n",
+            );
+        }
+        Err(f) => Err(f),
+    };
+    if let Err(fault) = verified {
         st.metrics.unauthorized.fetch_add(1, Ordering::Relaxed);
         let msg = match fault {
             AuthFault::Missing => "authorization required\n",
             AuthFault::Malformed => "malformed authorization\n",
             AuthFault::Stale => "stale timestamp: check clock sync\n",
             AuthFault::BadSignature => "bad signature: check the shared secret\n",
+            AuthFault::Replayed => "replayed request: each signature is accepted once\n",
         };
         let mut r = plain(StatusCode::UNAUTHORIZED, msg);
         r.headers_mut().insert(
@@ -361,6 +423,8 @@ async fn handle_inner(st: &State, req: Request<Incoming>) -> Response<RespBody> 
         );
         return r;
     }
+    // A peer that holds the secret: its connection keeps its slot.
+    ticket.served();
     if req.uri().query().is_some() {
         return reject(StatusCode::BAD_REQUEST, "no query strings\n");
     }

@@ -103,9 +103,44 @@ struct Conn<'a> {
     fd: RawFd,
     region: Option<Region>,
     leases: Vec<u64>,
+    /// Per lease, when leased bytes are bounded per uid: its bytes and
+    /// when the backend lets it lapse.
+    leased_bytes: std::collections::HashMap<u64, (u64, std::time::Instant)>,
+    hello: HelloSlot,
 }
 
-pub(super) fn serve(sh: &Shared, s: UnixStream, who: Caller) {
+/// The uid's slot for a connection that has not completed its hello
+/// (`Res::Hello`), given back once: at the hello, or when the connection
+/// ends before it.
+pub(super) struct HelloSlot {
+    sh: std::sync::Arc<Shared>,
+    uid: u32,
+    held: bool,
+}
+
+impl HelloSlot {
+    pub(super) fn new(sh: std::sync::Arc<Shared>, uid: u32) -> Self {
+        HelloSlot {
+            sh,
+            uid,
+            held: true,
+        }
+    }
+
+    fn release(&mut self) {
+        if std::mem::take(&mut self.held) {
+            self.sh.quotas.give(self.uid, Res::Hello, 1);
+        }
+    }
+}
+
+impl Drop for HelloSlot {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
+pub(super) fn serve(sh: &Shared, s: UnixStream, who: Caller, hello: HelloSlot) {
     let idle = Duration::from_millis(sh.limits.idle_timeout_ms.max(1));
     let io = Duration::from_millis(sh.limits.io_timeout_ms.max(1));
     if s.set_read_timeout(Some(idle)).is_err() || s.set_write_timeout(Some(io)).is_err() {
@@ -117,9 +152,13 @@ pub(super) fn serve(sh: &Shared, s: UnixStream, who: Caller) {
         fd: s.as_raw_fd(),
         region: None,
         leases: Vec::new(),
+        leased_bytes: std::collections::HashMap::new(),
+        hello,
     };
     c.run();
     sh.quotas.give(c.who.uid, Res::Lease, c.leases.len());
+    let bytes = c.leased_bytes.drain().map(|(_, (b, _))| b).sum();
+    sh.quotas.give_lease_bytes(c.who.uid, bytes);
     for l in c.leases.drain(..) {
         sh.backend.release(l);
     }
@@ -133,7 +172,14 @@ impl Conn<'_> {
     /// Reads and decodes one request; `None` closes the connection (after
     /// an error reply where one is owed).
     fn next(&mut self, fds: &mut Vec<OwnedFd>) -> Option<(u32, Request)> {
-        let idle = Duration::from_millis(self.sh.limits.idle_timeout_ms.max(1));
+        // The first frame (the hello) within `hello_timeout_ms`, the next
+        // ones within `idle_timeout_ms`.
+        let wait_ms = if self.hello.held {
+            self.sh.limits.hello_timeout_ms
+        } else {
+            self.sh.limits.idle_timeout_ms
+        };
+        let idle = Duration::from_millis(wait_ms.max(1));
         let io = Duration::from_millis(self.sh.limits.io_timeout_ms.max(1));
         if proto::set_recv_timeout(self.fd, idle).is_err() {
             return None;
@@ -149,6 +195,12 @@ impl Conn<'_> {
                     code::TOO_LARGE,
                     format!("frame of {n} bytes; limit {}", proto::FRAME_BYTES_MAX),
                 );
+                return None;
+            }
+            Err(RecvError::Io(e)) if e.kind() == std::io::ErrorKind::InvalidData => {
+                // Too many passed fds (already closed by the receive).
+                self.error("malformed");
+                send_err(self.fd, 0, code::MALFORMED, e.to_string());
                 return None;
             }
             Err(RecvError::Io(e)) => {
@@ -233,6 +285,7 @@ impl Conn<'_> {
             }
         }
         fds.clear();
+        self.hello.release();
         let session_id = self.sh.next_session.fetch_add(1, Ordering::Relaxed);
         tracing::debug!(session_id, pid, shm_bytes, "client connected");
         let hello = Response::Hello {
@@ -419,6 +472,7 @@ impl Conn<'_> {
                             return ItemStatus::Absent;
                         }
                         self.sh.quotas.give(self.who.uid, Res::Lease, 1);
+                        self.forget_bytes(*l);
                         if b.release(*l) {
                             ItemStatus::Ok
                         } else {
@@ -787,6 +841,11 @@ impl Conn<'_> {
         }
         match self.sh.backend.lease(ns, key, ttl_ms) {
             Ok(Lookup::Hit(l)) => {
+                if !self.charge_bytes(ns, key, l, ttl_ms) {
+                    self.sh.backend.release(l);
+                    self.sh.quotas.give(self.who.uid, Res::Lease, 1);
+                    return Err(ItemStatus::LimitReached);
+                }
                 self.leases.push(l);
                 Ok(l)
             }
@@ -811,10 +870,51 @@ impl Conn<'_> {
         }
     }
 
+    /// Charges lease `l`'s bytes to the uid's share when leased bytes are
+    /// bounded per uid; false past the share (after giving back what this
+    /// connection's lapsed leases held).
+    fn charge_bytes(&mut self, ns: &NamespaceId, key: &BlockKey, l: u64, ttl_ms: u32) -> bool {
+        if self.sh.quotas.lease_bytes_bounded().is_none() {
+            return true;
+        }
+        let bytes = match self.sh.backend.stat(ns, key) {
+            Ok(Some(st)) => HEADER_BYTES as u64 + st.payload_len,
+            _ => HEADER_BYTES as u64,
+        };
+        let uid = self.who.uid;
+        if !self.sh.quotas.take_lease_bytes(uid, bytes) {
+            let now = std::time::Instant::now();
+            let lapsed: Vec<u64> = self
+                .leased_bytes
+                .iter()
+                .filter(|(_, (_, until))| *until <= now)
+                .map(|(id, _)| *id)
+                .collect();
+            for id in lapsed {
+                self.forget_bytes(id);
+            }
+            if !self.sh.quotas.take_lease_bytes(uid, bytes) {
+                return false;
+            }
+        }
+        let ttl = u64::from(ttl_ms.min(self.sh.limits.lease_ttl_max_ms));
+        let until = std::time::Instant::now() + Duration::from_millis(ttl);
+        self.leased_bytes.insert(l, (bytes, until));
+        true
+    }
+
+    /// Gives back the bytes lease `l` was charged, if any.
+    fn forget_bytes(&mut self, l: u64) {
+        if let Some((b, _)) = self.leased_bytes.remove(&l) {
+            self.sh.quotas.give_lease_bytes(self.who.uid, b);
+        }
+    }
+
     /// Gives back the lease of an item that is not served.
     fn drop_lease(&mut self, r: &mut OnboardResult) {
         if r.lease_id != 0 {
             self.sh.quotas.give(self.who.uid, Res::Lease, 1);
+            self.forget_bytes(r.lease_id);
             self.sh.backend.release(r.lease_id);
             self.leases.retain(|x| *x != r.lease_id);
             r.lease_id = 0;

@@ -12,6 +12,7 @@
 //! flight finish (up to `drain_timeout_ms`), then the backend is flushed.
 
 pub mod backend;
+mod bind;
 mod conn;
 mod follow;
 mod mem;
@@ -29,7 +30,6 @@ use crate::error::{Error, Result};
 use crate::events::EventBus;
 use crate::metrics::Metrics;
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -50,6 +50,9 @@ pub struct ServerLimits {
     pub max_connections: usize,
     /// A connection that sends no request for this long is closed.
     pub idle_timeout_ms: u64,
+    /// A connection must complete its hello within this long (a silent
+    /// connection holds a slot only this long, not `idle_timeout_ms`).
+    pub hello_timeout_ms: u64,
     /// Deadline for sending one reply.
     pub io_timeout_ms: u64,
     /// Largest shared region a client may register.
@@ -70,6 +73,7 @@ impl Default for ServerLimits {
         ServerLimits {
             max_connections: 1024,
             idle_timeout_ms: 600_000,
+            hello_timeout_ms: 5_000,
             io_timeout_ms: 5_000,
             region_bytes_max: 4 << 30,
             leases_per_conn_max: 4096,
@@ -168,28 +172,21 @@ impl Server {
             }
             std::fs::remove_file(path).map_err(|e| Error::io("removing stale socket", path, e))?;
         }
-        if let Some(dir) = path.parent() {
-            if !dir.as_os_str().is_empty() {
-                std::fs::create_dir_all(dir)
-                    .map_err(|e| Error::io("creating the socket directory", dir, e))?;
-            }
-        }
-        let listener =
-            UnixListener::bind(path).map_err(|e| Error::io("binding the socket", path, e))?;
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(sock.mode))
-            .map_err(|e| Error::io("setting socket permissions", path, e))?;
-        if let Some(g) = &sock.group {
-            let grp = nix::unistd::Group::from_name(g)
-                .ok()
-                .flatten()
-                .ok_or_else(|| Error::Config {
-                    key: "server.socket_group".into(),
-                    problem: format!("no group named {g:?}"),
-                })?;
-            nix::unistd::chown(path, None, Some(grp.gid)).map_err(|e| {
-                Error::io("changing the socket's group", path, std::io::Error::from(e))
-            })?;
-        }
+        let gid = match &sock.group {
+            Some(g) => Some(
+                nix::unistd::Group::from_name(g)
+                    .ok()
+                    .flatten()
+                    .ok_or_else(|| Error::Config {
+                        key: "server.socket_group".into(),
+                        problem: format!("no group named {g:?}"),
+                    })?
+                    .gid
+                    .as_raw(),
+            ),
+            None => None,
+        };
+        let listener = bind::bind_private(path, sock.mode, gid)?;
         backend.attach_events(bus.clone());
         metrics.set_bus(bus.clone());
         Ok(Server {
@@ -295,6 +292,25 @@ impl Server {
             );
             return;
         };
+        // Before the hello nothing is known of the caller but its uid: a
+        // uid's unauthenticated connections are few and short-lived.
+        if !self.shared.quotas.take(uid, quota::Res::Hello) {
+            self.shared
+                .metrics
+                .errors
+                .with_label_values(&["busy"])
+                .inc();
+            conn::refuse(
+                &s,
+                proto_code::BUSY,
+                format!(
+                    "uid {uid} has {} connections waiting for their hello; send hello first",
+                    self.shared.quotas.limit_of(quota::Res::Hello)
+                ),
+            );
+            return;
+        }
+        let hello_taken = conn::HelloSlot::new(self.shared.clone(), uid);
         if !self.shared.quotas.take(uid, quota::Res::Conn) {
             self.shared
                 .metrics
@@ -329,7 +345,7 @@ impl Server {
             .name("kvtier-conn".into())
             .stack_size(512 << 10)
             .spawn(move || {
-                conn::serve(&shared, s, conn::Caller { uid, grant });
+                conn::serve(&shared, s, conn::Caller { uid, grant }, hello_taken);
                 shared.conns.fetch_sub(1, Ordering::SeqCst);
                 shared.quotas.give(uid, quota::Res::Conn, 1);
                 shared.metrics.connections.dec();

@@ -24,6 +24,10 @@ pub struct UidLimits {
     /// The backend's longest pin (a pin counts against its uid this long
     /// at most).
     pub pin_ttl_max_ms: u32,
+    /// Connections of one uid that have not completed their hello.
+    pub hellos_per_uid_max: Option<usize>,
+    /// Bytes of blocks one uid holds leased.
+    pub lease_bytes_per_uid_max: Option<u64>,
 }
 
 /// A counted resource.
@@ -33,12 +37,22 @@ pub(crate) enum Res {
     Sub = 1,
     Onboard = 2,
     Lease = 3,
+    Hello = 4,
 }
+
+const RES_COUNT: usize = 5;
 
 #[derive(Default)]
 struct Use {
-    held: [usize; 4],
+    held: [usize; RES_COUNT],
+    lease_bytes: u64,
     pins: HashMap<(NamespaceId, BlockKey), Instant>,
+}
+
+impl Use {
+    fn is_empty(&self) -> bool {
+        self.held == [0; RES_COUNT] && self.lease_bytes == 0 && self.pins.is_empty()
+    }
 }
 
 pub(crate) struct Quotas {
@@ -66,6 +80,7 @@ impl Quotas {
             Res::Sub => self.limits.subscribers_per_uid_max,
             Res::Onboard => self.limits.onboards_per_uid_max,
             Res::Lease => self.limits.leases_per_uid_max,
+            Res::Hello => self.limits.hellos_per_uid_max,
         }
     }
 
@@ -90,7 +105,38 @@ impl Quotas {
         let mut m = self.lock();
         if let Some(u) = m.get_mut(&uid) {
             u.held[r as usize] = u.held[r as usize].saturating_sub(n);
-            if u.held == [0; 4] && u.pins.is_empty() {
+            if u.is_empty() {
+                m.remove(&uid);
+            }
+        }
+    }
+
+    /// Whether leased bytes are bounded per uid (then the caller sizes
+    /// each lease).
+    pub(crate) fn lease_bytes_bounded(&self) -> Option<u64> {
+        self.limits.lease_bytes_per_uid_max
+    }
+
+    /// Takes `n` leased bytes for `uid`; false past its share.
+    pub(crate) fn take_lease_bytes(&self, uid: u32, n: u64) -> bool {
+        let Some(max) = self.limits.lease_bytes_per_uid_max else {
+            return true;
+        };
+        let mut m = self.lock();
+        let u = m.entry(uid).or_default();
+        if u.lease_bytes.saturating_add(n) > max {
+            return false;
+        }
+        u.lease_bytes += n;
+        true
+    }
+
+    /// Gives back `n` leased bytes.
+    pub(crate) fn give_lease_bytes(&self, uid: u32, n: u64) {
+        let mut m = self.lock();
+        if let Some(u) = m.get_mut(&uid) {
+            u.lease_bytes = u.lease_bytes.saturating_sub(n);
+            if u.is_empty() {
                 m.remove(&uid);
             }
         }

@@ -1,0 +1,869 @@
+//! End-to-end: findings of the second security review (issue #29), each
+//! against a real kvtierd (or, for the client's side, a hostile fake
+//! daemon): passed descriptors never leak.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use kvtier_client::proto::{self, Request, Response};
+use kvtier_client::{Client, ClientConfig, Error};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::Path;
+use std::time::{Duration, Instant};
+use support::Daemon;
+
+/// A file whose descriptors are passed around; counting the entries of
+/// `/proc/PID/fd` that point at it tells whether a process still holds any,
+/// whatever else the process (or the other tests of this binary) opens.
+struct Marker {
+    path: std::path::PathBuf,
+    file: std::fs::File,
+}
+
+impl Marker {
+    fn new(dir: &Path) -> Marker {
+        let path = dir.join("fd-marker");
+        std::fs::write(&path, b"m").unwrap();
+        let file = std::fs::File::open(&path).unwrap();
+        Marker {
+            path: path.canonicalize().unwrap(),
+            file,
+        }
+    }
+
+    /// `n` fresh descriptors of the marker.
+    fn dups(&self, n: usize) -> Vec<OwnedFd> {
+        (0..n)
+            .map(|_| {
+                // SAFETY: dup of a live fd; the new fd is ours alone.
+                let fd = unsafe { libc::dup(self.file.as_raw_fd()) };
+                assert!(fd >= 0, "dup: {}", std::io::Error::last_os_error());
+                unsafe { OwnedFd::from_raw_fd(fd) }
+            })
+            .collect()
+    }
+
+    /// How many descriptors of process `pid` point at the marker.
+    fn held_by(&self, pid: &str) -> usize {
+        let Ok(rd) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+            return 0;
+        };
+        rd.filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+            .filter(|l| *l == self.path)
+            .count()
+    }
+
+    /// Waits (generously) until `pid` holds at most `n` marker descriptors;
+    /// returns what it holds then.
+    fn settle(&self, pid: &str, n: usize) -> usize {
+        let until = Instant::now() + Duration::from_secs(30);
+        loop {
+            let h = self.held_by(pid);
+            if h <= n || Instant::now() > until {
+                return h;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+/// Sends `frame` with `groups[i]` of `fds` attached to its i-th byte, one
+/// `sendmsg` per group (Linux passes at most 253 per call); the rest of the
+/// frame follows in one more call.
+fn send_spread(sock: &UnixStream, frame: &[u8], fds: &[OwnedFd], groups: &[usize]) {
+    use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
+    let raw: Vec<RawFd> = fds.iter().map(|f| f.as_raw_fd()).collect();
+    assert!(groups.len() < frame.len());
+    let mut at = 0;
+    for (i, &g) in groups.iter().enumerate() {
+        let iov = [std::io::IoSlice::new(&frame[i..i + 1])];
+        let cm = [ControlMessage::ScmRights(&raw[at..at + g])];
+        // After the first, the daemon may have refused and closed already.
+        match sendmsg::<()>(sock.as_raw_fd(), &iov, &cm, MsgFlags::MSG_NOSIGNAL, None) {
+            Ok(n) => assert_eq!(n, 1),
+            Err(e) if i > 0 => {
+                assert!(
+                    matches!(e, nix::errno::Errno::EPIPE | nix::errno::Errno::ECONNRESET),
+                    "{e}"
+                );
+                return;
+            }
+            Err(e) => panic!("sendmsg: {e}"),
+        }
+        at += g;
+    }
+    let iov = [std::io::IoSlice::new(&frame[groups.len()..])];
+    // The daemon may already have refused and closed: that is fine.
+    let _ = sendmsg::<()>(sock.as_raw_fd(), &iov, &[], MsgFlags::MSG_NOSIGNAL, None);
+}
+
+/// Reads one reply (or nothing, if the peer closed first).
+fn reply(sock: &UnixStream, op: u8) -> Option<Response> {
+    let mut fds = Vec::new();
+    let body = proto::recv_frame(sock.as_raw_fd(), &mut fds).ok()?;
+    Some(Response::decode(&body, op).unwrap().1)
+}
+
+fn hello(id: u32) -> Vec<u8> {
+    Request::Hello {
+        shm_bytes: 0,
+        pid: std::process::id(),
+    }
+    .encode(id)
+}
+
+fn daemon_serves(d: &Daemon) {
+    let c = Client::with_config(ClientConfig::new(&d.socket));
+    c.stats()
+        .unwrap_or_else(|e| panic!("daemon stopped serving: {e}"));
+}
+
+#[test]
+fn hostile_frames_with_too_many_fds_leak_no_descriptor_in_the_daemon() {
+    let d = Daemon::start();
+    let m = Marker::new(d.dir.path());
+    let pid = d.pid().to_string();
+    daemon_serves(&d);
+
+    // 129 fds on a hello (one over the per-frame bound, one sendmsg):
+    // refused with a clear error, every one closed. Ten of them would
+    // have left 1280 descriptors open before the fix.
+    for _ in 0..10 {
+        let s = UnixStream::connect(&d.socket).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        send_spread(&s, &hello(1), &m.dups(129), &[129]);
+        match reply(&s, proto::OP_HELLO) {
+            Some(Response::Error { code, message }) => {
+                assert_eq!(code, proto::code::MALFORMED, "{message}");
+                assert!(message.contains("file descriptors"), "{message}");
+            }
+            other => panic!("129 fds: {other:?}"),
+        }
+    }
+    assert_eq!(m.settle(&pid, 0), 0, "daemon kept passed fds");
+
+    // 1000 fds spread over four sendmsg calls of one frame.
+    let s = UnixStream::connect(&d.socket).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    send_spread(&s, &hello(1), &m.dups(1000), &[250, 250, 250, 250]);
+    assert!(matches!(
+        reply(&s, proto::OP_HELLO),
+        Some(Response::Error { .. }) | None
+    ));
+    drop(s);
+    assert_eq!(m.settle(&pid, 0), 0, "daemon kept passed fds (1000)");
+
+    // Fds on frames that carry none by protocol: a hello without a region,
+    // then a stats request. Refused, closed.
+    let s = UnixStream::connect(&d.socket).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    send_spread(&s, &hello(1), &m.dups(5), &[5]);
+    assert!(matches!(
+        reply(&s, proto::OP_HELLO),
+        Some(Response::Hello { .. })
+    ));
+    let stats = Request::Stats.encode(2);
+    send_spread(&s, &stats, &m.dups(7), &[7]);
+    match reply(&s, proto::OP_STATS) {
+        Some(Response::Error { code, .. }) => assert_eq!(code, proto::code::MALFORMED),
+        other => panic!("stats with fds: {other:?}"),
+    }
+    drop(s);
+    assert_eq!(m.settle(&pid, 0), 0, "daemon kept unexpected fds");
+    daemon_serves(&d);
+}
+
+/// A fake daemon that answers one hello with `n` marker fds on the reply.
+fn hostile_daemon(l: UnixListener, fds: Vec<OwnedFd>, groups: Vec<usize>) {
+    let (s, _) = l.accept().unwrap();
+    let mut got = Vec::new();
+    let body = proto::recv_frame(s.as_raw_fd(), &mut got).unwrap();
+    let (id, _) = Request::decode(&body).unwrap();
+    let hello = Response::Hello {
+        version: proto::PROTOCOL_VERSION,
+        session_id: 1,
+        keys_max: 4096,
+        lease_ttl_max_ms: 1000,
+    };
+    send_spread(&s, &hello.encode(proto::OP_HELLO, id), &fds, &groups);
+    // Our own copies go now; only the client's can remain.
+    drop(fds);
+    // Hold the connection until the client is done with it.
+    let mut b = [0u8; 1];
+    let _ = nix::sys::socket::recv(s.as_raw_fd(), &mut b, nix::sys::socket::MsgFlags::empty());
+}
+
+#[test]
+fn a_hostile_daemon_cannot_leak_descriptors_into_a_client() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = Marker::new(dir.path());
+    // The marker's own descriptor.
+    let base = m.held_by("self");
+    for (groups, refused) in [
+        (vec![129], true),
+        (vec![250, 250, 250, 250], true),
+        (vec![3], false),
+    ] {
+        let sock = dir.path().join("fake.sock");
+        let _ = std::fs::remove_file(&sock);
+        let l = UnixListener::bind(&sock).unwrap();
+        let fds = m.dups(groups.iter().sum());
+        let g = groups.clone();
+        let t = std::thread::spawn(move || hostile_daemon(l, fds, g));
+        let mut cfg = ClientConfig::new(&sock);
+        cfg.region_bytes = 0;
+        let c = Client::with_config(cfg);
+        let r = c.stats();
+        if refused {
+            match &r {
+                Err(Error::Protocol { reason }) => {
+                    assert!(reason.contains("file descriptors"), "{reason}")
+                }
+                other => panic!("{groups:?}: {other:?}"),
+            }
+        }
+        drop(c);
+        t.join().unwrap();
+        assert_eq!(m.settle("self", base), base, "{groups:?}: client kept fds");
+    }
+}
+
+// ---- H1: data at rest ------------------------------------------------
+
+const NOBODY: u32 = 65534;
+
+/// Which of `files` uid nobody can read (run through setpriv, one shell).
+fn readable_by_nobody(files: &[std::path::PathBuf]) -> Vec<String> {
+    let mut script = String::new();
+    for f in files {
+        script.push_str(&format!(
+            "cat '{}' >/dev/null 2>&1 && echo '{}'\n",
+            f.display(),
+            f.display()
+        ));
+    }
+    let out = std::process::Command::new("setpriv")
+        .args([
+            &format!("--reuid={NOBODY}"),
+            &format!("--regid={NOBODY}"),
+            "--clear-groups",
+            "--",
+            "sh",
+            "-c",
+            &script,
+        ])
+        .output()
+        .expect("setpriv");
+    assert!(
+        out.status.success() || out.status.code() == Some(1),
+        "{out:?}"
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(str::to_string)
+        .collect()
+}
+
+/// Every regular file under `root` (as root sees them).
+fn files_under(root: &Path, out: &mut Vec<std::path::PathBuf>) {
+    for e in std::fs::read_dir(root).unwrap() {
+        let e = e.unwrap();
+        let t = e.file_type().unwrap();
+        if t.is_dir() {
+            files_under(&e.path(), out);
+        } else if t.is_file() {
+            out.push(e.path());
+        }
+    }
+}
+
+fn mode_of(p: &Path) -> u32 {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::symlink_metadata(p).unwrap().permissions().mode() & 0o7777
+}
+
+fn chmod(p: &Path, m: u32) {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(p, std::fs::Permissions::from_mode(m)).unwrap();
+}
+
+/// Opens a tree the way a daemon without the umask left it (0755 / 0644).
+fn open_up(root: &Path) {
+    chmod(root, 0o755);
+    for e in std::fs::read_dir(root).unwrap() {
+        let e = e.unwrap();
+        let t = e.file_type().unwrap();
+        if t.is_dir() {
+            open_up(&e.path());
+        } else if t.is_file() {
+            chmod(&e.path(), 0o644);
+        }
+    }
+}
+
+fn offload_some(socket: &Path, round: u32) {
+    let ns = kvtier_client::Namespace::new(
+        "rest",
+        kvtier_client::KvLayout::with_block_bytes(4096).unwrap(),
+        "",
+        "t",
+    )
+    .unwrap();
+    let c = Client::with_config(ClientConfig::new(socket));
+    let h = c.namespace(&ns);
+    let keys = h.hash_chain(&(round * 1000..round * 1000 + 64).collect::<Vec<u32>>());
+    let data: Vec<Vec<u8>> = (0..keys.len())
+        .map(|i| vec![i as u8 ^ 0x5a; 4096])
+        .collect();
+    let refs: Vec<&[u8]> = data.iter().map(|v| &v[..]).collect();
+    let out = h.offload_chain(None, &keys, &refs, kvtier_client::Hints::default());
+    assert!(
+        out.iter()
+            .all(|o| matches!(o, kvtier_client::OffloadOutcome::Stored)),
+        "{out:?}"
+    );
+}
+
+fn wait_files(root: &Path, at_least: usize) -> Vec<std::path::PathBuf> {
+    let until = Instant::now() + Duration::from_secs(60);
+    loop {
+        let mut f = Vec::new();
+        if root.exists() {
+            files_under(root, &mut f);
+        }
+        if f.len() >= at_least || Instant::now() > until {
+            return f;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn another_uid_reads_no_block_index_or_g4_object() {
+    let g4 = tempfile::tempdir().unwrap();
+    chmod(g4.path(), 0o755);
+    let store = g4.path().join("store");
+    let log = g4.path().join("kvtierd.log");
+    let mut d = Daemon::start_logged(
+        &["--g4".into(), format!("file://{}", store.display())],
+        &log,
+    );
+    // Only what the daemon creates decides: the test's dirs are open.
+    chmod(d.dir.path(), 0o755);
+    let g3 = d.dir.path().join("g3");
+    offload_some(&d.socket, 1);
+    // Its 4 blocks, written through to G4.
+    let g4_files = wait_files(&store, 4);
+    assert!(g4_files.len() >= 4, "G4 store: {g4_files:?}");
+    let mut all = g4_files;
+    files_under(&g3, &mut all);
+    assert!(
+        all.iter().any(|p| p.ends_with("index.redb")),
+        "no index in {all:?}"
+    );
+    let read = readable_by_nobody(&all);
+    assert!(read.is_empty(), "uid nobody read: {read:?}");
+
+    // A tree an earlier version left open, with a link to a file outside:
+    // tightened at start, the link's target untouched.
+    assert!(d.term(Duration::from_secs(30)).is_some());
+    open_up(&g3);
+    open_up(&store);
+    let outside = g4.path().join("outside");
+    std::fs::write(&outside, b"not the daemon's").unwrap();
+    chmod(&outside, 0o644);
+    std::os::unix::fs::symlink(&outside, g3.join("link-out")).unwrap();
+    assert!(!readable_by_nobody(&all).is_empty(), "open_up did not open");
+    d.restart();
+    let read = readable_by_nobody(&all);
+    assert!(read.is_empty(), "after restart uid nobody read: {read:?}");
+    assert_eq!(mode_of(&outside), 0o644, "a link was followed");
+    assert_eq!(mode_of(&g3) & 0o077, 0);
+    offload_some(&d.socket, 2);
+    let mut all = Vec::new();
+    files_under(&g3, &mut all);
+    assert!(readable_by_nobody(&all).is_empty());
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        text.contains("readable by the daemon's user only"),
+        "{text}"
+    );
+}
+
+// ---- M1: the socket's directory --------------------------------------
+
+/// Runs kvtierd with its socket at `sock` and `cfg`; returns its exit
+/// status and log when it refuses to start (None: it started).
+fn start_refused(sock: &Path, cfg: &str) -> Option<(std::process::ExitStatus, String)> {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg_path = dir.path().join("kvtierd.toml");
+    std::fs::write(&cfg_path, cfg).unwrap();
+    let mut child = std::process::Command::new(support::kvtierd_bin())
+        .arg("--config")
+        .arg(&cfg_path)
+        .arg("--socket")
+        .arg(sock)
+        .arg("--g3-dir")
+        .arg(dir.path().join("g3"))
+        .args(["--g3-capacity", "64MiB", "--metrics-addr", "", "--g4", ""])
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let until = Instant::now() + Duration::from_secs(30);
+    while Instant::now() < until {
+        if let Some(st) = child.try_wait().unwrap() {
+            let mut err = String::new();
+            use std::io::Read;
+            child
+                .stderr
+                .take()
+                .unwrap()
+                .read_to_string(&mut err)
+                .unwrap();
+            return Some((st, err));
+        }
+        if UnixStream::connect(sock).is_ok() {
+            let _ = child.kill();
+            let _ = child.wait();
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    panic!("kvtierd neither served nor exited");
+}
+
+#[test]
+fn a_socket_directory_another_user_controls_is_refused_and_no_link_is_followed() {
+    let base = tempfile::tempdir().unwrap();
+    chmod(base.path(), 0o755);
+    let victim = base.path().join("victim");
+    std::fs::write(&victim, b"root's").unwrap();
+    chmod(&victim, 0o600);
+
+    // Owned by another user: that user could swap the socket for a link.
+    let theirs = base.path().join("theirs");
+    std::fs::create_dir(&theirs).unwrap();
+    nix::unistd::chown(&theirs, Some(nix::unistd::Uid::from_raw(NOBODY)), None).unwrap();
+    let (st, err) = start_refused(&theirs.join("kvtierd.sock"), "").expect("started");
+    assert!(!st.success());
+    assert!(err.contains("owned by uid 65534"), "{err}");
+
+    // Writable by everyone, not sticky.
+    let open = base.path().join("open");
+    std::fs::create_dir(&open).unwrap();
+    chmod(&open, 0o777);
+    let (st, err) = start_refused(&open.join("kvtierd.sock"), "").expect("started");
+    assert!(!st.success());
+    assert!(err.contains("not sticky"), "{err}");
+
+    // Sticky and world-writable (like /tmp): a link someone placed at the
+    // socket path is refused and its target untouched.
+    let sticky = base.path().join("sticky");
+    std::fs::create_dir(&sticky).unwrap();
+    chmod(&sticky, 0o1777);
+    std::os::unix::fs::symlink(&victim, sticky.join("kvtierd.sock")).unwrap();
+    let cfg = "[server]\nsocket_group = \"nogroup\"\n";
+    let (st, _) = start_refused(&sticky.join("kvtierd.sock"), cfg).expect("started");
+    assert!(!st.success());
+    use std::os::unix::fs::MetadataExt;
+    let v = std::fs::metadata(&victim).unwrap();
+    assert_eq!((v.mode() & 0o7777, v.gid()), (0o600, 0), "link followed");
+
+    // Without the link it serves, its socket with the configured mode and
+    // group from the moment it appears; no private bind dir is left.
+    std::fs::remove_file(sticky.join("kvtierd.sock")).unwrap();
+    assert!(start_refused(&sticky.join("kvtierd.sock"), cfg).is_none());
+    let s = std::fs::symlink_metadata(sticky.join("kvtierd.sock")).unwrap();
+    assert_eq!((s.mode() & 0o777, s.gid()), (0o660, NOBODY));
+    let names: Vec<_> = std::fs::read_dir(&sticky)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert!(
+        names
+            .iter()
+            .all(|n| !n.to_string_lossy().starts_with(".kvtierd-bind")),
+        "{names:?}"
+    );
+}
+
+// ---- L5: connections before their hello ------------------------------
+
+/// Runs `f` on a fresh thread whose effective uid and gid are `uid` (raw
+/// syscalls change only the calling thread's credentials; glibc's
+/// wrappers would change the whole test process). The kernel records the
+/// connecting thread's credentials (SO_PEERCRED) at connect.
+fn as_euid<T: Send + 'static>(uid: u32, f: impl FnOnce() -> T + Send + 'static) -> T {
+    std::thread::spawn(move || {
+        let keep = -1 as libc::c_long;
+        // SAFETY: plain syscalls on this thread's credentials.
+        unsafe {
+            assert_eq!(
+                libc::syscall(libc::SYS_setresgid, keep, uid as libc::c_long, keep),
+                0
+            );
+            assert_eq!(
+                libc::syscall(libc::SYS_setresuid, keep, uid as libc::c_long, keep),
+                0
+            );
+        }
+        f()
+    })
+    .join()
+    .unwrap()
+}
+
+/// A daemon whose socket everyone may open, with `cfg` added.
+fn open_daemon(cfg: &str) -> (Daemon, tempfile::TempDir) {
+    let cdir = tempfile::tempdir().unwrap();
+    let path = cdir.path().join("kvtierd.toml");
+    std::fs::write(&path, format!("[server]\nsocket_mode = \"0666\"\n{cfg}\n")).unwrap();
+    let d = Daemon::start_with(&["--config".into(), path.display().to_string()], &[]);
+    chmod(d.dir.path(), 0o755);
+    (d, cdir)
+}
+
+#[test]
+fn a_silent_connection_is_closed_at_the_hello_deadline() {
+    let (d, _c) = open_daemon("hello_timeout_ms = 1000\n");
+    let s = UnixStream::connect(&d.socket).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let t = Instant::now();
+    let mut b = [0u8; 1];
+    // Closed (EOF), not left for idle_timeout_ms (600 s).
+    let r = nix::sys::socket::recv(s.as_raw_fd(), &mut b, nix::sys::socket::MsgFlags::empty());
+    assert_eq!(r, Ok(0), "after {:?}", t.elapsed());
+    daemon_serves(&d);
+}
+
+#[test]
+fn one_uid_cannot_lock_others_out_in_single_tenant_mode() {
+    // Long hello deadline: only the per-uid bounds can save the slots.
+    let (d, _c) = open_daemon("hello_timeout_ms = 120000\nmax_connections = 1024\n");
+    // uid nobody opens more silent connections than the daemon serves.
+    let sock = d.socket.clone();
+    let silent: Vec<UnixStream> = as_euid(NOBODY, move || {
+        (0..1100)
+            .filter_map(|_| UnixStream::connect(&sock).ok())
+            .collect()
+    });
+    assert!(silent.len() >= 1024, "{}", silent.len());
+    // Root is still served, at once.
+    daemon_serves(&d);
+
+    // nobody past its hello on as many connections as it can get: its
+    // share (half of max_connections) ends, root is still served.
+    drop(silent);
+    let sock = d.socket.clone();
+    let held: Vec<Client> = as_euid(NOBODY, move || {
+        let mut held = Vec::new();
+        for _ in 0..1100 {
+            let mut cfg = ClientConfig::new(&sock);
+            cfg.region_bytes = 0;
+            let c = Client::with_config(cfg);
+            match c.ensure_connected() {
+                Ok(()) => held.push(c),
+                Err(_) => break,
+            }
+        }
+        held
+    });
+    assert!(held.len() < 1024, "nobody held {}", held.len());
+    daemon_serves(&d);
+}
+
+// ---- M2 / L4: the peer and metrics ports ------------------------------
+
+/// Opens `n` TCP connections to `addr` that never send a byte.
+fn silent_tcp(addr: &str, n: usize) -> Vec<std::net::TcpStream> {
+    (0..n)
+        .filter_map(|_| std::net::TcpStream::connect(addr).ok())
+        .collect()
+}
+
+#[test]
+fn silent_connections_do_not_starve_the_metrics_port() {
+    let d = Daemon::start();
+    let flood = silent_tcp(&d.metrics_addr, 80);
+    assert_eq!(flood.len(), 80);
+    for _ in 0..5 {
+        let (status, body) = d.http_get("/metrics");
+        assert!(status.contains("200"), "{status:?}");
+        assert!(body.contains("# TYPE kvtier_"), "{body}");
+        let (status, _) = d.http_get("/healthz");
+        assert!(status.contains("200"), "{status:?}");
+    }
+    drop(flood);
+}
+
+const PEER_SECRET: &[u8] = b"0123456789abcdef-security-tests";
+
+/// A daemon with its peer server on, one block stored; returns the daemon,
+/// the peer address, the block's path and its file bytes.
+fn peer_daemon() -> (Daemon, tempfile::TempDir, String, String, Vec<u8>) {
+    let sdir = tempfile::tempdir().unwrap();
+    let secret = sdir.path().join("secret");
+    std::fs::write(&secret, PEER_SECRET).unwrap();
+    chmod(&secret, 0o600);
+    let peer_addr = format!("127.0.0.1:{}", support::free_port());
+    let d = Daemon::start_with(
+        &[
+            "--peer-listen".into(),
+            peer_addr.clone(),
+            "--peer-secret-file".into(),
+            secret.display().to_string(),
+            "--g4".into(),
+            String::new(),
+        ],
+        &[],
+    );
+    let ns = kvtier_client::Namespace::new(
+        "peer",
+        kvtier_client::KvLayout::with_block_bytes(4096).unwrap(),
+        "",
+        "t",
+    )
+    .unwrap();
+    let c = Client::with_config(ClientConfig::new(&d.socket));
+    let h = c.namespace(&ns);
+    let keys = h.hash_chain(&(0..16).collect::<Vec<u32>>());
+    let out = h.offload_chain(
+        None,
+        &keys,
+        &[&[9u8; 4096][..]],
+        kvtier_client::Hints::default(),
+    );
+    assert!(
+        matches!(out[0], kvtier_client::OffloadOutcome::Stored),
+        "{out:?}"
+    );
+    let path = kvtier_daemon::peer::wire::block_url_path(&ns.id(), &keys[0]);
+    let file = std::fs::read(
+        d.dir
+            .path()
+            .join("g3")
+            .join(kvtier_client::block_path(&ns.id(), &keys[0])),
+    )
+    .unwrap_or_default();
+    (d, sdir, peer_addr, path, file)
+}
+
+/// One signed GET of `path` as bytes on the wire.
+fn signed_request(addr: &str, path: &str) -> Vec<u8> {
+    let key = kvtier_daemon::peer::auth::PeerKey::from_secret(PEER_SECRET).unwrap();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    format!(
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nAuthorization: {}\r\nConnection: close\r\n\r\n",
+        key.sign("GET", path, "", now)
+    )
+    .into_bytes()
+}
+
+/// Sends `req` on a new connection; (status, body). Status 0: the
+/// connection was closed without an answer.
+fn send_raw(addr: &str, req: &[u8]) -> (u16, Vec<u8>) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    if s.write_all(req).is_err() {
+        return (0, Vec::new());
+    }
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out);
+    let Some(end) = out.windows(4).position(|w| w == b"\r\n\r\n") else {
+        return (0, Vec::new());
+    };
+    let head = String::from_utf8_lossy(&out[..end]).to_string();
+    let status = head
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    (status, out[end + 4..].to_vec())
+}
+
+#[test]
+fn silent_connections_do_not_starve_signed_peer_requests() {
+    let (_d, _s, addr, path, file) = peer_daemon();
+    let flood = silent_tcp(&addr, 300);
+    assert_eq!(flood.len(), 300);
+    for i in 0..6 {
+        let (status, body) = send_raw(&addr, &signed_request(&addr, &path));
+        assert_eq!(
+            status, 200,
+            "signed request {i} behind 300 silent connections"
+        );
+        if !file.is_empty() {
+            assert!(body == file, "request {i}: wrong bytes");
+        }
+    }
+    drop(flood);
+}
+
+#[test]
+fn a_captured_peer_request_replayed_is_refused() {
+    let (_d, _s, addr, path, _) = peer_daemon();
+    let captured = signed_request(&addr, &path);
+    assert_eq!(send_raw(&addr, &captured).0, 200);
+    // Well within the ±30 s window.
+    std::thread::sleep(Duration::from_secs(1));
+    let (status, body) = send_raw(&addr, &captured);
+    assert_eq!(status, 401, "replay served ({} bytes)", body.len());
+    assert!(String::from_utf8_lossy(&body).contains("replayed"));
+    // A fresh signature for the same block is served.
+    assert_eq!(send_raw(&addr, &signed_request(&addr, &path)).0, 200);
+}
+
+// ---- M3: leases cannot hold the cache against eviction ----------------
+
+const UID_A: u32 = 61101;
+const UID_B: u32 = 61102;
+const BIG: u64 = 2 << 20;
+
+fn tenant_ns(t: &str) -> kvtier_client::Namespace {
+    kvtier_client::Namespace::new(
+        "lease",
+        kvtier_client::KvLayout::with_block_bytes(BIG).unwrap(),
+        "",
+        t,
+    )
+    .unwrap()
+}
+
+/// Offloads `n` blocks of tenant `t` as `uid`; the outcomes.
+fn offload_as(uid: u32, socket: &Path, t: &'static str, n: usize) -> Vec<String> {
+    let socket = socket.to_path_buf();
+    as_euid(uid, move || {
+        let mut cfg = ClientConfig::new(&socket);
+        cfg.timeout_ms = 120_000;
+        let c = Client::with_config(cfg);
+        c.ensure_connected().unwrap();
+        let ns = tenant_ns(t);
+        let h = c.namespace(&ns);
+        let keys = h.hash_chain(&(0..n as u32 * 16).collect::<Vec<u32>>());
+        let data: Vec<Vec<u8>> = (0..n).map(|i| vec![i as u8 + 1; BIG as usize]).collect();
+        let refs: Vec<&[u8]> = data.iter().map(|v| &v[..]).collect();
+        h.offload_chain(None, &keys, &refs, kvtier_client::Hints::default())
+            .iter()
+            .map(|o| format!("{o:?}"))
+            .collect()
+    })
+}
+
+/// As `uid`, leases every block of tenant `t` (direct onboard, 30 s, never
+/// released) on a connection kept open; the items' statuses.
+fn hold_leases_as(uid: u32, socket: &Path, t: &'static str, n: usize) -> (UnixStream, Vec<String>) {
+    let socket = socket.to_path_buf();
+    as_euid(uid, move || {
+        let s = UnixStream::connect(&socket).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+        proto::send_frame(s.as_raw_fd(), &hello(1), &[]).unwrap();
+        assert!(matches!(
+            reply(&s, proto::OP_HELLO),
+            Some(Response::Hello { .. })
+        ));
+        let ns = tenant_ns(t);
+        let keys = ns.hash_chain(&(0..n as u32 * 16).collect::<Vec<u32>>());
+        let req = Request::Onboard {
+            ns: ns.id(),
+            mode: proto::OnboardMode::DirectFd,
+            lease_ttl_ms: 30_000,
+            items: keys
+                .iter()
+                .map(|k| proto::OnboardItem {
+                    key: *k,
+                    shm_offset: 0,
+                    shm_len: 0,
+                })
+                .collect(),
+        };
+        proto::send_frame(s.as_raw_fd(), &req.encode(2), &[]).unwrap();
+        let Some(Response::Onboard { items }) = reply(&s, proto::OP_ONBOARD) else {
+            panic!("onboard reply")
+        };
+        let st = items.iter().map(|i| format!("{:?}", i.status)).collect();
+        (s, st)
+    })
+}
+
+/// A kvtierd of 64 MiB (support's Daemon fixes 256 MiB by flag), its
+/// socket open to every uid; killed on drop.
+struct Small {
+    dir: tempfile::TempDir,
+    child: std::process::Child,
+    socket: std::path::PathBuf,
+}
+
+impl Small {
+    fn start(cfg: &str) -> Small {
+        let dir = tempfile::tempdir().unwrap();
+        chmod(dir.path(), 0o755);
+        let cfg_path = dir.path().join("kvtierd.toml");
+        std::fs::write(
+            &cfg_path,
+            format!("[server]\nsocket_mode = \"0666\"\n\n[g3]\ncapacity = \"64MiB\"\n\n{cfg}"),
+        )
+        .unwrap();
+        let socket = dir.path().join("kvtierd.sock");
+        let child = std::process::Command::new(support::kvtierd_bin())
+            .arg("--config")
+            .arg(&cfg_path)
+            .arg("--socket")
+            .arg(&socket)
+            .arg("--g3-dir")
+            .arg(dir.path().join("g3"))
+            .args(["--metrics-addr", "", "--g4", ""])
+            .env("RUST_LOG", "warn")
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        support::wait_for_socket(&socket, Duration::from_secs(20));
+        Small { dir, child, socket }
+    }
+}
+
+impl Drop for Small {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = &self.dir;
+    }
+}
+
+#[test]
+fn one_tenant_re_leasing_its_blocks_cannot_make_anothers_offloads_fail() {
+    let d = Small::start(&format!(
+        "[[tenants]]\nname = \"a\"\nuids = [{UID_A}]\nnamespaces = [\"{}\"]\n\n\
+         [[tenants]]\nname = \"b\"\nuids = [{UID_B}]\nnamespaces = [\"{}\"]\n",
+        tenant_ns("a").id().to_hex(),
+        tenant_ns("b").id().to_hex(),
+    ));
+    // A fills 58 of 64 MiB and leases all of it, again and again.
+    let a = offload_as(UID_A, &d.socket, "a", 29);
+    assert!(a.iter().all(|o| o == "Stored"), "{a:?}");
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        held.push(hold_leases_as(UID_A, &d.socket, "a", 29));
+    }
+    // B's offloads evict A's unleased blocks and succeed.
+    let b = offload_as(UID_B, &d.socket, "b", 20);
+    assert!(b.iter().all(|o| o == "Stored"), "{b:?}");
+    // A holds at most its share (a quarter of 64 MiB) leased.
+    let leased: Vec<usize> = held
+        .iter()
+        .map(|(_, st)| st.iter().filter(|s| *s == "Ok").count())
+        .collect();
+    assert!(
+        (1..8).contains(&leased.iter().sum::<usize>()),
+        "A leased {leased:?} blocks of 2 MiB"
+    );
+    drop(held);
+}
