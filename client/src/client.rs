@@ -202,6 +202,27 @@ struct Conn {
     sock: UnixStream,
     region: Option<Arc<Region>>,
     next_req: u32,
+    /// The read/write timeout the socket has now (shortened under a call
+    /// deadline, see [`Client::within_deadline`]).
+    io_timeout: Duration,
+}
+
+impl Conn {
+    fn new(sock: UnixStream, region: Option<Arc<Region>>) -> Conn {
+        Conn {
+            io_timeout: sock.read_timeout().ok().flatten().unwrap_or(Duration::ZERO),
+            sock,
+            region,
+            next_req: 1,
+        }
+    }
+}
+
+thread_local! {
+    /// The deadline of the call this thread is in, when one was set by
+    /// [`Client::within_deadline`]: every exchange of the call, however
+    /// many parts a large batch is cut into, ends by then.
+    static CALL_DEADLINE: std::cell::Cell<Option<Instant>> = const { std::cell::Cell::new(None) };
 }
 
 /// Whether a failure starts the reconnect back-off. A daemon that is gone
@@ -295,6 +316,9 @@ impl Client {
     }
 
     fn open(&self) -> Result<Conn> {
+        // A call whose deadline has passed is not the daemon's failure:
+        // checked before the back-off bookkeeping.
+        self.io_timeout("connect")?;
         if let Ok(lf) = self.last_failure.lock() {
             if let Some(t) = *lf {
                 if t.elapsed() < Duration::from_millis(self.cfg.reconnect_backoff_ms) {
@@ -318,18 +342,57 @@ impl Client {
         r
     }
 
+    /// Runs `f` (any number of this client's calls: a batch of any size
+    /// cut into protocol parts, a lookup then a load) under one deadline,
+    /// `timeout_ms` from now: each exchange's socket timeout is what is
+    /// left of it, and a part that would start after it fails with
+    /// [`Error::Timeout`] (a data call's parts then miss `Timeout`) without
+    /// touching the connection. Nested calls keep the outer deadline.
+    pub fn within_deadline<T>(&self, f: impl FnOnce() -> T) -> T {
+        if CALL_DEADLINE.get().is_some() {
+            return f();
+        }
+        struct Reset;
+        impl Drop for Reset {
+            fn drop(&mut self) {
+                CALL_DEADLINE.set(None);
+            }
+        }
+        // An Instant too far ahead to represent is no deadline at all.
+        CALL_DEADLINE.set(Instant::now().checked_add(Duration::from_millis(self.cfg.timeout_ms)));
+        let _reset = Reset;
+        f()
+    }
+
+    /// The timeout of the next read or write: `timeout_ms`, or what is
+    /// left of the call's deadline when that is sooner (an error once it
+    /// has passed).
+    fn io_timeout(&self, op: &'static str) -> Result<Duration> {
+        let full = Duration::from_millis(self.cfg.timeout_ms.max(1));
+        match CALL_DEADLINE.get() {
+            None => Ok(full),
+            Some(d) => match d.checked_duration_since(Instant::now()) {
+                Some(left) if !left.is_zero() => Ok(left.min(full)),
+                _ => Err(Error::Timeout {
+                    op,
+                    timeout_ms: self.cfg.timeout_ms,
+                }),
+            },
+        }
+    }
+
     /// A new connection to the daemon with the deadline on every read and
     /// write (`op` names it in errors).
     fn dial(&self, op: &'static str) -> Result<UnixStream> {
         let sock = &self.cfg.socket;
+        let t = self.io_timeout(op)?;
         let stream = UnixStream::connect(sock).map_err(|e| Error::Unavailable {
             socket: sock.clone(),
             source: e,
         })?;
-        let t = Some(Duration::from_millis(self.cfg.timeout_ms.max(1)));
         let io = |e| io_to_error(sock, op, self.cfg.timeout_ms, e);
-        stream.set_read_timeout(t).map_err(io)?;
-        stream.set_write_timeout(t).map_err(io)?;
+        stream.set_read_timeout(Some(t)).map_err(io)?;
+        stream.set_write_timeout(Some(t)).map_err(io)?;
         Ok(stream)
     }
 
@@ -357,11 +420,7 @@ impl Client {
             pid: std::process::id(),
         };
         let fds: Vec<i32> = region.iter().map(|r| r.fd().as_raw_fd()).collect();
-        let mut conn = Conn {
-            sock: stream,
-            region,
-            next_req: 1,
-        };
+        let mut conn = Conn::new(stream, region);
         let (resp, _) = self.exchange(&mut conn, &hello, &fds)?;
         match resp {
             Response::Hello { .. } => Ok(conn),
@@ -445,6 +504,25 @@ impl Client {
             return Err(poisoned());
         };
         let req = build(conn.region.as_deref())?;
+        // Past the call's deadline nothing is sent, and the connection
+        // (idle, in step) stays.
+        let t = self.io_timeout(Request::op_name(req.op()))?;
+        if t != conn.io_timeout {
+            let set = conn
+                .sock
+                .set_read_timeout(Some(t))
+                .and_then(|()| conn.sock.set_write_timeout(Some(t)));
+            if let Err(e) = set {
+                *g = None;
+                return Err(io_to_error(
+                    &self.cfg.socket,
+                    "timeout",
+                    self.cfg.timeout_ms,
+                    e,
+                ));
+            }
+            conn.io_timeout = t;
+        }
         match self.exchange(conn, &req, &[]) {
             Ok((Response::Error { code, message }, _)) => {
                 // The daemon closes the connection after an error reply.
@@ -663,11 +741,7 @@ impl Client {
             region_bytes: 0,
             ..self.cfg.clone()
         });
-        let mut conn = Conn {
-            sock: stream,
-            region: None,
-            next_req: 1,
-        };
+        let mut conn = Conn::new(stream, None);
         let hello = Request::Hello {
             shm_bytes: 0,
             pid: std::process::id(),

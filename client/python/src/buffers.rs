@@ -138,6 +138,17 @@ const DL_CUDA: i32 = 2;
 const DL_CUDA_HOST: i32 = 3;
 const DL_CUDA_MANAGED: i32 = 13;
 
+// DLPack dtype codes (dlpack.h): int, uint, float, bfloat, complex, bool,
+// then the float8/float6/float4 family; 3 is an opaque handle (pointers).
+const DL_OPAQUE_HANDLE: u8 = 3;
+const DL_CODE_MAX: u8 = 17;
+
+/// Whether a DLPack dtype is plain numbers of whole bytes (sub-byte types
+/// would make the length computed here wrong; handles are pointers).
+fn plain_dl_dtype(code: u8, bits: u8) -> bool {
+    code != DL_OPAQUE_HANDLE && code <= DL_CODE_MAX && bits >= 8 && bits.is_multiple_of(8)
+}
+
 /// Views and tensors acquired for one call; released on drop (with the GIL
 /// held: a `Held` never leaves the attached scope).
 #[derive(Default)]
@@ -266,17 +277,53 @@ fn release(mut v: Box<ffi::Py_buffer>) {
     unsafe { ffi::PyBuffer_Release(&mut *v) };
 }
 
+/// Whether a buffer-protocol format string (struct module syntax) is one
+/// plain number or byte per item: bytes may be written over those freely.
+/// Anything else (numpy's object arrays export "O": pointers to Python
+/// objects, which onboard would overwrite and the interpreter then
+/// follows; structs, pointers, padding) is refused before a byte moves.
+fn plain_format(format: &str) -> bool {
+    let f = format
+        .strip_prefix(['@', '=', '<', '>', '!'])
+        .unwrap_or(format);
+    let f = f.strip_prefix('Z').unwrap_or(f); // complex: Zf, Zd, Ze
+    f.len() == 1 && "bBhHiIlLqQnNefd?c".contains(f)
+}
+
+fn buffer_format(v: &ffi::Py_buffer) -> String {
+    if v.format.is_null() {
+        // The protocol's default: unsigned bytes.
+        return "B".into();
+    }
+    // SAFETY: a non-null format of a filled view is a NUL-terminated string
+    // that lives as long as the view.
+    unsafe { CStr::from_ptr(v.format) }
+        .to_string_lossy()
+        .into_owned()
+}
+
 fn buffer(
     obj: &Bound<'_, PyAny>,
     writable: bool,
     held: &mut Held,
     what: &str,
 ) -> PyResult<(Span, Place)> {
-    let mut flags = ffi::PyBUF_C_CONTIGUOUS;
+    let mut flags = ffi::PyBUF_C_CONTIGUOUS | ffi::PyBUF_FORMAT;
     if writable {
         flags |= ffi::PyBUF_WRITABLE;
     }
     if let Some(v) = get_buffer(obj, flags) {
+        let format = buffer_format(&v);
+        if !plain_format(&format) {
+            release(v);
+            return Err(BufferError::new_err(format!(
+                "{what} ({}) holds items of format {format:?}, not plain numbers: kvtier \
+                 moves raw bytes, and an array of Python objects (dtype=object) or of \
+                 structs must never be written as bytes; pass a numeric array (e.g. \
+                 numpy.uint8)",
+                type_name(obj)
+            )));
+        }
         let span = Span {
             ptr: v.buf as usize,
             len: v.len as usize,
@@ -368,7 +415,7 @@ fn dlpack(
     held.objs.push(cap.unbind());
     // SAFETY: a valid managed tensor per the DLPack contract; shape has ndim
     // entries and strides is null or has ndim entries.
-    let (data, shape, strides, item) = unsafe {
+    let (data, shape, strides, item, code, bits) = unsafe {
         let t = &(*mt).dl_tensor;
         let nd = t.ndim.max(0) as usize;
         let shape = std::slice::from_raw_parts(t.shape, nd).to_vec();
@@ -380,8 +427,16 @@ fn dlpack(
             shape,
             strides,
             item,
+            t.dtype.code,
+            t.dtype.bits,
         )
     };
+    if !plain_dl_dtype(code, bits) {
+        return Err(BufferError::new_err(format!(
+            "{what} ({ty}) has DLPack dtype code {code} of {bits} bits, not a plain number \
+             of whole bytes: pass a numeric tensor (e.g. torch.uint8)"
+        )));
+    }
     let Some(len) = contiguous_len(&shape, strides.as_deref(), item.max(1)) else {
         return Err(BufferError::new_err(format!(
             "{what} ({ty}) is not a contiguous tensor: pass tensor.contiguous(), or a list of \
@@ -415,6 +470,13 @@ fn cuda_array_interface(
     let shape: Vec<i64> = get("shape")?.extract()?;
     let typestr: String = get("typestr")?.extract()?;
     let item: i64 = typestr.get(2..).and_then(|s| s.parse().ok()).unwrap_or(0);
+    // Kinds: bool, int, uint, float, complex; not objects, void or others.
+    let kind_ok = typestr.get(1..2).is_some_and(|k| "biufc".contains(k));
+    if !kind_ok || item <= 0 {
+        return Err(BufferError::new_err(format!(
+            "{what} ({ty}) has typestr {typestr:?}, not a plain number: pass a numeric array"
+        )));
+    }
     let strides: Option<Vec<i64>> = match d.get_item("strides")? {
         Some(s) if !s.is_none() => Some(s.extract()?),
         _ => None,

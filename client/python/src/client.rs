@@ -3,7 +3,7 @@
 //! raises a `kvtier.Error` subclass before anything is sent.
 
 use crate::buffers::{all_blocks, BlockSpans, Held, Place};
-use crate::errors::{from_client, PoolError, UnavailableError};
+use crate::errors::{argument_error, from_client, Arg, PoolError, UnavailableError};
 use crate::ns::{keys_from, Namespace};
 use crate::results::{BlockResult, Lookup};
 use kvtier_client::proto::ItemStatus;
@@ -12,7 +12,7 @@ use kvtier_client::{
     PoolBlock,
 };
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList};
+use pyo3::types::{PyDict, PyList, PyTuple};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -36,8 +36,16 @@ pub(crate) fn default_socket() -> PathBuf {
 
 struct State {
     pid: u32,
-    inner: Arc<RsClient>,
+    /// None once closed.
+    inner: Option<Arc<RsClient>>,
 }
+
+/// The bounds of `Client(...)`'s arguments: a region smaller than a page
+/// holds no block (every call would miss `too_large`), and a deadline
+/// past a day is a mistake (and must stay representable as an Instant).
+const REGION_BYTES_MIN: u64 = 4096;
+const REGION_BYTES_MAX: u64 = 1 << 40;
+const TIMEOUT_MS_MAX: u64 = 86_400_000;
 
 /// A connection to the node's kvtierd.
 ///
@@ -69,6 +77,9 @@ pub(crate) struct Client {
     /// Pools by the Rust client (per process) that owns them.
     pools: Mutex<Vec<(usize, RsPool)>>,
 }
+
+/// A namespace argument (a wrong type is a kvtier.ArgumentTypeError).
+type NsArg<'py> = Arg<PyRef<'py, Namespace>>;
 
 fn hints(priority: u8, pinned: bool, ephemeral: bool, expected_reuse: u16) -> Hints {
     Hints {
@@ -104,17 +115,19 @@ impl Client {
             .lock()
             .map_err(|_| UnavailableError::new_err("client state poisoned"))?;
         let me = std::process::id();
-        if g.pid != me {
-            let old = std::mem::replace(
-                &mut g.inner,
-                Arc::new(RsClient::with_config(self.cfg.clone())),
-            );
+        if g.pid != me && g.inner.is_some() {
+            let old = g
+                .inner
+                .replace(Arc::new(RsClient::with_config(self.cfg.clone())));
             // The parent's connection may be mid-call in a thread that does
             // not exist here: leave its state alone rather than drop it.
             std::mem::forget(old);
             g.pid = me;
         }
-        Ok(g.inner.clone())
+        match &g.inner {
+            Some(c) => Ok(c.clone()),
+            None => Python::attach(|py| Err(crate::errors::closed_error(py))),
+        }
     }
 
     /// One per-key control call (pin, unpin, evict) without the GIL; the
@@ -134,7 +147,7 @@ impl Client {
         let c = self.inner()?;
         let nsr = ns.inner.clone();
         let r = py
-            .detach(move || op(&c.namespace(&nsr), &keys))
+            .detach(move || c.within_deadline(|| op(&c.namespace(&nsr), &keys)))
             .map_err(from_client)?;
         Ok(r.into_iter().map(status_name).collect())
     }
@@ -165,7 +178,7 @@ impl Client {
         }
         let c = self.inner()?;
         let nsr = ns.inner.clone();
-        let out = py.detach(|| host(&c.namespace(&nsr), &keys, &blocks));
+        let out = py.detach(|| c.within_deadline(|| host(&c.namespace(&nsr), &keys, &blocks)));
         drop(held);
         Ok(out.iter().map(result).collect())
     }
@@ -174,26 +187,39 @@ impl Client {
 #[pymethods]
 impl Client {
     #[new]
-    #[pyo3(signature = (socket=None, timeout_ms=2000, region_bytes=67_108_864, direct_read=false))]
+    #[pyo3(signature = (socket=None, timeout_ms=Arg(2000), region_bytes=Arg(67_108_864), direct_read=Arg(false)))]
     fn new(
-        socket: Option<PathBuf>,
-        timeout_ms: u64,
-        region_bytes: u64,
-        direct_read: bool,
+        py: Python<'_>,
+        socket: Option<Arg<PathBuf>>,
+        timeout_ms: Arg<u64>,
+        region_bytes: Arg<u64>,
+        direct_read: Arg<bool>,
     ) -> PyResult<Self> {
-        if timeout_ms == 0 {
-            return Err(crate::errors::Error::new_err(
-                "timeout_ms must be at least 1",
+        let (timeout_ms, region_bytes) = (timeout_ms.0, region_bytes.0);
+        if !(1..=TIMEOUT_MS_MAX).contains(&timeout_ms) {
+            return Err(argument_error(
+                py,
+                format!("timeout_ms={timeout_ms}: pass 1..={TIMEOUT_MS_MAX} (a day)"),
             ));
         }
-        let mut cfg = ClientConfig::new(socket.unwrap_or_else(default_socket));
+        if !(REGION_BYTES_MIN..=REGION_BYTES_MAX).contains(&region_bytes) {
+            return Err(argument_error(
+                py,
+                format!(
+                    "region_bytes={region_bytes}: pass {REGION_BYTES_MIN}..={REGION_BYTES_MAX}; \
+                     the shared region bounds one call's bytes, so make it at least a few \
+                     blocks (default 64 MiB)"
+                ),
+            ));
+        }
+        let mut cfg = ClientConfig::new(socket.map(|s| s.0).unwrap_or_else(default_socket));
         cfg.timeout_ms = timeout_ms;
         cfg.region_bytes = region_bytes;
-        cfg.direct_read = direct_read;
+        cfg.direct_read = direct_read.0;
         Ok(Client {
             state: Mutex::new(State {
                 pid: std::process::id(),
-                inner: Arc::new(RsClient::with_config(cfg.clone())),
+                inner: Some(Arc::new(RsClient::with_config(cfg.clone()))),
             }),
             pools: Mutex::new(Vec::new()),
             cfg,
@@ -212,11 +238,45 @@ impl Client {
         self.cfg.timeout_ms
     }
 
+    /// close(): drops the connection and the shared region (a Pool already
+    /// handed out stays mapped while its views live). Every later call
+    /// raises kvtier.ClosedError; closing twice is fine. Also the end of a
+    /// `with kvtier.Client(...) as c:` block.
+    fn close(&self) {
+        let old = match self.state.lock() {
+            Ok(mut g) => g.inner.take(),
+            Err(_) => None,
+        };
+        if let Ok(mut p) = self.pools.lock() {
+            p.clear();
+        }
+        // A call in flight on another thread holds its own reference and
+        // finishes; the connection closes when the last one goes.
+        drop(old);
+    }
+
+    /// Whether close() was called.
+    #[getter]
+    fn closed(&self) -> bool {
+        self.state.lock().map(|g| g.inner.is_none()).unwrap_or(true)
+    }
+
+    fn __enter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_exc))]
+    fn __exit__(&self, _exc: &Bound<'_, PyTuple>) -> bool {
+        self.close();
+        false
+    }
+
     /// Connects now (otherwise the first call does); raises
     /// kvtier.UnavailableError when the daemon cannot be reached.
     fn connect(&self, py: Python<'_>) -> PyResult<()> {
         let c = self.inner()?;
-        py.detach(move || c.ensure_connected()).map_err(from_client)
+        py.detach(move || c.within_deadline(|| c.ensure_connected()))
+            .map_err(from_client)
     }
 
     /// lookup(ns, keys) -> Lookup
@@ -224,11 +284,12 @@ impl Client {
     /// The longest cached prefix of the key chain `keys` (as hash_chain
     /// returns), with the tier of each of its blocks. A dead daemon or a
     /// timeout is an empty prefix with a reason, never an exception.
-    fn lookup(&self, py: Python<'_>, ns: &Namespace, keys: &Bound<'_, PyAny>) -> PyResult<Lookup> {
+    fn lookup(&self, py: Python<'_>, ns: NsArg<'_>, keys: &Bound<'_, PyAny>) -> PyResult<Lookup> {
+        let ns = &*ns.0;
         let keys = keys_from(keys)?;
         let c = self.inner()?;
         let ns = ns.inner.clone();
-        let r = py.detach(move || c.namespace(&ns).lookup(&keys));
+        let r = py.detach(move || c.within_deadline(|| c.namespace(&ns).lookup(&keys)));
         Ok(Lookup::from(&r))
     }
 
@@ -241,22 +302,23 @@ impl Client {
     /// longer), pinned, ephemeral (reasoning tokens: never written below
     /// G3, evicted first), expected_reuse. Each result is "stored",
     /// "already_present" or a miss with its reason.
-    #[pyo3(signature = (ns, keys, bufs, parent=None, *, priority=0, pinned=false, ephemeral=false, expected_reuse=0))]
+    #[pyo3(signature = (ns, keys, bufs, parent=None, *, priority=Arg(0), pinned=Arg(false), ephemeral=Arg(false), expected_reuse=Arg(0)))]
     #[allow(clippy::too_many_arguments)]
     fn offload(
         &self,
         py: Python<'_>,
-        ns: &Namespace,
+        ns: NsArg<'_>,
         keys: &Bound<'_, PyAny>,
         bufs: &Bound<'_, PyAny>,
         parent: Option<&Bound<'_, PyAny>>,
-        priority: u8,
-        pinned: bool,
-        ephemeral: bool,
-        expected_reuse: u16,
+        priority: Arg<u8>,
+        pinned: Arg<bool>,
+        ephemeral: Arg<bool>,
+        expected_reuse: Arg<u16>,
     ) -> PyResult<Vec<BlockResult>> {
+        let ns = &*ns.0;
         let parent = parent.map(crate::ns::key_from).transpose()?;
-        let h = hints(priority, pinned, ephemeral, expected_reuse);
+        let h = hints(priority.0, pinned.0, ephemeral.0, expected_reuse.0);
         self.data_call(
             py,
             ns,
@@ -303,10 +365,11 @@ impl Client {
     fn onboard_into(
         &self,
         py: Python<'_>,
-        ns: &Namespace,
+        ns: NsArg<'_>,
         keys: &Bound<'_, PyAny>,
         bufs: &Bound<'_, PyAny>,
     ) -> PyResult<Vec<BlockResult>> {
+        let ns = &*ns.0;
         self.data_call(
             py,
             ns,
@@ -355,15 +418,22 @@ impl Client {
     /// Keeps keys from eviction for ttl_ms (the daemon caps it). Per key:
     /// "ok", "absent", ... Raises kvtier.UnavailableError when the daemon
     /// cannot be reached.
-    #[pyo3(signature = (ns, keys, ttl_ms=600_000))]
+    #[pyo3(signature = (ns, keys, ttl_ms=Arg(600_000)))]
     fn pin(
         &self,
         py: Python<'_>,
-        ns: &Namespace,
+        ns: NsArg<'_>,
         keys: &Bound<'_, PyAny>,
-        ttl_ms: u32,
+        ttl_ms: Arg<u32>,
     ) -> PyResult<Vec<String>> {
-        self.per_key(py, ns, keys, move |h, k| h.pin(k, ttl_ms))
+        let ttl_ms = ttl_ms.0;
+        if ttl_ms == 0 {
+            return Err(argument_error(
+                py,
+                "ttl_ms=0 would pin for no time: pass at least 1 (the daemon caps it), or unpin",
+            ));
+        }
+        self.per_key(py, &ns.0, keys, move |h, k| h.pin(k, ttl_ms))
     }
 
     /// prefetch(ns, keys, deadline_ms=10000, stream=0) -> list[str]
@@ -375,26 +445,29 @@ impl Client {
     /// queue or this uid's share) or "absent" (the daemon has no remote
     /// tier). A later prefetch with the same non-zero stream (a request or
     /// session id) drops the queued keys it no longer names.
-    #[pyo3(signature = (ns, keys, deadline_ms=10_000, stream=0))]
+    #[pyo3(signature = (ns, keys, deadline_ms=Arg(10_000), stream=Arg(0)))]
     fn prefetch(
         &self,
         py: Python<'_>,
-        ns: &Namespace,
+        ns: NsArg<'_>,
         keys: &Bound<'_, PyAny>,
-        deadline_ms: u32,
-        stream: u64,
+        deadline_ms: Arg<u32>,
+        stream: Arg<u64>,
     ) -> PyResult<Vec<String>> {
-        self.per_key(py, ns, keys, move |h, k| h.prefetch(k, deadline_ms, stream))
+        let (deadline_ms, stream) = (deadline_ms.0, stream.0);
+        self.per_key(py, &ns.0, keys, move |h, k| {
+            h.prefetch(k, deadline_ms, stream)
+        })
     }
 
     /// unpin(ns, keys) -> list[str]: removes pins ("ok" or "absent" per key).
     fn unpin(
         &self,
         py: Python<'_>,
-        ns: &Namespace,
+        ns: NsArg<'_>,
         keys: &Bound<'_, PyAny>,
     ) -> PyResult<Vec<String>> {
-        self.per_key(py, ns, keys, |h, k| h.unpin(k))
+        self.per_key(py, &ns.0, keys, |h, k| h.unpin(k))
     }
 
     /// evict(ns, keys) -> list[str]: removes blocks from this node ("ok",
@@ -402,10 +475,10 @@ impl Client {
     fn evict(
         &self,
         py: Python<'_>,
-        ns: &Namespace,
+        ns: NsArg<'_>,
         keys: &Bound<'_, PyAny>,
     ) -> PyResult<Vec<String>> {
-        self.per_key(py, ns, keys, |h, k| h.evict(k))
+        self.per_key(py, &ns.0, keys, |h, k| h.evict(k))
     }
 
     /// stat(ns, keys) -> list[dict | None]
@@ -415,14 +488,15 @@ impl Client {
     fn stat<'py>(
         &self,
         py: Python<'py>,
-        ns: &Namespace,
+        ns: NsArg<'py>,
         keys: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyList>> {
+        let ns = &*ns.0;
         let keys = keys_from(keys)?;
         let c = self.inner()?;
         let nsr = ns.inner.clone();
         let r = py
-            .detach(move || c.namespace(&nsr).stat(&keys))
+            .detach(move || c.within_deadline(|| c.namespace(&nsr).stat(&keys)))
             .map_err(from_client)?;
         let out = PyList::empty(py);
         for s in r {
@@ -452,7 +526,9 @@ impl Client {
     /// stats() -> dict: the daemon's statistics (what `kvtier stats` prints).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let c = self.inner()?;
-        let v = py.detach(move || c.stats()).map_err(from_client)?;
+        let v = py
+            .detach(move || c.within_deadline(|| c.stats()))
+            .map_err(from_client)?;
         py.import("json")?.call_method1("loads", (v.to_string(),))
     }
 
@@ -463,7 +539,8 @@ impl Client {
     /// without an event; it also ends when the daemon goes away. Ctrl-C
     /// interrupts the wait.
     #[pyo3(signature = (timeout_ms=None))]
-    fn events(&self, py: Python<'_>, timeout_ms: Option<u64>) -> PyResult<Events> {
+    fn events(&self, py: Python<'_>, timeout_ms: Option<Arg<u64>>) -> PyResult<Events> {
+        let timeout_ms = timeout_ms.map(|t| t.0);
         let c = self.inner()?;
         let s = py
             .detach(move || c.subscribe_events())
@@ -484,15 +561,18 @@ impl Client {
     /// against its per-client region limit (server.region_bytes_max) and
     /// refuses more (kvtier.PoolError). One pool per client; it stays
     /// mapped while any view of it lives. Not inherited across fork().
-    fn alloc_pool(&self, py: Python<'_>, nbytes: u64) -> PyResult<Pool> {
+    fn alloc_pool(&self, py: Python<'_>, nbytes: Arg<u64>) -> PyResult<Pool> {
+        let nbytes = nbytes.0;
         let c = self.inner()?;
         let c2 = c.clone();
-        let pool = py.detach(move || c2.alloc_pool(nbytes)).map_err(|e| {
-            PoolError::new_err(format!(
-                "pool of {nbytes} bytes refused: {e} (the daemon's per-client limit is \
+        let pool = py
+            .detach(move || c2.within_deadline(|| c2.alloc_pool(nbytes)))
+            .map_err(|e| {
+                PoolError::new_err(format!(
+                    "pool of {nbytes} bytes refused: {e} (the daemon's per-client limit is \
                  server.region_bytes_max, counting region_bytes + the pool)"
-            ))
-        })?;
+                ))
+            })?;
         if let Ok(mut g) = self.pools.lock() {
             g.push((Arc::as_ptr(&c) as usize, pool.clone()));
         }
@@ -504,25 +584,26 @@ impl Client {
     /// Like offload, for blocks already in this client's pool: keys[i] is
     /// in slot slots[i] (slots of Pool.slot_bytes(ns.block_bytes)). Only
     /// offsets are sent.
-    #[pyo3(signature = (ns, keys, slots, parent=None, *, priority=0, pinned=false, ephemeral=false, expected_reuse=0))]
+    #[pyo3(signature = (ns, keys, slots, parent=None, *, priority=Arg(0), pinned=Arg(false), ephemeral=Arg(false), expected_reuse=Arg(0)))]
     #[allow(clippy::too_many_arguments)]
     fn offload_pool(
         &self,
         py: Python<'_>,
-        ns: &Namespace,
+        ns: NsArg<'_>,
         keys: &Bound<'_, PyAny>,
-        slots: Vec<u64>,
+        slots: Arg<Vec<u64>>,
         parent: Option<&Bound<'_, PyAny>>,
-        priority: u8,
-        pinned: bool,
-        ephemeral: bool,
-        expected_reuse: u16,
+        priority: Arg<u8>,
+        pinned: Arg<bool>,
+        ephemeral: Arg<bool>,
+        expected_reuse: Arg<u16>,
     ) -> PyResult<Vec<BlockResult>> {
+        let ns = &*ns.0;
         let keys = keys_from(keys)?;
         let parent = parent.map(crate::ns::key_from).transpose()?;
-        let (c, pool, offs) = self.pool_args(ns, &keys, &slots)?;
+        let (c, pool, offs) = self.pool_args(ns, &keys, &slots.0)?;
         let nsr = ns.inner.clone();
-        let h = hints(priority, pinned, ephemeral, expected_reuse);
+        let h = hints(priority.0, pinned.0, ephemeral.0, expected_reuse.0);
         let out = py.detach(move || {
             let mut p = parent;
             let items: Vec<PoolBlock> = keys
@@ -539,7 +620,7 @@ impl Client {
                     b
                 })
                 .collect();
-            c.namespace(&nsr).offload_pool(&pool, &items)
+            c.within_deadline(|| c.namespace(&nsr).offload_pool(&pool, &items))
         });
         Ok(out.iter().map(BlockResult::offloaded).collect())
     }
@@ -551,14 +632,17 @@ impl Client {
     fn onboard_pool(
         &self,
         py: Python<'_>,
-        ns: &Namespace,
+        ns: NsArg<'_>,
         keys: &Bound<'_, PyAny>,
-        slots: Vec<u64>,
+        slots: Arg<Vec<u64>>,
     ) -> PyResult<Vec<BlockResult>> {
+        let ns = &*ns.0;
         let keys = keys_from(keys)?;
-        let (c, pool, offs) = self.pool_args(ns, &keys, &slots)?;
+        let (c, pool, offs) = self.pool_args(ns, &keys, &slots.0)?;
         let nsr = ns.inner.clone();
-        let out = py.detach(move || c.namespace(&nsr).onboard_pool(&pool, &keys, &offs));
+        let out = py.detach(move || {
+            c.within_deadline(|| c.namespace(&nsr).onboard_pool(&pool, &keys, &offs))
+        });
         Ok(out.iter().map(BlockResult::onboarded).collect())
     }
 

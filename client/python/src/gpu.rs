@@ -115,13 +115,15 @@ fn through_bounce(
     let bb = nsr.layout.block_bytes() as usize;
     let len = bb * blocks.len();
     let r = py.detach(|| {
-        with_bounce(&gpu, len.max(1), |bounce| {
-            f(
-                &gpu,
-                &c.namespace(&nsr),
-                bb,
-                &mut bounce.as_mut_slice()[..len],
-            )
+        c.within_deadline(|| {
+            with_bounce(&gpu, len.max(1), |bounce| {
+                f(
+                    &gpu,
+                    &c.namespace(&nsr),
+                    bb,
+                    &mut bounce.as_mut_slice()[..len],
+                )
+            })
         })
     });
     r.map_err(|e| DeviceError::new_err(format!("{op}: {e}")))

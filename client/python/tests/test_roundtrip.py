@@ -190,5 +190,5 @@ def test_prefetch_brings_an_evicted_chain_back_before_its_request(daemon, client
     for a, b in zip(data, out):
         assert np.array_equal(a, b)
     assert client.prefetch(ns, keys) == ["already_present"] * 3
-    with pytest.raises(OverflowError):
+    with pytest.raises(kvtier.ArgumentError):
         client.prefetch(ns, keys, deadline_ms=-1)

@@ -18,6 +18,9 @@ See ``help(kvtier.Client)`` and docs/PYTHON.md.
 
 from ._kvtier import (
     BLOCK_BYTES_MAX,
+    ArgumentError,
+    ArgumentTypeError,
+    ClosedError,
     BlockResult,
     BufferError,
     Client,
@@ -38,6 +41,9 @@ from ._kvtier import (
 
 __all__ = [
     "BLOCK_BYTES_MAX",
+    "ArgumentError",
+    "ArgumentTypeError",
+    "ClosedError",
     "BlockResult",
     "BufferError",
     "Client",

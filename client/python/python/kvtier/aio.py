@@ -19,10 +19,41 @@ from . import _kvtier
 
 
 class Client:
-    """An asyncio wrapper over :class:`kvtier.Client` (same arguments)."""
+    """An asyncio wrapper over :class:`kvtier.Client` (same arguments).
+
+    ``async with kvtier.aio.Client(...) as c:`` closes it at the end of the
+    block; ``await c.close()`` does the same."""
 
     def __init__(self, socket: Optional[str] = None, timeout_ms: int = 2000, **kw: Any) -> None:
         self.sync = _kvtier.Client(socket=socket, timeout_ms=timeout_ms, **kw)
+
+    @property
+    def socket(self) -> str:
+        """The daemon's socket path."""
+        return self.sync.socket
+
+    @property
+    def timeout_ms(self) -> int:
+        """The deadline of every call, in milliseconds."""
+        return self.sync.timeout_ms
+
+    @property
+    def closed(self) -> bool:
+        """Whether close() was called."""
+        return self.sync.closed
+
+    async def close(self) -> None:
+        """See :meth:`kvtier.Client.close` (instant: it drops the connection)."""
+        self.sync.close()
+
+    async def __aenter__(self) -> "Client":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self.sync.close()
+
+    def __repr__(self) -> str:
+        return f"kvtier.aio.{self.sync!r}"
 
     async def _run(self, fn, *args, **kw):
         loop = asyncio.get_running_loop()
@@ -76,9 +107,9 @@ class Client:
         """See :meth:`kvtier.Client.stats`."""
         return await self._run(self.sync.stats)
 
-    def alloc_pool(self, nbytes: int):
-        """See :meth:`kvtier.Client.alloc_pool` (synchronous: done once)."""
-        return self.sync.alloc_pool(nbytes)
+    async def alloc_pool(self, nbytes: int):
+        """See :meth:`kvtier.Client.alloc_pool`."""
+        return await self._run(self.sync.alloc_pool, nbytes)
 
     async def events(self, timeout_ms: Optional[int] = None) -> AsyncIterator[dict]:
         """KV events as an async iterator (see :meth:`kvtier.Client.events`)."""

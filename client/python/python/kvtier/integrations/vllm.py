@@ -25,11 +25,24 @@ smaller than that, as for hybrid models).
 Fail open: the manager never raises; a dead daemon is a MISS on lookup and
 ``None`` (cannot store) on prepare_store. Stores that fail are counted and
 dropped (the blocks are simply not cached). A load that fails after a HIT
-(the daemon died between lookup and load) is reported as a failed transfer:
-vLLM 0.33's OffloadingConnector does not support failed loads (it asserts),
-which is the one case this interface cannot turn into a recompute; the
-manager pins blocks from prepare_load to complete_load so eviction cannot
-cause it.
+(a corrupt block, the daemon died between lookup and load) cannot be told
+to vLLM through the OffloadingSpec interface: 0.33's OffloadingConnector
+asserts ``transfer_result.success`` and the engine dies. Load the
+connector this module ships instead, :class:`KvtierConnector` (vLLM's
+OffloadingConnector with this spec, plus load-error reporting)::
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KvtierConnector",
+      "kv_connector_module_path": "kvtier.integrations.vllm",
+      "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+      "kv_connector_extra_config": {"kvtier_socket": "/run/kvtier/kvtierd.sock"}}'
+
+A failed load is then reported through vLLM's own failure interface
+(``get_block_ids_with_load_errors``; ``failed_recving`` for models with
+several KV cache groups) and the scheduler recomputes those blocks. Under
+the plain OffloadingConnector a failed load still fails the transfer
+(never reported as loaded: the engine stops rather than compute on wrong
+KV). The manager pins blocks from prepare_load to complete_load so
+eviction cannot cause a failed load.
 
 Hints (docs/OPERATIONS.md, "Engines"): vLLM 0.33 hands the offloading
 manager a ``ReqContext`` with the request id, its ``kv_transfer_params``
@@ -52,6 +65,7 @@ is). Bounded and fail open (``_common.Prefetcher``).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -78,6 +92,10 @@ from vllm.v1.kv_offload.base import (
     RequestOffloadingContext,
     TransferResult,
     get_offload_group_idx,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+    OffloadingConnector,
 )
 from vllm.v1.kv_offload.config import OffloadingConfig
 
@@ -109,6 +127,36 @@ VLLM_VERSION = "0.33.0"
 # The kv_hints action this connector reads (payload: priority, pinned,
 # ephemeral, expected_reuse, ephemeral_from_token).
 KV_HINTS_ACTION = "kvtier.hints"
+
+
+log = logging.getLogger("kvtier.vllm")
+
+
+class LoadErrors:
+    """Loads that failed after a HIT, kept for :class:`KvtierConnector` to
+    report to vLLM's scheduler: the GPU block ids (single KV group) and
+    the job ids (mapped to requests for several groups). Written by the
+    worker's transfer thread, taken by the engine's step."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._block_ids: set[int] = set()
+        self._job_ids: set[int] = set()
+
+    def add(self, job_id: int, block_ids: Iterable[int]) -> None:
+        with self._lock:
+            self._job_ids.add(job_id)
+            self._block_ids.update(block_ids)
+
+    def take_block_ids(self) -> set[int]:
+        with self._lock:
+            out, self._block_ids = self._block_ids, set()
+            return out
+
+    def take_job_ids(self) -> set[int]:
+        with self._lock:
+            out, self._job_ids = self._job_ids, set()
+            return out
 
 
 class KvtierLoadStoreSpec(LoadStoreSpec):
@@ -180,6 +228,9 @@ class KvtierOffloadingSpec(OffloadingSpec):
         ]
         self._manager: Optional[KvtierOffloadingManager] = None
         self._worker: Optional[KvtierOffloadingWorker] = None
+        # Set by KvtierConnector, which reports failed loads to vLLM; None
+        # under the plain OffloadingConnector (a failed load fails its job).
+        self.load_errors: Optional[LoadErrors] = None
 
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
@@ -205,6 +256,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
                 blocks_per_chunk=self.blocks_per_chunk,
                 counters=self.counters,
                 fail=self.fail,
+                load_errors=self.load_errors,
             )
         return self._worker
 
@@ -389,13 +441,15 @@ class KvtierOffloadingManager(OffloadingManager):
 
 
 class _Job:
-    __slots__ = ("job_id", "future", "nbytes", "seconds")
+    __slots__ = ("job_id", "future", "nbytes", "seconds", "load_block_ids")
 
-    def __init__(self, job_id: int, nbytes: int) -> None:
+    def __init__(self, job_id: int, nbytes: int, load_block_ids: Optional[list[int]] = None) -> None:
         self.job_id = job_id
         self.future: Optional[Future] = None
         self.nbytes = nbytes
         self.seconds: Optional[float] = None
+        # For a load: the GPU blocks it fills (reported when it fails).
+        self.load_block_ids = load_block_ids
 
 
 class KvtierOffloadingWorker(OffloadingWorker):
@@ -411,9 +465,11 @@ class KvtierOffloadingWorker(OffloadingWorker):
         blocks_per_chunk: int,
         counters: Counters,
         fail: FailOpen,
+        load_errors: Optional[LoadErrors] = None,
     ) -> None:
         self.client = client
         self.ns = ns
+        self.load_errors = load_errors
         self.block_bytes = worker_block_bytes
         self.bpc = blocks_per_chunk
         self.counters = counters
@@ -490,8 +546,8 @@ class KvtierOffloadingWorker(OffloadingWorker):
 
     # -- jobs -------------------------------------------------------------
 
-    def _submit(self, job_id: int, fn, nbytes: int) -> bool:
-        job = _Job(job_id, nbytes)
+    def _submit(self, job_id: int, fn, nbytes: int, load_block_ids: Optional[list[int]] = None) -> bool:
+        job = _Job(job_id, nbytes, load_block_ids)
 
         def timed() -> bool:
             t0 = time.perf_counter()
@@ -553,11 +609,12 @@ class KvtierOffloadingWorker(OffloadingWorker):
         expedited: bool = False,
     ) -> bool:
         keys = list(src_spec.keys)  # type: ignore[attr-defined]
+        block_ids = [int(b) for b in dst_spec.block_ids]
         try:
             bufs = self._chunk_buffers(keys, dst_spec, load=True)
         except Exception as e:
             self.fail.error("submit_load", e)
-            return self._submit(job_id, lambda: False, 0)
+            return self._submit(job_id, lambda: False, 0, block_ids)
 
         def run() -> bool:
             self.counters.add("loads")
@@ -579,7 +636,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
                     self.fail.warn(f"load {r.reason}", r.detail)
             return ok
 
-        return self._submit(job_id, run, len(keys) * self.block_bytes * self.bpc)
+        return self._submit(job_id, run, len(keys) * self.block_bytes * self.bpc, block_ids)
 
     def get_finished(self) -> list[TransferResult]:
         out: list[TransferResult] = []
@@ -597,6 +654,13 @@ class KvtierOffloadingWorker(OffloadingWorker):
         except Exception as e:  # run() catches; this is belt and braces
             self.fail.error("transfer", e)
             ok = False
+        if not ok and job.load_block_ids is not None and self.load_errors is not None:
+            # KvtierConnector reports these blocks to the scheduler, which
+            # recomputes them: to vLLM's job bookkeeping the transfer is
+            # over (its OffloadingConnector asserts success).
+            self.load_errors.add(job.job_id, job.load_block_ids)
+            self.counters.add("load_errors_reported")
+            ok = True
         return TransferResult(
             job_id=job.job_id, success=ok, transfer_size=job.nbytes, transfer_time=job.seconds
         )
@@ -612,3 +676,73 @@ class KvtierOffloadingWorker(OffloadingWorker):
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+class KvtierConnector(OffloadingConnector):
+    """vLLM's ``OffloadingConnector`` with :class:`KvtierOffloadingSpec`,
+    plus what 0.33.0's lacks: a load that fails after a HIT (a corrupt
+    block, the daemon gone between lookup and load) is reported to the
+    scheduler, which recomputes those blocks (with
+    ``kv_load_failure_policy="recompute"``; with vLLM's default ``"fail"``
+    the request fails and the engine goes on). Single KV cache group: the
+    job's GPU block ids through ``get_block_ids_with_load_errors``; several
+    groups (hybrid models, whose block ids are per group): the request
+    through ``failed_recving``.
+
+    ``--kv-transfer-config '{"kv_connector": "KvtierConnector",
+    "kv_connector_module_path": "kvtier.integrations.vllm", "kv_role":
+    "kv_both", "kv_load_failure_policy": "recompute",
+    "kv_connector_extra_config": {"kvtier_socket": ...}}'``; the extra
+    config takes the same ``kvtier_*`` keys as the spec."""
+
+    def __init__(self, vllm_config, role, kv_cache_config):
+        ktc = vllm_config.kv_transfer_config
+        extra = ktc.kv_connector_extra_config
+        extra.setdefault("spec_name", KvtierOffloadingSpec.__name__)
+        extra.setdefault("spec_module_path", __name__)
+        multi_group = len(kv_cache_config.kv_cache_groups) > 1
+        if multi_group and int(extra.get("sync_load_budget_bytes", 0) or 0) > 0:
+            # A sync load of a hybrid model has no request to fail and no
+            # unique block ids to report: it could not fail open.
+            raise KvtierConfigError(
+                "KvtierConnector: sync_load_budget_bytes > 0 is not supported for models with "
+                "several KV cache groups (a failed sync load could not be recomputed)"
+            )
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._multi_group = multi_group
+        self._load_errors: Optional[LoadErrors] = None
+        if role == KVConnectorRole.WORKER:
+            assert self.connector_worker is not None
+            spec = self.connector_worker.spec
+            if not isinstance(spec, KvtierOffloadingSpec):
+                raise KvtierConfigError(
+                    f"KvtierConnector runs kvtier's spec, not {type(spec).__name__}: leave "
+                    "spec_name / spec_module_path unset"
+                )
+            self._load_errors = spec.load_errors = LoadErrors()
+        elif ktc.kv_load_failure_policy != "recompute":
+            log.warning(
+                "kvtier: kv_load_failure_policy=%r: a block that fails to load (corrupt, daemon "
+                "gone) fails its request; set \"kv_load_failure_policy\": \"recompute\" to "
+                "recompute it instead", ktc.kv_load_failure_policy,
+            )
+
+    def get_transfer_results(self, finished_req_ids: set[str]):
+        worker = self.connector_worker
+        # Which request each load job serves, before vLLM forgets it.
+        jobs = dict(worker._load_jobs) if (worker is not None and self._multi_group) else {}
+        res = super().get_transfer_results(finished_req_ids)
+        if self._multi_group and self._load_errors is not None:
+            self._load_errors.take_block_ids()  # not unique across groups
+            failed = {jobs.get(j) for j in self._load_errors.take_job_ids()} - {None}
+            res.failed_recving |= failed
+            res.finished_recving |= failed
+        return res
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        if self._load_errors is None:
+            return set()
+        if self._multi_group:
+            return set()  # reported per request in get_transfer_results
+        self._load_errors.take_job_ids()
+        return self._load_errors.take_block_ids()

@@ -1,0 +1,224 @@
+"""A client that cannot crash or overrun: buffers of Python objects are
+refused before a byte moves, one deadline holds for a whole call whatever
+its size, close() and context managers, and bad arguments raise
+kvtier.Error subclasses that are also the matching builtin."""
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import kvtier
+import kvtier.aio
+
+from conftest import BLOCK
+
+
+def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
+    """Runs ``code`` in a fresh interpreter (a crash must not take pytest)."""
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True, text=True, timeout=120, env=dict(os.environ, **env),
+    )
+
+
+def test_buffers_of_python_objects_are_refused_before_a_byte_moves(daemon):
+    # In a child: before the check, onboard wrote the block's bytes over the
+    # array's PyObject pointers, reported a hit, and the process died with
+    # SIGSEGV when numpy touched them.
+    r = run_python(
+        f"""
+        import numpy as np, kvtier
+        ns = kvtier.Namespace("py-test/model", kvtier.Layout.with_block_bytes({BLOCK}), tenant_salt=b"py")
+        c = kvtier.Client(socket={daemon.socket!r}, timeout_ms=5000)
+        keys = ns.hash_chain(list(range(16)))
+        src = np.random.default_rng(1).integers(0, 255, {BLOCK}, dtype=np.uint8)
+        assert c.offload(ns, keys, [src])[0].ok
+        objs = np.empty({BLOCK} // 8, dtype=object)
+        for what, call in [("onboard", lambda: c.onboard_into(ns, keys, [objs])),
+                           ("onboard segment", lambda: c.onboard_into(ns, keys, [[objs[:8], np.empty({BLOCK} - 64, np.uint8)]])),
+                           ("offload", lambda: c.offload(ns, keys, [objs]))]:
+            try:
+                call()
+            except kvtier.BufferError as e:
+                assert "dtype=object" in str(e) and '"O"' in str(e), e
+            else:
+                raise SystemExit(what + ": an object array was accepted")
+        rec = np.zeros({BLOCK} // 16, dtype=[("a", "<u8"), ("b", "<f8")])
+        try:
+            c.onboard_into(ns, keys, [rec])
+        except kvtier.BufferError as e:
+            assert "format" in str(e), e
+        else:
+            raise SystemExit("a struct array was accepted")
+        list(objs)  # the objects are untouched (None)
+        # Plain numbers of any width are fine.
+        out = np.zeros({BLOCK} // 4, dtype=np.float32)
+        assert c.onboard_into(ns, keys, [out])[0].ok and out.tobytes() == src.tobytes()
+        print("ok")
+        """
+    )
+    assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stdout, r.stderr[-2000:])
+
+
+def test_cuda_array_interface_of_objects_is_refused(client, ns):
+    class Fake:
+        __cuda_array_interface__ = {"data": (1 << 20, False), "shape": (BLOCK // 8,), "typestr": "|O8", "version": 3}
+
+    with pytest.raises(kvtier.BufferError, match="typestr"):
+        client.onboard_into(ns, ns.hash_chain(list(range(16))), [Fake()])
+
+
+class DelayingProxy:
+    """A Unix-socket proxy to kvtierd that holds every reply ``delay_s``:
+    a slow daemon (each part of a large call answers within the
+    per-exchange timeout, the whole call does not)."""
+
+    def __init__(self, target: str, path: str, delay_s: float) -> None:
+        self.target, self.path, self.delay_s = target, path, delay_s
+        self.srv = socket.socket(socket.AF_UNIX)
+        self.srv.bind(path)
+        self.srv.listen(8)
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                c, _ = self.srv.accept()
+            except OSError:
+                return
+            d = socket.socket(socket.AF_UNIX)
+            d.connect(self.target)
+            threading.Thread(target=self._pump, args=(c, d, 0.0), daemon=True).start()
+            threading.Thread(target=self._pump, args=(d, c, self.delay_s), daemon=True).start()
+
+    def _pump(self, src, dst, delay_s):
+        # The hello carries the region's fd: pass SCM_RIGHTS through.
+        import array
+
+        try:
+            while True:
+                data, anc, _f, _ = src.recvmsg(1 << 20, socket.CMSG_SPACE(253 * 4))
+                if not data:
+                    break
+                fds = array.array("i")
+                for lvl, typ, cd in anc:
+                    if lvl == socket.SOL_SOCKET and typ == socket.SCM_RIGHTS:
+                        fds.frombytes(cd[: len(cd) - (len(cd) % 4)])
+                time.sleep(delay_s)
+                dst.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)] if fds else [])
+                for fd in fds:
+                    os.close(fd)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self):
+        self.srv.close()
+
+
+def test_one_deadline_per_call_whatever_its_size(daemon, ns, tmp_path):
+    # 60000 keys are 15 protocol parts; each reply comes 400 ms late, well
+    # inside timeout_ms=1500, so before the fix pin took 15 x 400 ms and
+    # succeeded. One deadline for the call: it ends with a timeout.
+    proxy = DelayingProxy(daemon.socket, str(tmp_path / "slow.sock"), 0.4)
+    c = kvtier.Client(socket=proxy.path, timeout_ms=1500)
+    c.connect()
+    keys = [i.to_bytes(8, "little") for i in range(60000)]
+    t0 = time.monotonic()
+    with pytest.raises(kvtier.UnavailableError, match="deadline|timed out"):
+        c.pin(ns, keys)
+    took = time.monotonic() - t0
+    assert took < 4.5, took  # 1.5 s deadline; 6 s and more without it
+    # stat's parts share the deadline the same way (after the back-off a
+    # timeout starts: at most one reconnect per 50 ms).
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    with pytest.raises(kvtier.UnavailableError, match="deadline|timed out"):
+        c.stat(ns, keys)
+    assert time.monotonic() - t0 < 4.5
+    # A small call within the deadline still works on a fresh connection.
+    time.sleep(0.2)
+    assert c.pin(ns, keys[:2]) == ["absent", "absent"]
+    proxy.close()
+
+
+def test_close_and_context_manager(daemon, ns):
+    keys = ns.hash_chain(list(range(16)))
+    with kvtier.Client(socket=daemon.socket, timeout_ms=5000) as c:
+        assert c.offload(ns, keys, [np.ones(BLOCK, np.uint8)])[0].ok
+        assert not c.closed
+    assert c.closed
+    with pytest.raises(kvtier.ClosedError, match="closed"):
+        c.lookup(ns, keys)
+    assert issubclass(kvtier.ClosedError, kvtier.Error) and issubclass(kvtier.ClosedError, ValueError)
+    c.close()  # twice is fine
+    # The daemon saw the connection go: another client's calls work, and
+    # this one's do not reconnect behind the caller's back.
+    with pytest.raises(kvtier.ClosedError):
+        c.onboard_into(ns, keys, [np.zeros(BLOCK, np.uint8)])
+    assert kvtier.Client(socket=daemon.socket).lookup(ns, keys).prefix_len == 1
+
+
+def test_aio_has_the_same_calls_and_closes(daemon, ns):
+    async def main():
+        async with kvtier.aio.Client(socket=daemon.socket, timeout_ms=3000) as c:
+            assert c.socket == daemon.socket and c.timeout_ms == 3000
+            pool = await c.alloc_pool(2 * kvtier.Pool.slot_bytes(BLOCK))
+            assert isinstance(pool, kvtier.Pool) and pool.num_slots(BLOCK) == 2
+            keys = ns.hash_chain(list(range(16)))
+            pool.block(0, BLOCK)[:] = bytes(range(256)) * (BLOCK // 256)
+            assert (await c.offload_pool(ns, keys, [0]))[0].ok
+            assert (await c.onboard_pool(ns, keys, [1]))[0].ok
+            assert pool.block(1, BLOCK) == pool.block(0, BLOCK)
+        assert c.closed
+        with pytest.raises(kvtier.ClosedError):
+            await c.lookup(ns, keys)
+        c2 = kvtier.aio.Client(socket=daemon.socket)
+        await c2.close()
+        assert c2.closed
+
+    asyncio.run(main())
+
+
+def test_bad_arguments_raise_kvtier_errors_that_are_also_builtins(daemon, ns):
+    for kw in ({"region_bytes": 0}, {"region_bytes": 100}, {"timeout_ms": 0}, {"timeout_ms": -1},
+               {"timeout_ms": 10**30}):
+        with pytest.raises(kvtier.ArgumentError) as e:
+            kvtier.Client(socket=daemon.socket, **kw)
+        assert isinstance(e.value, ValueError) and isinstance(e.value, kvtier.Error), kw
+    with pytest.raises(kvtier.ArgumentError, match="region_bytes"):
+        kvtier.Client(socket=daemon.socket, region_bytes=0)
+    for kw in ({"timeout_ms": "1000"}, {"socket": 5}):
+        with pytest.raises(kvtier.ArgumentTypeError) as e:
+            kvtier.Client(**kw)
+        assert isinstance(e.value, TypeError) and isinstance(e.value, kvtier.Error), kw
+    c = kvtier.Client(socket=daemon.socket, timeout_ms=5000)
+    keys = ns.hash_chain(list(range(16)))
+    with pytest.raises(kvtier.ArgumentError, match="ttl_ms"):
+        c.pin(ns, keys, ttl_ms=0)
+    with pytest.raises(kvtier.ArgumentError):
+        c.pin(ns, keys, ttl_ms=-5)
+    with pytest.raises(kvtier.ArgumentError):
+        c.offload(ns, keys, [bytearray(BLOCK)], priority=300)
+    with pytest.raises(kvtier.ArgumentError):
+        c.prefetch(ns, keys, deadline_ms=-1)
+    with pytest.raises(kvtier.ArgumentTypeError):
+        c.lookup("not a namespace", keys)
+    with pytest.raises(kvtier.ArgumentTypeError):
+        c.onboard_pool(ns, keys, "0")
+    # Nothing was sent: the client still works.
+    assert c.lookup(ns, keys).prefix_len == 0
+

@@ -1,0 +1,206 @@
+"""vLLM 0.33.0's own engine core loop on CPU, without a model: the real
+Scheduler (with its KV cache manager and the scheduler-side connector)
+and the real worker-side connector, driven step by step as vLLM's engine
+core and GPU model runner drive them (schedule -> handle_preemptions ->
+bind metadata -> start_load_kv -> "forward" -> wait_for_save ->
+get_transfer_results / get_block_ids_with_load_errors ->
+build_connector_worker_meta -> update_from_output). The model is a tiny
+local Llama config with ``load_format="dummy"`` (nothing fetched); the
+"forward" writes each scheduled token's KV as a function of the prompt
+prefix, so a loaded block is checkable against a recomputed one."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import time
+
+import torch
+from vllm import SamplingParams
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    LoadConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+BLOCK_SIZE = 16
+NUM_BLOCKS = 64
+LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+KV_HEADS, HEAD_SIZE = 1, 32
+EOS = 2
+
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+    "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": KV_HEADS,
+    "head_dim": HEAD_SIZE, "num_hidden_layers": len(LAYERS), "vocab_size": 1024,
+    "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "torch_dtype": "float32",
+    "bos_token_id": 1, "eos_token_id": EOS,
+}
+
+_hash_ready = False
+
+
+def model_dir(tmp: pathlib.Path) -> str:
+    d = tmp / "tiny-llama"
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text(json.dumps(TINY_LLAMA))
+    return str(d)
+
+
+class Engine:
+    """One vLLM engine (scheduler + one worker) with a KV connector."""
+
+    def __init__(self, tmp: pathlib.Path, socket: str, connector: str = "KvtierConnector",
+                 policy: str = "recompute", **extra) -> None:
+        global _hash_ready
+        if not _hash_ready:
+            init_none_hash(sha256)
+            _hash_ready = True
+        extra_config = {"kvtier_socket": socket, "kvtier_timeout_ms": 2000, **extra}
+        if connector == "OffloadingConnector":
+            extra_config.update(spec_name="KvtierOffloadingSpec", spec_module_path="kvtier.integrations.vllm")
+        model = ModelConfig(model=model_dir(tmp), dtype="float32", skip_tokenizer_init=True,
+                            max_model_len=2048, seed=0)
+        self.config = VllmConfig(
+            model_config=model,
+            scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=1024, max_model_len=2048,
+                                             is_encoder_decoder=False),
+            cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
+            kv_transfer_config=KVTransferConfig(
+                kv_connector=connector,
+                kv_connector_module_path="kvtier.integrations.vllm" if connector != "OffloadingConnector" else None,
+                kv_role="kv_both", kv_connector_extra_config=extra_config, kv_load_failure_policy=policy,
+            ),
+            device_config=DeviceConfig("cpu"),
+            load_config=LoadConfig(load_format="dummy"),
+        )
+        spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE,
+                                 dtype=torch.float32)
+        self.page_bytes = spec.page_size_bytes
+        self.kv_cache_config = KVCacheConfig(
+            num_blocks=NUM_BLOCKS,
+            # One backing allocation, layer-outermost (as vLLM's allocator).
+            kv_cache_tensors=[
+                KVCacheTensor(size=self.page_bytes * NUM_BLOCKS * len(LAYERS), layers=list(LAYERS),
+                              layer_stride=self.page_bytes * NUM_BLOCKS, block_stride=self.page_bytes)
+            ],
+            kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)],
+        )
+        self.config.cache_config.num_gpu_blocks = NUM_BLOCKS
+        self.scheduler = Scheduler(
+            vllm_config=self.config, kv_cache_config=self.kv_cache_config, log_stats=True,
+            structured_output_manager=StructuredOutputManager(self.config), block_size=BLOCK_SIZE,
+        )
+        self.worker = KVConnectorFactory.create_connector(
+            config=self.config, role=KVConnectorRole.WORKER, kv_cache_config=self.kv_cache_config)
+        # The "GPU" KV cache: per layer (blocks, K/V, block_size, heads,
+        # head), manager blocks first as vLLM's connectors view it, on the CPU.
+        self.kv = {n: torch.zeros((NUM_BLOCKS, 2, BLOCK_SIZE, KV_HEADS, HEAD_SIZE), dtype=torch.float32)
+                   for n in LAYERS}
+        self.worker.register_kv_caches(self.kv)
+        # Prompt tokens the "model" computed per request (prefill work).
+        self.computed: dict[str, int] = {}
+        self.finished: dict[str, list[int]] = {}
+        self.steps = 0
+        # Called with each SchedulerOutput between the scheduler's lookup
+        # and the worker's load (to kill the daemon there).
+        self.before_load = None
+
+    @property
+    def spec(self):
+        """The worker's KvtierOffloadingSpec (its counters: loads, stores)."""
+        return self.worker.connector_worker.spec
+
+    def counters(self) -> dict:
+        """The scheduler's (lookups) and the worker's counters together."""
+        out = dict(self.scheduler.connector.connector_scheduler.manager.counters.snapshot())
+        for k, v in self.spec.counters.snapshot().items():
+            out[k] = out.get(k, 0) + v
+        return out
+
+    def add(self, req_id: str, prompt: list[int], max_tokens: int = 2) -> Request:
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        sp.update_from_generation_config({}, EOS)
+        req = Request(request_id=req_id, prompt_token_ids=list(prompt), sampling_params=sp, pooling_params=None,
+                      block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256))
+        self.scheduler.add_request(req)
+        self.computed[req_id] = 0
+        return req
+
+    def _forward(self, so) -> None:
+        """Writes the KV of every scheduled token: a value derived from the
+        token position and the prompt's first token (what a model's
+        prefix-dependent KV looks like, enough to tell blocks apart)."""
+        for req_id, n in so.num_scheduled_tokens.items():
+            req = self.scheduler.requests[req_id]
+            # schedule() has already advanced num_computed_tokens past them.
+            start = req.num_computed_tokens - n
+            block_ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
+            for pos in range(start, start + n):
+                b, off = block_ids[pos // BLOCK_SIZE], pos % BLOCK_SIZE
+                for li, layer in enumerate(LAYERS):
+                    self.kv[layer][b, :, off] = float(req.all_token_ids[0] * 10_000 + pos * 10 + li)
+            # Prefill work only (decode steps add one token each).
+            self.computed[req_id] += max(0, min(start + n, req.num_prompt_tokens) - start)
+
+    def step(self) -> bool:
+        """One engine step; whether it scheduled any token."""
+        so = self.scheduler.schedule()
+        meta = so.kv_connector_metadata
+        if self.before_load is not None:
+            self.before_load(so)
+        self.worker.handle_preemptions(meta)
+        self.worker.bind_connector_metadata(meta)
+        self.worker.start_load_kv(None)
+        self._forward(so)
+        self.worker.wait_for_save()
+        tr = self.worker.get_transfer_results(so.finished_req_ids)
+        kvo = KVConnectorOutput(
+            finished_sending=tr.finished_sending, finished_recving=tr.finished_recving,
+            failed_recving=tr.failed_recving, invalid_block_ids=self.worker.get_block_ids_with_load_errors(),
+            kv_connector_worker_meta=self.worker.build_connector_worker_meta(),
+        )
+        self.worker.clear_connector_metadata()
+        ids = [r for r in so.num_scheduled_tokens]
+        # A request whose prompt is fully computed samples one token.
+        sampled = []
+        for r in ids:
+            req = self.scheduler.requests[r]
+            sampled.append([7] if req.num_computed_tokens >= req.num_prompt_tokens else [])
+        out = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                sampled_token_ids=sampled, kv_connector_output=kvo)
+        for eco in self.scheduler.update_from_output(so, out).values():
+            for o in eco.outputs:
+                if o.finish_reason is not None:
+                    self.finished[o.request_id] = o.new_token_ids
+        self.steps += 1
+        return bool(so.num_scheduled_tokens)
+
+    def run(self, req_id: str, timeout_s: float = 120) -> None:
+        """Steps until the request has finished and the scheduler holds
+        nothing more (its stores done: vLLM keeps a finished request's
+        blocks until the connector's store of them completes)."""
+        deadline = time.monotonic() + timeout_s
+        while req_id not in self.finished or self.scheduler.has_requests():
+            assert time.monotonic() < deadline, f"{req_id} did not finish within {timeout_s} s"
+            if not self.step():
+                time.sleep(0.01)  # only transfers in flight
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()
+        if self.scheduler.connector is not None:
+            self.scheduler.connector.shutdown()
+
