@@ -178,14 +178,8 @@ impl Server {
         std::fs::set_permissions(path, std::fs::Permissions::from_mode(sock.mode))
             .map_err(|e| Error::io("setting socket permissions", path, e))?;
         if let Some(g) = &sock.group {
-            let grp = nix::unistd::Group::from_name(g)
-                .ok()
-                .flatten()
-                .ok_or_else(|| Error::Config {
-                    key: "server.socket_group".into(),
-                    problem: format!("no group named {g:?}"),
-                })?;
-            nix::unistd::chown(path, None, Some(grp.gid)).map_err(|e| {
+            let gid = nix::unistd::Gid::from_raw(crate::config::socket_gid(g)?);
+            nix::unistd::chown(path, None, Some(gid)).map_err(|e| {
                 Error::io("changing the socket's group", path, std::io::Error::from(e))
             })?;
         }
