@@ -360,6 +360,8 @@ fn promtool_accepts_the_exposition_with_every_feature_on() {
     let dir = tempfile::tempdir().unwrap();
     let secret = dir.path().join("peer.secret");
     std::fs::write(&secret, "0123456789abcdef0123456789abcdef").unwrap();
+    use std::os::unix::fs::PermissionsExt as _;
+    std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).unwrap();
     let mnt = tempfile::tempdir().unwrap();
     let with_mount = mount_ok();
     // SAFETY: geteuid has no preconditions.

@@ -32,7 +32,7 @@ enum Cmd {
     Bench(bench::BenchCmd),
     /// Daemon statistics (text; --json for JSON).
     Stats(ops::StatsArgs),
-    /// List stored blocks.
+    /// List the blocks on this node's G3 (not those only in G4 or on peers).
     Ls(ops::LsArgs),
     /// One block's metadata.
     Stat(ops::StatArgs),
