@@ -58,5 +58,19 @@ check "kubernetes ConfigMap kvtierd.toml" "$kvtierd" --check-config --config "$t
 printf '[g3]\ncapacity = "-1GiB"\n' > "$tmp/bad.toml"
 check "a bad config is refused" bash -c "! '$kvtierd' --check-config --config '$tmp/bad.toml'"
 
+# The artefacts run, not only parse: the unit's execution environment as
+# systemd.exec(5) defines it (mount namespace, credentials, runtime
+# directory, umask, capabilities, stop), and the DaemonSet's as the kubelet
+# would start it (uid, hostPath directories, privileges).
+kvtier="$(dirname "$kvtierd")/kvtier"
+check "systemd unit run as systemd would (scripts/unit_sim.py)" \
+  python3 scripts/unit_sim.py deploy/systemd/kvtierd.service "$kvtierd" "$kvtier"
+check "DaemonSet started as the kubelet would (scripts/daemonset_sim.py)" \
+  $venv/bin/python scripts/daemonset_sim.py deploy/kubernetes/kvtierd-daemonset.yaml \
+  deploy/container/Dockerfile "$kvtierd" "$kvtier"
+# The container build context is sources only.
+check "container build context excludes target/ (.dockerignore)" \
+  grep -qx 'target' .dockerignore
+
 echo "deploy: $passed passed, $failed failed"
 [ "$failed" = 0 ]

@@ -16,6 +16,11 @@ command -v g++ >/dev/null 2>&1 || need+=(g++)
 # bridge and bandwidth limit (tests/e2e_cluster.rs).
 command -v ip >/dev/null 2>&1 || need+=(iproute2)
 command -v tc >/dev/null 2>&1 || need+=(iproute2)
+# promtool (Debian's prometheus package): tests/e2e_metrics.rs lints the
+# /metrics exposition with Prometheus's own checker.
+command -v promtool >/dev/null 2>&1 || need+=(prometheus)
+# systemd-analyze: scripts/check-deploy.sh verifies the unit with it.
+command -v systemd-analyze >/dev/null 2>&1 || need+=(systemd)
 # libibverbs: Mooncake's store.so and mooncake_master link it even over TCP
 # (`kvtier bench peers`; without it Mooncake is reported as skipped).
 [ -e /usr/lib/x86_64-linux-gnu/libibverbs.so.1 ] || ldconfig -p 2>/dev/null | grep -q libibverbs.so.1 || need+=(libibverbs1)

@@ -339,3 +339,95 @@ fn metrics_follow_prometheus_conventions_and_show_every_figure() {
         );
     }
 }
+
+/// Where promtool is: on PATH, or not installed (scripts/setup.sh installs
+/// Debian's `prometheus` package for it).
+fn promtool() -> Option<std::path::PathBuf> {
+    std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths)
+            .map(|d| d.join("promtool"))
+            .find(|p| p.is_file())
+    })
+}
+
+/// `promtool check metrics` (Prometheus's own linter) and the conventions
+/// above on an exposition with every feature on: peers, the ZMQ publisher,
+/// tenants, the mount, a file:// G4. Families that only exist with a
+/// feature (`kvtier_peer_*`, `kvtier_events_zmq_*`, per-tenant figures) are
+/// judged too; the test above runs without them.
+#[test]
+fn promtool_accepts_the_exposition_with_every_feature_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let secret = dir.path().join("peer.secret");
+    std::fs::write(&secret, "0123456789abcdef0123456789abcdef").unwrap();
+    use std::os::unix::fs::PermissionsExt as _;
+    std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let mnt = tempfile::tempdir().unwrap();
+    let with_mount = mount_ok();
+    // SAFETY: geteuid has no preconditions.
+    let uid = unsafe { libc::geteuid() };
+    let ns_id = ns().id().to_string();
+    let mut toml = format!(
+        "[g4]\nurl = \"file://{g4}\"\n\
+         [peer]\nenabled = true\nnode_id = \"metrics-node\"\nbind = \"127.0.0.1:{peer_port}\"\n\
+         secret_file = \"{secret}\"\ndiscovery = true\n\
+         [events.zmq]\nendpoint = \"ipc://{dir}/events.ipc\"\nreplay_endpoint = \"ipc://{dir}/replay.ipc\"\n\
+         [[events.zmq.namespaces]]\nid = \"{ns_id}\"\n\
+         [[tenants]]\nname = \"metrics\"\nuids = [{uid}]\nnamespaces = [\"{ns_id}\"]\n",
+        g4 = dir.path().join("g4").display(),
+        peer_port = support::free_port(),
+        secret = secret.display(),
+        dir = dir.path().display(),
+    );
+    if with_mount {
+        toml.push_str(&format!("[mount]\ndir = \"{}\"\n", mnt.path().display()));
+    }
+    let cfg = dir.path().join("kvtierd.toml");
+    std::fs::write(&cfg, toml).unwrap();
+    let d = Daemon::start_with(&["--config".to_string(), cfg.display().to_string()], &[]);
+
+    // Traffic that makes the feature families carry samples.
+    let c = kvtier_client::Client::connect(&d.socket).unwrap();
+    let h = c.namespace(&ns());
+    let (k, f) = block(7);
+    let payload = kvtier_client::decode_block(&f).unwrap().1.to_vec();
+    let out = h.offload(&[kvtier_client::OffloadBlock {
+        key: k,
+        parent: None,
+        payload: &payload,
+        hints: Hints::default(),
+    }]);
+    assert_eq!(out, vec![kvtier_client::OffloadOutcome::Stored]);
+    assert_eq!(h.lookup(&[k]).prefix_len(), 1);
+    wait_for(&d, "the peer and ZMQ families", |m| {
+        m.iter().any(|s| s.name.starts_with("kvtier_peer_"))
+            && m.iter().any(|s| s.name.starts_with("kvtier_events_zmq"))
+    });
+
+    let (_, text) = d.http_get("/metrics");
+    check_conventions(&text);
+    let Some(promtool) = promtool() else {
+        panic!("promtool not found: scripts/setup.sh installs it (Debian package prometheus)");
+    };
+    let mut child = Command::new(promtool)
+        .args(["check", "metrics"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    use std::io::Write as _;
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(text.as_bytes())
+        .unwrap();
+    let o = child.wait_with_output().unwrap();
+    assert!(
+        o.status.success(),
+        "promtool check metrics refused the exposition:\n{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+}

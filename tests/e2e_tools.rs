@@ -53,14 +53,20 @@ fn demo_ls_stat_verify_events_stats() {
     // The demo ends with blocks fetched back from G4, which the daemon
     // serves at once and writes into G3 in the background: wait for them.
     let t = std::time::Instant::now();
-    let ls = loop {
-        let (ok, ls, _) = run(&["ls"], s);
+    let (ls, ls_err) = loop {
+        let (ok, ls, err) = run(&["ls"], s);
         assert!(ok);
         if ls.lines().count() == 5 || t.elapsed() > std::time::Duration::from_secs(10) {
-            break ls;
+            break (ls, err);
         }
         std::thread::sleep(std::time::Duration::from_millis(50));
     };
+    // It says what it lists (an empty table right after the demo was read
+    // as "nothing stored" while the blocks were G4-only).
+    assert!(
+        ls_err.contains("this node's G3") && ls_err.contains("G4"),
+        "{ls_err}"
+    );
     // A header naming both sizes, then one line per block: the payload
     // and the block file (what `stat` on the mount shows).
     assert_eq!(ls.lines().count(), 5, "{ls}");
@@ -545,4 +551,85 @@ fn a_stalled_events_follower_gets_lagged_and_is_never_dropped() {
         f.seen.len()
     );
     assert!(f.child.try_wait().unwrap().is_none(), "the follower exited");
+
+/// `kvtier demo | head -1`: the demo dies of SIGPIPE on its second line,
+/// without running any Drop. The kvtierd it started must end with it, not
+/// stay running in the background (issue 30).
+#[test]
+fn a_demo_killed_by_sigpipe_takes_its_own_daemon_with_it() {
+    let home = tempfile::tempdir().unwrap();
+    // Marks the daemons this demo starts (they inherit the environment).
+    let mark = format!("KVTIER_TEST_MARK={}", std::process::id());
+    let out = Command::new("sh")
+        .arg("-c")
+        .arg(format!("{} demo | head -1", kvtier().display()))
+        .env_remove("KVTIER_SOCKET")
+        .env("HOME", home.path())
+        .env("XDG_RUNTIME_DIR", home.path())
+        .env("XDG_STATE_HOME", home.path())
+        .env("KVTIER_TEST_MARK", std::process::id().to_string())
+        .output()
+        .unwrap();
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("starting one of its own"),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let marked = || -> Vec<String> {
+        std::fs::read_dir("/proc")
+            .unwrap()
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().parse::<u32>().is_ok())
+            .filter(|e| {
+                std::fs::read(e.path().join("environ"))
+                    .map(|env| env.split(|&b| b == 0).any(|v| v == mark.as_bytes()))
+                    .unwrap_or(false)
+            })
+            .filter(|e| {
+                std::fs::read_to_string(e.path().join("comm"))
+                    .map(|c| c.trim() == "kvtierd")
+                    .unwrap_or(false)
+            })
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect()
+    };
+    let t = std::time::Instant::now();
+    while !marked().is_empty() && t.elapsed() < std::time::Duration::from_secs(30) {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    let left = marked();
+    for pid in &left {
+        let _ = Command::new("kill").args(["-9", pid]).status();
+    }
+    assert!(
+        left.is_empty(),
+        "the demo's kvtierd outlived it: pids {left:?}"
+    );
+}
+
+/// kvtierd's flags read values as people type them (issue 30): `--mount ""`
+/// turns the mount off (clap's path parser read "" as missing), and a
+/// negative `--g3-capacity` gets the size parser's reason, not clap's
+/// "unexpected argument".
+#[test]
+fn kvtierd_flags_take_an_empty_mount_and_explain_a_negative_size() {
+    let out = Command::new(support::kvtierd_bin())
+        .args(["--check-config", "--mount", ""])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = Command::new(support::kvtierd_bin())
+        .args(["--check-config", "--g3-capacity", "-1GiB"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("-1GiB") && !err.contains("unexpected argument"),
+        "{err}"
+    );
 }

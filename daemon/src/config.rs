@@ -886,6 +886,74 @@ fn unknown_key_line(text: &str, msg: &str, from_line: usize) -> Option<usize> {
         .map(|(i, _)| i + 1)
 }
 
+/// The gid of `server.socket_group`: a group name known to this host, or a
+/// numeric gid (containers often have no name for the workers' group).
+pub fn socket_gid(group: &str) -> Result<u32> {
+    if let Ok(gid) = group.parse::<u32>() {
+        return Ok(gid);
+    }
+    match nix::unistd::Group::from_name(group) {
+        Ok(Some(g)) => Ok(g.gid.as_raw()),
+        Ok(None) => Err(bad(
+            "server.socket_group",
+            format!("no group named {group:?} on this host (create it, or give a numeric gid)"),
+        )),
+        Err(e) => Err(bad(
+            "server.socket_group",
+            format!("looking up group {group:?}: {e}"),
+        )),
+    }
+}
+
+/// Why `log.level` would not log what its writer meant, if it would not.
+/// The filter syntax (RUST_LOG's) reads a bare word as a target name, so
+/// `level = "loud"` is a valid filter that enables only a target called
+/// `loud`: the daemon then logs nothing at all. Each comma-separated
+/// directive must be a level or `target=level`.
+pub fn log_level_problem(level: &str) -> Option<String> {
+    const LEVELS: [&str; 6] = ["off", "error", "warn", "info", "debug", "trace"];
+    let is_level = |w: &str| LEVELS.contains(&w.trim().to_ascii_lowercase().as_str());
+    if level.trim().is_empty() {
+        return Some("empty: use one of off, error, warn, info, debug, trace".into());
+    }
+    for d in level.split(',') {
+        let ok = match d.rsplit_once('=') {
+            Some((target, lvl)) => !target.trim().is_empty() && is_level(lvl),
+            None => is_level(d),
+        };
+        if !ok {
+            return Some(format!(
+                "{d:?} in {level:?} is not a level (off, error, warn, info, debug, trace) \
+                 or a target=level directive"
+            ));
+        }
+    }
+    None
+}
+
+/// Why `g4.url` cannot name a store, if it cannot (start-up would refuse
+/// it; `--check-config` must too).
+pub fn g4_url_problem(url: &str) -> Option<String> {
+    if url.is_empty() || url == "memory://" || url == "memory:///" {
+        return None;
+    }
+    if let Some(dir) = url.strip_prefix("file://") {
+        return (!dir.starts_with('/'))
+            .then(|| format!("`{url}`: file URLs need an absolute path (file:///path)"));
+    }
+    if let Some(rest) = url.strip_prefix("s3://") {
+        return rest
+            .split('/')
+            .next()
+            .is_none_or(str::is_empty)
+            .then(|| format!("`{url}`: no bucket (s3://bucket/prefix)"));
+    }
+    Some(format!(
+        "`{url}`: not a store URL; use s3://bucket/prefix (any S3-compatible store: \
+         set g4.endpoint for a non-AWS one), file:///path or memory://, or \"\" to turn G4 off"
+    ))
+}
+
 fn bad(key: &str, problem: impl Into<String>) -> Error {
     Error::Config {
         key: key.into(),
@@ -990,6 +1058,13 @@ impl Config {
             ));
         }
         self.socket_mode()?;
+        if let Some(g) = &s.socket_group {
+            socket_gid(g)?;
+        }
+        log_level_problem(&self.log.level).map_or(Ok(()), |p| Err(bad("log.level", p)))?;
+        if let Some(u) = self.g4.url.as_deref() {
+            g4_url_problem(u).map_or(Ok(()), |p| Err(bad("g4.url", p)))?;
+        }
         if !matches!(self.log.format.as_str(), "text" | "json") {
             return Err(bad(
                 "log.format",
@@ -1260,5 +1335,51 @@ mod tests {
         std::fs::write(&path, "[server]\n\n\nsokcet = \"x\"\n").unwrap();
         let e = Config::load(&path).unwrap_err().to_string();
         assert!(e.contains("kvtierd.toml:4"), "{e}");
+    }
+
+    /// `--check-config` (which runs `validate`) refuses what start-up would
+    /// refuse or what would silently log nothing (issue 30).
+    #[test]
+    fn check_config_refuses_what_start_up_cannot_use() {
+        for (text, key, needle) in [
+            ("[log]\nlevel = \"loud\"\n", "log.level", "loud"),
+            (
+                "[log]\nlevel = \"kvtier=loud\"\n",
+                "log.level",
+                "kvtier=loud",
+            ),
+            ("[log]\nlevel = \"\"\n", "log.level", "empty"),
+            ("[g4]\nurl = \"http://x\"\n", "g4.url", "http://x"),
+            ("[g4]\nurl = \"s3://\"\n", "g4.url", "no bucket"),
+            ("[g4]\nurl = \"file://rel\"\n", "g4.url", "absolute"),
+            (
+                "[server]\nsocket_group = \"no-such-group-kvtier\"\n",
+                "server.socket_group",
+                "no-such-group-kvtier",
+            ),
+        ] {
+            let e = Config::from_toml(text)
+                .unwrap()
+                .validate()
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(key) && e.contains(needle), "{text}: {e}");
+        }
+        for text in [
+            "[log]\nlevel = \"info\"\n",
+            "[log]\nlevel = \"warn,kvtier_daemon=debug\"\n",
+            "[log]\nlevel = \"OFF\"\n",
+            "[g4]\nurl = \"\"\n",
+            "[g4]\nurl = \"s3://bucket/prefix\"\n",
+            "[g4]\nurl = \"memory://\"\n",
+            "[server]\nsocket_group = \"4242\"\n",
+            "[server]\nsocket_group = \"root\"\n",
+        ] {
+            Config::from_toml(text)
+                .unwrap()
+                .validate()
+                .unwrap_or_else(|e| panic!("{text}: {e}"));
+        }
+        assert_eq!(socket_gid("4242").unwrap(), 4242);
     }
 }

@@ -27,7 +27,9 @@ struct Args {
     #[arg(long)]
     g3_dir: Option<PathBuf>,
     /// Capacity of the local tier, e.g. 100GiB (overrides g3.capacity).
-    #[arg(long, value_parser = parse_size)]
+    // allow_hyphen_values: `-1GiB` reaches the size parser (which says why
+    // it is refused) instead of being read as an unknown flag.
+    #[arg(long, value_parser = parse_size, allow_hyphen_values = true)]
     g3_capacity: Option<u64>,
     /// Unix socket path (overrides server.socket).
     #[arg(long)]
@@ -55,9 +57,11 @@ struct Args {
     /// This node's id (overrides peer.node_id; default: the hostname).
     #[arg(long)]
     node_id: Option<String>,
-    /// Mount the store's filesystem view here (overrides mount.dir).
-    #[arg(long)]
-    mount: Option<PathBuf>,
+    /// Mount the store's filesystem view here (overrides mount.dir); ""
+    /// turns the mount off.
+    // An OsString parser: clap's PathBuf parser refuses "" as missing.
+    #[arg(long, value_parser = clap::builder::ValueParser::os_string())]
+    mount: Option<std::ffi::OsString>,
     /// Log format: text (colour only on a terminal) or json (overrides
     /// log.format).
     #[arg(long, value_parser = ["text", "json"])]
@@ -122,7 +126,7 @@ fn run() -> Result<()> {
         cfg.peer.node_id = Some(id);
     }
     if let Some(d) = args.mount {
-        cfg.mount.dir = d;
+        cfg.mount.dir = PathBuf::from(d);
     }
     if let Some(f) = args.log_format {
         cfg.log.format = f;

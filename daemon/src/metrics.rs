@@ -107,7 +107,6 @@ const SCRAPED_COUNTERS: &[(&str, &str, &[&str])] = &[
 const SCRAPED_GAUGES: &[(&str, &str, &[&str])] = &[
     ("kvtier_peer_holdings_peers", "Peers with a usable holdings digest", &[]),
     ("kvtier_peer_holdings_bytes", "Encoded bytes of the usable peer holdings digests held", &[]),
-    ("kvtier_peer_holdings_age_ms", "Age of the oldest usable peer holdings digest, ms since it was fetched", &[]),
     ("kvtier_blocks", "Blocks stored, by tier (g4: last listing plus this node's uploads since; absent until the first listing)", &["tier"]),
     ("kvtier_bytes", "Bytes stored (block files), by tier (g4 as kvtier_blocks)", &["tier"]),
     ("kvtier_capacity_bytes", "Configured capacity, by tier (0: unbounded)", &["tier"]),
@@ -158,6 +157,7 @@ pub struct Metrics {
     gauges: Arc<HashMap<&'static str, IntGaugeVec>>,
     promote_seconds: CounterVec,
     upload_lag_seconds: GaugeVec,
+    holdings_age_seconds: prometheus::Gauge,
     zmq_stats: Arc<RwLock<Option<Arc<crate::zmq::ZmqStats>>>>,
     figures: Arc<RwLock<Option<FiguresFn>>>,
     mount: Arc<RwLock<Option<MountFiguresFn>>>,
@@ -257,6 +257,13 @@ impl Metrics {
                     &["which"],
                 )?,
             ),
+            holdings_age_seconds: reg(
+                &r,
+                prometheus::Gauge::new(
+                    "kvtier_peer_holdings_age_seconds",
+                    "Age of the oldest usable peer holdings digest, seconds since it was fetched",
+                )?,
+            ),
             counters: Arc::new(counters),
             gauges: Arc::new(gauges),
             zmq_stats: Arc::new(RwLock::new(None)),
@@ -292,7 +299,8 @@ impl Metrics {
         self.count(c, &[], p.holdings_false_positives);
         self.gauge("kvtier_peer_holdings_peers", &[], p.holdings_peers);
         self.gauge("kvtier_peer_holdings_bytes", &[], p.holdings_bytes);
-        self.gauge("kvtier_peer_holdings_age_ms", &[], p.holdings_age_ms_max);
+        self.holdings_age_seconds
+            .set(p.holdings_age_ms_max as f64 / 1e3);
     }
 
     /// Sets scraped gauge `name{labels}` to `x`.

@@ -12,6 +12,11 @@ use clap::{Parser, Subcommand};
 #[derive(Debug, Parser)]
 #[command(name = "kvtier", version, about)]
 struct Cli {
+    /// On an error, also print where it was raised (a backtrace). Errors
+    /// always print their cause chain; RUST_BACKTRACE alone does not add a
+    /// backtrace.
+    #[arg(long, global = true)]
+    backtrace: bool,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -27,7 +32,7 @@ enum Cmd {
     Bench(bench::BenchCmd),
     /// Daemon statistics (text; --json for JSON).
     Stats(ops::StatsArgs),
-    /// List stored blocks.
+    /// List the blocks on this node's G3 (not those only in G4 or on peers).
     Ls(ops::LsArgs),
     /// One block's metadata.
     Stat(ops::StatArgs),
@@ -42,7 +47,23 @@ enum Cmd {
     Demo(ops::DemoArgs),
 }
 
-fn main() -> Result<()> {
+fn main() {
+    // anyhow captures a backtrace when RUST_BACKTRACE or RUST_LIB_BACKTRACE
+    // is set, and `fn main() -> Result` prints it for every error, so a
+    // developer machine with RUST_BACKTRACE=1 saw a stack dump for a missing
+    // daemon. Capture only when asked with --backtrace.
+    let asked = std::env::args_os().any(|a| a == "--backtrace");
+    std::env::set_var("RUST_LIB_BACKTRACE", if asked { "1" } else { "0" });
+    if let Err(e) = run() {
+        eprintln!("kvtier: {e:#}");
+        if asked {
+            eprintln!("\n{}", e.backtrace());
+        }
+        std::process::exit(1);
+    }
+}
+
+fn run() -> Result<()> {
     // A CLI whose output is piped into `head` should end quietly on EPIPE,
     // as other Unix tools do, rather than panic in println!.
     // SAFETY: restoring a default signal disposition at start-up, before any

@@ -269,6 +269,13 @@ pub fn ls(a: LsArgs) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
     }
+    // Said on stderr, so the table stays plain TSV: right after a G4
+    // fall-through (kvtier demo) the blocks are G4-only while they are
+    // promoted, and an empty table read as "nothing stored".
+    eprintln!(
+        "kvtier ls: blocks on this node's G3 ({}); blocks only in G4 or on peers are not listed (kvtier stats counts G4)",
+        blocks.len()
+    );
     println!("PATH\tTIER\tPAYLOAD_BYTES\tFILE_BYTES");
     for (n, k, st) in blocks {
         let file_bytes = file_bytes(&st);
@@ -498,10 +505,23 @@ impl OwnedDaemon {
         socket: PathBuf,
         dirs: Vec<tempfile::TempDir>,
     ) -> Result<OwnedDaemon> {
-        let child = Command::new(bin)
-            .args(args)
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::null())
+        use std::os::unix::process::CommandExt as _;
+        let mut cmd = Command::new(bin);
+        cmd.args(args).env("RUST_LOG", "warn").stdout(Stdio::null());
+        // A daemon this process started ends with it, however it ends:
+        // `kvtier demo | head` dies of SIGPIPE without running Drop, and
+        // left its kvtierd running.
+        // SAFETY: prctl is async-signal-safe; nothing else runs between
+        // fork and exec.
+        unsafe {
+            cmd.pre_exec(|| {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let child = cmd
             .spawn()
             .with_context(|| format!("starting {}", bin.display()))?;
         let mut d = OwnedDaemon {

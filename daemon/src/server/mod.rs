@@ -173,17 +173,7 @@ impl Server {
             std::fs::remove_file(path).map_err(|e| Error::io("removing stale socket", path, e))?;
         }
         let gid = match &sock.group {
-            Some(g) => Some(
-                nix::unistd::Group::from_name(g)
-                    .ok()
-                    .flatten()
-                    .ok_or_else(|| Error::Config {
-                        key: "server.socket_group".into(),
-                        problem: format!("no group named {g:?}"),
-                    })?
-                    .gid
-                    .as_raw(),
-            ),
+            Some(g) => Some(crate::config::socket_gid(g)?),
             None => None,
         };
         let listener = bind::bind_private(path, sock.mode, gid)?;
