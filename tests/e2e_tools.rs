@@ -551,6 +551,7 @@ fn a_stalled_events_follower_gets_lagged_and_is_never_dropped() {
         f.seen.len()
     );
     assert!(f.child.try_wait().unwrap().is_none(), "the follower exited");
+}
 
 /// `kvtier demo | head -1`: the demo dies of SIGPIPE on its second line,
 /// without running any Drop. The kvtierd it started must end with it, not
