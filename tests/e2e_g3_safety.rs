@@ -205,6 +205,9 @@ fn a_second_daemon_on_a_directory_in_use_is_refused_and_acked_blocks_survive_kil
     assert_served(&c, &blocks);
 }
 
+/// Blocks acknowledged so far: key and payload.
+type Acked = Vec<(BlockKey, Vec<u8>)>;
+
 /// The longer variant: each round an offloader runs while a second daemon
 /// is refused and the first is killed with -9 mid-stream; after the
 /// restart, every block acknowledged in any round is indexed and served.
@@ -212,7 +215,7 @@ fn a_second_daemon_on_a_directory_in_use_is_refused_and_acked_blocks_survive_kil
 #[ignore = "long: scripts/fault-suite.sh"]
 fn long_refusals_and_kill9_under_load_lose_no_acked_block() {
     let mut d = Daemon::start_with(&["--g4".into(), String::new()], &[]);
-    let acked: Arc<Mutex<Vec<(BlockKey, Vec<u8>)>>> = Arc::default();
+    let acked: Arc<Mutex<Acked>> = Arc::default();
     let mut next = 0u64;
     for round in 0..rounds() {
         let stop = Arc::new(AtomicBool::new(false));
