@@ -150,7 +150,7 @@ impl G3Store {
         true
     }
 
-    fn update_record(&self, id: u64, f: impl FnOnce(&mut Record)) {
+    pub(super) fn update_record(&self, id: u64, f: impl FnOnce(&mut Record)) {
         if let Ok(Some(mut r)) = self.disk.get(id) {
             f(&mut r);
             if let Err(e) = self.disk.put(&[(id, &r)]) {

@@ -18,6 +18,8 @@ use std::time::Duration;
 pub struct Signal {
     state: Mutex<(bool, bool)>,
     cv: Condvar,
+    /// Test seam: the thread skips its eviction passes.
+    paused: std::sync::atomic::AtomicBool,
 }
 
 impl Signal {
@@ -62,7 +64,9 @@ pub(super) fn spawn(store: &Arc<G3Store>) -> Option<std::thread::JoinHandle<()>>
                 return;
             }
             let Some(s) = weak.upgrade() else { return };
-            s.background_pass();
+            if !signal.paused.load(Ordering::Relaxed) {
+                s.background_pass();
+            }
             // Off the write path: retired files become reusable.
             s.settle_retired();
             if let Err(e) = s.disk.flush_if_dirty() {
@@ -102,6 +106,14 @@ impl G3Store {
     /// their upload.
     pub fn set_prefer_uploaded(&self, on: bool) {
         self.prefer_uploaded.store(on, Ordering::Relaxed);
+    }
+
+    /// Test seam: the background thread stops (`true`) or resumes evicting,
+    /// so that a test runs [`G3Store::background_pass`] itself, between its
+    /// checks (lease expiry and index flushes go on).
+    #[doc(hidden)]
+    pub fn pause_background_eviction(&self, paused: bool) {
+        self.reclaim.paused.store(paused, Ordering::Relaxed);
     }
 
     /// One pass of the background reclaimer: above the high watermark,

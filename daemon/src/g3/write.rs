@@ -67,7 +67,9 @@ struct BatchJob {
     spare: std::sync::Mutex<Option<PathBuf>>,
 }
 
-/// The index record of a freshly written block.
+/// The index record of a freshly written block. A pin hint is recorded
+/// as a pin in the group commit, so an acknowledged pin survives a crash;
+/// `publish` clears it again when the budget refuses it.
 fn record_of(ns: &NamespaceId, it: &PutItem<'_>, now: u32) -> Record {
     Record {
         ns: *ns,
@@ -77,7 +79,7 @@ fn record_of(ns: &NamespaceId, it: &PutItem<'_>, now: u32) -> Record {
         created_unix_ms: it.header.created_unix_ms,
         hits: 0,
         last_access_s: now,
-        pin_until_s: 0,
+        pin_until_s: if it.meta.hints.pinned { PIN_FOREVER } else { 0 },
         priority: it.meta.hints.priority,
         flags: if it.meta.hints.ephemeral {
             FLAG_EPHEMERAL
@@ -376,6 +378,14 @@ impl G3Store {
             }
             if let Some(last) = renamed.last() {
                 self.spare.open_tail(last.id);
+            }
+            // Refused pins leave the records the commit wrote pinned.
+            if let Ok(p) = &published {
+                for (job, st) in renamed.iter().zip(p) {
+                    if *st == Published::Unpinned {
+                        self.update_record(job.id, |r| r.pin_until_s = 0);
+                    }
+                }
             }
             self.maybe_reclaim();
         }
