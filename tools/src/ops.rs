@@ -757,7 +757,7 @@ fn round_trip(socket: &Path, mode: HashMode) -> Result<()> {
     // The tokens go along: in dynamo mode each header carries the block's
     // Dynamo routing facts (tokens_hash, token ids, parent).
     let (_, out) = h.offload_tokens(None, &tokens, &refs, Hints::default());
-    let stored = out.iter().filter(|o| **o == OffloadOutcome::Stored).count();
+    let stored = out.iter().filter(|o| o.is_stored()).count();
     println!("offload: {stored} stored in {:?}", t.elapsed());
     let after = h.lookup(&keys);
     println!(
