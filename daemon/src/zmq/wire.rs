@@ -88,9 +88,20 @@ fn uint(out: &mut Vec<u8>, v: u64) {
     let _ = rmp::encode::write_uint(out, v);
 }
 
-fn map(out: &mut Vec<u8>, n: usize) {
-    let _ = rmp::encode::write_map_len(out, n as u32);
+/// A struct's map header as msgspec writes it: sized for every field the
+/// struct declares (tag included), not for those written, so a struct of
+/// more than 15 (vLLM 0.33.0's `BlockStored`: 16) always gets a map16.
+fn map(out: &mut Vec<u8>, n: usize, declared: usize) {
+    if declared > 15 {
+        out.push(0xde);
+        out.extend_from_slice(&(n as u16).to_be_bytes());
+    } else {
+        let _ = rmp::encode::write_map_len(out, n as u32);
+    }
 }
+
+/// Fields of vLLM 0.33.0's `BlockStored`, its tag included.
+const BLOCK_STORED_FIELDS: usize = 16;
 fn opt_str(out: &mut Vec<u8>, s: &str) {
     if s.is_empty() {
         nil(out);
@@ -113,7 +124,7 @@ fn event(out: &mut Vec<u8>, ev: &WireEvent) {
             lora_name,
             salt,
         } => {
-            map(out, 8 + usize::from(!salt.is_empty()));
+            map(out, 8 + usize::from(!salt.is_empty()), BLOCK_STORED_FIELDS);
             str(out, "type");
             str(out, "BlockStored");
             str(out, "block_hashes");
@@ -160,7 +171,7 @@ fn event(out: &mut Vec<u8>, ev: &WireEvent) {
             }
         }
         WireEvent::Removed { hashes, tier } => {
-            map(out, 3);
+            map(out, 3, 6);
             str(out, "type");
             str(out, "BlockRemoved");
             str(out, "block_hashes");
@@ -172,7 +183,7 @@ fn event(out: &mut Vec<u8>, ev: &WireEvent) {
             str(out, medium(*tier));
         }
         WireEvent::Cleared => {
-            map(out, 1);
+            map(out, 1, 1);
             str(out, "type");
             str(out, "AllBlocksCleared");
         }
@@ -224,7 +235,12 @@ mod tests {
             lora_name: "ad".into(),
             salt: "s".into(),
         };
-        let v = decode(&batch(1.5, &[ev, WireEvent::Cleared], Some(3)));
+        let bytes = batch(1.5, &[ev, WireEvent::Cleared], Some(3));
+        // [fixarray 3, f64 (9 bytes), fixarray 2, then BlockStored's header:
+        // a map16 as msgspec writes it for a struct of 16 fields.
+        assert_eq!(bytes[..3], [0x93, 0xcb, 0x3f]);
+        assert_eq!(bytes[10..14], [0x92, 0xde, 0x00, 0x09]);
+        let v = decode(&bytes);
         assert_eq!(
             v.to_string(),
             r#"[1.5, [{"type": "BlockStored", "block_hashes": [18446744073709551615, 9], "parent_block_hash": 7, "token_ids": [1, 2, 3, 4], "block_size": 2, "lora_id": nil, "medium": "DISK", "lora_name": "ad", "extra_keys": [["ad", "dynamo-cache-salt:s"], nil]}, {"type": "AllBlocksCleared"}], 3]"#
