@@ -40,6 +40,7 @@
 //! - Ephemeral blocks never leave the node (not uploaded to G4).
 
 mod backend;
+mod backlog;
 mod disk_order;
 mod events;
 mod fetch;
@@ -50,6 +51,7 @@ mod prefetch;
 mod promote;
 mod remove;
 mod repair;
+pub use backlog::age_seconds as g4_backlog_age_seconds;
 mod uplink;
 
 use crate::error::{Error, Result};
@@ -324,7 +326,7 @@ impl Node {
             runtime: Mutex::new(Some(runtime)),
         });
         if node.g4.is_some() {
-            uplink::requeue_unmarked(&node);
+            backlog::spawn(&node);
         }
         node.prefetcher
             .start(&node)
