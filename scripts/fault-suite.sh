@@ -45,6 +45,33 @@ g4_faults() {
   echo "g4 faults: see $LOG_DIR"
 }
 
+# G4 outages (tests/e2e_g4_outage.rs, issue 28), long variant: a real
+# kvtierd started while SeaweedFS is down, then two outages while healthy
+# (every request 503 through the fault proxy, then the server stopped);
+# each time the uploads are given up, and every block must reach the
+# bucket after the store returns, with /healthz ok, and no restart. One
+# scenario per PASS line plus the test itself. (The long variants of the
+# size-limit and fetch-budget tests run in g4_faults above: 64 MiB
+# hostile objects.)
+g4_outage() {
+  if [ ! -x .venv/bin/weed ] && [ -z "${KVTIER_WEED:-}" ]; then
+    SKIPPED+=("g4 outage: no .venv/bin/weed (run scripts/setup.sh)")
+    return
+  fi
+  local log="$LOG_DIR/e2e_g4_outage.log"
+  KVTIER_FAULT_LONG=1 cargo test -p kvtier --test e2e_g4_outage -- --nocapture >"$log" 2>&1
+  local rc=$?
+  local p
+  p=$(grep -c '^PASS g4 outage' "$log")
+  if [ "$rc" -eq 0 ]; then
+    PASSED=$((PASSED + p + 1))
+  else
+    echo "e2e_g4_outage failed; see $log"
+    PASSED=$((PASSED + p))
+    FAILED=$((FAILED + 1))
+  fi
+}
+
 # G3 power loss (daemon/tests/g3_power_loss.rs): KVTIER_POWER_LOSS_ITERS
 # iterations (default 1000; 4 scenarios round robin, seeds from
 # KVTIER_POWER_LOSS_SEED) of crash + recovery + checks, then the mutation
@@ -254,6 +281,7 @@ g3_safety() {
 
 g4_faults
 g3_safety
+g4_outage
 g3_power_loss
 g3_fuse_power_loss
 node_promotion_power_loss

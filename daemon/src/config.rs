@@ -216,7 +216,9 @@ pub(crate) fn de_size_opt<'de, D: serde::Deserializer<'de>>(
     de_size(d).map(Some)
 }
 
-fn de_size<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<u64, D::Error> {
+pub(crate) fn de_size<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> std::result::Result<u64, D::Error> {
     struct V;
     impl serde::de::Visitor<'_> for V {
         type Value = u64;
@@ -1233,6 +1235,10 @@ mod tests {
         let c = Config::from_toml("[g4]\nupload_retries = 9\nsweep_interval_ms = 5\n").unwrap();
         let g4 = c.g4.to_g4_config(&c.g3.dir).unwrap();
         assert_eq!((g4.upload_retries, g4.sweep_interval_ms), (9, 5));
+        // The fetch byte budget is a size with units.
+        let c = Config::from_toml("[g4]\nfetch_buffer_bytes_max = \"3GiB\"\n").unwrap();
+        let g4 = c.g4.to_g4_config(&c.g3.dir).unwrap();
+        assert_eq!(g4.fetch_buffer_bytes_max, 3 << 30);
         let e = Config::from_toml("[g4]\nupload_retires = 9\n").unwrap_err();
         assert!(e.to_string().contains("upload_retires"), "{e}");
         let e = Config::from_toml("[g4]\nurl = 5\n").unwrap_err();

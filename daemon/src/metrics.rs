@@ -63,6 +63,12 @@ const SCRAPED_COUNTERS: &[(&str, &str, &[&str])] = &[
     ("kvtier_g4_swept_bytes_total", "G4 bytes deleted by the sweeper", &[]),
     ("kvtier_g4_breaker_opened_total", "Times the G4 circuit breaker opened", &[]),
     ("kvtier_g4_breaker_rejected_total", "G4 calls refused by the open breaker (no request sent)", &[]),
+    ("kvtier_g4_probes_total", "Active G4 probes sent while the breaker was open or the start-up check failing", &[]),
+    ("kvtier_g4_recoveries_total", "Times G4 recovered by itself (breaker closed, start-up check passed after failing)", &[]),
+    ("kvtier_g4_backlog_requeued_total", "Blocks the backlog scan re-queued for upload (lost to an outage, a full queue or a restart)", &[]),
+    ("kvtier_g4_backlog_scans_total", "G3 scans for blocks not yet safe in G4", &[]),
+    ("kvtier_g4_deleted_blocks_total", "G4 objects this node deleted (evict, sweeper, proven corruption)", &[]),
+    ("kvtier_g4_fetch_budget_refused_total", "G4 fetches missed because the shared fetch byte budget (fetch_buffer_bytes_max) stayed full", &[]),
     // Peers.
     ("kvtier_peer_fetches_total", "Peer fetches by outcome (hit, absent, unavailable, corrupt, timeout, skipped)", &["outcome"]),
     ("kvtier_peer_bytes_total", "Block bytes moved between peers, by direction (received, sent)", &["direction"]),
@@ -121,6 +127,11 @@ const SCRAPED_GAUGES: &[(&str, &str, &[&str])] = &[
     ("kvtier_g4_breaker_open", "1 while the G4 circuit breaker is open (G4 calls refused)", &[]),
     ("kvtier_g4_startup_check", "The G4 start-up check, 1 for its state (passed, failed, not_run)", &["state"]),
     ("kvtier_g4_listing_truncated", "1 when the last G4 listing stopped at sweep_list_max (kvtier_blocks{tier=\"g4\"} is a floor)", &[]),
+    ("kvtier_g4_backlog_blocks", "G3 blocks not yet safe in G4 that admission would upload, at the last backlog scan", &[]),
+    ("kvtier_g4_backlog_bytes", "Bytes (block files) of kvtier_g4_backlog_blocks", &[]),
+    ("kvtier_g4_backlog_oldest_age_seconds", "Age of the oldest block in kvtier_g4_backlog_blocks, whole seconds (0: none)", &[]),
+    ("kvtier_g4_fetch_buffered_bytes", "Body bytes G4 fetches buffer now (bounded by fetch_buffer_bytes_max)", &[]),
+    ("kvtier_g4_fetch_buffered_peak_bytes", "The most body bytes G4 fetches buffered at once since start", &[]),
     ("kvtier_g3_recovered_at_open", "What G3's recovery found at this open (orphans_reindexed, entries_dropped, temp_removed, strays_set_aside, quarantined)", &["found"]),
     ("kvtier_g3_index_rebuilt_at_open", "1 when G3's index was rebuilt from the files at this open", &[]),
     ("kvtier_g3_clean_start", "1 when G3 found a clean shutdown at this open", &[]),
@@ -576,10 +587,36 @@ impl Metrics {
             ("kvtier_g4_swept_bytes_total", g.sweep_deleted_bytes),
             ("kvtier_g4_breaker_opened_total", g.breaker_opened),
             ("kvtier_g4_breaker_rejected_total", g.breaker_rejected),
+            ("kvtier_g4_probes_total", g.probes),
+            ("kvtier_g4_recoveries_total", g.recoveries),
+            ("kvtier_g4_backlog_requeued_total", g.backlog_requeued),
+            ("kvtier_g4_backlog_scans_total", g.backlog_scans),
+            ("kvtier_g4_deleted_blocks_total", g.deleted_blocks),
+            (
+                "kvtier_g4_fetch_budget_refused_total",
+                g.fetch_budget_refused,
+            ),
         ] {
             self.count(name, &[], x);
         }
         self.gauge("kvtier_g4_listing_truncated", &[], g.listing_truncated);
+        self.gauge("kvtier_g4_backlog_blocks", &[], g.backlog_blocks);
+        self.gauge("kvtier_g4_backlog_bytes", &[], g.backlog_bytes);
+        self.gauge(
+            "kvtier_g4_backlog_oldest_age_seconds",
+            &[],
+            crate::node::g4_backlog_age_seconds(g.backlog_oldest_unix_ms) as u64,
+        );
+        self.gauge(
+            "kvtier_g4_fetch_buffered_bytes",
+            &[],
+            g.fetch_buffered_bytes,
+        );
+        self.gauge(
+            "kvtier_g4_fetch_buffered_peak_bytes",
+            &[],
+            g.fetch_buffered_bytes_peak,
+        );
     }
 }
 

@@ -486,3 +486,53 @@ fn distinct_fetches_in_flight_are_bounded() {
         p2
     );
 }
+
+/// `kvtier_blocks{tier="g4"}` (the census) follows this node's deletions:
+/// it said 8 while the bucket held 6 after `kvtier evict --tier g4` of two
+/// blocks (fails without the deleted-since-listing term). Sweeper
+/// deletions keep it true too.
+#[test]
+fn g4_count_follows_evicts_and_sweeps() {
+    let ns = namespace(8192, "census").unwrap();
+    let (files, keys) = g3_with(&ns, 0..8, 8192);
+    let file_len = files.lock().unwrap().values().next().unwrap().len() as u64;
+    let cfg = G4Config {
+        capacity_bytes: Some(4 * file_len),
+        sweep_min_age_ms: 0,
+        sweep_interval_ms: 3_600_000,
+        ..G4Config::new("memory://")
+    };
+    let (g4, _) = fault_g4(cfg);
+    let t = Instant::now();
+    while g4.count().is_none() {
+        assert!(t.elapsed() < Duration::from_secs(20), "no listing at start");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    g4.start_uploader(source(&files), None).unwrap();
+    for k in &keys {
+        assert_eq!(
+            g4.enqueue(&ns.id(), k, Hints::default()),
+            EnqueueOutcome::Queued
+        );
+    }
+    assert!(g4.flush(Duration::from_secs(20)));
+    let c = g4.count().unwrap();
+    assert_eq!((c.blocks, c.bytes), (8, 8 * file_len));
+    // `kvtier evict --tier g4` of two blocks.
+    for k in &keys[..2] {
+        assert!(g4.delete(&ns.id(), k).unwrap());
+    }
+    assert!(!g4.delete(&ns.id(), &keys[0]).unwrap(), "already gone");
+    let c = g4.count().unwrap();
+    assert_eq!((c.blocks, c.bytes), (6, 6 * file_len), "after evicts");
+    // A sweep to capacity (4 blocks) deletes 2 more; the count is the
+    // bucket's, before and after the next listing.
+    let rep = g4.sweep_once().unwrap();
+    assert_eq!((rep.listed, rep.deleted), (6, 2));
+    let c = g4.count().unwrap();
+    assert_eq!((c.blocks, c.bytes), (4, 4 * file_len), "after a sweep");
+    let rep = g4.sweep_once().unwrap();
+    assert_eq!((rep.listed, rep.deleted), (4, 0));
+    assert_eq!(g4.count().unwrap().blocks, 4);
+    assert_eq!(g4.stats().deleted_blocks, 4);
+}

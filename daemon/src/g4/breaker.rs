@@ -13,8 +13,11 @@
 use super::lock;
 use super::stats::{inc, G4Stats};
 use std::sync::atomic::Ordering::Relaxed;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+/// Called (outside the breaker's lock) each time the breaker closes again.
+pub(crate) type OnClosed = Arc<dyn Fn() + Send + Sync>;
 
 /// What the breaker is doing now.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -36,7 +39,6 @@ struct State {
     until: Instant,
 }
 
-#[derive(Debug)]
 pub(crate) struct Breaker {
     failures_max: u32,
     open_min: Duration,
@@ -45,6 +47,8 @@ pub(crate) struct Breaker {
     /// half-open slot after this long.
     probe_timeout: Duration,
     s: Mutex<State>,
+    /// Told when the store answers again (the node re-queues its backlog).
+    on_closed: Mutex<Option<OnClosed>>,
 }
 
 impl Breaker {
@@ -65,7 +69,13 @@ impl Breaker {
                 open_for: open_min,
                 until: Instant::now(),
             }),
+            on_closed: Mutex::new(None),
         }
+    }
+
+    /// Calls `hook` whenever the breaker closes after being open.
+    pub(crate) fn set_on_closed(&self, hook: OnClosed) {
+        *lock(&self.on_closed) = Some(hook);
     }
 
     pub(crate) fn state(&self) -> BreakerState {
@@ -96,13 +106,20 @@ impl Breaker {
     /// The store answered.
     pub(crate) fn success(&self, stats: &G4Stats) {
         let mut s = lock(&self.s);
-        if s.state != BreakerState::Closed {
-            tracing::info!("G4 circuit breaker closed: the store answers again");
-        }
+        let reopened = s.state != BreakerState::Closed;
         s.state = BreakerState::Closed;
         s.failures = 0;
         s.open_for = self.open_min;
         stats.breaker_open.store(0, Relaxed);
+        drop(s);
+        if reopened {
+            tracing::info!("G4 circuit breaker closed: the store answers again");
+            inc(&stats.recoveries);
+            let hook = lock(&self.on_closed).clone();
+            if let Some(hook) = hook {
+                hook();
+            }
+        }
     }
 
     /// The store failed or did not answer in time.

@@ -3,7 +3,8 @@
 //! Object stores keep no cheap count, so the figure comes from listings:
 //! one at start (in the background, bounded by `sweep_list_max`) and the
 //! sweeper's every pass, plus the blocks this node's uploader stored since
-//! the last listing. Until the first listing has finished the count is
+//! the last listing, minus the objects this node deleted since (`kvtier
+//! evict --tier g4`, the sweeper's own deletions, proven corruption). Until the first listing has finished the count is
 //! "not yet known" (`None`), never 0: a node that just started next to a
 //! bucket of 131 blocks must not report an empty G4.
 //!
@@ -26,12 +27,16 @@ pub(crate) struct Census {
     /// `uploads_stored` / `uploads_stored_bytes` when the listing began.
     stored_at_listing: AtomicU64,
     stored_bytes_at_listing: AtomicU64,
+    /// `deleted_blocks` / `deleted_bytes` when the listing began.
+    deleted_at_listing: AtomicU64,
+    deleted_bytes_at_listing: AtomicU64,
 }
 
 /// G4's occupancy as [`Census`] knows it.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct G4Count {
-    /// Blocks in G4: the last listing plus this node's uploads since.
+    /// Blocks in G4: the last listing plus this node's uploads since,
+    /// minus its deletions since.
     pub blocks: u64,
     /// Bytes of those blocks (object sizes).
     pub bytes: u64,
@@ -39,23 +44,39 @@ pub struct G4Count {
     pub truncated: bool,
 }
 
-/// The uploader's running totals, read before a listing starts.
-pub(crate) fn uploader_mark(inner: &Inner) -> (u64, u64) {
-    (
-        inner.stats.uploads_stored.load(Relaxed),
-        inner.stats.uploads_stored_bytes.load(Relaxed),
-    )
+/// This node's running totals of uploads and deletions, read before a
+/// listing starts.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Mark {
+    stored: u64,
+    stored_bytes: u64,
+    deleted: u64,
+    deleted_bytes: u64,
+}
+
+pub(crate) fn uploader_mark(inner: &Inner) -> Mark {
+    let st = &inner.stats;
+    Mark {
+        stored: st.uploads_stored.load(Relaxed),
+        stored_bytes: st.uploads_stored_bytes.load(Relaxed),
+        deleted: st.deleted_blocks.load(Relaxed),
+        deleted_bytes: st.deleted_bytes.load(Relaxed),
+    }
 }
 
 impl Census {
     /// Records a finished listing; `mark` is [`uploader_mark`] taken before
     /// it began (uploads during the listing may then count twice until the
     /// next one: an overestimate by at most the uploads of one listing).
-    pub(crate) fn record(&self, mark: (u64, u64), blocks: u64, bytes: u64, truncated: bool) {
+    pub(crate) fn record(&self, mark: Mark, blocks: u64, bytes: u64, truncated: bool) {
         self.listed_blocks.store(blocks, Relaxed);
         self.listed_bytes.store(bytes, Relaxed);
-        self.stored_at_listing.store(mark.0, Relaxed);
-        self.stored_bytes_at_listing.store(mark.1, Relaxed);
+        self.stored_at_listing.store(mark.stored, Relaxed);
+        self.stored_bytes_at_listing
+            .store(mark.stored_bytes, Relaxed);
+        self.deleted_at_listing.store(mark.deleted, Relaxed);
+        self.deleted_bytes_at_listing
+            .store(mark.deleted_bytes, Relaxed);
         self.truncated.store(truncated, Relaxed);
         self.known.store(true, Relaxed);
     }
@@ -65,12 +86,14 @@ impl Census {
         if !self.known.load(Relaxed) {
             return None;
         }
-        let (stored, stored_bytes) = uploader_mark(inner);
+        let now = uploader_mark(inner);
+        let since = |v: u64, at: &AtomicU64| v.saturating_sub(at.load(Relaxed));
         Some(G4Count {
-            blocks: self.listed_blocks.load(Relaxed)
-                + stored.saturating_sub(self.stored_at_listing.load(Relaxed)),
-            bytes: self.listed_bytes.load(Relaxed)
-                + stored_bytes.saturating_sub(self.stored_bytes_at_listing.load(Relaxed)),
+            blocks: (self.listed_blocks.load(Relaxed) + since(now.stored, &self.stored_at_listing))
+                .saturating_sub(since(now.deleted, &self.deleted_at_listing)),
+            bytes: (self.listed_bytes.load(Relaxed)
+                + since(now.stored_bytes, &self.stored_bytes_at_listing))
+            .saturating_sub(since(now.deleted_bytes, &self.deleted_bytes_at_listing)),
             truncated: self.truncated.load(Relaxed),
         })
     }

@@ -113,6 +113,24 @@ pub struct G4Config {
     pub fetch_deadline_ms: u64,
     /// Distinct blocks being fetched at once at most; more are misses.
     pub fetch_inflight_max: usize,
+    /// Body bytes all fetches together may buffer (a size: `"2GiB"` or a
+    /// byte count). A fetch reserves its object's declared size before
+    /// reading the body and waits at most `response_timeout_ms` for room
+    /// (else a miss); at least `object_bytes_max`.
+    #[serde(deserialize_with = "crate::config::de_size")]
+    pub fetch_buffer_bytes_max: u64,
+    /// While the breaker is open or the start-up check failed, one cheap
+    /// HEAD every this many ms (with jitter; the breaker's own back-off
+    /// still applies) tells when the store is back, without waiting for
+    /// traffic.
+    pub probe_interval_ms: u64,
+    /// How often the node re-scans G3 for blocks not yet safe in G4 while
+    /// uploads are being lost (given up, dropped) or a backlog remains.
+    pub backlog_scan_interval_ms: u64,
+    /// First re-scan delay after a scan that found a backlog; doubles (with
+    /// jitter) up to `backlog_scan_interval_ms`. The store answering again
+    /// triggers a scan at once.
+    pub backlog_retry_ms: u64,
     /// Entries of the existence cache at most.
     pub exists_cache_entries: usize,
     /// How long a cached "present" is trusted.
@@ -157,6 +175,10 @@ impl Default for G4Config {
             startup_check_timeout_ms: 3_000,
             fetch_deadline_ms: 10_000,
             fetch_inflight_max: 256,
+            fetch_buffer_bytes_max: 2 << 30,
+            probe_interval_ms: 2_000,
+            backlog_scan_interval_ms: 60_000,
+            backlog_retry_ms: 2_000,
             exists_cache_entries: 1 << 20,
             exists_ttl_ms: 60_000,
             exists_negative_ttl_ms: 1_000,
@@ -184,6 +206,8 @@ impl std::fmt::Debug for G4Config {
             .field("request_timeout_ms", &self.request_timeout_ms)
             .field("response_timeout_ms", &self.response_timeout_ms)
             .field("breaker_failures_max", &self.breaker_failures_max)
+            .field("object_bytes_max", &self.object_bytes_max)
+            .field("fetch_buffer_bytes_max", &self.fetch_buffer_bytes_max)
             .finish_non_exhaustive()
     }
 }
@@ -219,6 +243,9 @@ impl G4Config {
             ("body_idle_timeout_ms", self.body_idle_timeout_ms),
             ("breaker_open_ms", self.breaker_open_ms),
             ("startup_check_timeout_ms", self.startup_check_timeout_ms),
+            ("probe_interval_ms", self.probe_interval_ms),
+            ("backlog_scan_interval_ms", self.backlog_scan_interval_ms),
+            ("backlog_retry_ms", self.backlog_retry_ms),
         ] {
             if v == 0 {
                 return Err(bad(key, "timeouts must be above 0 ms"));
@@ -238,6 +265,15 @@ impl G4Config {
                 "object_bytes_max",
                 "must hold at least a block header (4096 bytes)",
             ));
+        }
+        if self.fetch_buffer_bytes_max < self.object_bytes_max {
+            return Err(bad(
+                "fetch_buffer_bytes_max",
+                "must be at least g4.object_bytes_max (one object must fit)",
+            ));
+        }
+        if self.fetch_buffer_bytes_max / 4096 > u64::from(u32::MAX) {
+            return Err(bad("fetch_buffer_bytes_max", "must be below 16TiB"));
         }
         if self.fetch_inflight_max == 0 {
             return Err(bad("fetch_inflight_max", "must be at least 1"));

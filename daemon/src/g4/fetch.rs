@@ -1,6 +1,21 @@
 //! Onboard fall-through: GET, verify, and share one GET among concurrent
 //! fetches of the same block (single-flight).
 //!
+//! Memory: a body is read only after its declared size passed
+//! `object_bytes_max` and a reservation of that many bytes from the
+//! budget all fetches share (`fetch_buffer_bytes_max`); the payload is
+//! hashed (blake3, incrementally) as it streams and the read stops at the
+//! first byte past the declared size. A hostile store therefore costs at
+//! most one object per fetch and the budget in total.
+//!
+//! Deleting a shared object needs proof: only a complete object whose own
+//! header is valid for this block and whose bytes fail that header's
+//! checksum (twice, same ETag, HEAD agreeing) is removed. An object above
+//! this node's `object_bytes_max`, a header this node cannot read, or a
+//! size that disagrees with the header is refused here (a miss, counted)
+//! and kept: another node, with another config or a newer format, may
+//! read it fine.
+//!
 //! The GET runs as its own task, so a caller that gives up at its deadline
 //! does not cancel it for the others; the entry leaves the in-flight map
 //! when the task ends.
@@ -13,8 +28,10 @@ use kvtier_client::{BlockHeader, BlockKey, NamespaceId};
 use object_store::path::Path;
 use object_store::{GetOptions, ObjectStoreExt};
 use std::collections::HashMap;
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::Duration;
+use tokio::sync::OwnedSemaphorePermit;
 
 type Fetched = Result<Arc<Block>, MissReason>;
 pub(crate) type InflightMap = HashMap<String, Shared<BoxFuture<'static, Fetched>>>;
@@ -75,10 +92,62 @@ pub(crate) async fn fetch(
     }
 }
 
+/// Body bytes a fetch holds: its share of the fetch budget and the
+/// buffered-bytes gauge, both given back on drop.
+pub(crate) struct Reservation<'a> {
+    inner: &'a Inner,
+    _permit: Option<OwnedSemaphorePermit>,
+    buffered: u64,
+}
+
+impl<'a> Reservation<'a> {
+    fn new(inner: &'a Inner, permit: Option<OwnedSemaphorePermit>) -> Self {
+        Reservation {
+            inner,
+            _permit: permit,
+            buffered: 0,
+        }
+    }
+
+    fn add(&mut self, n: u64) {
+        self.buffered += n;
+        let st = &self.inner.stats;
+        let now = st.fetch_buffered_bytes.fetch_add(n, Relaxed) + n;
+        st.fetch_buffered_bytes_peak.fetch_max(now, Relaxed);
+    }
+}
+
+impl Drop for Reservation<'_> {
+    fn drop(&mut self) {
+        let b = self.buffered;
+        let _ = self
+            .inner
+            .stats
+            .fetch_buffered_bytes
+            .fetch_update(Relaxed, Relaxed, |v| Some(v.saturating_sub(b)));
+    }
+}
+
+/// Takes `size` bytes of the shared fetch budget, waiting at most
+/// `response_timeout_ms` for room; `None` when there was none.
+async fn reserve(inner: &Inner, size: u64) -> Option<OwnedSemaphorePermit> {
+    let pages = u32::try_from(size.div_ceil(super::BUDGET_PAGE_BYTES)).ok()?;
+    let sem = inner.fetch_budget.clone();
+    match tokio::time::timeout(inner.response_timeout(), sem.acquire_many_owned(pages)).await {
+        Ok(Ok(p)) => Some(p),
+        _ => {
+            stats::inc(&inner.stats.fetch_budget_refused);
+            None
+        }
+    }
+}
+
 /// One capped read's outcome.
-enum Capped {
+enum Capped<'a> {
     /// The whole body, split after `split` bytes.
     Body {
+        /// The budget and gauge share these bytes hold.
+        held: Reservation<'a>,
         etag: Option<String>,
         size: u64,
         head: Vec<u8>,
@@ -90,14 +159,13 @@ enum Capped {
     },
     /// The object is larger than the caller accepts (nothing buffered).
     TooBig {
-        etag: Option<String>,
         size: u64,
     },
     /// The first `split` bytes failed `head_ok` (the rest was not read).
-    BadHead {
-        etag: Option<String>,
-        size: u64,
-    },
+    BadHead,
+    /// The shared fetch budget had no room in time (nothing buffered; says
+    /// nothing about the store).
+    Busy,
     Absent,
     /// Refused by the breaker, late, failed, or a body that ended early,
     /// stalled or broke: a miss that says nothing about the object.
@@ -105,19 +173,20 @@ enum Capped {
 }
 
 /// GETs `loc` (with `opts`' range) and reads the body only when the
-/// response's size is at most `cap`, chunk by chunk with an idle deadline,
-/// never past the declared size: memory is bounded by `cap` whatever the
-/// store sends. The first `split` bytes land in `head`, the rest in `rest`
-/// (so a block's payload needs no move).
-async fn get_capped(
-    inner: &Inner,
+/// response's size is at most `cap` and that many bytes of the fetch
+/// budget are free, chunk by chunk with an idle deadline, never past the
+/// declared size: memory is bounded by `cap` per fetch and by the budget in
+/// total, whatever the store sends. The first `split` bytes land in `head`,
+/// the rest in `rest` (so a block's payload needs no move).
+async fn get_capped<'a>(
+    inner: &'a Inner,
     loc: &Path,
     opts: GetOptions,
     cap: u64,
     split: usize,
     head_ok: &(dyn Fn(&[u8], u64) -> bool + Sync),
     hash_payload: bool,
-) -> Capped {
+) -> Capped<'a> {
     use futures::StreamExt;
     if !inner.breaker.allow(&inner.stats) {
         return Capped::Failed;
@@ -144,8 +213,13 @@ async fn get_capped(
         let size = r.range.end.saturating_sub(r.range.start);
         if size > cap {
             // Dropping the stream closes the connection unread.
-            return (Capped::TooBig { etag, size }, true);
+            return (Capped::TooBig { size }, true);
         }
+        let Some(permit) = reserve(inner, size).await else {
+            // Other fetches hold the budget: a miss, not a store failure.
+            return (Capped::Busy, true);
+        };
+        let mut held = Reservation::new(inner, Some(permit));
         let split = split.min(size as usize);
         let mut head = Vec::with_capacity(split);
         // Capacity is only reserved: pages are touched as bytes arrive.
@@ -178,7 +252,7 @@ async fn get_capped(
             if h > 0 && head.len() == split {
                 if !head_ok(&head, size) {
                     // A bad header: the rest of the body is not worth reading.
-                    return (Capped::BadHead { etag, size }, true);
+                    return (Capped::BadHead, true);
                 }
                 if hash_payload {
                     if let Ok(hd) = BlockHeader::decode(&head) {
@@ -188,6 +262,7 @@ async fn get_capped(
             }
             let from = rest.len();
             rest.extend_from_slice(&chunk[h..]);
+            held.add(chunk.len() as u64);
             if let Some((hs, len)) = hasher.as_mut() {
                 let to = rest.len().min(*len);
                 if from < to {
@@ -203,6 +278,7 @@ async fn get_capped(
             .map(|(hs, _)| *hs.finalize().as_bytes());
         (
             Capped::Body {
+                held,
                 etag,
                 size,
                 head,
@@ -224,18 +300,29 @@ async fn get_capped(
 }
 
 /// One full read of a block object.
-enum Read {
-    Good(Block),
+enum Read<'a> {
+    Good(Block, Reservation<'a>),
+    /// Proven corrupt: the whole object read, its header valid for this
+    /// block and its size, and the bytes failing that header's checksum.
     Corrupt {
         etag: Option<String>,
         size: u64,
         why: String,
     },
+    /// Not readable by this node (above its `object_bytes_max`, a header it
+    /// cannot use, a size its header does not declare): a miss here, never
+    /// a reason to delete a shared object.
+    Refused(String),
     Absent,
     Failed,
 }
 
-async fn read_block(inner: &Inner, ns: &NamespaceId, key: &BlockKey, loc: &Path) -> Read {
+async fn read_block<'a>(
+    inner: &'a Inner,
+    ns: &NamespaceId,
+    key: &BlockKey,
+    loc: &Path,
+) -> Read<'a> {
     let cap = inner.cfg.object_bytes_max;
     // The header is checked as soon as it arrives: a foreign or malformed
     // header, or one that declares another size than the response, stops
@@ -245,53 +332,43 @@ async fn read_block(inner: &Inner, ns: &NamespaceId, key: &BlockKey, loc: &Path)
             .is_ok_and(|h| h.namespace_id() == *ns && h.key == *key && h.file_len() == size)
     };
     let opts = GetOptions::default();
-    let (etag, size, head, mut rest, payload_hash) =
+    let (held, etag, size, head, mut rest, payload_hash) =
         match get_capped(inner, loc, opts, cap, HEADER_BYTES, &head_ok, true).await {
             Capped::Absent => return Read::Absent,
-            Capped::Failed => return Read::Failed,
-            Capped::TooBig { etag, size } => {
+            Capped::Failed | Capped::Busy => return Read::Failed,
+            Capped::TooBig { size, .. } => {
                 stats::inc(&inner.stats.fetch_refused_size);
-                return Read::Corrupt {
-                    etag,
-                    size,
-                    why: format!("object of {size} bytes, above g4.object_bytes_max ({cap})"),
-                };
+                return Read::Refused(format!(
+                    "object of {size} bytes, above this node's g4.object_bytes_max ({cap})"
+                ));
             }
-            Capped::BadHead { etag, size } => {
+            Capped::BadHead => {
                 stats::inc(&inner.stats.fetch_refused_size);
-                return Read::Corrupt {
-                    etag,
-                    size,
-                    why: "bad block header (checksum, namespace, key, or size)".into(),
-                };
+                return Read::Refused(
+                    "block header this node cannot use (checksum, version, namespace, key, \
+                     or a size other than the object's)"
+                        .into(),
+                );
             }
             Capped::Body {
+                held,
                 etag,
                 size,
                 head,
                 rest,
                 payload_hash,
-            } => (etag, size, head, rest, payload_hash),
+            } => (held, etag, size, head, rest, payload_hash),
         };
     let bad = |why: String| Read::Corrupt {
         etag: etag.clone(),
         size,
         why,
     };
+    // `head_ok` passed, so these hold; checked again rather than trusted.
     let header = match BlockHeader::decode(&head) {
-        Ok(h) => h,
-        Err(e) => return bad(e.to_string()),
+        Ok(h) if h.namespace_id() == *ns && h.key == *key && h.file_len() == size => h,
+        _ => return Read::Refused("block header this node cannot use".into()),
     };
-    if header.namespace_id() != *ns || header.key != *key {
-        return bad("block stored under another namespace or key".into());
-    }
-    if header.file_len() != size {
-        stats::inc(&inner.stats.fetch_refused_size);
-        return bad(format!(
-            "object of {size} bytes, its header declares {}",
-            header.file_len()
-        ));
-    }
     let len = header.payload_len as usize;
     if rest[len..].iter().any(|&b| b != 0) {
         return bad("padding bytes are not zero".into());
@@ -307,32 +384,48 @@ async fn read_block(inner: &Inner, ns: &NamespaceId, key: &BlockKey, loc: &Path)
             }
         }
     }
-    Read::Good(Block {
-        header,
-        payload: rest,
-    })
+    Read::Good(
+        Block {
+            header,
+            payload: rest,
+        },
+        held,
+    )
+}
+
+static REFUSED_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new(60_000);
+static CORRUPT_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new(10_000);
+
+fn refused(loc: &Path, why: &str) -> Fetched {
+    crate::warn_limited!(REFUSED_LOG, location = %loc, reason = %why,
+        "G4 object refused by this node (kept: other nodes may read it)");
+    Err(MissReason::Unavailable)
 }
 
 /// Reads and verifies a block. A verification failure is never acted on
 /// after one read (a flaky network, proxy or disk behind the store can
 /// corrupt one response): the object is read again, and it is deleted
 /// (so a healthy re-upload can replace it: puts are create-if-absent)
-/// only when the second read fails verification too with the same ETag,
+/// only when the second read proves it corrupt too with the same ETag,
 /// i.e. the same stored object is bad twice. A changed ETag, a missing
-/// ETag, or a second read that fails in transport keeps the object.
+/// ETag, a second read that fails in transport, or an object this node
+/// refuses (size limit, header) keeps the object.
 async fn get_verified(inner: &Inner, ns: &NamespaceId, key: &BlockKey, loc: &Path) -> Fetched {
     let first = match read_block(inner, ns, key, loc).await {
-        Read::Good(b) => return found(inner, loc, b),
+        Read::Good(b, _held) => return found(inner, loc, b),
         Read::Absent => return absent(inner, loc),
         Read::Failed => return Err(MissReason::Unavailable),
+        Read::Refused(why) => return refused(loc, &why),
         Read::Corrupt { etag, size, why } => (etag, size, why),
     };
     stats::inc(&inner.stats.fetch_rereads);
-    tracing::warn!(location = %loc, error = %first.2, "G4 object failed verification; reading it again");
+    crate::warn_limited!(CORRUPT_LOG, location = %loc, error = %first.2,
+        "G4 object failed verification; reading it again");
     match read_block(inner, ns, key, loc).await {
-        Read::Good(b) => found(inner, loc, b),
+        Read::Good(b, _held) => found(inner, loc, b),
         Read::Absent => absent(inner, loc),
         Read::Failed => Err(MissReason::Unavailable),
+        Read::Refused(why) => refused(loc, &why),
         Read::Corrupt { etag, size, why } => {
             // The same stored object (ETag and size) twice, and a HEAD (no
             // body to mangle) that still names it: the object is bad.
@@ -341,7 +434,11 @@ async fn get_verified(inner: &Inner, ns: &NamespaceId, key: &BlockKey, loc: &Pat
                 tracing::warn!(location = %loc, error = %why, etag = ?etag,
                     "corrupt G4 object (same ETag bad twice) removed");
                 stats::inc(&inner.stats.fetch_corrupt_deleted);
-                let _ = tokio::time::timeout(inner.timeout(), inner.store.delete(loc)).await;
+                if let Ok(Ok(())) =
+                    tokio::time::timeout(inner.timeout(), inner.store.delete(loc)).await
+                {
+                    inner.count_deleted(1, size);
+                }
                 inner.set_exists(loc, false);
             } else {
                 tracing::warn!(location = %loc, error = %why, first_etag = ?first.0, etag = ?etag,
@@ -393,11 +490,9 @@ pub(crate) async fn fetch_header(
     )
     .await;
     let bytes = match got {
-        Err(_) | Ok(Capped::Failed) => return Lookup::Miss(MissReason::Unavailable),
+        Err(_) | Ok(Capped::Failed | Capped::Busy) => return Lookup::Miss(MissReason::Unavailable),
         Ok(Capped::Absent) => return Lookup::Miss(MissReason::Absent),
-        Ok(Capped::TooBig { .. } | Capped::BadHead { .. }) => {
-            return Lookup::Miss(MissReason::Corrupt)
-        }
+        Ok(Capped::TooBig { .. } | Capped::BadHead) => return Lookup::Miss(MissReason::Corrupt),
         Ok(Capped::Body { rest, .. }) => rest,
     };
     match BlockHeader::decode(&bytes) {
@@ -427,11 +522,11 @@ pub(crate) async fn fetch_range(
         let opts = GetOptions::default().with_range(Some(off + range.start..off + range.end));
         match get_capped(inner, &loc, opts, want, 0, &|_, _| true, false).await {
             Capped::Body { rest, .. } if rest.len() as u64 == want => Lookup::Hit(rest),
-            Capped::Body { .. } | Capped::TooBig { .. } | Capped::BadHead { .. } => {
+            Capped::Body { .. } | Capped::TooBig { .. } | Capped::BadHead => {
                 Lookup::Miss(MissReason::Corrupt)
             }
             Capped::Absent => Lookup::Miss(MissReason::Absent),
-            Capped::Failed => Lookup::Miss(MissReason::Unavailable),
+            Capped::Failed | Capped::Busy => Lookup::Miss(MissReason::Unavailable),
         }
     };
     tokio::time::timeout(deadline, work)

@@ -23,6 +23,7 @@ mod census;
 pub mod config;
 mod exists;
 mod fetch;
+mod probe;
 pub mod scrub;
 pub mod stats;
 pub mod sweeper;
@@ -31,6 +32,7 @@ pub mod uploader;
 pub use breaker::BreakerState;
 pub use census::G4Count;
 pub use config::{G4Config, G4Credentials};
+pub(crate) use probe::jittered;
 pub use stats::{G4Stats, G4StatsSnapshot};
 pub use sweeper::SweepReport;
 pub use uploader::{BlockSource, EnqueueOutcome, OnUploaded, UploadOutcome};
@@ -76,7 +78,20 @@ pub(crate) struct Inner {
     startup_problem: Mutex<Option<String>>,
     /// G4's block count from listings (`census`).
     pub(crate) census: census::Census,
+    /// Body bytes fetches may still reserve, in 4 KiB pages
+    /// (`fetch_buffer_bytes_max`), shared by every fetch.
+    pub(crate) fetch_budget: Arc<tokio::sync::Semaphore>,
+    /// Told when G4 answers again (breaker closed, start-up check passed).
+    recovered: Mutex<Option<RecoveredHook>>,
 }
+
+/// Called when G4 recovers by itself: the breaker closed again, or the
+/// start-up check passed after failing (from a G4 runtime thread: keep it
+/// short, never wait on G4 from it).
+pub type RecoveredHook = Arc<dyn Fn() + Send + Sync>;
+
+/// Bytes per permit of the fetch budget.
+pub(crate) const BUDGET_PAGE_BYTES: u64 = 4096;
 
 /// Receives the blocks the sweeper deleted, one call per namespace and
 /// batch.
@@ -91,6 +106,33 @@ impl G4Store {
     /// Calls `hook` with the blocks each sweep deletes (TTL and capacity).
     pub fn set_on_deleted(&self, hook: DeletedHook) {
         *lock(&self.inner.on_deleted) = Some(hook);
+    }
+
+    /// Calls `hook` each time G4 recovers by itself (the breaker closes
+    /// after being open, or the start-up check passes after failing): the
+    /// node re-queues the uploads lost meanwhile.
+    pub fn set_on_recovered(&self, hook: RecoveredHook) {
+        self.inner.breaker.set_on_closed(hook.clone());
+        *lock(&self.inner.recovered) = Some(hook);
+    }
+
+    /// Records the backlog of blocks not yet safe in G4, as the node's
+    /// last scan found it (exported as `kvtier_g4_backlog_*`).
+    pub fn set_backlog(&self, blocks: u64, bytes: u64, oldest_unix_ms: u64) {
+        let st = &self.inner.stats;
+        st.backlog_blocks.store(blocks, Ordering::Relaxed);
+        st.backlog_bytes.store(bytes, Ordering::Relaxed);
+        st.backlog_oldest_unix_ms
+            .store(oldest_unix_ms, Ordering::Relaxed);
+        stats::inc(&st.backlog_scans);
+    }
+
+    /// Counts blocks the backlog scan re-queued.
+    pub fn count_requeued(&self, n: u64) {
+        self.inner
+            .stats
+            .backlog_requeued
+            .fetch_add(n, Ordering::Relaxed);
     }
 
     /// Opens G4 as configured, on a runtime of its own (2 worker threads),
@@ -145,6 +187,10 @@ impl G4Store {
             ),
             startup_problem: Mutex::new(None),
             census: census::Census::default(),
+            fetch_budget: Arc::new(tokio::sync::Semaphore::new(
+                cfg.fetch_buffer_bytes_max.div_ceil(BUDGET_PAGE_BYTES) as usize,
+            )),
+            recovered: Mutex::new(None),
             cfg,
         });
         inner.stats.startup_check_ok.store(2, Ordering::Relaxed);
@@ -152,6 +198,7 @@ impl G4Store {
             sweeper::spawn_background(&inner);
         }
         census::spawn_at_start(&inner);
+        probe::spawn(&inner);
         Ok(G4Store {
             inner,
             handle,
@@ -166,32 +213,8 @@ impl G4Store {
     /// log, `kvtier_g4_startup_check{state}` and `/healthz`.
     pub async fn startup_check_async(&self) -> std::result::Result<(), String> {
         let inner = &self.inner;
-        let probe = inner.blocks_root.clone().join(".kvtier-startup-probe");
-        let t = Duration::from_millis(inner.cfg.startup_check_timeout_ms);
-        let mut problem = match inner.cfg.endpoint_problem() {
-            // Every request would fail the same way: say why, send none.
-            Some(p) => Some(p),
-            None => match tokio::time::timeout(t, inner.store.head(&probe)).await {
-                Err(_) => Some(format!(
-                    "G4 store did not answer within g4.startup_check_timeout_ms ({} ms): \
-                 check g4.url / g4.endpoint and the network",
-                    inner.cfg.startup_check_timeout_ms
-                )),
-                Ok(Ok(_)) | Ok(Err(object_store::Error::NotFound { .. })) => None,
-                Ok(Err(e)) => Some(format!(
-                    "G4 start-up check failed: {}",
-                    inner.err("head", &probe, &e)
-                )),
-            },
-        };
-        if problem.is_none() {
-            problem = inner.cfg.credentials_problem();
-        }
-        inner
-            .stats
-            .startup_check_ok
-            .store(u64::from(problem.is_none()), Ordering::Relaxed);
-        *lock(&inner.startup_problem) = problem.clone();
+        let problem = inner.check_store().await;
+        inner.set_startup_problem(problem.clone());
         match problem {
             None => Ok(()),
             Some(p) => {
@@ -475,6 +498,52 @@ impl Inner {
         p
     }
 
+    /// One HEAD under the prefix within `startup_check_timeout_ms` (200 or
+    /// 404 pass), then the credentials: why G4 cannot work, or `None`.
+    pub(crate) async fn check_store(&self) -> Option<String> {
+        let probe = self.blocks_root.clone().join(".kvtier-startup-probe");
+        let t = Duration::from_millis(self.cfg.startup_check_timeout_ms);
+        let problem = match self.cfg.endpoint_problem() {
+            // Every request would fail the same way: say why, send none.
+            Some(p) => Some(p),
+            None => match tokio::time::timeout(t, self.store.head(&probe)).await {
+                Err(_) => Some(format!(
+                    "G4 store did not answer within g4.startup_check_timeout_ms ({} ms): \
+                 check g4.url / g4.endpoint and the network",
+                    self.cfg.startup_check_timeout_ms
+                )),
+                Ok(Ok(_)) | Ok(Err(object_store::Error::NotFound { .. })) => None,
+                Ok(Err(e)) => Some(format!(
+                    "G4 start-up check failed: {}",
+                    self.err("head", &probe, &e)
+                )),
+            },
+        };
+        problem.or_else(|| self.cfg.credentials_problem())
+    }
+
+    /// Records the start-up check's outcome (`/healthz`, the gauge).
+    pub(crate) fn set_startup_problem(&self, problem: Option<String>) {
+        self.stats
+            .startup_check_ok
+            .store(u64::from(problem.is_none()), Ordering::Relaxed);
+        *lock(&self.startup_problem) = problem;
+    }
+
+    /// The start-up check's problem now, if any.
+    pub(crate) fn startup_problem(&self) -> Option<String> {
+        lock(&self.startup_problem).clone()
+    }
+
+    /// Tells the node G4 answers again.
+    pub(crate) fn notify_recovered(&self) {
+        stats::inc(&self.stats.recoveries);
+        let hook = lock(&self.recovered).clone();
+        if let Some(hook) = hook {
+            hook();
+        }
+    }
+
     pub(crate) fn timeout(&self) -> Duration {
         Duration::from_millis(self.cfg.request_timeout_ms)
     }
@@ -495,6 +564,12 @@ impl Inner {
 
     /// HEAD with the breaker and the response deadline: `Ok(present)`.
     async fn head_checked(&self, loc: &Path) -> Result<bool> {
+        Ok(self.head_size_checked(loc).await?.is_some())
+    }
+
+    /// HEAD with the breaker and the response deadline: the object's size
+    /// when present.
+    async fn head_size_checked(&self, loc: &Path) -> Result<Option<u64>> {
         if !self.breaker.allow(&self.stats) {
             return Err(self.breaker_refused("head", loc));
         }
@@ -504,12 +579,20 @@ impl Inner {
                 op: "head",
                 timeout_ms: self.cfg.response_timeout_ms,
             }),
-            Ok(Ok(_)) => Ok(true),
-            Ok(Err(object_store::Error::NotFound { .. })) => Ok(false),
+            Ok(Ok(m)) => Ok(Some(m.size)),
+            Ok(Err(object_store::Error::NotFound { .. })) => Ok(None),
             Ok(Err(e)) => Err(self.err("head", loc, &e)),
         };
         self.breaker.record(&self.stats, out.is_ok());
         out
+    }
+
+    /// Counts an object this node deleted (the census subtracts it).
+    pub(crate) fn count_deleted(&self, blocks: u64, bytes: u64) {
+        self.stats
+            .deleted_blocks
+            .fetch_add(blocks, Ordering::Relaxed);
+        self.stats.deleted_bytes.fetch_add(bytes, Ordering::Relaxed);
     }
 
     /// A typed error for a failed store call, without credentials.
@@ -585,16 +668,17 @@ impl Inner {
 
     pub(crate) async fn delete(&self, loc: &Path) -> Result<bool> {
         // S3 reports success for absent keys: HEAD tells whether it was there.
-        let present = self.head_checked(loc).await?;
-        if present {
+        let size = self.head_size_checked(loc).await?;
+        if let Some(size) = size {
             match tokio::time::timeout(self.timeout(), self.store.delete(loc)).await {
                 Err(_) => return Err(self.timed_out("delete")),
                 Ok(Ok(())) | Ok(Err(object_store::Error::NotFound { .. })) => {}
                 Ok(Err(e)) => return Err(self.err("delete", loc, &e)),
             }
+            self.count_deleted(1, size);
         }
         self.set_exists(loc, false);
-        Ok(present)
+        Ok(size.is_some())
     }
 
     /// Uploads a whole block file, create-if-absent.

@@ -100,6 +100,35 @@ stats! {
     /// Gauge: 1 when the start-up check reached the store with working
     /// credentials, 0 when it did not (see /healthz), 2 before it ran.
     startup_check_ok,
+    /// Objects this node deleted from G4 (evict, sweeper, proven
+    /// corruption): subtracted from the census until the next listing.
+    deleted_blocks,
+    /// Bytes of those objects.
+    deleted_bytes,
+    /// Gauge: body bytes buffered by G4 fetches now (all fetches).
+    fetch_buffered_bytes,
+    /// Gauge: the most body bytes buffered at once since start.
+    fetch_buffered_bytes_peak,
+    /// Fetches that missed because the shared fetch byte budget
+    /// (`fetch_buffer_bytes_max`) stayed taken past `response_timeout_ms`.
+    fetch_budget_refused,
+    /// Probes the active prober sent while the breaker was open or the
+    /// start-up check was failing.
+    probes,
+    /// Times G4 recovered (breaker closed, or the start-up check passed
+    /// after failing).
+    recoveries,
+    /// Gauge: G3 blocks not yet safe in G4 that admission would upload, at
+    /// the last backlog scan (queued, in flight, or waiting for a re-queue).
+    backlog_blocks,
+    /// Gauge: bytes (block files) of those blocks.
+    backlog_bytes,
+    /// Gauge: creation time (unix ms) of the oldest of them; 0 when none.
+    backlog_oldest_unix_ms,
+    /// Blocks the backlog scanner re-queued for upload.
+    backlog_requeued,
+    /// Backlog scans run.
+    backlog_scans,
 }
 
 pub(crate) fn inc(c: &AtomicU64) {

@@ -99,6 +99,7 @@ pub(crate) async fn sweep_once(inner: &Inner) -> Result<SweepReport> {
                 Err(object_store::Error::NotFound { .. }) => {}
                 Err(e) => {
                     inner.notify_deleted(&deleted);
+                    inner.count_deleted(rep.deleted, rep.deleted_bytes);
                     return Err(Error::ObjectStore {
                         op: "delete",
                         location: inner.blocks_root.to_string(),
@@ -111,6 +112,9 @@ pub(crate) async fn sweep_once(inner: &Inner) -> Result<SweepReport> {
     }
     stats::inc(&inner.stats.sweep_runs);
     inner.stats.sweep_deleted.fetch_add(rep.deleted, Relaxed);
+    // Counted as this node's deletions after `mark`: the census subtracts
+    // them from the listing below.
+    inner.count_deleted(rep.deleted, rep.deleted_bytes);
     inner
         .stats
         .sweep_deleted_bytes
@@ -123,12 +127,9 @@ pub(crate) async fn sweep_once(inner: &Inner) -> Result<SweepReport> {
         .stats
         .sweep_last_total_blocks
         .store(rep.listed - rep.deleted.min(rep.listed), Relaxed);
-    inner.census.record(
-        mark,
-        rep.listed - rep.deleted.min(rep.listed),
-        rep.listed_bytes - rep.deleted_bytes.min(rep.listed_bytes),
-        rep.truncated,
-    );
+    inner
+        .census
+        .record(mark, rep.listed, rep.listed_bytes, rep.truncated);
     inner
         .stats
         .listing_truncated

@@ -10,11 +10,19 @@
 //!
 //! Losing a job (queue full, retries exhausted, daemon stopped) loses no
 //! block: G3 keeps it unmarked until `on_uploaded` reports it safe in G4,
-//! and re-queues unmarked blocks (on restart, or before evicting them).
+//! and the node re-queues unmarked blocks (at start, when G4 recovers, and
+//! periodically while a backlog remains: node/backlog.rs). A block already
+//! queued or in flight is not queued twice (`AlreadyQueued`).
+//!
+//! Logging: failed attempts and given-up jobs are counted in metrics and
+//! warned about at most once per 10 s (with the number suppressed), so an
+//! outage costs a few lines, not one per attempt per block.
 
-use super::{stats, Inner};
+use super::{lock, stats, Inner};
 use crate::error::{Error, Result};
+use crate::log_limit::LogLimit;
 use kvtier_client::{BlockKey, Hints, NamespaceId};
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -71,6 +79,8 @@ pub enum EnqueueOutcome {
     SkippedEphemeral,
     /// The queue was full: dropped and counted.
     DroppedQueueFull,
+    /// Already queued or being uploaded: not queued twice.
+    AlreadyQueued,
 }
 
 struct Job {
@@ -85,6 +95,8 @@ pub(crate) struct Queue {
     /// Jobs queued or in flight.
     pending: AtomicU64,
     idle: Notify,
+    /// The blocks of those jobs (at most queue + concurrency entries).
+    keys: Mutex<HashSet<(NamespaceId, BlockKey)>>,
 }
 
 impl Queue {
@@ -95,10 +107,12 @@ impl Queue {
             rx: Mutex::new(Some(rx)),
             pending: AtomicU64::new(0),
             idle: Notify::new(),
+            keys: Mutex::new(HashSet::new()),
         }
     }
 
-    fn done_one(&self) {
+    fn done_one(&self, ns: &NamespaceId, key: &BlockKey) {
+        lock(&self.keys).remove(&(*ns, *key));
         if self.pending.fetch_sub(1, Relaxed) == 1 {
             self.idle.notify_waiters();
         }
@@ -116,6 +130,9 @@ pub(crate) fn enqueue(
         return EnqueueOutcome::SkippedEphemeral;
     }
     let q = &inner.uploads;
+    if !lock(&q.keys).insert((*ns, *key)) {
+        return EnqueueOutcome::AlreadyQueued;
+    }
     q.pending.fetch_add(1, Relaxed);
     let job = Job {
         ns: *ns,
@@ -131,7 +148,7 @@ pub(crate) fn enqueue(
         Ok(()) => EnqueueOutcome::Queued,
         Err(_) => {
             stats::dec(&inner.stats.upload_queue_depth);
-            q.done_one();
+            q.done_one(ns, key);
             stats::inc(&inner.stats.uploads_dropped_queue_full);
             EnqueueOutcome::DroppedQueueFull
         }
@@ -181,10 +198,12 @@ async fn dispatch(
             }
             drop(permit);
             stats::dec(&inner2.stats.uploads_in_flight);
-            inner2.uploads.done_one();
+            inner2.uploads.done_one(&job.ns, &job.key);
         });
     }
 }
+
+static ATTEMPT_LOG: LogLimit = LogLimit::new(10_000);
 
 async fn upload_one(inner: &Inner, source: &Arc<dyn BlockSource>, job: &Job) -> UploadOutcome {
     let (src, ns, key) = (source.clone(), job.ns, job.key);
@@ -230,7 +249,8 @@ async fn upload_one(inner: &Inner, source: &Arc<dyn BlockSource>, job: &Job) -> 
             }
             Err(e) => {
                 stats::inc(&inner.stats.upload_attempt_failures);
-                tracing::warn!(location = %loc, attempt, error = %e, "G4 upload failed");
+                crate::warn_limited!(ATTEMPT_LOG, location = %loc, attempt, error = %e,
+                    "G4 upload failed (kvtier_g4_upload_attempt_failures_total counts them all)");
                 if attempt < inner.cfg.upload_retries {
                     tokio::time::sleep(backoff).await;
                     backoff = (backoff * 2).min(backoff_max);

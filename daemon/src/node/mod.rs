@@ -43,6 +43,7 @@
 //! - Ephemeral blocks never leave the node (not uploaded to G4).
 
 mod backend;
+mod backlog;
 mod disk_order;
 mod events;
 mod fetch;
@@ -54,6 +55,7 @@ mod promote;
 mod remove;
 mod repair;
 mod scrub;
+pub use backlog::age_seconds as g4_backlog_age_seconds;
 mod uplink;
 
 use crate::error::{Error, Result};
@@ -343,7 +345,7 @@ impl Node {
             runtime: Mutex::new(Some(runtime)),
         });
         if node.g4.is_some() {
-            uplink::requeue_unmarked(&node);
+            backlog::spawn(&node);
         }
         node.prefetcher
             .start(&node)

@@ -13,8 +13,9 @@
 //! - Eviction does not wait for uploads: G3 must keep accepting writes when
 //!   the object store is slow or down. A block evicted before its upload is
 //!   skipped by the uploader (`SourceMissing`) and is lost to G4; a job lost
-//!   to a full queue or a restart is re-queued at the next start for every
-//!   block still on G3 and not marked (see [`requeue_unmarked`]).
+//!   to an outage, a full queue or a restart is re-queued for every block
+//!   still on G3 and not marked: at start, when G4 recovers, and while a
+//!   backlog remains (see `backlog`).
 
 use super::events::{self, Slot};
 use super::Node;
@@ -25,6 +26,8 @@ use crate::policy::admission::AdmissionEvent;
 use kvtier_client::{BlockHeader, BlockKey, Hints, NamespaceId};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+
+static GAVE_UP_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new(10_000);
 
 /// Starts G4's upload workers over `g3`; the orderer of their External
 /// events is returned (offloads tell it their parents).
@@ -68,7 +71,9 @@ pub(super) fn start(
         move |ns: &NamespaceId, key: &BlockKey, outcome: UploadOutcome| {
             if !outcome.is_safe_in_g4() {
                 if outcome == UploadOutcome::GaveUp {
-                    tracing::warn!(%ns, %key, "g4: upload given up; re-queued at next start");
+                    crate::warn_limited!(GAVE_UP_LOG, %ns, %key,
+                        "g4: upload given up; re-queued when G4 answers again \
+                         (kvtier_g4_backlog_blocks counts those waiting)");
                 }
                 return;
             }
@@ -131,59 +136,9 @@ impl Node {
                 self.g4_enqueued.fetch_add(1, Ordering::Relaxed);
             }
             EnqueueOutcome::DroppedQueueFull => {
-                tracing::debug!(%ns, %key, "g4: upload queue full; re-queued at next start")
+                tracing::debug!(%ns, %key, "g4: upload queue full; re-queued by the backlog scan")
             }
             _ => {}
         }
-    }
-}
-
-/// Re-queues, in the background, every G3 block not yet marked safe in G4
-/// that admission would upload (jobs lost to a crash, a full queue or
-/// exhausted retries). Bounded by the upload queue: overflow is dropped and
-/// counted, and picked up again at the next start.
-pub(super) fn requeue_unmarked(node: &Arc<Node>) {
-    let weak = Arc::downgrade(node);
-    let spawned = std::thread::Builder::new()
-        .name("kvtier-requeue".into())
-        .spawn(move || {
-            let Some(node) = weak.upgrade() else { return };
-            let mut queued = 0u64;
-            for ns in node.g3.namespaces() {
-                let mut after: Option<BlockKey> = None;
-                loop {
-                    let page = node.g3.list(&ns, after.as_ref(), 1024);
-                    let Some(last) = page.last().copied() else {
-                        break;
-                    };
-                    for key in page {
-                        let Some(info) = node.g3.stat(&ns, &key) else {
-                            continue;
-                        };
-                        let hints = Hints {
-                            priority: info.priority,
-                            pinned: info.pinned,
-                            ephemeral: info.ephemeral,
-                            expected_reuse: 0,
-                        };
-                        let event = if info.hits > 0 {
-                            AdmissionEvent::Hit
-                        } else {
-                            AdmissionEvent::Stored
-                        };
-                        if !info.in_g4 && node.admission.should_write(event, hints, false) {
-                            node.admit(&ns, &key, event, hints, false);
-                            queued += 1;
-                        }
-                    }
-                    after = Some(last);
-                }
-            }
-            if queued > 0 {
-                tracing::info!(blocks = queued, "g4: re-queued blocks not yet uploaded");
-            }
-        });
-    if let Err(e) = spawned {
-        tracing::warn!(error = %e, "g4: cannot start the re-queue thread");
     }
 }
