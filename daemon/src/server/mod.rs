@@ -284,37 +284,15 @@ impl Server {
         };
         // Before the hello nothing is known of the caller but its uid: a
         // uid's unauthenticated connections are few and short-lived.
-        if !self.shared.quotas.take(uid, quota::Res::Hello) {
-            self.shared
-                .metrics
-                .errors
-                .with_label_values(&["busy"])
-                .inc();
-            conn::refuse(
-                &s,
-                proto_code::BUSY,
-                format!(
-                    "uid {uid} has {} connections waiting for their hello; send hello first",
-                    self.shared.quotas.limit_of(quota::Res::Hello)
-                ),
-            );
+        if !self.take_share(&s, uid, quota::Res::Hello, |n| {
+            format!("uid {uid} has {n} connections waiting for their hello; send hello first")
+        }) {
             return;
         }
         let hello_taken = conn::HelloSlot::new(self.shared.clone(), uid);
-        if !self.shared.quotas.take(uid, quota::Res::Conn) {
-            self.shared
-                .metrics
-                .errors
-                .with_label_values(&["busy"])
-                .inc();
-            conn::refuse(
-                &s,
-                proto_code::BUSY,
-                format!(
-                    "uid {uid} holds its share of {} connections; close some",
-                    self.shared.quotas.limit_of(quota::Res::Conn)
-                ),
-            );
+        if !self.take_share(&s, uid, quota::Res::Conn, |n| {
+            format!("uid {uid} holds its share of {n} connections; close some")
+        }) {
             return;
         }
         let n = self.shared.conns.fetch_add(1, Ordering::SeqCst) + 1;
@@ -345,6 +323,27 @@ impl Server {
             self.shared.quotas.give(uid, quota::Res::Conn, 1);
             self.shared.metrics.connections.dec();
         }
+    }
+
+    /// Takes one of `uid`'s share of `res`; past it the connection is
+    /// refused `BUSY` with `why(limit)`.
+    fn take_share(
+        &self,
+        s: &UnixStream,
+        uid: u32,
+        res: quota::Res,
+        why: impl FnOnce(usize) -> String,
+    ) -> bool {
+        if self.shared.quotas.take(uid, res) {
+            return true;
+        }
+        self.shared
+            .metrics
+            .errors
+            .with_label_values(&["busy"])
+            .inc();
+        conn::refuse(s, proto_code::BUSY, why(self.shared.quotas.limit_of(res)));
+        false
     }
 
     /// The socket path.
