@@ -274,7 +274,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
             out.append(ok)
             if r.status == "stored":
                 self.counters.add("store_blocks")
-                self.counters.add("store_bytes", r.nbytes)
+                self.counters.add("store_bytes", self.ns.block_bytes)
                 self._remember(k)
             elif r.status == "already_present":
                 self.counters.add("store_already_present")

@@ -586,7 +586,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
                 for r in res:
                     if r.status == "stored":
                         self.counters.add("store_blocks")
-                        self.counters.add("store_bytes", r.nbytes)
+                        self.counters.add("store_bytes", self.ns.block_bytes)
                     elif r.status == "already_present":
                         self.counters.add("store_already_present")
                     else:
