@@ -54,3 +54,29 @@ def test_rust_baseline_rejects_what_it_cannot_measure(daemon):
     ns2 = kvtier.Namespace("bench-test-nochain", kvtier.Layout.with_block_bytes(4096))
     _, failed = _kvtier._rust_client_round(c, ns2, "offload", ns2.hash_chain(list(range(32))), bufs, 2, chain=False)
     assert failed == 0
+
+
+def test_bench_finds_the_workspace_build_from_any_directory_of_the_checkout(tmp_path):
+    """The package installed outside the checkout (a copy, as pip installs
+    it), run from a directory inside the checkout with no binary on $PATH:
+    it finds target/<profile>/kvtierd above the current directory (before,
+    only above the package's own files: \"no kvtierd\")."""
+    import os
+    import pathlib
+    import shutil
+
+    import kvtier
+
+    site = tmp_path / "site"
+    shutil.copytree(pathlib.Path(kvtier.__file__).parent, site / "kvtier", symlinks=False)
+    repo = pathlib.Path(kvtierd_bin()).resolve().parents[2]  # <checkout>/target/<profile>/kvtierd
+    cwd = repo / "docs" if (repo / "docs").is_dir() else repo
+    env = {k: v for k, v in os.environ.items() if k != "CARGO_TARGET_DIR"}
+    env.update(PYTHONPATH=str(site), PATH="/usr/bin:/bin")
+    r = subprocess.run(
+        [sys.executable, "-m", "kvtier.bench", "--json", "--block-size", "64KiB", "--blocks", "2",
+         "--depth", "1", "--rounds", "1", "--warmup", "0"],
+        capture_output=True, text=True, timeout=300, cwd=cwd, env=env,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout)["python_onboard_gbps"] > 0

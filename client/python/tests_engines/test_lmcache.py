@@ -8,6 +8,7 @@ for the prefix, batched_submit_put_task, get_blocking."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import OrderedDict
 
 import torch
@@ -25,7 +26,7 @@ CHUNK = 16
 SHAPE = (4, 2, CHUNK, 2, 64)  # layers, K/V, tokens, kv heads, head dim
 
 
-def setup(socket: str):
+def setup(socket: str, **extra):
     config = LMCacheEngineConfig.from_defaults(
         chunk_size=CHUNK, local_cpu=True, max_local_cpu_size=0.05,
         storage_plugins=["kvtier"],
@@ -34,6 +35,7 @@ def setup(socket: str):
             "storage_plugin.kvtier.class_name": "KvtierStorageBackend",
             "kvtier_socket": socket,
             "kvtier_timeout_ms": 1000,
+            **extra,
         },
     )
     metadata = LMCacheMetadata(
@@ -70,6 +72,7 @@ def test_put_contains_get_round_trip(daemon):
     assert b.batched_submit_put_task(ks[:3], objs, on_complete_callback=done.append) is None
     assert done == ks[:3]
     assert b.batched_contains(ks) == 3 and b.contains(ks[0]) and not b.contains(ks[3])
+    assert b.counters.get("store_bytes") == 3 * b.chunk_bytes  # what was stored, not 0
     for k, want in zip(ks[:3], objs):
         got = b.get_blocking(k)
         assert got is not None and got.data_ptr != want.data_ptr
@@ -93,3 +96,54 @@ def test_dead_daemon_is_a_miss(daemon):
     assert c["load_failures"] == 1 and c["store_failures"] == 1
     daemon.start()
     assert b.batched_contains(ks) == 1
+
+
+def test_storage_manager_recomputes_chunks_that_fail_after_contains():
+    """LMCache's StorageManager.batched_get (what the cache engine's
+    retrieve calls after the lookup's batched_contains) over the plugin:
+    chunks that are contained but come back corrupt, or whose daemon died
+    between the two, are None (LMCache recomputes from the first), never
+    an exception; nothing is written back to the CPU cache."""
+    from types import SimpleNamespace
+
+    from conftest import Daemon
+    from lmcache.v1.storage_backend.storage_manager import StorageManager
+    from test_sglang import corrupt_g3
+
+    for fault in ("corrupt", "killed"):
+        d = Daemon(g4=False)  # no S3 copy to repair a corrupt chunk from
+        try:
+            backend, cpu, metadata = setup(d.socket)
+            keys = [key(1000 + i) for i in range(3)]
+            objs = [filled(cpu, metadata, 50 + i) for i in range(3)]
+            backend.batched_submit_put_task(keys, objs)
+            deadline = time.monotonic() + 30
+            while backend.batched_contains(keys) != 3:
+                assert time.monotonic() < deadline, "chunks never stored"
+            if fault == "corrupt":
+                assert corrupt_g3(d) >= 3
+            else:
+                d.kill9()
+            manager = SimpleNamespace(
+                get_active_storage_backends=lambda location: [("kvtier", backend)],
+                storage_backends={"kvtier": backend},
+            )
+            got = StorageManager.batched_get(manager, keys)
+            assert got == [None, None, None], (fault, got)
+            c = backend.counters.snapshot()
+            assert c.get("load_blocks", 0) == 0, (fault, c)
+        finally:
+            d.close()
+
+
+def test_a_bad_kvtier_setting_refuses_to_start(daemon):
+    """LMCache's plugin launcher logs and swallows every Exception from a
+    plugin (the engine then runs without kvtier): a bad kvtier setting
+    must stop the start-up instead, as it does under vLLM and SGLang."""
+    import pytest
+
+    from kvtier.integrations.lmcache import KvtierStartupError
+
+    for bad in ({"kvtier_priority": 999}, {"kvtier_timeout_ms": "soon"}, {"kvtier_expected_reuse": -1}):
+        with pytest.raises(KvtierStartupError, match="kvtier"):
+            setup(daemon.socket, **bad)

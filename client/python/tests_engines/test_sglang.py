@@ -116,6 +116,7 @@ def test_set_exists_get_round_trip(daemon, kind):
     assert b.batch_get_v1([KEYS[0], KEYS[5]], indices([20, 21])) == [True, False]
     c = b.counters.snapshot()
     assert c["store_blocks"] == 4 and c["load_blocks"] == 5 and c["load_failures"] == 1
+    assert c["store_bytes"] == 4 * b.ns.block_bytes  # what was stored, not 0
 
 
 def test_clear_evicts_the_pages_it_stored():
@@ -165,3 +166,50 @@ def test_dead_daemon_means_recompute(daemon):
     assert c["load_failures"] == 2 and c["store_failures"] == 2
     daemon.start()
     assert b.batch_exists(KEYS[:2]) == 2
+
+
+def corrupt_g3(d) -> int:
+    """Flips one payload byte of every block file under the daemon's G3."""
+    n = 0
+    for p in (d.dir / "g3").rglob("*"):
+        if p.is_file() and p.stat().st_size > 4096:
+            with open(p, "r+b") as f:
+                f.seek(4096 + 17)
+                b = f.read(1)
+                f.seek(4096 + 17)
+                f.write(bytes([b[0] ^ 0xFF]))
+            n += 1
+    return n
+
+
+@pytest.mark.parametrize("fault", ["corrupt", "killed"])
+def test_controller_recomputes_pages_that_fail_after_exists(fault):
+    """HiCacheController's own zero-copy get (``_page_get_zero_copy``, what
+    its prefetch thread runs after ``batch_exists``): pages that exist but
+    come back corrupt, or whose daemon died between the two, end the hit
+    there (a recompute), and SGLang goes on."""
+    from types import SimpleNamespace
+
+    from conftest import Daemon
+    from sglang.srt.managers.cache_controller import HiCacheController
+
+    d = Daemon(g4=False)  # no S3 copy to repair a corrupt page from
+    try:
+        host = mha_host("page_first")
+        fill_random(host, 7)
+        b = backend(storage_config(d.socket), host)
+        assert b.batch_set_v1(KEYS[:3], indices([1, 2, 3])) == [True] * 3
+        assert b.batch_exists(KEYS[:3]) == 3  # the controller's prefetch query
+        if fault == "corrupt":
+            assert corrupt_g3(d) >= 3
+        else:
+            d.kill9()
+        controller = SimpleNamespace(storage_backend=b)
+        op = SimpleNamespace(request_id="r1")
+        hits = HiCacheController._page_get_zero_copy(
+            controller, op, KEYS[:3], indices([4, 5, 6]), HiCacheStorageExtraInfo(prefix_keys=[]))
+        assert hits == 0
+        c = b.counters.snapshot()
+        assert c["load_failures"] == 3 and c.get("load_blocks", 0) == 0, c
+    finally:
+        d.close()

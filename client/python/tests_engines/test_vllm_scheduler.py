@@ -29,7 +29,9 @@ def store_prompt(tmp_path, socket) -> None:
     e.add("writer", PROMPT)
     e.run("writer")
     assert e.computed["writer"] == len(PROMPT)
-    assert e.counters().get("store_blocks", 0) >= CACHED // BLOCK_SIZE
+    c = e.counters()
+    assert c.get("store_blocks", 0) >= CACHED // BLOCK_SIZE
+    assert c["store_bytes"] == c["store_blocks"] * e.spec.chunk_bytes  # what was stored, not 0
     e.shutdown()
 
 

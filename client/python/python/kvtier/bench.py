@@ -58,8 +58,14 @@ def parse_size(s: str) -> int:
 def find_binary(name: str, explicit: str | None) -> str | None:
     if explicit:
         return explicit
+    # The workspace build next to this package (a checkout's editable
+    # install) or above the current directory (a checkout the user is in,
+    # with the package installed elsewhere), then $PATH.
     here = pathlib.Path(__file__).resolve()
-    roots = [os.environ.get("CARGO_TARGET_DIR")] + [str(p / "target") for p in here.parents]
+    cwd = pathlib.Path.cwd().resolve()
+    roots = [os.environ.get("CARGO_TARGET_DIR")] + [
+        str(p / "target") for p in [*here.parents, cwd, *cwd.parents]
+    ]
     for r in roots:
         if not r:
             continue
@@ -143,7 +149,10 @@ def main(argv=None) -> int:
         if not sock:
             kvtierd = find_binary("kvtierd", a.kvtierd)
             if not kvtierd:
-                raise SystemExit("no kvtierd: pass --socket or --kvtierd")
+                raise SystemExit(
+                    "no kvtierd found ($CARGO_TARGET_DIR, target/ above this package or the current "
+                    "directory, $PATH): pass --socket of a running one or --kvtierd PATH"
+                )
             proc = start_daemon(kvtierd, tmp)
             sock = str(tmp / "kvtierd.sock")
         cli = find_binary("kvtier", a.kvtier)

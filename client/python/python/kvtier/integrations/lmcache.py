@@ -98,6 +98,15 @@ def chunk_key(key: CacheEngineKey) -> bytes:
     return connector_key(h.to_bytes(max(1, (h.bit_length() + 8) // 8), "big", signed=True))
 
 
+class KvtierStartupError(BaseException):
+    """A kvtier setting in LMCache's config that cannot work (the message
+    says what to set). A BaseException, not an Exception, on purpose:
+    LMCache 0.5.6's storage_plugin_launcher catches every Exception from a
+    plugin's constructor, logs it and runs without the plugin, so a typo
+    would silently turn kvtier off; this one reaches the engine, which
+    refuses to start (as vLLM and SGLang do on a bad kvtier setting)."""
+
+
 class KvtierStorageBackend(StoragePluginInterface):
     """LMCache storage backend on kvtierd."""
 
@@ -116,6 +125,14 @@ class KvtierStorageBackend(StoragePluginInterface):
             local_cpu_backend=local_cpu_backend,
             loop=loop,
         )
+        try:
+            self._configure(config, metadata, local_cpu_backend)
+        except (kvtier.Error, ValueError, TypeError) as e:  # KvtierConfigError and bad values
+            raise KvtierStartupError(f"kvtier LMCache plugin: {e}") from e
+
+    def _configure(
+        self, config: Optional[LMCacheEngineConfig], metadata: Optional[LMCacheMetadata], local_cpu_backend: Any
+    ) -> None:
         if config is None or metadata is None:
             raise KvtierConfigError("KvtierStorageBackend needs LMCache's config and metadata")
         if local_cpu_backend is None:
@@ -275,7 +292,7 @@ class KvtierStorageBackend(StoragePluginInterface):
                     # Stored, but the daemon's pin budget refused the pin.
                     self.counters.add("store_unpinned")
                 self.counters.add("store_blocks")
-                self.counters.add("store_bytes", res.nbytes)
+                self.counters.add("store_bytes", self.chunk_bytes)
             elif res.status == "already_present":
                 self.counters.add("store_already_present")
             else:

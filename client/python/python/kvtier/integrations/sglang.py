@@ -277,7 +277,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
                     # Stored, but the daemon's pin budget refused the pin.
                     self.counters.add("store_unpinned")
                 self.counters.add("store_blocks")
-                self.counters.add("store_bytes", r.nbytes)
+                self.counters.add("store_bytes", self.ns.block_bytes)
                 self._remember(k)
             elif r.status == "already_present":
                 self.counters.add("store_already_present")

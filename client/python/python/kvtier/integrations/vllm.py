@@ -589,7 +589,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
                             # Stored, but the daemon's pin budget refused the pin.
                             self.counters.add("store_unpinned")
                         self.counters.add("store_blocks")
-                        self.counters.add("store_bytes", r.nbytes)
+                        self.counters.add("store_bytes", self.ns.block_bytes)
                     elif r.status == "already_present":
                         self.counters.add("store_already_present")
                     else:
