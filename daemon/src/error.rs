@@ -63,10 +63,11 @@ pub enum Error {
     /// `Absent`).
     #[error("block {key} continues {parent}, which is not stored here (store the chain from its first missing block)")]
     ParentAbsent {
-        /// The block refused.
-        key: BlockKey,
+        /// The block refused (boxed: two inline keys would make every
+        /// `Result` of this crate carry 130 bytes of error).
+        key: Box<BlockKey>,
         /// Its parent.
-        parent: BlockKey,
+        parent: Box<BlockKey>,
     },
     /// The request is invalid.
     #[error("invalid {what}: {reason}")]

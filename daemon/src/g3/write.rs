@@ -175,8 +175,8 @@ impl G3Store {
                     let pid = digest(ns, &parent).0;
                     if !first_of.contains_key(&pid) && !self.holds(ns, &parent)? {
                         return Err(Error::ParentAbsent {
-                            key: it.header.key,
-                            parent,
+                            key: Box::new(it.header.key),
+                            parent: Box::new(parent),
                         });
                     }
                 }
@@ -360,8 +360,8 @@ impl G3Store {
                     Some(Published::Cut(parent)) => {
                         cut.push(job.id);
                         Err(Error::ParentAbsent {
-                            key: it.header.key,
-                            parent: *parent,
+                            key: Box::new(it.header.key),
+                            parent: Box::new(*parent),
                         })
                     }
                     _ => Ok(PutOutcome::Stored),
