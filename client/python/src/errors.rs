@@ -81,40 +81,47 @@ fn two_bases(
     Ok(t.cast_into::<PyType>()?.unbind())
 }
 
-fn argument_error_type(py: Python<'_>) -> PyResult<&Py<PyType>> {
-    ARGUMENT_ERROR.get_or_try_init(py, || {
-        two_bases(
-            py,
-            c"kvtier.ArgumentError",
-            c"An argument is out of range (a kvtier.Error and a ValueError).",
-            py.get_type::<PyValueError>(),
-        )
-    })
+fn lazy_type(
+    py: Python<'_>,
+    cell: &'static PyOnceLock<Py<PyType>>,
+    name: &'static CStr,
+    doc: &'static CStr,
+    builtin: fn(Python<'_>) -> Bound<'_, PyType>,
+) -> PyResult<&'static Py<PyType>> {
+    cell.get_or_try_init(py, || two_bases(py, name, doc, builtin(py)))
 }
 
-fn argument_type_error_type(py: Python<'_>) -> PyResult<&Py<PyType>> {
-    ARGUMENT_TYPE_ERROR.get_or_try_init(py, || {
-        two_bases(
-            py,
-            c"kvtier.ArgumentTypeError",
-            c"An argument has the wrong type (a kvtier.Error and a TypeError).",
-            py.get_type::<PyTypeError>(),
-        )
-    })
+fn argument_error_type(py: Python<'_>) -> PyResult<&'static Py<PyType>> {
+    lazy_type(
+        py,
+        &ARGUMENT_ERROR,
+        c"kvtier.ArgumentError",
+        c"An argument is out of range (a kvtier.Error and a ValueError).",
+        |py| py.get_type::<PyValueError>(),
+    )
 }
 
-fn closed_error_type(py: Python<'_>) -> PyResult<&Py<PyType>> {
-    CLOSED_ERROR.get_or_try_init(py, || {
-        two_bases(
-            py,
-            c"kvtier.ClosedError",
-            c"A call on a Client after close() (a kvtier.Error and a ValueError, as for a closed file).",
-            py.get_type::<PyValueError>(),
-        )
-    })
+fn argument_type_error_type(py: Python<'_>) -> PyResult<&'static Py<PyType>> {
+    lazy_type(
+        py,
+        &ARGUMENT_TYPE_ERROR,
+        c"kvtier.ArgumentTypeError",
+        c"An argument has the wrong type (a kvtier.Error and a TypeError).",
+        |py| py.get_type::<PyTypeError>(),
+    )
 }
 
-fn raise(t: PyResult<&Py<PyType>>, py: Python<'_>, msg: String) -> PyErr {
+fn closed_error_type(py: Python<'_>) -> PyResult<&'static Py<PyType>> {
+    lazy_type(
+        py,
+        &CLOSED_ERROR,
+        c"kvtier.ClosedError",
+        c"A call on a Client after close() (a kvtier.Error and a ValueError, as for a closed file).",
+        |py| py.get_type::<PyValueError>(),
+    )
+}
+
+fn raise(t: PyResult<&'static Py<PyType>>, py: Python<'_>, msg: String) -> PyErr {
     match t {
         Ok(t) => PyErr::from_type(t.bind(py).clone(), msg),
         Err(e) => e,

@@ -3,6 +3,7 @@ the workspace build (target/<profile>/kvtierd, or $KVTIER_TEST_KVTIERD)."""
 
 from __future__ import annotations
 
+import array
 import os
 import pathlib
 import shutil
@@ -10,6 +11,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 
 import pytest
@@ -121,3 +123,67 @@ def ns():
 @pytest.fixture
 def client(daemon):
     return kvtier.Client(socket=daemon.socket, timeout_ms=5000)
+
+
+class Proxy:
+    """A Unix-socket proxy between a client and kvtierd that forwards bytes
+    and passed fds (SCM_RIGHTS), records every byte the client sends
+    (``sent``), and holds every reply ``reply_delay_s`` (a slow daemon)."""
+
+    def __init__(self, target: str, path: str, reply_delay_s: float = 0.0) -> None:
+        self.target, self.path, self.reply_delay_s = target, path, reply_delay_s
+        self.sent = bytearray()
+        self.lock = threading.Lock()
+        self.srv = socket.socket(socket.AF_UNIX)
+        self.srv.bind(path)
+        self.srv.listen(8)
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                c, _ = self.srv.accept()
+            except OSError:
+                return
+            d = socket.socket(socket.AF_UNIX)
+            d.connect(self.target)
+            threading.Thread(target=self._pump, args=(c, d, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(d, c, False), daemon=True).start()
+
+    def _pump(self, src, dst, from_client):
+        fds_space = socket.CMSG_SPACE(253 * 4)
+        try:
+            while True:
+                data, anc, _flags, _ = src.recvmsg(1 << 20, fds_space)
+                if not data:
+                    break
+                fds = array.array("i")
+                for lvl, typ, cd in anc:
+                    if lvl == socket.SOL_SOCKET and typ == socket.SCM_RIGHTS:
+                        fds.frombytes(cd[: len(cd) - (len(cd) % 4)])
+                if from_client:
+                    with self.lock:
+                        self.sent += data
+                elif self.reply_delay_s:
+                    time.sleep(self.reply_delay_s)
+                cms = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)] if fds else []
+                dst.sendmsg([data], cms)
+                for fd in fds:
+                    os.close(fd)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def reset(self):
+        with self.lock:
+            n = len(self.sent)
+            self.sent.clear()
+        return n
+
+    def close(self):
+        self.srv.close()

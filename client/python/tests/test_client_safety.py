@@ -5,11 +5,9 @@ kvtier.Error subclasses that are also the matching builtin."""
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 
 import numpy as np
@@ -18,7 +16,7 @@ import pytest
 import kvtier
 import kvtier.aio
 
-from conftest import BLOCK
+from conftest import BLOCK, Proxy
 
 
 def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
@@ -76,64 +74,11 @@ def test_cuda_array_interface_of_objects_is_refused(client, ns):
         client.onboard_into(ns, ns.hash_chain(list(range(16))), [Fake()])
 
 
-class DelayingProxy:
-    """A Unix-socket proxy to kvtierd that holds every reply ``delay_s``:
-    a slow daemon (each part of a large call answers within the
-    per-exchange timeout, the whole call does not)."""
-
-    def __init__(self, target: str, path: str, delay_s: float) -> None:
-        self.target, self.path, self.delay_s = target, path, delay_s
-        self.srv = socket.socket(socket.AF_UNIX)
-        self.srv.bind(path)
-        self.srv.listen(8)
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self):
-        while True:
-            try:
-                c, _ = self.srv.accept()
-            except OSError:
-                return
-            d = socket.socket(socket.AF_UNIX)
-            d.connect(self.target)
-            threading.Thread(target=self._pump, args=(c, d, 0.0), daemon=True).start()
-            threading.Thread(target=self._pump, args=(d, c, self.delay_s), daemon=True).start()
-
-    def _pump(self, src, dst, delay_s):
-        # The hello carries the region's fd: pass SCM_RIGHTS through.
-        import array
-
-        try:
-            while True:
-                data, anc, _f, _ = src.recvmsg(1 << 20, socket.CMSG_SPACE(253 * 4))
-                if not data:
-                    break
-                fds = array.array("i")
-                for lvl, typ, cd in anc:
-                    if lvl == socket.SOL_SOCKET and typ == socket.SCM_RIGHTS:
-                        fds.frombytes(cd[: len(cd) - (len(cd) % 4)])
-                time.sleep(delay_s)
-                dst.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)] if fds else [])
-                for fd in fds:
-                    os.close(fd)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def close(self):
-        self.srv.close()
-
-
 def test_one_deadline_per_call_whatever_its_size(daemon, ns, tmp_path):
     # 60000 keys are 15 protocol parts; each reply comes 400 ms late, well
     # inside timeout_ms=1500, so before the fix pin took 15 x 400 ms and
     # succeeded. One deadline for the call: it ends with a timeout.
-    proxy = DelayingProxy(daemon.socket, str(tmp_path / "slow.sock"), 0.4)
+    proxy = Proxy(daemon.socket, str(tmp_path / "slow.sock"), reply_delay_s=0.4)
     c = kvtier.Client(socket=proxy.path, timeout_ms=1500)
     c.connect()
     keys = [i.to_bytes(8, "little") for i in range(60000)]

@@ -1,9 +1,5 @@
 """The shared-memory pool: blocks move by offset only."""
 
-import array
-import os
-import socket
-import threading
 import time
 
 import numpy as np
@@ -11,72 +7,11 @@ import pytest
 
 import kvtier
 
-from conftest import BLOCK
-
-
-class CountingProxy:
-    """A Unix-socket proxy between a client and kvtierd that forwards bytes
-    and passed fds (SCM_RIGHTS) and records every byte the client sends."""
-
-    def __init__(self, target: str, path: str) -> None:
-        self.target, self.path = target, path
-        self.sent = bytearray()
-        self.lock = threading.Lock()
-        self.srv = socket.socket(socket.AF_UNIX)
-        self.srv.bind(path)
-        self.srv.listen(8)
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self):
-        while True:
-            try:
-                c, _ = self.srv.accept()
-            except OSError:
-                return
-            d = socket.socket(socket.AF_UNIX)
-            d.connect(self.target)
-            threading.Thread(target=self._pump, args=(c, d, True), daemon=True).start()
-            threading.Thread(target=self._pump, args=(d, c, False), daemon=True).start()
-
-    def _pump(self, src, dst, count):
-        fds_space = socket.CMSG_SPACE(253 * 4)
-        try:
-            while True:
-                data, anc, _flags, _ = src.recvmsg(1 << 20, fds_space)
-                if not data:
-                    break
-                fds = array.array("i")
-                for lvl, typ, cd in anc:
-                    if lvl == socket.SOL_SOCKET and typ == socket.SCM_RIGHTS:
-                        fds.frombytes(cd[: len(cd) - (len(cd) % 4)])
-                if count:
-                    with self.lock:
-                        self.sent += data
-                cms = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)] if fds else []
-                dst.sendmsg([data], cms)
-                for fd in fds:
-                    os.close(fd)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def reset(self):
-        with self.lock:
-            n = len(self.sent)
-            self.sent.clear()
-        return n
-
-    def close(self):
-        self.srv.close()
+from conftest import BLOCK, Proxy
 
 
 def test_pool_offload_sends_no_payload_bytes(daemon, ns, tmp_path):
-    proxy = CountingProxy(daemon.socket, str(tmp_path / "proxy.sock"))
+    proxy = Proxy(daemon.socket, str(tmp_path / "proxy.sock"))
     c = kvtier.Client(socket=proxy.path, timeout_ms=5000, region_bytes=1 << 20)
     n = 8
     pool = c.alloc_pool(n * kvtier.Pool.slot_bytes(BLOCK))
