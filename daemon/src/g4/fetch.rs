@@ -301,7 +301,7 @@ async fn get_capped<'a>(
 
 /// One full read of a block object.
 enum Read<'a> {
-    Good(Block, Reservation<'a>),
+    Good(Box<Block>, Reservation<'a>),
     /// Proven corrupt: the whole object read, its header valid for this
     /// block and its size, and the bytes failing that header's checksum.
     Corrupt {
@@ -385,10 +385,10 @@ async fn read_block<'a>(
         }
     }
     Read::Good(
-        Block {
+        Box::new(Block {
             header,
             payload: rest,
-        },
+        }),
         held,
     )
 }
@@ -412,7 +412,7 @@ fn refused(loc: &Path, why: &str) -> Fetched {
 /// refuses (size limit, header) keeps the object.
 async fn get_verified(inner: &Inner, ns: &NamespaceId, key: &BlockKey, loc: &Path) -> Fetched {
     let first = match read_block(inner, ns, key, loc).await {
-        Read::Good(b, _held) => return found(inner, loc, b),
+        Read::Good(b, _held) => return found(inner, loc, *b),
         Read::Absent => return absent(inner, loc),
         Read::Failed => return Err(MissReason::Unavailable),
         Read::Refused(why) => return refused(loc, &why),
@@ -422,7 +422,7 @@ async fn get_verified(inner: &Inner, ns: &NamespaceId, key: &BlockKey, loc: &Pat
     crate::warn_limited!(CORRUPT_LOG, location = %loc, error = %first.2,
         "G4 object failed verification; reading it again");
     match read_block(inner, ns, key, loc).await {
-        Read::Good(b, _held) => found(inner, loc, b),
+        Read::Good(b, _held) => found(inner, loc, *b),
         Read::Absent => absent(inner, loc),
         Read::Failed => Err(MissReason::Unavailable),
         Read::Refused(why) => refused(loc, &why),
