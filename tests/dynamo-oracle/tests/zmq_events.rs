@@ -173,7 +173,10 @@ impl Consumer {
             // [id, "", topic, seq, payload] from the ROUTER; the DEALER
             // sees what follows the identity. End: ["", "", END, ""].
             let [_, topic, seq, payload] = m.as_slice() else {
-                panic!("replay frames: {} (vLLM 0.33.0 sends 4 after the identity)", m.len());
+                panic!(
+                    "replay frames: {} (vLLM 0.33.0 sends 4 after the identity)",
+                    m.len()
+                );
             };
             if payload.is_empty() {
                 assert!(topic.is_empty() && seq[..] == [0xff; 8], "end marker");
@@ -185,7 +188,10 @@ impl Consumer {
             self.apply(seq, payload);
         }
         let first = *seqs.first().expect("Replay incomplete: empty");
-        assert!(first >= start, "replayed {first} before the {start} asked for");
+        assert!(
+            first >= start,
+            "replayed {first} before the {start} asked for"
+        );
         assert!(
             seqs.windows(2).all(|w| w[1] == w[0] + 1),
             "Replay incomplete: non_contiguous {seqs:?}"
@@ -353,8 +359,7 @@ fn dynamo_decodes_kvtiers_zmq_stream_and_routes_on_it() {
     let refs: Vec<&[u8]> = more.iter().map(|p| &p[..]).collect();
     let (all_keys, _) = h.offload_tokens(None, &longer, &refs, Hints::default());
     c.pump_until("2 new blocks under the holdings", |c| {
-        c.score(StorageTier::Disk, &longer) == 8
-            && c.score(StorageTier::External, &longer) == 8
+        c.score(StorageTier::Disk, &longer) == 8 && c.score(StorageTier::External, &longer) == 8
     });
     assert_eq!(h.lookup(&all_keys).prefix_len(), 8);
     drop(client);
