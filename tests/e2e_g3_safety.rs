@@ -109,6 +109,16 @@ fn corrupt(d: &Daemon, key: &BlockKey, at: u64) {
     f.sync_all().unwrap();
 }
 
+/// Overwrites 8 bytes of a G3 block file's header.
+fn damage_header(d: &Daemon, key: &BlockKey) {
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(g3_file(d, key))
+        .unwrap();
+    f.write_all_at(&[0xA5; 8], 64).unwrap();
+    f.sync_all().unwrap();
+}
+
 fn names_in(dir: &Path) -> Vec<String> {
     std::fs::read_dir(dir)
         .map(|r| {
@@ -305,6 +315,17 @@ fn a_corrupt_fd_read_is_repaired_from_g4_at_once_and_a_false_report_removes_noth
     assert!(buf == *p, "wrong bytes after the repair");
     assert!(files_named(&d.dir.path().join("g3/quarantine"), &key.to_hex()) >= 1);
 
+    // A damaged header (found by the daemon itself on the fd path) is
+    // repaired at once, never answered Corrupt again and again.
+    let (k1, p1) = &blocks[1];
+    wait_until("the G4 upload", Duration::from_secs(60), || {
+        files_named(&d.dir.path().join("g4"), &k1.to_hex()) >= 1
+    });
+    damage_header(&d, k1);
+    let out = h.onboard_into(&[*k1], &mut [&mut buf[..]]);
+    assert!(out[0].is_hit(), "{:?}", out[0]);
+    assert!(buf == *p1, "wrong bytes after the header repair");
+
     // A report about a good block is checked, not trusted.
     let (k2, _) = &blocks[2];
     let st = c.report_corrupt(ns().id(), &[*k2]).unwrap();
@@ -336,19 +357,10 @@ fn long_corrupt_fd_reads_are_all_repaired() {
         let bad: Vec<usize> = (0..blocks.len()).filter(|i| (i + round) % 3 == 0).collect();
         for &i in &bad {
             // Payload bytes, or (every other one) the header's checksum.
-            let at = if i % 2 == 0 {
-                (i * 997 % BLOCK) as u64
+            if i % 2 == 0 {
+                corrupt(&d, &blocks[i].0, (i * 997 % (BLOCK - 2)) as u64);
             } else {
-                0
-            };
-            if at == 0 {
-                let f = std::fs::OpenOptions::new()
-                    .write(true)
-                    .open(g3_file(&d, &blocks[i].0))
-                    .unwrap();
-                f.write_all_at(&[0xA5; 8], 64).unwrap();
-            } else {
-                corrupt(&d, &blocks[i].0, at);
+                damage_header(&d, &blocks[i].0);
             }
         }
         let keys: Vec<BlockKey> = blocks.iter().map(|b| b.0).collect();
