@@ -5,8 +5,8 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use kvtier_client::proto::ItemStatus;
 use kvtier_client::{
-    BlockKey, Client, ClientConfig, HashMode, Hints, KvLayout, Namespace, NamespaceId,
-    OffloadOutcome, Onboarded, Tier,
+    BlockKey, Client, ClientConfig, HashMode, Hints, KvLayout, Namespace, NamespaceId, Onboarded,
+    Tier,
 };
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
