@@ -361,7 +361,11 @@ impl Node {
     /// it does not hold (no lookup could reach it there); with a remote
     /// tier the parent may be in G4 or on a peer, where a lookup does reach
     /// it, so the block starts a G3 chain of its own instead (events keep
-    /// the declared parent).
+    /// the declared parent). Only when a remote tier does hold it: a parent
+    /// held nowhere (refused or evicted before its upload) stays the G3
+    /// parent, so G3 refuses the block instead of keeping a root no lookup
+    /// reaches (issue 27: blocks 75-99 of a 100-block chain into a full
+    /// G3 were stored past a refused 74).
     pub(super) fn g3_parent(
         &self,
         ns: &NamespaceId,
@@ -372,7 +376,13 @@ impl Node {
         if !self.remote() || self.on_g3(ns, &p) || earlier.iter().any(|b| b.header.key == p) {
             return Some(p);
         }
-        None
+        // One lookup (G4's existence cache or a HEAD, peers' digests or a
+        // probe, within lookup_remote_deadline_ms): paid only by a block
+        // whose parent G3 lacks, the start of a chain continued elsewhere.
+        match self.locate(ns, std::slice::from_ref(&p)) {
+            Ok(tiers) if !tiers.is_empty() => None,
+            _ => Some(p),
+        }
     }
 
     /// G3's `put_blocks`, and when the filesystem fills up before capacity
