@@ -27,6 +27,9 @@ use support::{kvtierd_bin, Daemon};
 
 const BLOCK: usize = 64 << 10;
 
+/// Blocks and their payloads.
+type Blocks = Vec<(BlockKey, Vec<u8>)>;
+
 fn ns() -> Namespace {
     Namespace::new(
         "e2e-g3-safety",
@@ -215,9 +218,6 @@ fn a_second_daemon_on_a_directory_in_use_is_refused_and_acked_blocks_survive_kil
     assert_served(&c, &blocks);
 }
 
-/// Blocks acknowledged so far: key and payload.
-type Acked = Vec<(BlockKey, Vec<u8>)>;
-
 /// The longer variant: each round an offloader runs while a second daemon
 /// is refused and the first is killed with -9 mid-stream; after the
 /// restart, every block acknowledged in any round is indexed and served.
@@ -225,7 +225,7 @@ type Acked = Vec<(BlockKey, Vec<u8>)>;
 #[ignore = "long: scripts/fault-suite.sh"]
 fn long_refusals_and_kill9_under_load_lose_no_acked_block() {
     let mut d = Daemon::start_with(&["--g4".into(), String::new()], &[]);
-    let acked: Arc<Mutex<Acked>> = Arc::default();
+    let acked: Arc<Mutex<Blocks>> = Arc::default();
     let mut next = 0u64;
     for round in 0..rounds() {
         let stop = Arc::new(AtomicBool::new(false));

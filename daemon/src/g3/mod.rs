@@ -168,7 +168,7 @@ pub struct G3Store {
     /// This store's exclusive hold on `root` (dir_lock.rs): taken before
     /// anything in it is read or moved, released on drop (after `disk`,
     /// declared above it, closed the index).
-    _dir_lock: dir_lock::DirLock,
+    _dir_lock: Option<dir_lock::DirLock>,
 }
 
 impl std::fmt::Debug for G3Store {
@@ -277,7 +277,11 @@ impl G3Store {
         // One owner per directory, before anything in it is read, created
         // or moved: a second daemon must not rebuild (or set aside) the
         // index the first one is using.
-        let lock = dir_lock::DirLock::take(&cfg.root, &cfg.owner_note)?;
+        let lock = if fs.owner_lock() {
+            Some(dir_lock::DirLock::take(&cfg.root, &cfg.owner_note)?)
+        } else {
+            None
+        };
         for d in [&blocks_dir, &tmp_dir, &quarantine_dir, &recycle_dir] {
             created.extend(
                 d.ancestors()

@@ -457,6 +457,10 @@ impl G3Fs for PowerLossFs {
         std::fs::remove_dir_all(path)
     }
 
+    fn owner_lock(&self) -> bool {
+        false
+    }
+
     fn index_backend(&self, path: &Path) -> io::Result<Option<IndexFile>> {
         let mut st = self.op()?;
         let exists = path.exists();

@@ -182,6 +182,12 @@ pub trait G3Fs: Send + Sync + std::fmt::Debug {
     /// client that rewrites its shared memory exactly in that window
     /// (tests/g3_failures.rs). Production does nothing here.
     fn payload_copied(&self, _file_off: u64) {}
+    /// Whether `open` takes the directory's owner lock (dir_lock.rs).
+    /// The crash simulator says no: a store it "crashed" stays alive in
+    /// the test process, where a dead daemon's lock would be gone.
+    fn owner_lock(&self) -> bool {
+        true
+    }
 }
 
 /// Production: std::fs and libc directly.
