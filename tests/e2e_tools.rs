@@ -477,7 +477,11 @@ fn tiny_ns() -> kvtier_client::Namespace {
 /// Offloads `n` chained 4 KiB blocks (in batches) from token `first` on;
 /// returns their keys.
 fn offload_tiny(socket: &std::path::Path, first: u32, n: usize) -> Vec<kvtier_client::BlockKey> {
-    let c = kvtier_client::Client::connect(socket).unwrap();
+    // A generous deadline per call: the stall test's flood runs on a
+    // loaded box.
+    let mut cfg = kvtier_client::ClientConfig::new(socket);
+    cfg.timeout_ms = 60_000;
+    let c = kvtier_client::Client::with_config(cfg);
     let ns = tiny_ns();
     let h = c.namespace(&ns);
     let tokens: Vec<u32> = (first..first + n as u32 * 16).collect();
