@@ -112,16 +112,13 @@ impl Backend for Node {
         let item = PutItem {
             header,
             payload,
-            meta: PutMeta {
-                parent: self.g3_parent(ns, parent, &[]),
-                hints,
-            },
+            meta: PutMeta { parent, hints },
         };
         let outcome = self
             .put_evicting_on_enospc(ns, &[item])
             .pop()
             .unwrap_or(Ok(PutOutcome::AlreadyPresent))?;
-        if outcome.is_stored() {
+        if outcome == PutOutcome::Stored {
             super::events::g3_stored(&self.events, ns, header, parent);
             self.note_parent(ns, header, parent, hints);
             self.admit(ns, &header.key, AdmissionEvent::Stored, hints, false);
@@ -138,19 +135,18 @@ impl Backend for Node {
     ) -> Vec<Result<PutOutcome>> {
         let items: Vec<PutItem<'_>> = blocks
             .iter()
-            .enumerate()
-            .map(|(i, b)| PutItem {
+            .map(|b| PutItem {
                 header: &b.header,
                 payload: b.payload,
                 meta: PutMeta {
-                    parent: self.g3_parent(ns, b.parent, &blocks[..i]),
+                    parent: b.parent,
                     hints: b.hints,
                 },
             })
             .collect();
         let out = self.put_evicting_on_enospc(ns, &items);
         for (b, r) in blocks.iter().zip(&out) {
-            if matches!(r, Ok(o) if o.is_stored()) {
+            if matches!(r, Ok(PutOutcome::Stored)) {
                 let key = &b.header.key;
                 super::events::g3_stored(&self.events, ns, &b.header, b.parent);
                 self.note_parent(ns, &b.header, b.parent, b.hints);

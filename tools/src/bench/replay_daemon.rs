@@ -434,9 +434,7 @@ impl ReplayTarget for DaemonTarget<'_> {
             call_s += t.elapsed().as_secs_f64();
             for (j, o) in out.iter().enumerate() {
                 match o {
-                    OffloadOutcome::Stored | OffloadOutcome::StoredUnpinned => {
-                        self.m.stored_blocks += 1
-                    }
+                    OffloadOutcome::Stored => self.m.stored_blocks += 1,
                     OffloadOutcome::AlreadyPresent => self.m.already_present_blocks += 1,
                     OffloadOutcome::Failed(m) => {
                         return Err(target_err(format!(

@@ -584,10 +584,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
                 )
                 self.counters.add("stores")
                 for r in res:
-                    if r.status in ("stored", "stored_unpinned"):
-                        if r.status == "stored_unpinned":
-                            # Stored, but the daemon's pin budget refused the pin.
-                            self.counters.add("store_unpinned")
+                    if r.status == "stored":
                         self.counters.add("store_blocks")
                         self.counters.add("store_bytes", self.ns.block_bytes)
                     elif r.status == "already_present":
