@@ -441,8 +441,15 @@ async fn get_verified(inner: &Inner, ns: &NamespaceId, key: &BlockKey, loc: &Pat
                 }
                 inner.set_exists(loc, false);
             } else {
+                // Say which proof was missing: the log was "different
+                // ETags" also when the ETags matched and the HEAD disagreed.
+                let kept_because = if !same {
+                    "the two reads saw different objects (ETag or size)"
+                } else {
+                    "a HEAD did not confirm the object read"
+                };
                 tracing::warn!(location = %loc, error = %why, first_etag = ?first.0, etag = ?etag,
-                    "G4 object failed verification twice with different ETags; kept");
+                    kept_because, "G4 object failed verification twice; kept: corruption not proven");
             }
             Err(MissReason::Corrupt)
         }
