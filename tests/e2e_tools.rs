@@ -151,6 +151,8 @@ fn bench_io_runs_tiny_and_keeps_the_json_contract() {
     for k in [
         "offload_gbps",
         "onboard_gbps",
+        "offload_gb_per_cpu_s",
+        "onboard_gb_per_cpu_s",
         "lookup64_p50_per_s",
         "lookup64_p99_per_s",
     ] {
@@ -165,7 +167,13 @@ fn bench_io_runs_tiny_and_keeps_the_json_contract() {
         .filter(|k| k.contains("vs_baseline"))
         .collect();
     assert!(vs.iter().all(|k| k.ends_with("_vs_baseline")));
-    assert_eq!(vs.len(), 4, "only comparison quotients: {vs:?}");
+    assert_eq!(vs.len(), 6, "only comparison quotients: {vs:?}");
+    // CPU per GB beside the raw baseline's, per round too.
+    for k in ["offload_cpu_s_per_gb", "onboard_cpu_s_per_gb"] {
+        assert!(j[k].as_f64().unwrap() >= 0.0, "{k}");
+        assert!(j[format!("{k}_baseline")].as_f64().unwrap() >= 0.0);
+        assert_eq!(j[format!("{k}_rounds")].as_array().unwrap().len(), 1);
+    }
     assert!(j["lookup64_p99_us"].as_f64().unwrap() > 0.0);
     assert!(j["lookup64_p99_us_socket_floor"].as_f64().unwrap() > 0.0);
 }

@@ -58,6 +58,13 @@ high_watermark = 0.95
 low_watermark = 0.85
 # I/O engine: "auto" (io_uring, falling back to pread), "uring", "pread".
 engine = "auto"
+# How an offloaded block's data is made durable before its ack: "group"
+# (one syncfs shared by every block written when it begins, across
+# requests and clients; a disk without FUA pays one cache flush per window
+# instead of one per block; on filesystems whose syncfs is not trusted to
+# reach the disk, e.g. FUSE or NFS, G3 uses per_block and logs it) or
+# "per_block" (O_DSYNC writes up to 1 MiB, else an fdatasync per file).
+data_flush = "group"
 # Blocks that failed verification are kept in quarantine/ for inspection,
 # oldest deleted first past either bound; their bytes count against
 # capacity. Unset quarantine_max: capacity / 32.
@@ -353,6 +360,8 @@ pub struct G3Section {
     pub low_watermark: f64,
     /// I/O engine (`auto`, `uring`, `pread`).
     pub engine: String,
+    /// Data flush before an offload's ack (`group`, `per_block`).
+    pub data_flush: String,
     /// Bytes `quarantine/` may hold (`None`: capacity / 32).
     #[serde(deserialize_with = "de_size_opt")]
     pub quarantine_max: Option<u64>,
@@ -759,6 +768,7 @@ impl Default for G3Section {
             high_watermark: 0.95,
             low_watermark: 0.85,
             engine: "auto".into(),
+            data_flush: "group".into(),
             quarantine_max: None,
             quarantine_max_files: 256,
             recycle_max: None,
@@ -1013,6 +1023,18 @@ impl Config {
         Ok(m)
     }
 
+    /// How G3 makes block data durable (`g3.data_flush`).
+    pub fn g3_sync_mode(&self) -> Result<crate::g3::SyncMode> {
+        match self.g3.data_flush.as_str() {
+            "group" => Ok(crate::g3::SyncMode::Group),
+            "per_block" => Ok(crate::g3::SyncMode::Auto),
+            e => Err(bad(
+                "g3.data_flush",
+                format!("{e:?} is not a data flush (group | per_block)"),
+            )),
+        }
+    }
+
     /// The G3 I/O engine.
     pub fn g3_engine(&self) -> Result<crate::g3::G3EngineKind> {
         use crate::g3::G3EngineKind as K;
@@ -1133,6 +1155,7 @@ impl Config {
             ));
         }
         self.g3_engine()?;
+        self.g3_sync_mode()?;
         self.g4
             .admission
             .parse::<crate::policy::G4Admission>()
@@ -1254,6 +1277,7 @@ mod tests {
             ("[g4]\nadmission = \"sometimes\"\n", "g4.admission"),
             ("[g3]\npolicy = \"belady\"\n", "g3.policy"),
             ("[g3]\nengine = \"spdk\"\n", "g3.engine"),
+            ("[g3]\ndata_flush = \"never\"\n", "g3.data_flush"),
             ("[g3]\nlow_watermark = 0.99\n", "g3.high_watermark"),
             ("[peer]\nenabled = true\n", "peer.secret_file"),
         ] {

@@ -26,6 +26,7 @@ pub mod server;
 #[doc(hidden)]
 pub mod testkit;
 pub mod tier;
+pub mod workers;
 pub mod zmq;
 
 pub use error::{Error, Result};

@@ -411,6 +411,7 @@ fn node_config(cfg: &Config) -> Result<NodeConfig> {
     g3.high_watermark = cfg.g3.high_watermark;
     g3.low_watermark = cfg.g3.low_watermark;
     g3.engine = cfg.g3_engine()?;
+    g3.sync_mode = cfg.g3_sync_mode()?;
     if let Some(q) = cfg.g3.quarantine_max {
         g3.quarantine_max_bytes = q;
     }

@@ -11,7 +11,8 @@
 //!   close and reopen (the marker and snapshot path).
 //!
 //! Scenarios: small blocks (O_DSYNC path) and 1.5 MiB blocks (fdatasync
-//! path), single and batched puts, concurrent writers with shared keys,
+//! path), both sizes again with the shared syncfs window (sync mode
+//! `Group`, the default), single and batched puts, concurrent writers with shared keys,
 //! eviction (a small capacity), deletes, reads and metadata updates
 //! (priority, in-G4 flag; promotions from G4 or peers are puts through the
 //! same path), and power lost during the workload, during close and
@@ -34,7 +35,7 @@ use kvtier_daemon::conformance::{block, namespace};
 use kvtier_daemon::g3::engine::{IoEngine, PreadEngine, UringEngine};
 use kvtier_daemon::g3::powerloss::PowerLossFs;
 use kvtier_daemon::g3::seam::SyncSite;
-use kvtier_daemon::g3::{G3Store, PutItem, PutMeta};
+use kvtier_daemon::g3::{G3Store, PutItem, PutMeta, SyncMode};
 use kvtier_daemon::policy::Lru;
 use kvtier_daemon::tier::Lookup;
 use rand::{Rng, SeedableRng};
@@ -59,6 +60,9 @@ struct Scenario {
     /// Capacity in blocks (eviction when small).
     capacity_blocks: u64,
     deletes: bool,
+    /// `Auto`: each block's data flushed alone (O_DSYNC for small files,
+    /// fdatasync for large); `Group`: the shared syncfs window.
+    sync: SyncMode,
 }
 
 const SCENARIOS: &[Scenario] = &[
@@ -70,6 +74,7 @@ const SCENARIOS: &[Scenario] = &[
         writers: 1,
         capacity_blocks: 1000,
         deletes: false,
+        sync: SyncMode::Auto,
     },
     Scenario {
         name: "small-batch-concurrent-evict",
@@ -79,6 +84,7 @@ const SCENARIOS: &[Scenario] = &[
         writers: 3,
         capacity_blocks: 20,
         deletes: true,
+        sync: SyncMode::Auto,
     },
     Scenario {
         name: "large-single-deletes",
@@ -88,6 +94,7 @@ const SCENARIOS: &[Scenario] = &[
         writers: 2,
         capacity_blocks: 1000,
         deletes: true,
+        sync: SyncMode::Auto,
     },
     Scenario {
         name: "large-batch-evict",
@@ -97,6 +104,28 @@ const SCENARIOS: &[Scenario] = &[
         writers: 1,
         capacity_blocks: 3,
         deletes: false,
+        sync: SyncMode::Auto,
+    },
+    // The production default: one syncfs per window across writers.
+    Scenario {
+        name: "group-small-batch-concurrent-evict",
+        payload_bytes: 8192,
+        blocks_per_writer: 16,
+        batch: 4,
+        writers: 3,
+        capacity_blocks: 20,
+        deletes: true,
+        sync: SyncMode::Group,
+    },
+    Scenario {
+        name: "group-large-concurrent-evict",
+        payload_bytes: 3 << 19,
+        blocks_per_writer: 3,
+        batch: 2,
+        writers: 2,
+        capacity_blocks: 4,
+        deletes: false,
+        sync: SyncMode::Group,
     },
 ];
 
@@ -143,6 +172,7 @@ impl Run {
         let mut cfg = common::cfg(&self.root(), kvtier_daemon::g3::engine::EngineKind::Auto);
         let file_len = 4096 + self.sc.payload_bytes.div_ceil(4096) * 4096;
         cfg.capacity_bytes = capacity_blocks * file_len;
+        cfg.sync_mode = self.sc.sync;
         G3Store::open_with_fs(
             cfg,
             Box::new(Lru::new()),

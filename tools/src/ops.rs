@@ -473,6 +473,12 @@ pub struct OwnedDaemon {
 }
 
 impl OwnedDaemon {
+    /// The daemon's process id (its CPU time is read from /proc by the
+    /// benches).
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// Starts `kvtierd` (found next to this executable, else on PATH) in a
     /// temporary directory with the given extra arguments.
     pub fn start(extra: &[&str]) -> Result<OwnedDaemon> {

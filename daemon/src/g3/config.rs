@@ -75,9 +75,17 @@ pub struct G3Config {
 /// How a block file's data is made durable before its rename.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum SyncMode {
-    /// As measured best here (docs/BENCHMARKS.md): `ODsync` for files that
-    /// fit one request (1 MiB), `Fdatasync` for larger ones.
+    /// One `syncfs` per window shared by every writer whose file was
+    /// written when it began, across requests and clients (group.rs
+    /// `FlushWindow`): a disk without FUA pays one cache flush per window
+    /// instead of one per block. Only on filesystems whose `syncfs` flushes
+    /// the device (ext4, XFS, btrfs, F2FS; tmpfs keeps nothing anyway);
+    /// elsewhere (FUSE, network filesystems) the store runs `Auto`.
     #[default]
+    Group,
+    /// Per block, as measured best before the group flush
+    /// (docs/BENCHMARKS.md): `ODsync` for files that fit one request
+    /// (1 MiB), `Fdatasync` for larger ones.
     Auto,
     /// One `fdatasync` after all chunks are written.
     Fdatasync,
@@ -100,7 +108,7 @@ impl G3Config {
             leases_max: 65536,
             lease_ttl_max_ms: 60_000,
             pinned_budget_bytes: capacity_bytes / 2,
-            sync_mode: SyncMode::Auto,
+            sync_mode: SyncMode::Group,
             quarantine_max_bytes: capacity_bytes / 32,
             quarantine_max_files: 256,
             recycle_pool_bytes: capacity_bytes / 2,

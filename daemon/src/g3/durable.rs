@@ -1,5 +1,6 @@
 //! One block file made durable: the temp file written through pool buffers
-//! (payload hashed in the pool buffer, after the copy), `fdatasync` or O_DSYNC, the no-replace
+//! (payload hashed in the pool buffer, after the copy), the group flush
+//! window's `syncfs`, `fdatasync` or O_DSYNC, the no-replace
 //! rename into `blocks/`, shard directories created durably, and the group
 //! commit leader's directory fsyncs and redb transaction.
 
@@ -66,9 +67,9 @@ impl G3Store {
         if self.direct_ok {
             flags |= libc::O_DIRECT;
         }
-        let dsync = match self.cfg.sync_mode {
+        let dsync = match self.sync_mode {
             SyncMode::ODsync => true,
-            SyncMode::Fdatasync => false,
+            SyncMode::Fdatasync | SyncMode::Group => false,
             SyncMode::Auto => header.file_len() <= CHUNK_BYTES as u64,
         };
         if dsync {
@@ -139,15 +140,23 @@ impl G3Store {
                 reason: format!("checksum does not match the header of block {}", header.key),
             }));
         }
+        // The data is durable before the rename: a name that survives a
+        // power cut always has its bytes (else a restart finds a torn file
+        // under a block's name).
         let synced = if dsync {
             Ok(())
+        } else if self.sync_mode == SyncMode::Group {
+            // One syncfs for every writer waiting, across requests and
+            // clients (group.rs): any fd on the filesystem names it.
+            let fd = file.as_raw_fd();
+            self.flush_window.join(|| self.engine.sync_fs(fd))
         } else {
             self.engine.sync_data(file.as_raw_fd())
         };
         if let Err(e) = synced {
             let err = Error::io("flushing", &tmp, e);
             if !matches!(err, Error::NoSpace { .. }) {
-                self.poison(format!("fdatasync of {}: {err}", tmp.display()));
+                self.poison(format!("data flush of {}: {err}", tmp.display()));
             }
             return Err(cleanup(err));
         }
@@ -282,50 +291,36 @@ impl G3Store {
             return dirs.first().and_then(|d| sync(d));
         }
         let next = std::sync::atomic::AtomicUsize::new(0);
-        let run = || {
-            let mut first = None;
-            loop {
-                let k = next.fetch_add(1, Ordering::Relaxed);
-                let Some(d) = dirs.get(k) else { break };
-                if let Some(f) = sync(d) {
-                    first.get_or_insert(f);
+        let first: std::sync::Mutex<Option<(&'d Path, std::io::Error)>> =
+            std::sync::Mutex::new(None);
+        let run = || loop {
+            let k = next.fetch_add(1, Ordering::Relaxed);
+            let Some(d) = dirs.get(k) else { break };
+            if let Some(f) = sync(d) {
+                if let Ok(mut g) = first.lock() {
+                    g.get_or_insert(f);
                 }
             }
-            first
         };
         let workers = dirs.len().min(COMMIT_FSYNCS_IN_FLIGHT_MAX);
-        std::thread::scope(|sc| {
-            // A thread that cannot start leaves its share to the others
-            // (this one always runs).
-            let hs: Vec<_> = (1..workers)
-                .filter_map(|_| {
-                    std::thread::Builder::new()
-                        .name("g3-commit-fsync".into())
-                        .spawn_scoped(sc, run)
-                        .ok()
-                })
-                .collect();
-            let mut first = run();
-            for h in hs {
-                match h.join() {
-                    Ok(f) => {
-                        if first.is_none() {
-                            first = f;
-                        }
-                    }
-                    Err(_) => {
-                        // Its directories' fsync outcome is unknown: fail
-                        // the group rather than ack on a guess.
-                        if first.is_none() {
-                            first = dirs.first().map(|d| {
-                                (*d, std::io::Error::other("a commit fsync thread panicked"))
-                            });
-                        }
-                    }
-                }
-            }
-            first
-        })
+        let panics = crate::workers::fan_out(workers - 1, &run);
+        let first = match first.into_inner() {
+            Ok(f) => f,
+            Err(_) => dirs.first().map(|d| {
+                (
+                    *d,
+                    std::io::Error::other("a commit fsync lock was poisoned"),
+                )
+            }),
+        };
+        if first.is_none() && panics > 0 {
+            // A directory's fsync outcome is unknown: fail the group
+            // rather than ack on a guess.
+            return dirs
+                .first()
+                .map(|d| (*d, std::io::Error::other("a commit fsync thread panicked")));
+        }
+        first
     }
 
     /// Creates `blocks/<ns>/<shard>` durably the first time it is needed.

@@ -25,7 +25,7 @@ pub struct FaultPlan {
     pub writes: bool,
     /// Reads are targeted.
     pub reads: bool,
-    /// fdatasync is targeted.
+    /// fdatasync and the group flush's syncfs are targeted.
     pub syncs: bool,
 }
 
@@ -110,6 +110,13 @@ impl IoEngine for FaultEngine {
             return Err(eio());
         }
         self.inner.sync_data(fd)
+    }
+
+    fn sync_fs(&self, fd: RawFd) -> io::Result<()> {
+        if self.plan.syncs && self.strike() {
+            return Err(eio());
+        }
+        self.inner.sync_fs(fd)
     }
 }
 

@@ -31,6 +31,31 @@ pub(super) fn probe_direct(fs: &dyn G3Fs, dir: &Path) -> Result<bool> {
     }
 }
 
+/// Whether `syncfs` on the filesystem holding `dir` makes written data
+/// durable: the local journaling and log-structured filesystems flush the
+/// device in their sync_fs; tmpfs holds nothing durable either way. FUSE
+/// (unless the server implements FUSE_SYNCFS, which the kernel sends only
+/// for virtiofs), NFS and the rest are not trusted with it.
+pub(super) fn syncfs_flushes(dir: &Path) -> bool {
+    const EXT4: i64 = 0xEF53;
+    const XFS: i64 = 0x5846_5342;
+    const BTRFS: i64 = 0x9123_683E;
+    const F2FS: i64 = 0xF2F5_2010;
+    const TMPFS: i64 = 0x0102_1994;
+    let Ok(c) = std::ffi::CString::new(std::os::unix::ffi::OsStrExt::as_bytes(dir.as_os_str()))
+    else {
+        return false;
+    };
+    // SAFETY: statfs writes one struct into `st`; `c` is NUL-terminated.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statfs(c.as_ptr(), &mut st) } != 0 {
+        return false;
+    }
+    #[allow(clippy::unnecessary_cast)] // f_type's width differs by target
+    let t = st.f_type as i64;
+    matches!(t, EXT4 | XFS | BTRFS | F2FS | TMPFS)
+}
+
 /// rename(2) that refuses to replace an existing name (renameat2
 /// RENAME_NOREPLACE), falling back to a link+unlink where unsupported.
 pub(super) fn rename_noreplace(from: &Path, to: &Path) -> std::io::Result<()> {

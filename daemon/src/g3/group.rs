@@ -1,5 +1,7 @@
 //! Group commit of the write path's last two steps: the directory fsync
-//! that makes a rename durable, and the redb commit of the block's record.
+//! that makes a rename durable, and the redb commit of the block's record;
+//! and [`FlushWindow`], the group commit of the block data flush before
+//! the renames.
 //!
 //! Writers that renamed their files into place at about the same time
 //! share one fsync per touched shard directory and one redb transaction.
@@ -140,5 +142,148 @@ impl GroupCommit {
             self.groups.load(std::sync::atomic::Ordering::Relaxed),
             self.members.load(std::sync::atomic::Ordering::Relaxed),
         )
+    }
+}
+
+/// Group commit of the block data flush (sync mode `Group`): writers whose
+/// files are written join the window and share one flush (`syncfs`).
+///
+/// Same leader scheme as [`GroupCommit`], without a queue: a flush covers
+/// every write that completed before it began, so a writer that joins
+/// while a flush is in flight waits for the next one (the one in flight
+/// may have started before its write completed). The first waiter to find
+/// no flush running leads the next one; everyone who joined before it
+/// began shares its result.
+///
+/// Architecture invariant: `join` returns `Ok` only after a flush that
+/// began after the call succeeded. Once a flush failed every later join
+/// fails too (the store is poisoned by then; a later syncfs success would
+/// not prove the lost writes durable).
+#[derive(Default)]
+pub struct FlushWindow {
+    state: Mutex<WindowState>,
+    cv: Condvar,
+    joined: std::sync::atomic::AtomicU64,
+}
+
+#[derive(Default)]
+struct WindowState {
+    /// Flushes begun since open (the number of the one in flight, if any).
+    started: u64,
+    /// The last flush that ended.
+    done: u64,
+    busy: bool,
+    /// The first failed flush and its error (kind, errno, message).
+    failed: Option<(u64, Option<i32>, String)>,
+}
+
+impl FlushWindow {
+    /// Waits until a flush that began after this call ended, running it
+    /// (`flush`) when no other writer does; its result.
+    pub fn join(&self, flush: impl FnOnce() -> std::io::Result<()>) -> std::io::Result<()> {
+        let lock_err = || std::io::Error::other("g3 flush window: lock poisoned");
+        self.joined
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let mut st = self.state.lock().map_err(|_| lock_err())?;
+        // The first flush that begins from now on covers this write.
+        let need = st.started + 1;
+        let mut flush = Some(flush);
+        loop {
+            if st.done >= need {
+                return match &st.failed {
+                    Some((at, errno, msg)) if *at <= st.done => Err(match errno {
+                        Some(n) => std::io::Error::from_raw_os_error(*n),
+                        None => std::io::Error::other(msg.clone()),
+                    }),
+                    _ => Ok(()),
+                };
+            }
+            if st.busy {
+                st = self.cv.wait(st).map_err(|_| lock_err())?;
+                continue;
+            }
+            // Lead: the one flush this caller may run (a leader's own
+            // flush always covers it, so the loop ends above next time).
+            let Some(f) = flush.take() else {
+                return Err(lock_err());
+            };
+            st.busy = true;
+            st.started += 1;
+            let me = st.started;
+            drop(st);
+            let r = f();
+            st = self.state.lock().map_err(|_| lock_err())?;
+            st.busy = false;
+            st.done = me;
+            if let Err(e) = &r {
+                st.failed
+                    .get_or_insert((me, e.raw_os_error(), e.to_string()));
+            }
+            self.cv.notify_all();
+        }
+    }
+
+    /// (flushes run, writes that joined) since open.
+    pub fn counts(&self) -> (u64, u64) {
+        let flushes = self.state.lock().map(|s| s.done).unwrap_or(0);
+        (
+            flushes,
+            self.joined.load(std::sync::atomic::Ordering::Relaxed),
+        )
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::FlushWindow;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
+
+    /// A joiner is never covered by a flush that began before it joined,
+    /// and concurrent joiners share flushes.
+    #[test]
+    fn a_flush_covers_only_writes_done_before_it_began() {
+        let w = Arc::new(FlushWindow::default());
+        // The count of writes "completed" and, per flush, how many
+        // writes had completed when it began.
+        let written = Arc::new(AtomicU64::new(0));
+        let covered = Arc::new(AtomicU64::new(0));
+        let hs: Vec<_> = (0..8)
+            .map(|_| {
+                let (w, written, covered) = (w.clone(), written.clone(), covered.clone());
+                std::thread::spawn(move || {
+                    for _ in 0..50 {
+                        let mine = written.fetch_add(1, Ordering::SeqCst) + 1;
+                        w.join(|| {
+                            let n = written.load(Ordering::SeqCst);
+                            std::thread::sleep(std::time::Duration::from_micros(200));
+                            covered.fetch_max(n, Ordering::SeqCst);
+                            Ok(())
+                        })
+                        .unwrap();
+                        // Some flush that began after our write counted it.
+                        assert!(covered.load(Ordering::SeqCst) >= mine);
+                    }
+                })
+            })
+            .collect();
+        for h in hs {
+            h.join().unwrap();
+        }
+        let (flushes, joined) = w.counts();
+        assert_eq!(joined, 400);
+        assert!(flushes >= 1 && flushes <= 400, "{flushes}");
+    }
+
+    /// A failed flush fails its joiners and every later one.
+    #[test]
+    fn a_failed_flush_fails_every_later_join() {
+        let w = FlushWindow::default();
+        assert!(w.join(|| Ok(())).is_ok());
+        let e = w.join(|| Err(std::io::Error::from_raw_os_error(libc::EIO)));
+        assert_eq!(e.unwrap_err().raw_os_error(), Some(libc::EIO));
+        let e = w.join(|| Ok(()));
+        assert_eq!(e.unwrap_err().raw_os_error(), Some(libc::EIO));
     }
 }

@@ -143,6 +143,11 @@ pub struct G3Store {
     /// in `blocks/` for a claimed id that the index lacks is an orphan.
     writing: Mutex<HashSet<u64>>,
     group: group::GroupCommit,
+    /// The data flush shared by writers (sync mode `Group`).
+    flush_window: group::FlushWindow,
+    /// `cfg.sync_mode`, or `Auto` where `Group` is not safe (fsops.rs
+    /// `syncfs_flushes`).
+    sync_mode: SyncMode,
     write_gate: RwLock<()>,
     reclaim: Arc<reclaimer::Signal>,
     reclaimer: Mutex<Option<std::thread::JoinHandle<()>>>,
@@ -294,6 +299,13 @@ impl G3Store {
             walk::check_own_dir(d, root_dev).map_err(|e| Error::io("checking", d, e))?;
         }
         let direct_ok = fsops::probe_direct(fs.as_ref(), &tmp_dir)?;
+        let sync_mode = match cfg.sync_mode {
+            SyncMode::Group if !fsops::syncfs_flushes(&tmp_dir) => {
+                tracing::warn!(dir = %tmp_dir.display(), "g3: this filesystem's syncfs may not flush to stable storage; flushing each block's data instead of one flush per window");
+                SyncMode::Auto
+            }
+            m => m,
+        };
         let (disk, index_rebuilt) = recover::open_index(fs.as_ref(), &cfg.root)?;
         let pool = BufferPool::new(cfg.buffer_pool_bytes)?;
         let store = Arc::new(G3Store {
@@ -322,6 +334,8 @@ impl G3Store {
             unsynced_removals: Mutex::new(HashSet::new()),
             writing: Mutex::new(HashSet::new()),
             group: group::GroupCommit::default(),
+            flush_window: group::FlushWindow::default(),
+            sync_mode,
             write_gate: RwLock::new(()),
             reclaim: Arc::new(reclaimer::Signal::default()),
             reclaimer: Mutex::new(None),
@@ -369,6 +383,19 @@ impl G3Store {
     /// is how many writes shared one directory fsync and index commit.
     pub fn group_commit_counts(&self) -> (u64, u64) {
         self.group.counts()
+    }
+
+    /// Data flushes of the `Group` sync mode since open: (flushes, writes
+    /// that waited on them). Their quotient is the writes one flush
+    /// covered.
+    pub fn data_flush_counts(&self) -> (u64, u64) {
+        self.flush_window.counts()
+    }
+
+    /// The sync mode that runs (`Group` falls back to `Auto` on a
+    /// filesystem whose syncfs is not trusted).
+    pub fn sync_mode(&self) -> SyncMode {
+        self.sync_mode
     }
 
     /// The configuration.

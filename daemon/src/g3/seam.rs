@@ -26,6 +26,10 @@ pub enum SyncSite {
     BlockFdatasync,
     /// O_DSYNC on a block's temp file (files of one chunk or less).
     BlockODsync,
+    /// The flush window's `syncfs` (sync mode `Group`, group.rs): makes
+    /// the data of every block file written before it durable, one call
+    /// for all the writers waiting on it.
+    BlockGroupSyncfs,
     /// fsync of a shard directory after renames, before the index commit
     /// and the ack (group commit, durable.rs).
     CommitDirFsync,
@@ -69,6 +73,7 @@ impl SyncSite {
     pub const ALL: &'static [SyncSite] = &[
         SyncSite::BlockFdatasync,
         SyncSite::BlockODsync,
+        SyncSite::BlockGroupSyncfs,
         SyncSite::CommitDirFsync,
         SyncSite::OpenDirFsync,
         SyncSite::NsDirFsync,
@@ -89,6 +94,7 @@ impl SyncSite {
         match self {
             SyncSite::BlockFdatasync => "block.fdatasync",
             SyncSite::BlockODsync => "block.o_dsync",
+            SyncSite::BlockGroupSyncfs => "block.group_syncfs",
             SyncSite::CommitDirFsync => "commit.dir_fsync",
             SyncSite::OpenDirFsync => "open.dir_fsync",
             SyncSite::NsDirFsync => "mkdir.ns_dir_fsync",
@@ -113,6 +119,7 @@ impl SyncSite {
             self,
             SyncSite::BlockFdatasync
                 | SyncSite::BlockODsync
+                | SyncSite::BlockGroupSyncfs
                 | SyncSite::CommitDirFsync
                 | SyncSite::OpenDirFsync
                 | SyncSite::NsDirFsync

@@ -190,6 +190,10 @@ impl G3Store {
         // 2. Write, rename into place; up to `io_depth` files at once.
         let full = AtomicBool::new(false);
         let next = AtomicUsize::new(0);
+        // Each copy of `write_some` (this thread and pooled helpers,
+        // workers.rs) takes jobs until none is left.
+        let results: std::sync::Mutex<Vec<(usize, Result<Option<Placed>>)>> =
+            std::sync::Mutex::new(Vec::with_capacity(jobs.len()));
         let write_some = || {
             let mut done: Vec<(usize, Result<Option<Placed>>)> = Vec::new();
             loop {
@@ -229,33 +233,17 @@ impl G3Store {
                 }
                 done.push((k, r));
             }
-            done
+            if let Ok(mut r) = results.lock() {
+                r.extend(done);
+            }
         };
         let workers = self.cfg.io_depth.min(jobs.len());
-        let mut written: Vec<(usize, Result<Option<Placed>>)> = if workers <= 1 {
-            write_some()
-        } else {
-            std::thread::scope(|sc| {
-                // A thread that cannot start leaves its share to the others
-                // (this one always runs).
-                let hs: Vec<_> = (1..workers)
-                    .filter_map(|_| {
-                        std::thread::Builder::new()
-                            .name("g3-batch-writer".into())
-                            .spawn_scoped(sc, write_some)
-                            .ok()
-                    })
-                    .collect();
-                let mut all = write_some();
-                for h in hs {
-                    match h.join() {
-                        Ok(v) => all.extend(v),
-                        Err(_) => tracing::error!("g3: a batch writer thread panicked"),
-                    }
-                }
-                all
-            })
-        };
+        if crate::workers::fan_out(workers.saturating_sub(1), &write_some) > 0 {
+            tracing::error!("g3: a batch writer panicked");
+        }
+        // A poisoned lock: no outcome for any job (each reported as an
+        // error below, never as stored).
+        let mut written = results.into_inner().unwrap_or_default();
         written.sort_unstable_by_key(|(k, _)| *k);
 
         // 3. Make the renames and records durable together.

@@ -9,7 +9,8 @@
 //! order in the connection ([`super::conn`]); each read is still one
 //! verifying `read_into` / `open_for_read`, so a corrupt or missing block
 //! is a miss for that item alone and never touches the others' outcomes.
-//! Bounded scoped threads rather than a batched io_uring submission: the
+//! Bounded pooled helper threads (crate::workers, started once and kept,
+//! not per request) rather than a batched io_uring submission: the
 //! read path behind `Backend` (G3, a peer, G4, a staged fetch) stays the one
 //! it is, and the ring pool already bounds what reaches the disk.
 
@@ -109,38 +110,27 @@ pub(super) fn read_all(
     let order = AccessOrder::new(n);
     let queue = Mutex::new(jobs.into_iter().enumerate());
     let take = || queue.lock().ok().and_then(|mut q| q.next());
+    let results = Mutex::new(Vec::with_capacity(n));
+    // Each copy (this thread and pooled helpers, workers.rs) takes jobs
+    // until none is left.
     let work = || {
         let mut done = Vec::new();
         while let Some((i, job)) = take() {
             done.push((i, order.run(i, || read_one(b, ns, job))));
         }
-        done
+        if let Ok(mut r) = results.lock() {
+            r.extend(done);
+        }
     };
+    if crate::workers::fan_out(extra, &work) > 0 {
+        tracing::error!("an onboard reader panicked");
+    }
     let mut slots: Vec<Option<Got>> = (0..n).map(|_| None).collect();
-    std::thread::scope(|sc| {
-        // A thread that cannot start leaves its share to the others (this
-        // one always runs).
-        let hs: Vec<_> = (0..extra)
-            .filter_map(|_| {
-                std::thread::Builder::new()
-                    .name("onboard-reader".into())
-                    .spawn_scoped(sc, work)
-                    .ok()
-            })
-            .collect();
-        let mut all = work();
-        for h in hs {
-            match h.join() {
-                Ok(v) => all.extend(v),
-                Err(_) => tracing::error!("an onboard reader thread panicked"),
-            }
+    for (i, g) in results.into_inner().unwrap_or_default() {
+        if let Some(s) = slots.get_mut(i) {
+            *s = Some(g);
         }
-        for (i, g) in all {
-            if let Some(s) = slots.get_mut(i) {
-                *s = Some(g);
-            }
-        }
-    });
+    }
     drop(reserved);
     // A job a panicked thread took has no outcome: an error for that item.
     slots
@@ -150,7 +140,7 @@ pub(super) fn read_all(
                 Err(Error::io(
                     "reading",
                     "an onboard block",
-                    std::io::Error::other("its reader thread panicked"),
+                    std::io::Error::other("its reader panicked"),
                 ))
             })
         })

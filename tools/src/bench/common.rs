@@ -165,6 +165,35 @@ impl RawFile {
     }
 }
 
+/// CPU seconds (user + system, every thread) this process used so far.
+pub fn process_cpu_s() -> f64 {
+    // SAFETY: clock_gettime writes one timespec into `ts`.
+    let mut ts: libc::timespec = unsafe { std::mem::zeroed() };
+    if unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut ts) } != 0 {
+        return 0.0;
+    }
+    ts.tv_sec as f64 + ts.tv_nsec as f64 / 1e9
+}
+
+/// CPU seconds (user + system) another process used so far, from
+/// /proc/PID/stat (clock-tick resolution: 10 ms); `None` when unreadable.
+pub fn pid_cpu_s(pid: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name (which may hold spaces), which ends
+    // at the last ')': state is field 3, utime 14, stime 15.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = f.get(11)?.parse::<f64>().ok()? + f.get(12)?.parse::<f64>().ok()?;
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    (hz > 0).then(|| ticks / hz as f64)
+}
+
+/// CPU seconds of this process plus `other` (a daemon it drives), so far.
+pub fn cpu_s_with(other: Option<u32>) -> f64 {
+    process_cpu_s() + other.and_then(pid_cpu_s).unwrap_or(0.0)
+}
+
 /// Bytes over seconds, in GB/s (10^9).
 pub fn gbps(bytes: usize, secs: f64) -> f64 {
     if secs <= 0.0 {

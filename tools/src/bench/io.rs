@@ -79,15 +79,20 @@ pub fn run(a: IoArgs) -> Result<()> {
         (a.blocks as u64 * (a.block_size + 8192)) * 2 + (64 << 20)
     );
     let owned;
-    let socket = match &a.socket {
-        Some(s) => s.clone(),
+    let (socket, daemon_pid) = match &a.socket {
+        Some(s) => (s.clone(), None),
         None => {
             // G4 off: the G4 write-through would read every block back from
             // the same disk while the bench measures it against raw I/O.
             owned = crate::ops::OwnedDaemon::start(&["--g3-capacity", &cap, "--g4", ""])?;
-            owned.socket.clone()
+            (owned.socket.clone(), Some(owned.pid()))
         }
     };
+    // CPU per GB moved: this process (clients) plus the daemon it started
+    // (a `--socket` daemon's CPU is not visible: clients only), beside the
+    // raw baseline's (this process alone, the daemon idle).
+    let gb = (bs * a.blocks) as f64 / 1e9;
+    let cpu = || common::cpu_s_with(daemon_pid);
     let slot = 4096 + bs.div_ceil(4096) * 4096;
     let mk = |i: usize| {
         let mut c = ClientConfig::new(&socket);
@@ -109,6 +114,9 @@ pub fn run(a: IoArgs) -> Result<()> {
     let raw = RawFile::create(work.path(), bs, a.blocks)?;
 
     let (mut off, mut on, mut bw, mut br) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    // CPU seconds per GB, per round: offload, onboard, raw write, raw read.
+    let (mut c_off, mut c_on, mut c_bw, mut c_br) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut lat_us = Vec::new();
     let mut cold = true;
     for round in 0..a.rounds {
@@ -123,6 +131,7 @@ pub fn run(a: IoArgs) -> Result<()> {
             .map(|i| BlockKey::from_u64(i ^ ((round as u64) << 40) | 1 << 63))
             .collect();
         // A: offload.
+        let c0 = cpu();
         let t = Instant::now();
         let per = a.blocks.div_ceil(a.clients);
         let failures = std::sync::atomic::AtomicUsize::new(0);
@@ -153,12 +162,14 @@ pub fn run(a: IoArgs) -> Result<()> {
             }
         });
         off.push(common::gbps(bs * a.blocks, t.elapsed().as_secs_f64()));
+        c_off.push((cpu() - c0) / gb);
         if failures.into_inner() > 0 {
             bail!("offload failed for some blocks (is the daemon's capacity large enough?)");
         }
         cold &= common::drop_page_cache();
         // A: onboard in random order.
         let order = common::shuffled(a.blocks, 42 + round as u64);
+        let c0 = cpu();
         let t = Instant::now();
         let misses = std::sync::atomic::AtomicUsize::new(0);
         let lats = std::sync::Mutex::new(Vec::new());
@@ -196,6 +207,7 @@ pub fn run(a: IoArgs) -> Result<()> {
             }
         });
         on.push(common::gbps(bs * a.blocks, t.elapsed().as_secs_f64()));
+        c_on.push((cpu() - c0) / gb);
         if misses.into_inner() > 0 {
             bail!("onboard missed blocks it had just stored");
         }
@@ -204,8 +216,11 @@ pub fn run(a: IoArgs) -> Result<()> {
         let h = clients[0].namespace(&ns);
         let _ = h.evict(&keys);
         // B: the raw baseline, same sizes and depth.
+        let c0 = common::process_cpu_s();
         bw.push(raw.write_all(a.depth * a.clients)?);
+        c_bw.push((common::process_cpu_s() - c0) / gb);
         cold &= common::drop_page_cache();
+        let c0 = common::process_cpu_s();
         br.push(
             raw.read_order(
                 a.depth * a.clients,
@@ -213,6 +228,7 @@ pub fn run(a: IoArgs) -> Result<()> {
             )?
             .0,
         );
+        c_br.push((common::process_cpu_s() - c0) / gb);
     }
 
     // Lookup round trip of a 64-key chain, interleaved with its floor: the
@@ -266,6 +282,31 @@ pub fn run(a: IoArgs) -> Result<()> {
         common::median(&on),
         common::median(&br),
     );
+    // CPU: seconds per GB (lower is better) and, for the contract's
+    // higher-is-better quotient, GB per CPU second.
+    for (name, m, b) in [("offload", &c_off, &c_bw), ("onboard", &c_on, &c_br)] {
+        let (m, b) = (common::median(m), common::median(b));
+        out.insert(format!("{name}_cpu_s_per_gb"), json!(m));
+        out.insert(format!("{name}_cpu_s_per_gb_baseline"), json!(b));
+        common::compare(
+            &mut out,
+            &format!("{name}_gb_per_cpu_s"),
+            1.0 / m.max(1e-6),
+            1.0 / b.max(1e-6),
+        );
+    }
+    out.insert(
+        "cpu_measured".into(),
+        json!(if daemon_pid.is_some() {
+            "clients and the daemon"
+        } else {
+            "clients only (a --socket daemon)"
+        }),
+    );
+    out.insert("offload_cpu_s_per_gb_rounds".into(), json!(c_off));
+    out.insert("onboard_cpu_s_per_gb_rounds".into(), json!(c_on));
+    out.insert("baseline_write_cpu_s_per_gb_rounds".into(), json!(c_bw));
+    out.insert("baseline_read_cpu_s_per_gb_rounds".into(), json!(c_br));
     out.insert("offload_gbps_rounds".into(), json!(off));
     out.insert("onboard_gbps_rounds".into(), json!(on));
     out.insert("baseline_write_gbps_rounds".into(), json!(bw));

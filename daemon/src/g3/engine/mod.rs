@@ -65,6 +65,17 @@ pub trait IoEngine: Send + Sync {
     fn read_file(&self, fd: RawFd, dst: &mut [u8], on_ready: ReadyFn<'_>) -> io::Result<usize>;
     /// fdatasync.
     fn sync_data(&self, fd: RawFd) -> io::Result<()>;
+    /// syncfs(2) of the filesystem holding `fd`: every write completed
+    /// before it, to any file there, is durable when it returns (the
+    /// group flush, group.rs). Errors since Linux 5.8 include writeback
+    /// and device-flush failures.
+    fn sync_fs(&self, fd: RawFd) -> io::Result<()> {
+        // SAFETY: syncfs reads nothing from memory; a bad fd is EBADF.
+        if unsafe { libc::syncfs(fd) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
 }
 
 /// Reads until `buf` is full or EOF with plain pread (the short-read path of
