@@ -75,12 +75,18 @@ g4_outage() {
 # G3 power loss (daemon/tests/g3_power_loss.rs): KVTIER_POWER_LOSS_ITERS
 # iterations (default 1000; 4 scenarios round robin, seeds from
 # KVTIER_POWER_LOSS_SEED) of crash + recovery + checks, then the mutation
-# check (each durability site removed in turn) with a larger budget. One
-# scenario per test that passes.
+# check (each durability site removed in turn) with a larger budget; the
+# same through the real client, socket, server and node
+# (daemon/tests/acked: KVTIER_ACKED_POWER_LOSS_ITERS, default 200) and its
+# mutation check. One scenario per test that passes.
 g3_power_loss() {
   local iters=${KVTIER_POWER_LOSS_ITERS:-1000}
   local log="$LOG_DIR/g3_power_loss.log"
   KVTIER_POWER_LOSS_ITERS=$iters KVTIER_MUTATION_ITERS=${KVTIER_MUTATION_ITERS:-1200} \
+    KVTIER_MUTATION_SAFE_ITERS=${KVTIER_MUTATION_SAFE_ITERS:-60} \
+    KVTIER_ACKED_POWER_LOSS_ITERS=${KVTIER_ACKED_POWER_LOSS_ITERS:-200} \
+    KVTIER_ACKED_MUTATION_ITERS=${KVTIER_ACKED_MUTATION_ITERS:-480} \
+    KVTIER_ACKED_MUTATION_SAFE_ITERS=${KVTIER_ACKED_MUTATION_SAFE_ITERS:-24} \
     cargo test -p kvtier-daemon --test g3_power_loss -- --nocapture --test-threads=2 \
     --skip simulation_short >"$log" 2>&1
   local rc=$?
@@ -93,7 +99,7 @@ g3_power_loss() {
     echo "g3_power_loss: cargo test failed without a test failure; see $log"
     FAILED=$((FAILED + 1))
   fi
-  grep -E '^power loss:|caught at|not load-bearing' "$log"
+  grep -E '^(acked )?power loss:|caught at|not load-bearing' "$log"
 }
 
 # The deterministic simulation (daemon/tests/sim, run by g3_power_loss's
