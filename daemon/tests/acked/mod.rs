@@ -27,13 +27,15 @@
 //! 60), each other one must lose nothing in
 //! `KVTIER_ACKED_MUTATION_SAFE_ITERS` (default 6).
 
-use crate::common;
+use super::{
+    acked_are_visible, acked_keys, common, engine, listed, Attempt, Iter, Phase, Scenario,
+};
 use kvtier_client::{
     BlockKey, Client, ClientConfig, Hints, Namespace, OffloadBlock, OffloadOutcome, Onboarded,
 };
 use kvtier_daemon::conformance::{block, namespace};
 use kvtier_daemon::events::EventBus;
-use kvtier_daemon::g3::engine::{EngineKind, IoEngine, PreadEngine, UringEngine};
+use kvtier_daemon::g3::engine::EngineKind;
 use kvtier_daemon::g3::powerloss::PowerLossFs;
 use kvtier_daemon::g3::seam::SyncSite;
 use kvtier_daemon::g3::G3Store;
@@ -42,31 +44,10 @@ use kvtier_daemon::node::{Node, NodeConfig};
 use kvtier_daemon::policy::Lru;
 use kvtier_daemon::server::{Server, ServerLimits, ShutdownHandle, SocketOptions};
 use rand::{Rng, SeedableRng};
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Phase {
-    Workload,
-    Close,
-    Recovery,
-}
-
-#[derive(Debug, Clone, Copy)]
-struct Scenario {
-    name: &'static str,
-    payload_bytes: u64,
-    blocks_per_writer: u64,
-    batch: usize,
-    /// Clients, each on its own connection.
-    writers: u64,
-    /// Capacity in blocks (eviction when small).
-    capacity_blocks: u64,
-    /// Clients also evict blocks (`kvtier evict`'s request).
-    evicts: bool,
-}
 
 const SCENARIOS: &[Scenario] = &[
     Scenario {
@@ -76,7 +57,7 @@ const SCENARIOS: &[Scenario] = &[
         batch: 4,
         writers: 3,
         capacity_blocks: 20,
-        evicts: true,
+        deletes: true,
     },
     Scenario {
         name: "socket-large-single-evicts",
@@ -85,7 +66,7 @@ const SCENARIOS: &[Scenario] = &[
         batch: 1,
         writers: 2,
         capacity_blocks: 1000,
-        evicts: true,
+        deletes: true,
     },
     Scenario {
         name: "socket-small-single",
@@ -94,7 +75,7 @@ const SCENARIOS: &[Scenario] = &[
         batch: 1,
         writers: 1,
         capacity_blocks: 1000,
-        evicts: false,
+        deletes: false,
     },
     Scenario {
         name: "socket-large-batch-evict",
@@ -103,19 +84,9 @@ const SCENARIOS: &[Scenario] = &[
         batch: 2,
         writers: 1,
         capacity_blocks: 3,
-        evicts: false,
+        deletes: false,
     },
 ];
-
-/// One offload a client sent.
-#[derive(Debug, Clone)]
-struct Attempt {
-    seed: u64,
-    /// Simulator operation count when the request was sent.
-    begun_op: u64,
-    /// Answered `Stored` or `AlreadyPresent` over the socket.
-    acked: bool,
-}
 
 struct Run {
     dir: tempfile::TempDir,
@@ -133,13 +104,6 @@ struct Served {
     stop: ShutdownHandle,
     serving: std::thread::JoinHandle<kvtier_daemon::error::Result<()>>,
     g3: Weak<G3Store>,
-}
-
-fn engine() -> Arc<dyn IoEngine> {
-    match UringEngine::new(4) {
-        Ok(u) => Arc::new(u),
-        Err(_) => Arc::new(PreadEngine),
-    }
 }
 
 fn env_u64(k: &str) -> Option<u64> {
@@ -202,10 +166,6 @@ impl Run {
         })
     }
 
-    fn key_seed_base(&self, epoch: u64, writer: u64) -> u64 {
-        epoch * 1_000_000 + writer * 10_000
-    }
-
     /// Offloads, onboards and evicts from `writers` clients at once.
     fn workload(&self, epoch: u64, seed: u64) {
         std::thread::scope(|sc| {
@@ -224,18 +184,8 @@ impl Run {
             if self.fs.crashed() {
                 return;
             }
-            let n = (self.sc.batch as u64).min(self.sc.blocks_per_writer - i);
-            let seeds: Vec<u64> = (0..n)
-                .map(|j| {
-                    // One in five keys is shared by all clients (the same
-                    // key from two connections at once).
-                    if rng.random_range(0..5) == 0 {
-                        self.key_seed_base(epoch, 99) + rng.random_range(0..4)
-                    } else {
-                        self.key_seed_base(epoch, w) + i + j
-                    }
-                })
-                .collect();
+            let seeds = self.sc.next_seeds(&mut rng, epoch, w, i);
+            let n = seeds.len() as u64;
             let blocks: Vec<_> = seeds.iter().map(|s| block(&self.ns, *s)).collect();
             let offloads: Vec<OffloadBlock<'_>> = blocks
                 .iter()
@@ -264,7 +214,7 @@ impl Run {
             i += n;
             let (key, _, p) = &blocks[0];
             match rng.random_range(0..5) {
-                0 if self.sc.evicts => {
+                0 if self.sc.deletes => {
                     let _ = h.evict(&[*key]);
                 }
                 1 => {
@@ -292,17 +242,7 @@ impl Run {
         let g3 = served.node.g3();
         let ns_id = self.ns.id();
         let attempts = self.attempts.lock().unwrap();
-        let removed = self.fs.removed_blocks();
-        let mut visible: HashSet<BlockKey> = HashSet::new();
-        let mut after = None;
-        loop {
-            let page = g3.list(&ns_id, after.as_ref(), 1000);
-            if page.is_empty() {
-                break;
-            }
-            after = page.last().copied();
-            visible.extend(page);
-        }
+        let visible = listed(g3, &ns_id);
         let client = self.client();
         let h = client.namespace(&self.ns);
         for key in &visible {
@@ -319,23 +259,7 @@ impl Run {
                 return Err(format!("listed block {key} onboards with wrong bytes"));
             }
         }
-        for (key, tries) in attempts.iter() {
-            let Some(first_ack) = tries.iter().filter(|t| t.acked).map(|t| t.begun_op).min() else {
-                continue;
-            };
-            if visible.contains(key) {
-                continue;
-            }
-            let path = g3.block_file_path(&ns_id, key);
-            // Removed on purpose (an evict, an eviction) after an acked
-            // offload began.
-            let excused = removed.iter().any(|(op, p)| *p == path && *op > first_ack);
-            if !excused {
-                return Err(format!(
-                    "acknowledged block {key} lost (its offload began at op {first_ack})"
-                ));
-            }
-        }
+        acked_are_visible(g3, &ns_id, &attempts, &visible, &self.fs.removed_blocks())?;
         drop(client);
         common::tree_matches_index(g3, &self.root(), &visible)
     }
@@ -363,27 +287,11 @@ fn stop(served: Served) -> Result<bool, String> {
     Ok(closed)
 }
 
-/// What one iteration did.
-#[derive(Debug, Default, Clone, Copy)]
-struct Iter {
-    acked: u64,
-    entries_undone: u64,
-    files_dropped: u64,
-    files_torn: u64,
-    evictions: u64,
-    crashed_in_close: u64,
-    crashed_in_recovery: u64,
-}
-
 impl Iter {
-    fn add(&mut self, o: &Iter) {
-        self.acked += o.acked;
-        self.entries_undone += o.entries_undone;
-        self.files_dropped += o.files_dropped;
-        self.files_torn += o.files_torn;
-        self.evictions += o.evictions;
-        self.crashed_in_close += o.crashed_in_close;
-        self.crashed_in_recovery += o.crashed_in_recovery;
+    /// Counts what a session did to G3 (evictions, recycled writes).
+    fn ran(&mut self, s: &Served) {
+        self.evictions += s.node.g3().stats().evictions;
+        self.recycled_writes += s.node.g3().recycle_counts().recycled_writes;
     }
 }
 
@@ -401,11 +309,7 @@ fn iteration(sc: Scenario, seed: u64, skip: Option<SyncSite>) -> Result<Iter, St
         wrong: Mutex::new(None),
     };
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let phase = match rng.random_range(0..4) {
-        0 | 1 => Phase::Workload,
-        2 => Phase::Close,
-        _ => Phase::Recovery,
-    };
+    let phase = Phase::draw(&mut rng);
     let mut it = Iter::default();
     let err = |what: &str, e: String| format!("{} seed {seed}: {what}: {e}", sc.name);
     let mut epoch = 0;
@@ -414,7 +318,7 @@ fn iteration(sc: Scenario, seed: u64, skip: Option<SyncSite>) -> Result<Iter, St
     if rng.random_bool(0.5) {
         let s = run.start(sc.capacity_blocks).map_err(|e| err("start", e))?;
         run.workload(epoch, seed);
-        it.evictions += s.node.g3().stats().evictions;
+        it.ran(&s);
         if !stop(s).map_err(|e| err("clean stop", e))? {
             return Err(err("clean stop", "closing G3 failed".into()));
         }
@@ -429,13 +333,13 @@ fn iteration(sc: Scenario, seed: u64, skip: Option<SyncSite>) -> Result<Iter, St
             run.fs
                 .set_crash_at(Some(start + rng.random_range(0..blocks * ops_per_block)));
             run.workload(epoch, seed);
-            it.evictions += s.node.g3().stats().evictions;
+            it.ran(&s);
             run.fs.crash_now();
             s
         }
         Phase::Close => {
             run.workload(epoch, seed);
-            it.evictions += s.node.g3().stats().evictions;
+            it.ran(&s);
             let now = run.fs.ops();
             run.fs
                 .set_crash_at(Some(now + rng.random_range(0..20 + blocks)));
@@ -485,13 +389,7 @@ fn iteration(sc: Scenario, seed: u64, skip: Option<SyncSite>) -> Result<Iter, St
     let checked = run.check(&s);
     stop(s).map_err(|e| err("stop after the clean restart", e))?;
     checked.map_err(|e| format!("{} seed {seed} {phase:?} (clean restart): {e}", sc.name))?;
-    it.acked = run
-        .attempts
-        .lock()
-        .unwrap()
-        .values()
-        .filter(|t| t.iter().any(|a| a.acked))
-        .count() as u64;
+    it.acked = acked_keys(&run.attempts);
     Ok(it)
 }
 
@@ -534,8 +432,8 @@ fn acked_offloads_survive_power_loss() {
     }
     println!(
         "acked power loss: {n} iterations (seeds {seed0}..{}) in {:?}, acked blocks checked {}, \
-         entries undone {}, files dropped {}, torn {}, evictions {}, crashes inside close {}, \
-         inside recovery {}, blocks lost 0",
+         entries undone {}, files dropped {}, torn {}, evictions {}, recycled writes {}, crashes \
+         inside close {}, inside recovery {}, blocks lost 0",
         seed0 + n,
         t.elapsed(),
         total.acked,
@@ -543,6 +441,7 @@ fn acked_offloads_survive_power_loss() {
         total.files_dropped,
         total.files_torn,
         total.evictions,
+        total.recycled_writes,
         total.crashed_in_close,
         total.crashed_in_recovery
     );
@@ -556,7 +455,9 @@ fn acked_offloads_survive_power_loss() {
     }
     if n >= 40 {
         assert!(
-            total.crashed_in_close > 0 && total.crashed_in_recovery > 0,
+            total.crashed_in_close > 0
+                && total.crashed_in_recovery > 0
+                && total.recycled_writes > 0,
             "{total:?}"
         );
     }
