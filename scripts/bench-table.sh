@@ -46,6 +46,8 @@ work="$(cd "$out/work" && pwd)"
 manifest="$out/manifest.tsv"
 : > "$manifest"
 foyer=tools/peers/target/release/kvtier-bench-foyer
+# G4 and crossnode start a local S3 server (SeaweedFS, scripts/setup.sh).
+if [ -z "${KVTIER_WEED:-}" ] && [ -x .venv/bin/weed ]; then export KVTIER_WEED="$PWD/.venv/bin/weed"; fi
 want() { [ -z "$only" ] || [[ ",$only," == *",$1,"* ]]; }
 bytes_of() { case "$1" in *KiB) echo $(( ${1%KiB} << 10 ));; *MiB) echo $(( ${1%MiB} << 20 ));; esac; }
 # blocks SIZE MIN: a round's blocks (bytes per round, at least MIN)
@@ -62,6 +64,11 @@ run() {
     printf '%s\t%s\t%s\t%s\t%s\tfailed\t%s\n' "$name" "$bench" "$variant" "$size" "$nclients" "$((SECONDS - t0))" >> "$manifest"
     tail -3 "$out/json/$name.err" >&2
   fi
+}
+# skip BENCH VARIANT SIZE CLIENTS WHY: a bench this run could not run,
+# named in the table (never silently absent).
+skip() {
+  printf '%s\t%s\t%s\t%s\t%s\tskipped\t0\t%s\n' "$1-skipped" "$1" "$2" "$3" "$4" "$5" >> "$manifest"
 }
 start=$(date -u +%Y-%m-%dT%H:%MZ)
 load_before=$(cut -d' ' -f1-3 /proc/loadavg)
@@ -83,6 +90,9 @@ for s in $sizes; do
     if want io_fd && [ "$c" = "$(echo $clients | cut -d' ' -f2)" ]; then
       run "io-fd-$s-c$c" io direct_fd "$s" "$c" -- "$kvtier" bench io --block-size "$s" \
         --blocks "$n" --depth $depth --clients "$c" --rounds $rounds --dir "$work" --direct-read --json
+    fi
+    if want peers && [ ! -x "$foyer" ] && [ "$s$c" = "$(echo $sizes | cut -d' ' -f1)$(echo $clients | cut -d' ' -f1)" ]; then
+      skip peers "kvtier/foyer" all all "no release foyer at $foyer (cargo build --release --manifest-path tools/peers/Cargo.toml)"
     fi
     if want peers && [ -x "$foyer" ]; then
       run "peers-$s-c$c" peers "kvtier/foyer" "$s" "$c" -- "$kvtier" bench peers --dir "$work/peers" \
@@ -113,6 +123,9 @@ if want g4; then
 fi
 trace=../shared/workloads/mooncake/conversation_trace.jsonl
 [ -f "$trace" ] || trace=/work/shared/workloads/mooncake/conversation_trace.jsonl
+if want replay && [ ! -f "$trace" ]; then
+  skip replay real_kvtierd 64KiB 1 "no Mooncake trace at $trace"
+fi
 if want replay && [ -f "$trace" ]; then
   reqs=2000; [ "$small" = 1 ] && reqs=50
   run "replay-64KiB" replay real_kvtierd 64KiB 1 -- "$kvtier" bench replay --trace "$trace" \

@@ -107,8 +107,12 @@ def main():
     groups = {}
     with open(os.path.join(a.out, "manifest.tsv")) as f:
         for line in f:
-            name, bench, variant, size, clients, status, secs = line.rstrip("\n").split("\t")
+            name, bench, variant, size, clients, status, secs, *why = line.rstrip("\n").split("\t")
             path = os.path.join(a.out, "json", name + ".json")
+            if status == "skipped":
+                reason = (why[0] if why else "")[:200].replace("|", "/")
+                rows.append((bench, variant, size, clients, "**not run**", "", "", reason, "", "", ""))
+                continue
             if status != "ok":
                 err = open(os.path.join(a.out, "json", name + ".err")).read().strip().splitlines()
                 why = (err[-1] if err else "no output")[:160].replace("|", "/")

@@ -61,8 +61,10 @@ engine = "auto"
 # How an offloaded block's data is made durable before its ack: "group"
 # (one syncfs shared by every block written when it begins, across
 # requests and clients; a disk without FUA pays one cache flush per window
-# instead of one per block; on filesystems whose syncfs is not trusted to
-# reach the disk, e.g. FUSE or NFS, G3 uses per_block and logs it) or
+# instead of one per block; it flushes every dirty page of that filesystem,
+# so G3 on a filesystem of its own keeps it short; without O_DIRECT or on
+# filesystems whose syncfs is not trusted to reach the disk, e.g. FUSE or
+# NFS, G3 uses per_block and logs it) or
 # "per_block" (O_DSYNC writes up to 1 MiB, else an fdatasync per file).
 data_flush = "group"
 # Blocks that failed verification are kept in quarantine/ for inspection,

@@ -229,12 +229,15 @@ impl Run {
         let file_len = 4096 + self.sc.payload_bytes.div_ceil(4096) * 4096;
         cfg.capacity_bytes = capacity_blocks * file_len;
         cfg.sync_mode = self.sc.sync;
-        G3Store::open_with_fs(
+        let store = G3Store::open_with_fs(
             cfg,
             Box::new(Lru::new()),
             self.fs.engine(engine()),
             self.fs.clone(),
-        )
+        )?;
+        // The scenario runs the flush it names (no silent fallback).
+        assert_eq!(store.sync_mode(), self.sc.sync, "{}", self.sc.name);
+        Ok(store)
     }
 
     /// Puts, reads, deletes and hint updates from `writers` threads.

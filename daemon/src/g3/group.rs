@@ -211,15 +211,17 @@ impl FlushWindow {
             st.started += 1;
             let me = st.started;
             drop(st);
+            // Ends the flush as failed if `f` unwinds, so that the writers
+            // waiting on it get an error rather than wait forever.
+            let mut ending = EndFlush {
+                w: self,
+                me,
+                failed: Some((None, "the group data flush panicked".into())),
+            };
             let r = f();
+            ending.failed = r.as_ref().err().map(|e| (e.raw_os_error(), e.to_string()));
+            drop(ending);
             st = self.state.lock().map_err(|_| lock_err())?;
-            st.busy = false;
-            st.done = me;
-            if let Err(e) = &r {
-                st.failed
-                    .get_or_insert((me, e.raw_os_error(), e.to_string()));
-            }
-            self.cv.notify_all();
         }
     }
 
@@ -230,6 +232,30 @@ impl FlushWindow {
             flushes,
             self.joined.load(std::sync::atomic::Ordering::Relaxed),
         )
+    }
+}
+
+/// Records the end of flush `me` (its failure, if any) and wakes the
+/// writers waiting on it; on drop, so an unwinding flush ends too.
+struct EndFlush<'a> {
+    w: &'a FlushWindow,
+    me: u64,
+    failed: Option<(Option<i32>, String)>,
+}
+
+impl Drop for EndFlush<'_> {
+    fn drop(&mut self) {
+        // A poisoned lock still holds the state: the flush must end.
+        let mut st = match self.w.state.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        };
+        st.busy = false;
+        st.done = self.me;
+        if let Some((errno, msg)) = self.failed.take() {
+            st.failed.get_or_insert((self.me, errno, msg));
+        }
+        self.w.cv.notify_all();
     }
 }
 
@@ -273,7 +299,22 @@ mod tests {
         }
         let (flushes, joined) = w.counts();
         assert_eq!(joined, 400);
-        assert!(flushes >= 1 && flushes <= 400, "{flushes}");
+        assert!((1..=400).contains(&flushes), "{flushes}");
+    }
+
+    /// A flush that panics ends as failed: its waiters get an error, and
+    /// so does every later join (none waits forever).
+    #[test]
+    fn a_panicking_flush_fails_its_waiters() {
+        let w = Arc::new(FlushWindow::default());
+        let w2 = w.clone();
+        let h = std::thread::spawn(move || {
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                w2.join(|| panic!("flush panics on purpose"))
+            }));
+        });
+        h.join().unwrap();
+        assert!(w.join(|| Ok(())).is_err());
     }
 
     /// A failed flush fails its joiners and every later one.

@@ -145,8 +145,8 @@ pub struct G3Store {
     group: group::GroupCommit,
     /// The data flush shared by writers (sync mode `Group`).
     flush_window: group::FlushWindow,
-    /// `cfg.sync_mode`, or `Auto` where `Group` is not safe (fsops.rs
-    /// `syncfs_flushes`).
+    /// `cfg.sync_mode`, or `Auto` where `Group` is not safe
+    /// (seam.rs `G3Fs::syncfs_durable`).
     sync_mode: SyncMode,
     write_gate: RwLock<()>,
     reclaim: Arc<reclaimer::Signal>,
@@ -300,8 +300,8 @@ impl G3Store {
         }
         let direct_ok = fsops::probe_direct(fs.as_ref(), &tmp_dir)?;
         let sync_mode = match cfg.sync_mode {
-            SyncMode::Group if !fsops::syncfs_flushes(&tmp_dir) => {
-                tracing::warn!(dir = %tmp_dir.display(), "g3: this filesystem's syncfs may not flush to stable storage; flushing each block's data instead of one flush per window");
+            SyncMode::Group if !fs.syncfs_durable(&tmp_dir, direct_ok) => {
+                tracing::warn!(dir = %tmp_dir.display(), direct_io = direct_ok, "g3: a shared syncfs is not trusted to make block data durable here (no O_DIRECT, or a filesystem whose syncfs may not flush the device); flushing each block's data instead of one flush per window");
                 SyncMode::Auto
             }
             m => m,

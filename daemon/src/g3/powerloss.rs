@@ -6,8 +6,9 @@
 //! engine for block data), and the simulator keeps what a power cut would
 //! take back:
 //! - file data: per inode, the content at its last fsync/fdatasync (or
-//!   O_DSYNC write, or any syncfs: data only, see `sync_fs`); a write to
-//!   a clean inode first saves that content;
+//!   O_DSYNC write, or, for block files, any later syncfs: see
+//!   `PowerLossEngine::sync_fs`); a write to a clean inode first saves
+//!   that content;
 //! - directory entries: every create, rename, unlink and mkdir is logged
 //!   as a change of one entry (`dir/name`: old inode -> new inode); an
 //!   fsync of `dir` makes the changes in `dir` durable (drops them from
@@ -31,7 +32,7 @@
 use super::engine::{AlignedBuf, FillFn, IoEngine, ReadyFn};
 use super::seam::{G3Fs, SyncSite, Unlink};
 use rand::{Rng, SeedableRng};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fs::{File, OpenOptions};
 use std::io::{self, Write};
 use std::os::fd::{AsRawFd, RawFd};
@@ -62,6 +63,9 @@ struct State {
     skip: Option<SyncSite>,
     /// Inode -> its content at the last sync (only inodes written since).
     dirty: HashMap<u64, Vec<u8>>,
+    /// Inodes the block-data engine wrote since the last syncfs (what a
+    /// syncfs credits: see `PowerLossEngine::sync_fs`).
+    block_data: HashSet<u64>,
     changes: Vec<Change>,
     removed_blocks: Vec<(u64, PathBuf)>,
     graves: u64,
@@ -142,6 +146,7 @@ impl PowerLossFs {
                     crashed: false,
                     skip: None,
                     dirty: HashMap::new(),
+                    block_data: HashSet::new(),
                     changes: Vec::new(),
                     removed_blocks: Vec::new(),
                     graves: 0,
@@ -293,6 +298,7 @@ impl PowerLossFs {
             rep.entries_undone += 1;
         }
         let dirty = std::mem::take(&mut st.dirty);
+        st.block_data.clear();
         let mut inos: Vec<_> = dirty.into_iter().collect();
         inos.sort_unstable_by_key(|(ino, _)| *ino);
         for (ino, synced) in inos {
@@ -462,6 +468,12 @@ impl G3Fs for PowerLossFs {
         false
     }
 
+    /// The model's syncfs is exact (`PowerLossEngine::sync_fs`), whatever
+    /// the real filesystem under the test is.
+    fn syncfs_durable(&self, _dir: &Path, _direct: bool) -> bool {
+        true
+    }
+
     fn index_backend(&self, path: &Path) -> io::Result<Option<IndexFile>> {
         let mut st = self.op()?;
         let exists = path.exists();
@@ -552,6 +564,7 @@ impl IoEngine for PowerLossEngine {
         self.fs.before_write(&mut st, ino)?;
         // SAFETY: F_GETFL reads the fd's flags.
         let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+        st.block_data.insert(ino);
         self.inner.write_file(fd, len, bufs, fill)?;
         if flags >= 0 && flags & libc::O_DSYNC == libc::O_DSYNC {
             Shared::synced(&mut st, ino, SyncSite::BlockODsync);
@@ -570,15 +583,20 @@ impl IoEngine for PowerLossEngine {
         Ok(())
     }
 
-    /// syncfs: the data of every inode written so far is durable (the
-    /// engine's writes run under the state lock, so "so far" is exact).
-    /// Directory entries are NOT credited, although Linux's syncfs also
-    /// commits them: G3 must not rely on that, so the model is the weaker
-    /// promise and the directory fsyncs stay load-bearing.
+    /// syncfs: the data of every block file this engine wrote so far is
+    /// durable (the engine's writes run under the state lock, so "so far"
+    /// is exact: a write still in flight in another thread has not begun).
+    /// Only block data is credited, although Linux's syncfs also writes
+    /// back the index file and commits directory entries: G3 must not rely
+    /// on that, so the model is the weaker promise and the index sync and
+    /// directory fsyncs stay load-bearing.
     fn sync_fs(&self, _fd: RawFd) -> io::Result<()> {
         let mut st = self.fs.op()?;
         if st.skip != Some(SyncSite::BlockGroupSyncfs) {
-            st.dirty.clear();
+            let inos: Vec<u64> = st.block_data.drain().collect();
+            for ino in inos {
+                st.dirty.remove(&ino);
+            }
         }
         Ok(())
     }

@@ -195,6 +195,18 @@ pub trait G3Fs: Send + Sync + std::fmt::Debug {
     fn owner_lock(&self) -> bool {
         true
     }
+    /// Whether the group data flush (sync mode `Group`: one `syncfs` for
+    /// every writer waiting) makes block data durable on the filesystem
+    /// holding `dir`, given whether block files are written with O_DIRECT
+    /// (`direct`). Production: only O_DIRECT writes (their I/O errors come
+    /// back on the write itself; a buffered write's later writeback error
+    /// could be sampled by another file's open and missed by the leader's
+    /// syncfs) on a filesystem whose syncfs flushes the device
+    /// (fsops.rs `syncfs_flushes`). The crash simulator says yes: its model
+    /// defines what a syncfs makes durable (powerloss.rs).
+    fn syncfs_durable(&self, dir: &Path, direct: bool) -> bool {
+        direct && super::fsops::syncfs_flushes(dir)
+    }
 }
 
 /// Production: std::fs and libc directly.

@@ -38,7 +38,7 @@ use kvtier_daemon::events::EventBus;
 use kvtier_daemon::g3::engine::EngineKind;
 use kvtier_daemon::g3::powerloss::PowerLossFs;
 use kvtier_daemon::g3::seam::SyncSite;
-use kvtier_daemon::g3::G3Store;
+use kvtier_daemon::g3::{G3Store, SyncMode};
 use kvtier_daemon::metrics::Metrics;
 use kvtier_daemon::node::{Node, NodeConfig};
 use kvtier_daemon::policy::Lru;
@@ -58,6 +58,7 @@ const SCENARIOS: &[Scenario] = &[
         writers: 3,
         capacity_blocks: 20,
         deletes: true,
+        sync: SyncMode::Auto,
     },
     Scenario {
         name: "socket-large-single-evicts",
@@ -67,6 +68,7 @@ const SCENARIOS: &[Scenario] = &[
         writers: 2,
         capacity_blocks: 1000,
         deletes: true,
+        sync: SyncMode::Auto,
     },
     Scenario {
         name: "socket-small-single",
@@ -76,6 +78,7 @@ const SCENARIOS: &[Scenario] = &[
         writers: 1,
         capacity_blocks: 1000,
         deletes: false,
+        sync: SyncMode::Auto,
     },
     Scenario {
         name: "socket-large-batch-evict",
@@ -85,6 +88,29 @@ const SCENARIOS: &[Scenario] = &[
         writers: 1,
         capacity_blocks: 3,
         deletes: false,
+        sync: SyncMode::Auto,
+    },
+    // The daemon's default data flush: one syncfs per window across the
+    // clients' offloads (group.rs `FlushWindow`).
+    Scenario {
+        name: "socket-group-small-batch-concurrent-evict",
+        payload_bytes: 8192,
+        blocks_per_writer: 16,
+        batch: 4,
+        writers: 3,
+        capacity_blocks: 20,
+        deletes: true,
+        sync: SyncMode::Group,
+    },
+    Scenario {
+        name: "socket-group-large-concurrent-evict",
+        payload_bytes: 3 << 19,
+        blocks_per_writer: 3,
+        batch: 2,
+        writers: 2,
+        capacity_blocks: 4,
+        deletes: true,
+        sync: SyncMode::Group,
     },
 ];
 
@@ -134,6 +160,7 @@ impl Run {
         let mut cfg = common::cfg(&self.root(), EngineKind::Auto);
         let file_len = 4096 + self.sc.payload_bytes.div_ceil(4096) * 4096;
         cfg.capacity_bytes = capacity_blocks * file_len;
+        cfg.sync_mode = self.sc.sync;
         let store = G3Store::open_with_fs(
             cfg.clone(),
             Box::new(Lru::new()),
@@ -141,6 +168,14 @@ impl Run {
             self.fs.clone(),
         )
         .map_err(|e| format!("open g3: {e}"))?;
+        // The scenario runs the flush it names (no silent fallback).
+        if store.sync_mode() != self.sc.sync {
+            return Err(format!(
+                "g3 runs {:?}, the scenario names {:?}",
+                store.sync_mode(),
+                self.sc.sync
+            ));
+        }
         let g3 = Arc::downgrade(&store);
         let node = Node::open_with_g3(NodeConfig::new(cfg), store)
             .map_err(|e| format!("open node: {e}"))?;
