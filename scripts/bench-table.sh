@@ -77,13 +77,13 @@ for s in $sizes; do
     n=$(blocks "$s" $((c * 2)))
     depth=8; [ "$small" = 1 ] && depth=2
     if want io; then
-      run "io-$s-c$c" io group "$s" "$c" -- "$kvtier" bench io --block-size "$s" --blocks "$n" \
+      run "io-$s-c$c" io per_block "$s" "$c" -- "$kvtier" bench io --block-size "$s" --blocks "$n" \
         --depth $depth --clients "$c" --rounds $rounds --dir "$work" --json
     fi
-    # The data flush before / after, interleaved with the group run above
-    # (same size, same clients): each block's own flush.
+    # The opt-in group data flush (one syncfs per window), right after the
+    # default run above (same size, same clients).
     if want io_flush && [ "$c" = "$(echo $clients | cut -d' ' -f2)" ]; then
-      run "io-perblock-$s-c$c" io per_block "$s" "$c" -- env KVTIERD_G3_DATA_FLUSH=per_block \
+      run "io-group-$s-c$c" io group "$s" "$c" -- env KVTIERD_G3_DATA_FLUSH=group \
         "$kvtier" bench io --block-size "$s" --blocks "$n" --depth $depth --clients "$c" \
         --rounds $rounds --dir "$work" --json
     fi
@@ -102,7 +102,7 @@ for s in $sizes; do
   done
   n=$(blocks "$s" 16)
   if want g3; then
-    run "g3-$s" g3 group "$s" - -- "$kvtier" bench g3 --dir "$work" --block-size "$s" --blocks "$n" \
+    run "g3-$s" g3 per_block "$s" - -- "$kvtier" bench g3 --dir "$work" --block-size "$s" --blocks "$n" \
       --depth 8 --rounds $rounds --lookup-blocks 1000 --recovery-blocks 64 --pool-blocks 16 \
       --clean-restart-blocks 1000 --json
   fi

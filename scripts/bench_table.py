@@ -193,8 +193,8 @@ def main():
         "",
         "Ratio = measured / baseline from the same invocation (higher is better): median over rounds, "
         "per-round range in brackets. `io`: client -> socket -> kvtierd -> G3 vs raw O_DIRECT "
-        "(offload: durable writes, one fdatasync per round; onboard: cold reads); variants: `group` (the "
-        "default data flush: one syncfs per window), `per_block` (each block's own flush, before), "
+        "(offload: durable writes, one fdatasync per round; onboard: cold reads); variants: `per_block` (the "
+        "default data flush: each block's own), `group` (opt-in: one syncfs per window across clients), "
         "`direct_fd` (onboard by passed fd). CPU: seconds per GB, clients + kvtierd / the raw baseline.",
         "",
         "| bench | variant | size | clients | figure | kvtier | baseline | ratio (range) | CPU s/GB kvtier / raw | target | met? |",

@@ -58,15 +58,16 @@ high_watermark = 0.95
 low_watermark = 0.85
 # I/O engine: "auto" (io_uring, falling back to pread), "uring", "pread".
 engine = "auto"
-# How an offloaded block's data is made durable before its ack: "group"
-# (one syncfs shared by every block written when it begins, across
+# How an offloaded block's data is made durable before its ack:
+# "per_block" (O_DSYNC writes up to 1 MiB, else an fdatasync per file;
+# concurrent flushes are merged by the kernel) or "group" (opt-in, measured
+# no faster here: one syncfs shared by every block written when it begins, across
 # requests and clients; a disk without FUA pays one cache flush per window
 # instead of one per block; it flushes every dirty page of that filesystem,
 # so G3 on a filesystem of its own keeps it short; without O_DIRECT or on
 # filesystems whose syncfs is not trusted to reach the disk, e.g. FUSE or
-# NFS, G3 uses per_block and logs it) or
-# "per_block" (O_DSYNC writes up to 1 MiB, else an fdatasync per file).
-data_flush = "group"
+# NFS, G3 uses per_block and logs it).
+data_flush = "per_block"
 # Blocks that failed verification are kept in quarantine/ for inspection,
 # oldest deleted first past either bound; their bytes count against
 # capacity. Unset quarantine_max: capacity / 32.
@@ -770,7 +771,7 @@ impl Default for G3Section {
             high_watermark: 0.95,
             low_watermark: 0.85,
             engine: "auto".into(),
-            data_flush: "group".into(),
+            data_flush: "per_block".into(),
             quarantine_max: None,
             quarantine_max_files: 256,
             recycle_max: None,

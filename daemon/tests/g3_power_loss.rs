@@ -12,7 +12,7 @@
 //!
 //! Scenarios: small blocks (O_DSYNC path) and 1.5 MiB blocks (fdatasync
 //! path), both sizes again with the shared syncfs window (sync mode
-//! `Group`, the default), single and batched puts, concurrent writers with shared keys,
+//! `Group`, opt-in), single and batched puts, concurrent writers with shared keys,
 //! eviction (a small capacity), deletes, reads and metadata updates
 //! (priority, in-G4 flag; promotions from G4 or peers are puts through the
 //! same path), and power lost during the workload, during close and
@@ -161,7 +161,7 @@ const SCENARIOS: &[Scenario] = &[
         deletes: false,
         sync: SyncMode::Auto,
     },
-    // The production default: one syncfs per window across writers.
+    // The opt-in group data flush: one syncfs per window across writers.
     Scenario {
         name: "group-small-batch-concurrent-evict",
         payload_bytes: 8192,

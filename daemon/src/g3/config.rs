@@ -81,11 +81,14 @@ pub enum SyncMode {
     /// instead of one per block. Only on filesystems whose `syncfs` flushes
     /// the device (ext4, XFS, btrfs, F2FS; tmpfs keeps nothing anyway);
     /// elsewhere (FUSE, network filesystems) the store runs `Auto`.
-    #[default]
+    /// Opt-in: measured no faster than `Auto` here (docs/BENCHMARKS.md,
+    /// "Group data flush"), whose concurrent flushes the kernel already
+    /// merges.
     Group,
-    /// Per block, as measured best before the group flush
-    /// (docs/BENCHMARKS.md): `ODsync` for files that fit one request
-    /// (1 MiB), `Fdatasync` for larger ones.
+    /// The default, per block, as measured best (docs/BENCHMARKS.md):
+    /// `ODsync` for files that fit one request (1 MiB), `Fdatasync` for
+    /// larger ones.
+    #[default]
     Auto,
     /// One `fdatasync` after all chunks are written.
     Fdatasync,
@@ -108,7 +111,7 @@ impl G3Config {
             leases_max: 65536,
             lease_ttl_max_ms: 60_000,
             pinned_budget_bytes: capacity_bytes / 2,
-            sync_mode: SyncMode::Group,
+            sync_mode: SyncMode::Auto,
             quarantine_max_bytes: capacity_bytes / 32,
             quarantine_max_files: 256,
             recycle_pool_bytes: capacity_bytes / 2,

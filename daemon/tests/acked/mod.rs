@@ -90,8 +90,8 @@ const SCENARIOS: &[Scenario] = &[
         deletes: false,
         sync: SyncMode::Auto,
     },
-    // The daemon's default data flush: one syncfs per window across the
-    // clients' offloads (group.rs `FlushWindow`).
+    // The opt-in group data flush (`g3.data_flush = "group"`): one syncfs
+    // per window across the clients' offloads (group.rs `FlushWindow`).
     Scenario {
         name: "socket-group-small-batch-concurrent-evict",
         payload_bytes: 8192,

@@ -57,9 +57,9 @@ pub struct G3Args {
     /// Skip the per-size I/O rounds (index figures only).
     #[arg(long)]
     no_io: bool,
-    /// Durability of block files: group (one syncfs per window, the
-    /// daemon's default), auto (per block), fdatasync or odsync.
-    #[arg(long, default_value = "group")]
+    /// Durability of block files: auto (per block, the daemon's
+    /// default), group (one syncfs per window), fdatasync or odsync.
+    #[arg(long, default_value = "auto")]
     sync: String,
     /// One JSON document on stdout.
     #[arg(long)]
