@@ -81,6 +81,8 @@ if ! wait "$peers_build_pid"; then
   exit 1
 fi
 KVTIER_BIN_DIR="$PWD/target/debug" "${peers_cargo[@]}" test --manifest-path tools/peers/Cargo.toml
+step "bench table at a tiny size (scripts/bench-table.sh --tiny: io, the group flush variant, g3; JSON contract, 0 lost)"
+./scripts/bench-table.sh --tiny --bin target/debug --out target/bench-table-tiny --only io,io_flush,g3
 step "deployment artefacts (systemd unit, container build file, Kubernetes manifest)"
 ./scripts/check-deploy.sh target/debug/kvtierd
 step "python package (client/python: pytest against real kvtierd)"
