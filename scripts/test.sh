@@ -83,6 +83,14 @@ fi
 KVTIER_BIN_DIR="$PWD/target/debug" "${peers_cargo[@]}" test --manifest-path tools/peers/Cargo.toml
 step "deployment artefacts (systemd unit, container build file, Kubernetes manifest)"
 ./scripts/check-deploy.sh target/debug/kvtierd
+step "documentation examples (README.md, docs/OPERATIONS.md: the blocks marked <!-- ci: ... -->)"
+python3 scripts/doc_examples.py target/debug README.md docs/OPERATIONS.md
+# The check can fail: a marked block that fails is reported as a failure.
+printf '<!-- ci: run -->\n```sh\nkvtierd --no-such-flag\n```\n' > target/doc-example-fails.md
+if python3 scripts/doc_examples.py target/debug target/doc-example-fails.md > /dev/null; then
+  echo "scripts/doc_examples.py passed a failing example" >&2
+  exit 1
+fi
 step "python package (client/python: pytest against real kvtierd)"
 if ! wait "$engines_venv_pid"; then
   echo "the engines' venv (scripts/engines-venv.sh) failed to install:" >&2
