@@ -24,6 +24,8 @@
 # Usage: scripts/systemd-boot-check.sh [KVTIERD [KVTIER]]
 #   (default: target/debug/kvtierd and target/debug/kvtier)
 #   KVTIER_UNIT=path checks another unit file (default: the shipped one).
+#   KVTIER_BOOT_DIR=dir keeps the root file system there (default:
+#   target/systemd-boot).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 kvtierd=$(realpath "${1:-target/debug/kvtierd}")
@@ -37,7 +39,7 @@ done
 [ "$(id -u)" = 0 ] || { echo "systemd-boot-check: run as root" >&2; exit 1; }
 [ -c /dev/fuse ] || { echo "systemd-boot-check: no /dev/fuse" >&2; exit 1; }
 
-work=target/systemd-boot
+work=${KVTIER_BOOT_DIR:-target/systemd-boot}
 rootfs=$work/rootfs
 mkdir -p "$work"
 if [ ! -x "$rootfs/usr/lib/systemd/systemd" ]; then

@@ -42,79 +42,19 @@ impl SocketArg {
         c.timeout_ms = 10_000;
         let c = Client::with_config(c);
         if let Err(e) = c.ensure_connected() {
+            // A refusal is not a daemon that is down: the client's error
+            // says what the caller lacks (kvtier_client::access_hint).
             let denied = matches!(&e, kvtier_client::Error::Unavailable { source, .. }
                 if source.kind() == std::io::ErrorKind::PermissionDenied);
-            let why = match denied.then(|| access_hint(&p)).flatten() {
-                Some(hint) => hint,
-                None => format!("is kvtierd running on {}?", p.display()),
+            let why = if denied {
+                format!("cannot connect to kvtierd on {}", p.display())
+            } else {
+                format!("is kvtierd running on {}?", p.display())
             };
             return Err(anyhow::Error::new(e).context(why));
         }
         Ok(c)
     }
-}
-
-/// What a `Permission denied` on the socket lacks: the first of the socket
-/// and its directories this process may not use, with its owner, group and
-/// mode, and this process's uid and groups (a worker outside the socket's
-/// group is the usual cause: `server.socket_group`, `Group=` in the unit,
-/// `supplementalGroups` in a pod).
-fn access_hint(socket: &Path) -> Option<String> {
-    use std::os::unix::fs::MetadataExt;
-    let uid = nix::unistd::geteuid().as_raw();
-    let mut groups: Vec<u32> = nix::unistd::getgroups()
-        .map(|g| g.iter().map(|g| g.as_raw()).collect())
-        .unwrap_or_default();
-    groups.push(nix::unistd::getegid().as_raw());
-    groups.sort_unstable();
-    groups.dedup();
-    let name = |gid: u32| {
-        nix::unistd::Group::from_gid(nix::unistd::Gid::from_raw(gid))
-            .ok()
-            .flatten()
-            .map_or(gid.to_string(), |g| format!("{} ({gid})", g.name))
-    };
-    // Directories from the root down (each needs search, x), then the
-    // socket itself (connect needs write, w).
-    let mut paths: Vec<&Path> = socket.ancestors().skip(1).collect();
-    paths.reverse();
-    paths.push(socket);
-    for (i, path) in paths.iter().enumerate() {
-        let Ok(md) = std::fs::metadata(path) else {
-            continue;
-        };
-        let need = if i + 1 == paths.len() { 0o2 } else { 0o1 };
-        let mode = md.mode();
-        let bits = if uid == 0 {
-            0o7
-        } else if md.uid() == uid {
-            mode >> 6
-        } else if groups.contains(&md.gid()) {
-            mode >> 3
-        } else {
-            mode
-        };
-        if bits & need == 0 {
-            let what = if need == 0o2 {
-                "the socket needs write permission"
-            } else {
-                "its directory needs search (x) permission"
-            };
-            return Some(format!(
-                "permission denied on {}: {what}; it is owned by uid {} and group {}, mode {:04o}, \
-                 and this process is uid {uid} in groups {}: add this user to group {} \
-                 (usermod -aG, or a pod's securityContext.supplementalGroups), or set \
-                 the daemon's server.socket_group to a group it is in",
-                path.display(),
-                md.uid(),
-                name(md.gid()),
-                mode & 0o7777,
-                groups.iter().map(|g| name(*g)).collect::<Vec<_>>().join(", "),
-                name(md.gid()),
-            ));
-        }
-    }
-    None
 }
 
 /// `--json`: one JSON document instead of text for people.
