@@ -83,6 +83,8 @@ fi
 KVTIER_BIN_DIR="$PWD/target/debug" "${peers_cargo[@]}" test --manifest-path tools/peers/Cargo.toml
 step "deployment artefacts (systemd unit, container build file, Kubernetes manifest)"
 ./scripts/check-deploy.sh target/debug/kvtierd
+step "the systemd unit under a booted systemd (Debian in systemd-nspawn; the first run builds its root file system, about a minute)"
+./scripts/systemd-boot-check.sh target/debug/kvtierd target/debug/kvtier
 step "documentation examples (README.md, docs/OPERATIONS.md: the blocks marked <!-- ci: ... -->)"
 python3 scripts/doc_examples.py target/debug README.md docs/OPERATIONS.md
 # The check can fail: a marked block that fails is reported as a failure.
