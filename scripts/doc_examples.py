@@ -18,6 +18,10 @@ Usage: doc_examples.py BIN_DIR FILE.md...
   (BIN_DIR holds kvtierd and kvtier, e.g. target/debug)
 Prints one line per block and `docs: N passed, M failed`; exits 1 on a
 failure, 2 when a file has no marked block (a marker lost in an edit).
+
+Commands that cannot run here are linted instead: a `weed` (SeaweedFS)
+server command must bind an address (`-ip.bind=`; weed's default is
+0.0.0.0) and turn telemetry off (`-master.telemetry=false`; on by default).
 """
 import os
 import re
@@ -49,6 +53,28 @@ def blocks(path):
             out.append((i + 2, m.group(1), "\n".join(body) + "\n"))
             i = j
         i += 1
+    return out
+
+
+WEED = re.compile(r"^\s*weed\s+(mini|server|master|s3)\b")
+
+
+def lint_weed(path):
+    """(line, problem) for each `weed` server command in `path` that binds
+    every address or reports telemetry (continuation lines joined)."""
+    lines = open(path).read().split("\n")
+    out = []
+    for i, l in enumerate(lines):
+        if not WEED.match(l):
+            continue
+        cmd, j = l, i
+        while cmd.rstrip().endswith("\\") and j + 1 < len(lines):
+            j += 1
+            cmd = cmd.rstrip()[:-1] + " " + lines[j]
+        if "-ip.bind=" not in cmd or "-ip.bind=0.0.0.0" in cmd:
+            out.append((i + 1, "weed without -ip.bind=ADDRESS binds 0.0.0.0"))
+        if "-master.telemetry=false" not in cmd:
+            out.append((i + 1, "weed without -master.telemetry=false reports to seaweedfs.com"))
     return out
 
 
@@ -115,6 +141,9 @@ def main():
     bins = os.path.realpath(sys.argv[1])
     passed = failed = 0
     for path in sys.argv[2:]:
+        for line, problem in lint_weed(path):
+            failed += 1
+            print(f"FAIL {path}:{line} (lint): {problem}")
         found = blocks(path)
         if not found:
             print(f"FAIL {path}: no marked example (<!-- ci: run -->)")

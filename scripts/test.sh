@@ -93,6 +93,11 @@ if python3 scripts/doc_examples.py target/debug target/doc-example-fails.md > /d
   echo "scripts/doc_examples.py passed a failing example" >&2
   exit 1
 fi
+printf '```\nweed mini -dir=x\n```\n<!-- ci: run -->\n```sh\ntrue\n```\n' > target/doc-weed-fails.md
+if python3 scripts/doc_examples.py target/debug target/doc-weed-fails.md > /dev/null; then
+  echo "scripts/doc_examples.py passed a weed command that binds 0.0.0.0 with telemetry on" >&2
+  exit 1
+fi
 step "python package (client/python: pytest against real kvtierd)"
 if ! wait "$engines_venv_pid"; then
   echo "the engines' venv (scripts/engines-venv.sh) failed to install:" >&2
