@@ -16,15 +16,7 @@ if [ ! -x $venv/bin/hadolint ] || [ ! -x $venv/bin/kubernetes-validate ]; then
 fi
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-passed=0 failed=0
-check() { # name, command...
-  local name=$1; shift
-  if out=$("$@" 2>&1); then
-    passed=$((passed + 1)); echo "ok   $name"
-  else
-    failed=$((failed + 1)); echo "FAIL $name"; echo "$out" | sed 's/^/     /'
-  fi
-}
+. scripts/check-lib.sh
 
 # systemd-analyze verify needs the ExecStart binary to exist: verify a copy
 # whose ExecStart names the binary just built, everything else unchanged.

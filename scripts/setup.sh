@@ -21,6 +21,10 @@ command -v tc >/dev/null 2>&1 || need+=(iproute2)
 command -v promtool >/dev/null 2>&1 || need+=(prometheus)
 # systemd-analyze: scripts/check-deploy.sh verifies the unit with it.
 command -v systemd-analyze >/dev/null 2>&1 || need+=(systemd)
+# mmdebstrap and systemd-nspawn (systemd-container): scripts/systemd-boot-check.sh
+# boots a Debian root file system with systemd to run the unit as shipped.
+command -v mmdebstrap >/dev/null 2>&1 || need+=(mmdebstrap)
+command -v systemd-nspawn >/dev/null 2>&1 || need+=(systemd-container)
 # libibverbs: Mooncake's store.so and mooncake_master link it even over TCP
 # (`kvtier bench peers`; without it Mooncake is reported as skipped).
 [ -e /usr/lib/x86_64-linux-gnu/libibverbs.so.1 ] || ldconfig -p 2>/dev/null | grep -q libibverbs.so.1 || need+=(libibverbs1)

@@ -85,6 +85,21 @@ step "bench table at a tiny size (scripts/bench-table.sh --tiny: io, the group f
 ./scripts/bench-table.sh --tiny --bin target/debug --out target/bench-table-tiny --only io,io_flush,g3
 step "deployment artefacts (systemd unit, container build file, Kubernetes manifest)"
 ./scripts/check-deploy.sh target/debug/kvtierd
+step "the systemd unit under a booted systemd (Debian in systemd-nspawn; the first run builds its root file system, about a minute)"
+./scripts/systemd-boot-check.sh target/debug/kvtierd target/debug/kvtier
+step "documentation examples (README.md, docs/OPERATIONS.md: the blocks marked <!-- ci: ... -->)"
+python3 scripts/doc_examples.py target/debug README.md docs/OPERATIONS.md
+# The check can fail: a marked block that fails is reported as a failure.
+printf '<!-- ci: run -->\n```sh\nkvtierd --no-such-flag\n```\n' > target/doc-example-fails.md
+if python3 scripts/doc_examples.py target/debug target/doc-example-fails.md > /dev/null; then
+  echo "scripts/doc_examples.py passed a failing example" >&2
+  exit 1
+fi
+printf '```\nweed mini -dir=x\n```\n<!-- ci: run -->\n```sh\ntrue\n```\n' > target/doc-weed-fails.md
+if python3 scripts/doc_examples.py target/debug target/doc-weed-fails.md > /dev/null; then
+  echo "scripts/doc_examples.py passed a weed command that binds 0.0.0.0 with telemetry on" >&2
+  exit 1
+fi
 step "python package (client/python: pytest against real kvtierd)"
 if ! wait "$engines_venv_pid"; then
   echo "the engines' venv (scripts/engines-venv.sh) failed to install:" >&2

@@ -224,6 +224,11 @@ allow_other = true
             capture_output=True, text=True)
         check("a uid outside the socket group is refused", stranger.returncode != 0,
               "a uid outside the group reached the socket")
+        # The refusal says what is missing: the path, its group, and ours.
+        said = stranger.stderr
+        check("the refusal names the group the uid lacks",
+              "permission denied on" in said and f"group {worker_group} ({worker_gid})" in said
+              and "uid 65534" in said, said.strip()[-500:])
         readable = []
         for root, dirs, files in os.walk(data):
             for n in dirs + files:

@@ -47,7 +47,8 @@ fn write_config(dir: &Path, s3: &S3Server, endpoint: &str) -> String {
          response_timeout_ms = 500\nconnect_timeout_ms = 500\nrequest_timeout_ms = 3000\n\
          startup_check_timeout_ms = 1000\nbreaker_failures_max = 3\nbreaker_open_ms = 300\n\
          breaker_open_max_ms = 1000\nprobe_interval_ms = 300\nbacklog_retry_ms = 500\n\
-         backlog_scan_interval_ms = 3000\n",
+         backlog_scan_interval_ms = 3000\n\
+         [node]\nlookup_remote_deadline_ms = 5000\n",
         s3.bucket, ACCESS_KEY_ID, s3.secret_access_key
     );
     let p = dir.join("kvtierd.toml");
@@ -142,8 +143,38 @@ fn uploads_lost_to_an_outage_reach_g4_without_a_restart() {
         body.starts_with("degraded") && body.contains("G4"),
         "{body}"
     );
+    // A lookup G4 cannot answer is a miss `unavailable`, not `absent`: the
+    // block may well be there (issue 30).
+    let miss = |reason: &str| metric(&d.scrape(), "kvtier_misses_total", &[("reason", reason)]);
+    let (absent0, unavailable0) = (miss("absent"), miss("unavailable"));
+    let mut cc = ClientConfig::new(&d.socket);
+    cc.timeout_ms = 15_000;
+    let client = Client::with_config(cc);
+    let never: Vec<BlockKey> = (0..3u64)
+        .map(|i| BlockKey::from_u64(0xdead_0000 + i))
+        .collect();
+    assert_eq!(client.namespace(&ns()).lookup(&never).prefix_len(), 0);
+    assert_eq!(
+        miss("unavailable"),
+        unavailable0 + 3.0,
+        "misses while G4 is down"
+    );
+    assert_eq!(
+        miss("absent"),
+        absent0,
+        "no miss counted absent while G4 is down"
+    );
     let keys = offload(&d, 1, if long() { 24 } else { 4 });
     lost_then_recovered(&d, &direct, &keys, || s3.restart().unwrap());
+    // With G4 back, a block nobody stored is absent again.
+    let absent1 = miss("absent");
+    let gone = [BlockKey::from_u64(0xdead_1000)];
+    assert_eq!(client.namespace(&ns()).lookup(&gone).prefix_len(), 0);
+    assert_eq!(
+        miss("absent"),
+        absent1 + 1.0,
+        "an absent block while G4 answers"
+    );
     let m = d.scrape();
     assert!(metric(&m, "kvtier_g4_recoveries_total", &[]) >= 1.0);
     assert!(metric(&m, "kvtier_g4_backlog_requeued_total", &[]) >= keys.len() as f64);

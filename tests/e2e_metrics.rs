@@ -104,7 +104,11 @@ fn check_conventions(text: &str) -> HashMap<String, SampleType> {
     for (name, ty) in &types {
         let help = helps.get(name).map(String::as_str).unwrap_or("");
         assert!(!help.trim().is_empty(), "{name}: no HELP");
-        assert!(name.starts_with("kvtier_"), "{name}: not kvtier_*");
+        // The process collector's standard families are the only others.
+        assert!(
+            name.starts_with("kvtier_") || name.starts_with("process_"),
+            "{name}: not kvtier_* or process_*"
+        );
         match ty {
             SampleType::Counter => assert!(name.ends_with("_total"), "counter {name} lacks _total"),
             SampleType::Gauge => assert!(!name.ends_with("_total"), "gauge {name} ends in _total"),

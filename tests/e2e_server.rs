@@ -446,6 +446,22 @@ fn config_errors_and_default_config() {
     assert!(out.status.success());
     let text = String::from_utf8(out.stdout).unwrap();
     assert!(text.contains("[server]") && text.contains("capacity"));
+    // The printed file is the same whoever prints it: no home directory or
+    // state directory of the invoking user baked in (issue 30).
+    for (home, state) in [("/home/alice-e2e", ""), ("/root", "/var/state-e2e")] {
+        let out = std::process::Command::new(&bin)
+            .arg("--print-default-config")
+            .env("HOME", home)
+            .env("XDG_STATE_HOME", state)
+            .output()
+            .unwrap();
+        let mine = String::from_utf8(out.stdout).unwrap();
+        assert_eq!(mine, text, "HOME={home} XDG_STATE_HOME={state}");
+        assert!(
+            !mine.contains(home) && (state.is_empty() || !mine.contains(state)),
+            "{home} or {state} in the default config"
+        );
+    }
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("bad.toml");
     std::fs::write(&p, "[g3]\ncapacity = \"lots\"\n").unwrap();

@@ -112,8 +112,20 @@ fn demo_ls_stat_verify_events_stats() {
     assert!(ok);
     let j: serde_json::Value = serde_json::from_str(&st).unwrap();
     assert_eq!(j["tiers"]["g3"]["blocks"], 4);
+    // G4 (file://, no capacity_bytes) is unbounded: null, not a capacity
+    // of 0 bytes; the worker id is a string (64-bit ids lose digits as
+    // JSON numbers past 2^53).
+    assert!(j["tiers"]["g4"].is_object(), "{st}");
+    assert!(j["tiers"]["g4"]["capacity_bytes"].is_null(), "{st}");
+    assert!(
+        j["tiers"]["g3"]["capacity_bytes"].as_u64().unwrap() > 0,
+        "{st}"
+    );
+    let worker = j["events_dynamo_worker_id"].as_str().unwrap();
+    assert!(worker.parse::<u64>().is_ok(), "{st}");
     let (ok, st, _) = run(&["stats"], s);
     assert!(ok && st.contains("g3: 4 blocks"), "{st}");
+    assert!(st.contains("capacity unbounded"), "{st}");
     let (ok, v, _) = run(&["verify", "--all", "--json"], s);
     assert!(ok);
     let j: serde_json::Value = serde_json::from_str(&v).unwrap();
@@ -681,5 +693,115 @@ fn kvtierd_flags_take_an_empty_mount_and_explain_a_negative_size() {
     assert!(
         err.contains("-1GiB") && !err.contains("unexpected argument"),
         "{err}"
+    );
+}
+
+/// Starts kvtierd with `file` as its config, `env` and `flags`, until its
+/// socket answers `kvtier stats --json`; SIGTERMs it and returns the stats
+/// and kvtierd's stderr. RUST_LOG and KVTIERD_* of the test's own
+/// environment are removed first.
+fn kvtierd_layered(
+    file: &str,
+    env: &[(&str, &str)],
+    flags: &[&str],
+) -> (serde_json::Value, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("s.sock");
+    let conf = dir.path().join("kvtierd.toml");
+    std::fs::write(&conf, file).unwrap();
+    let mut c = Command::new(support::kvtierd_bin());
+    c.arg("--config")
+        .arg(&conf)
+        .arg("--socket")
+        .arg(&socket)
+        .arg("--g3-dir")
+        .arg(dir.path().join("g3"))
+        .args(["--metrics-addr", "", "--g4", ""])
+        .args(flags)
+        .env_remove("RUST_LOG")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped());
+    for (k, _) in std::env::vars().filter(|(k, _)| k.starts_with("KVTIERD_")) {
+        c.env_remove(k);
+    }
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    let child = c.spawn().unwrap();
+    support::wait_for_socket(&socket, std::time::Duration::from_secs(30));
+    let (ok, out, err) = run(&["stats", "--json"], &socket);
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    let done = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8(done.stderr).unwrap();
+    assert!(ok, "stats: {err}\nkvtierd: {stderr}");
+    (serde_json::from_str(&out).unwrap(), stderr)
+}
+
+/// The precedence docs/OPERATIONS.md states, on a running daemon: a flag
+/// over a `KVTIERD_*` variable over the file over the default, and for the
+/// log filter `RUST_LOG` over `KVTIERD_LOG_LEVEL` over `[log] level`.
+#[test]
+fn kvtierd_precedence_flag_env_file_and_rust_log() {
+    let cap = |s: &serde_json::Value| s["tiers"]["g3"]["capacity_bytes"].as_u64().unwrap();
+    let file = "[g3]\ncapacity = \"96MiB\"\n[log]\nlevel = \"error\"\n";
+    let env = [("KVTIERD_G3_CAPACITY", "80MiB")];
+    let (s, _) = kvtierd_layered(file, &[], &[]);
+    assert_eq!(cap(&s), 96 << 20, "the file over the default");
+    let (s, _) = kvtierd_layered(file, &env, &[]);
+    assert_eq!(cap(&s), 80 << 20, "the environment over the file");
+    let (s, _) = kvtierd_layered(file, &env, &["--g3-capacity", "72MiB"]);
+    assert_eq!(cap(&s), 72 << 20, "a flag over the environment");
+    // kvtierd logs INFO lines at start-up: seen only where info is on.
+    let info = |stderr: &str| stderr.lines().any(|l| l.contains(" INFO "));
+    let (_, log) = kvtierd_layered(file, &[], &[]);
+    assert!(!info(&log), "[log] level = error logs no INFO: {log}");
+    let (_, log) = kvtierd_layered(file, &[("KVTIERD_LOG_LEVEL", "info")], &[]);
+    assert!(info(&log), "KVTIERD_LOG_LEVEL over the file: {log}");
+    let (_, log) = kvtierd_layered(
+        file,
+        &[("KVTIERD_LOG_LEVEL", "info"), ("RUST_LOG", "warn")],
+        &[],
+    );
+    assert!(!info(&log), "RUST_LOG over KVTIERD_LOG_LEVEL: {log}");
+}
+
+/// A peer address already in use stops kvtierd with one line that names
+/// the key (`peer.bind`) and says the cause once (issue 30: it was printed
+/// twice, without the key).
+#[test]
+fn kvtierd_peer_bind_error_names_the_key_once() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap().to_string();
+    let secret = dir.path().join("peer.secret");
+    std::fs::write(&secret, "0123456789abcdef0123456789abcdef").unwrap();
+    std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let out = Command::new(support::kvtierd_bin())
+        .arg("--socket")
+        .arg(dir.path().join("s.sock"))
+        .arg("--g3-dir")
+        .arg(dir.path().join("g3"))
+        .args(["--g3-capacity", "64MiB", "--metrics-addr", "", "--g4", ""])
+        .args(["--peer-listen", &addr, "--peer-secret-file"])
+        .arg(&secret)
+        .env("RUST_LOG", "off")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    let last = err.lines().last().unwrap_or("");
+    assert!(
+        last.contains("config: `peer.bind`") && last.contains(&addr),
+        "{err}"
+    );
+    assert_eq!(
+        last.matches("in use").count(),
+        1,
+        "the cause said once: {err}"
     );
 }

@@ -45,6 +45,19 @@ use std::time::{Duration, Instant};
 mod pool;
 pub use pool::{Pool, PoolBlock};
 
+/// A refused connect (`EACCES`) with what the caller lacks appended (the
+/// path that refused, its owner, group and mode, the caller's uid and
+/// groups: [`crate::access_hint`]); any other error as it is.
+fn explain_denied(sock: &Path, e: std::io::Error) -> std::io::Error {
+    if e.kind() != std::io::ErrorKind::PermissionDenied {
+        return e;
+    }
+    match crate::access_hint::access_hint(sock) {
+        Some(hint) => std::io::Error::new(e.kind(), format!("{e}; {hint}")),
+        None => e,
+    }
+}
+
 /// Where a list page ends: pass it back as `after`.
 pub type ListCursor = (NamespaceId, BlockKey);
 
@@ -390,7 +403,7 @@ impl Client {
         let t = self.io_timeout(op)?;
         let stream = UnixStream::connect(sock).map_err(|e| Error::Unavailable {
             socket: sock.clone(),
-            source: e,
+            source: explain_denied(sock, e),
         })?;
         let io = |e| io_to_error(sock, op, self.cfg.timeout_ms, e);
         stream.set_read_timeout(Some(t)).map_err(io)?;

@@ -265,7 +265,9 @@ impl KvEvent {
             "namespace": self.namespace.to_hex(),
             "storage_tier": self.storage_tier.name(),
             "data": data,
-            "dynamo_worker_id": self.dynamo_worker,
+            // A string: a 64-bit id loses digits as a JSON number above
+            // 2^53 in most readers (jq, JavaScript).
+            "dynamo_worker_id": self.dynamo_worker.map(|w| w.to_string()),
         })
     }
 
@@ -349,6 +351,14 @@ mod tests {
         assert_eq!(j["data"]["stored"]["blocks"][0]["block_hash_u64"], 6);
         assert_eq!(j["data"]["stored"]["parent_hash_u64"], 5);
         assert_eq!(e.to_dynamo_json(), None, "not a dynamo-mode event");
+        assert!(j["dynamo_worker_id"].is_null());
+        // A worker id above 2^53 must survive readers that parse numbers as
+        // doubles (jq, JavaScript): kvtier's own form carries it as a string.
+        let big = KvEvent {
+            dynamo_worker: Some((1 << 53) + 1),
+            ..e
+        };
+        assert_eq!(big.to_json()["dynamo_worker_id"], "9007199254740993");
     }
 
     fn round_trip(e: &KvEvent) -> KvEvent {

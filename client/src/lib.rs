@@ -29,6 +29,7 @@
 //! ```
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used))]
 
+pub mod access_hint;
 pub mod aligned;
 pub mod block;
 pub mod client;

@@ -12,12 +12,18 @@ use serde::Deserialize;
 use std::path::{Path, PathBuf};
 
 /// The annotated default, printed by `kvtierd --print-default-config`.
-/// `@DATA@` stands for the default data directory.
+/// The two paths that depend on who runs kvtierd (the socket and g3.dir,
+/// under the data directory) are commented out, so that a file printed by
+/// one user and run by another (root printing for a service user) does not
+/// carry the first one's home directory.
 pub const DEFAULT_TOML: &str = r#"# kvtierd configuration. Every key is optional; these are the defaults.
+# The data directory is the running user's: $XDG_STATE_HOME/kvtier, else
+# ~/.local/state/kvtier, else ./kvtier-data.
 
 [server]
-# Unix socket the client library connects to.
-socket = "@DATA@/kvtierd.sock"
+# Unix socket the client library connects to. Unset: kvtierd.sock in the
+# data directory; a node service puts it in /run (see deploy/).
+# socket = "/run/kvtier/kvtierd.sock"
 # Permission bits of the socket (octal string). 0660: owner and group.
 socket_mode = "0660"
 # Group owning the socket (e.g. the group your inference workers run as).
@@ -47,8 +53,8 @@ pins_max = 65536
 pin_ttl_max_ms = 3600000
 
 [g3]
-# Local NVMe tier: where block files live.
-dir = "@DATA@/g3"
+# Local NVMe tier: where block files live. Unset: g3 in the data directory.
+# dir = "/var/lib/kvtier/g3"
 # Bytes kept before eviction.
 capacity = "4GiB"
 # Eviction policy: "default" (prefix-, frequency- and hint-aware) or "lru".
@@ -433,7 +439,18 @@ impl<'de> Deserialize<'de> for G4Section {
         let admission = text("admission")?.unwrap_or_else(|| "all".into());
         let store = toml::Value::Table(table)
             .try_into()
-            .map_err(|e| D::Error::custom(format!("[g4]: {e}")))?;
+            .map_err(|e: toml::de::Error| {
+                // toml ends a field's message with "in `key`": name the key first
+                // (`g4.key: ...`), which also lets the file's error find its line.
+                let msg = e.to_string();
+                let msg = msg.trim();
+                match msg.rsplit_once("\nin `") {
+                    Some((m, key)) => {
+                        D::Error::custom(format!("g4.{}: {}", key.trim_end_matches('`'), m.trim()))
+                    }
+                    None => D::Error::custom(format!("[g4]: {msg}")),
+                }
+            })?;
         Ok(G4Section {
             url,
             store,
@@ -886,10 +903,13 @@ impl MountSection {
 }
 
 /// Sections read by hand (`[g4]`) report the span of their whole table; for
-/// an unknown key, the line that spells it is the one a person must fix.
+/// an unknown key or a bad value (`g4.key: ...`), the line that spells the
+/// key is the one a person must fix.
 fn unknown_key_line(text: &str, msg: &str, from_line: usize) -> Option<usize> {
-    let rest = msg.split("unknown field `").nth(1)?;
-    let key = rest.split('`').next()?;
+    let key = match msg.split("unknown field `").nth(1) {
+        Some(rest) => rest.split('`').next()?,
+        None => msg.strip_prefix("g4.")?.split(':').next()?,
+    };
     text.lines()
         .enumerate()
         .skip(from_line.saturating_sub(1))
@@ -977,9 +997,9 @@ fn bad(key: &str, problem: impl Into<String>) -> Error {
 }
 
 impl Config {
-    /// The annotated default with the data directory filled in.
+    /// The annotated default (the same text for every user).
     pub fn default_toml() -> String {
-        DEFAULT_TOML.replace("@DATA@", &default_data_dir().display().to_string())
+        DEFAULT_TOML.to_string()
     }
 
     /// Parses TOML text (then call [`Config::validate`]).
@@ -1368,6 +1388,75 @@ mod tests {
         std::fs::write(&path, "[server]\n\n\nsokcet = \"x\"\n").unwrap();
         let e = Config::load(&path).unwrap_err().to_string();
         assert!(e.contains("kvtierd.toml:4"), "{e}");
+        // A bad value in the hand-read [g4] names its key and its line, not
+        // the section header's (issue 30).
+        std::fs::write(
+            &path,
+            "[g4]\nurl = \"memory://\"\n\nupload_retries = \"x\"\n",
+        )
+        .unwrap();
+        let e = Config::load(&path).unwrap_err().to_string();
+        assert!(e.contains("kvtierd.toml:4"), "{e}");
+        assert!(e.contains("g4.upload_retries"), "{e}");
+        assert!(!e.contains('\n'), "one line: {e:?}");
+        std::fs::write(&path, "[g4]\n\nmultipart_part_bytes = \"lots\"\n").unwrap();
+        let e = Config::load(&path).unwrap_err().to_string();
+        assert!(e.contains("kvtierd.toml:3"), "{e}");
+        assert!(e.contains("is not a size"), "{e}");
+    }
+
+    /// Every size key of every section reads sizes as people write them,
+    /// in the file and in its `KVTIERD_*` variable (issue 30: `[g4]`'s and
+    /// `[peer]`'s took only byte counts).
+    #[test]
+    fn every_size_key_takes_units_in_the_file_and_the_environment() {
+        let keys = [
+            ("server", "region_bytes_max", "8MiB", 8u64 << 20),
+            ("g3", "capacity", "2GiB", 2 << 30),
+            ("g3", "quarantine_max", "1MiB", 1 << 20),
+            ("g3", "recycle_max", "1MiB", 1 << 20),
+            ("g3", "recycle_unsettled_max", "1MiB", 1 << 20),
+            ("g3", "scrub_bytes_per_s", "1MB", 1_000_000),
+            ("g4", "capacity_bytes", "10TB", 10_000_000_000_000),
+            ("g4", "multipart_threshold_bytes", "32MiB", 32 << 20),
+            ("g4", "multipart_part_bytes", "16MiB", 16 << 20),
+            ("g4", "object_bytes_max", "2GiB", 2 << 30),
+            ("g4", "fetch_buffer_bytes_max", "4GiB", 4 << 30),
+            ("node", "staged_bytes_max", "64MiB", 64 << 20),
+            ("peer", "block_bytes_max", "2GiB", 2 << 30),
+            ("peer", "holdings_bytes_max", "1MiB", 1 << 20),
+            ("access", "lease_bytes_per_uid_max", "1GiB", 1 << 30),
+        ];
+        let read = |c: &Config, section: &str, key: &str| -> Option<u64> {
+            let g4 = c.g4.to_g4_config(&c.g3.dir);
+            let g4 = g4.as_ref();
+            Some(match (section, key) {
+                ("server", _) => c.server.region_bytes_max,
+                ("g3", "capacity") => c.g3.capacity,
+                ("g3", "quarantine_max") => c.g3.quarantine_max?,
+                ("g3", "recycle_max") => c.g3.recycle_max?,
+                ("g3", "recycle_unsettled_max") => c.g3.recycle_unsettled_max,
+                ("g3", _) => c.g3.scrub_bytes_per_s,
+                ("g4", "capacity_bytes") => g4?.capacity_bytes?,
+                ("g4", "multipart_threshold_bytes") => g4?.multipart_threshold_bytes,
+                ("g4", "multipart_part_bytes") => g4?.multipart_part_bytes,
+                ("g4", "object_bytes_max") => g4?.object_bytes_max,
+                ("g4", _) => g4?.fetch_buffer_bytes_max,
+                ("node", _) => c.node.staged_bytes_max,
+                ("peer", "block_bytes_max") => c.peer.block_bytes_max,
+                ("peer", _) => c.peer.holdings_bytes_max,
+                _ => c.access.lease_bytes_per_uid_max?,
+            })
+        };
+        for (section, key, text, want) in keys {
+            let c = Config::from_toml(&format!("[{section}]\n{key} = \"{text}\"\n"))
+                .unwrap_or_else(|e| panic!("{section}.{key} = {text:?} in the file: {e}"));
+            assert_eq!(read(&c, section, key), Some(want), "{section}.{key} (file)");
+            let var = format!("KVTIERD_{}_{}", section.to_uppercase(), key.to_uppercase());
+            let (c, _) = Config::load_layered(None, &[(var.clone(), text.to_string())])
+                .unwrap_or_else(|e| panic!("{var}={text}: {e}"));
+            assert_eq!(read(&c, section, key), Some(want), "{var}");
+        }
     }
 
     /// `--check-config` (which runs `validate`) refuses what start-up would

@@ -144,3 +144,23 @@ impl Error {
 
 /// Result alias for this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// An error and its causes, `: `-separated, each said once: an error whose
+/// message already ends with its cause's (`I/O error while ...: Address in
+/// use`, which also names the cause as its `source`) does not repeat it.
+/// What kvtierd and kvtier print for a failure.
+pub fn cause_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = String::new();
+    let mut next = Some(e);
+    while let Some(cause) = next {
+        let text = cause.to_string();
+        if !out.ends_with(&text) {
+            if !out.is_empty() {
+                out += ": ";
+            }
+            out += &text;
+        }
+        next = cause.source();
+    }
+    out
+}

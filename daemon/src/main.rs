@@ -77,7 +77,7 @@ struct Args {
 
 fn main() {
     if let Err(e) = run() {
-        eprintln!("kvtierd: {e:#}");
+        eprintln!("kvtierd: {}", kvtier_daemon::error::cause_chain(e.as_ref()));
         std::process::exit(2);
     }
 }

@@ -15,12 +15,18 @@
 
 use crate::events::EventBus;
 use crate::server::backend::Backend;
+use kvtier_client::Tier;
 use prometheus::{
     CounterVec, Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec,
     IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
 };
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
+
+/// The `reason` label values of `kvtier_misses_total`: `absent` (no tier
+/// holds the block), `corrupt` (it failed verification), `unavailable` (a
+/// tier that may hold it could not answer in time: G4 down or late).
+pub const MISS_REASONS: [&str; 3] = ["absent", "corrupt", "unavailable"];
 
 /// Where node-level figures (G4, peers, promotions) come from at scrape time.
 pub type FiguresFn = Arc<dyn Fn() -> crate::node::NodeFigures + Send + Sync>;
@@ -202,7 +208,7 @@ impl Metrics {
         for (n, h, l) in SCRAPED_GAUGES {
             gauges.insert(*n, reg(&r, gv(n, h, l)?));
         }
-        Ok(Metrics {
+        let m = Metrics {
             requests: reg(&r, cv("kvtier_requests_total", "Requests by op", &["op"])?),
             errors: reg(&r, cv("kvtier_errors_total", "Errors by kind", &["kind"])?),
             latency: reg(
@@ -282,7 +288,23 @@ impl Metrics {
             mount: Arc::new(RwLock::new(None)),
             bus: Arc::new(RwLock::new(None)),
             registry: r,
-        })
+        };
+        // Every hit and miss series exists from start, at 0: `rate()` and
+        // alerts on a series that appears only with its first event see
+        // nothing until then (issue 30).
+        for t in [Tier::G3, Tier::Peer, Tier::G4] {
+            m.hits.with_label_values(&[t.name()]);
+        }
+        for reason in MISS_REASONS {
+            m.misses.with_label_values(&[reason]);
+        }
+        // The process's own figures (CPU seconds, resident memory, open and
+        // maximum file descriptors, threads, start time) as `process_*`.
+        #[cfg(target_os = "linux")]
+        let _ = m.registry.register(Box::new(
+            prometheus::process_collector::ProcessCollector::for_self(),
+        ));
+        Ok(m)
     }
 
     /// Advances scraped counter `name{labels}` to `x` (the source only
@@ -744,6 +766,39 @@ pub async fn serve(
 mod tests {
     use super::*;
     use crate::server::{MemBackend, MemLimits};
+
+    /// Hit and miss series exist at 0 before the first hit or miss, and
+    /// the process collector's `process_*` families are exported.
+    #[test]
+    fn hit_miss_and_process_series_exist_from_start() {
+        let m = Metrics::new().unwrap();
+        let b = MemBackend::new(MemLimits::default(), std::env::temp_dir());
+        let text = m.render(&b);
+        for line in [
+            "kvtier_hits_total{tier=\"g3\"} 0",
+            "kvtier_hits_total{tier=\"peer\"} 0",
+            "kvtier_hits_total{tier=\"g4\"} 0",
+            "kvtier_misses_total{reason=\"absent\"} 0",
+            "kvtier_misses_total{reason=\"corrupt\"} 0",
+            "kvtier_misses_total{reason=\"unavailable\"} 0",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} missing in\n{text}");
+        }
+        #[cfg(target_os = "linux")]
+        for name in [
+            "process_cpu_seconds_total",
+            "process_resident_memory_bytes",
+            "process_open_fds",
+            "process_max_fds",
+            "process_start_time_seconds",
+            "process_threads",
+        ] {
+            assert!(
+                text.lines().any(|l| l.starts_with(name)),
+                "{name} missing in\n{text}"
+            );
+        }
+    }
 
     #[test]
     fn renders_every_family() {

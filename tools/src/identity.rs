@@ -135,7 +135,25 @@ pub fn inspect(a: InspectArgs) -> Result<()> {
     let h = match block::decode_block(&bytes) {
         Ok((h, _)) => h,
         Err(e) => {
-            eprintln!("{}: INVALID: {e}", a.file.display());
+            // --json answers for an invalid block too (it printed nothing),
+            // so a script reads one document either way; exit 1 as before.
+            if a.json {
+                let fault = match &e {
+                    kvtier_client::Error::Format { fault, .. } => Some(format!("{fault:?}")),
+                    _ => None,
+                };
+                println!(
+                    "{}",
+                    serde_json::json!({
+                        "file": a.file.display().to_string(),
+                        "valid": false,
+                        "fault": fault,
+                        "error": e.to_string(),
+                    })
+                );
+            } else {
+                eprintln!("{}: INVALID: {e}", a.file.display());
+            }
             std::process::exit(1);
         }
     };

@@ -41,8 +41,18 @@ impl SocketArg {
         c.region_bytes = 0;
         c.timeout_ms = 10_000;
         let c = Client::with_config(c);
-        c.ensure_connected()
-            .with_context(|| format!("is kvtierd running on {}?", p.display()))?;
+        if let Err(e) = c.ensure_connected() {
+            // A refusal is not a daemon that is down: the client's error
+            // says what the caller lacks (kvtier_client::access_hint).
+            let denied = matches!(&e, kvtier_client::Error::Unavailable { source, .. }
+                if source.kind() == std::io::ErrorKind::PermissionDenied);
+            let why = if denied {
+                format!("cannot connect to kvtierd on {}", p.display())
+            } else {
+                format!("is kvtierd running on {}?", p.display())
+            };
+            return Err(anyhow::Error::new(e).context(why));
+        }
         Ok(c)
     }
 }

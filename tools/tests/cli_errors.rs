@@ -64,3 +64,64 @@ fn help_names_every_command() {
         );
     }
 }
+
+/// A uid the socket refuses is told what it lacks: which path refused it
+/// (the socket, or a directory on its way), that path's owner, group and
+/// mode, and its own uid and groups (issue 30: a bare `Permission denied`,
+/// under "is kvtierd running?"). Needs root to make the refusing files and
+/// to run kvtier as uid 65534 (setpriv), as the test suite runs.
+#[test]
+fn a_refused_uid_is_told_what_it_lacks() {
+    use std::os::unix::fs::PermissionsExt as _;
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: needs root");
+        return;
+    }
+    let gid = 4242u32;
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let run_dir = dir.path().join("run");
+    std::fs::create_dir(&run_dir).unwrap();
+    let sock = run_dir.join("kvtierd.sock");
+    let _listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+    std::os::unix::fs::chown(&sock, Some(0), Some(gid)).unwrap();
+    std::os::unix::fs::chown(&run_dir, Some(0), Some(gid)).unwrap();
+    let as_nobody = || {
+        let o = Command::new("setpriv")
+            .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
+            .arg(env!("CARGO_BIN_EXE_kvtier"))
+            .args(["stats", "--socket"])
+            .arg(&sock)
+            .output()
+            .expect("setpriv");
+        assert_eq!(o.status.code(), Some(1), "{o:?}");
+        String::from_utf8_lossy(&o.stderr).into_owned()
+    };
+    // The socket refuses: 0660, group 4242.
+    std::fs::set_permissions(&run_dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::set_permissions(&sock, std::fs::Permissions::from_mode(0o660)).unwrap();
+    let err = as_nobody();
+    for want in [
+        &format!("permission denied on {}", sock.display()),
+        "the socket needs write (w) permission",
+        &format!("group {gid}, mode 0660"),
+        "and this process is uid 65534 in groups ",
+        &format!("add this user to group {gid}"),
+        "server.socket_group",
+    ] {
+        assert!(err.contains(want), "{want:?} not in: {err}");
+    }
+    assert!(!err.contains("is kvtierd running"), "{err}");
+    // Its directory refuses: 0750, group 4242.
+    std::fs::set_permissions(&run_dir, std::fs::Permissions::from_mode(0o750)).unwrap();
+    std::fs::set_permissions(&sock, std::fs::Permissions::from_mode(0o666)).unwrap();
+    let err = as_nobody();
+    for want in [
+        &format!("permission denied on {}:", run_dir.display()),
+        "a directory on its path needs search (x) permission",
+        &format!("group {gid}, mode 0750"),
+    ] {
+        assert!(err.contains(want), "{want:?} not in: {err}");
+    }
+}

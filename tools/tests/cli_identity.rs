@@ -151,4 +151,17 @@ fn inspect_accepts_valid_and_rejects_damaged_files() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("PayloadChecksum"), "{err}");
     assert_eq!(err.trim().lines().count(), 1, "one-line reason: {err}");
+    // --json answers for a damaged file too (it printed nothing), exit 1.
+    let out = kvtier()
+        .arg("inspect")
+        .arg(&path)
+        .arg("--json")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {:?}", String::from_utf8_lossy(&out.stdout)));
+    assert_eq!(v["valid"], false);
+    assert_eq!(v["fault"], "PayloadChecksum");
+    assert!(v["error"].as_str().unwrap().contains("checksum"), "{v}");
 }

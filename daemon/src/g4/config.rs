@@ -60,7 +60,9 @@ pub struct G4Config {
     /// Instance metadata endpoint used by `credentials = "instance"`
     /// (unset: the cloud's, `http://169.254.169.254`).
     pub metadata_endpoint: Option<String>,
-    /// Bytes of blocks G4 may hold before the sweeper deletes oldest first.
+    /// Bytes of blocks G4 may hold before the sweeper deletes oldest first
+    /// (a size: `"10TB"` or a byte count; unset: unbounded).
+    #[serde(deserialize_with = "crate::config::de_size_opt")]
     pub capacity_bytes: Option<u64>,
     /// Age after which the sweeper deletes a block.
     pub ttl_ms: Option<u64>,
@@ -81,9 +83,11 @@ pub struct G4Config {
     pub retry_backoff_ms: u64,
     /// Longest retry delay.
     pub retry_backoff_max_ms: u64,
-    /// Block files at least this large are uploaded in parts.
+    /// Block files at least this large are uploaded in parts (a size).
+    #[serde(deserialize_with = "crate::config::de_size")]
     pub multipart_threshold_bytes: u64,
     /// Part size of multipart uploads (S3 needs >= 5 MiB but the last).
+    #[serde(deserialize_with = "crate::config::de_size")]
     pub multipart_part_bytes: u64,
     /// Deadline of one object-store operation (a whole put or get).
     pub request_timeout_ms: u64,
@@ -98,6 +102,7 @@ pub struct G4Config {
     /// Largest object a fetch accepts: the size is checked from the
     /// response before any body is buffered, and the body is read with this
     /// cap. Default: the largest valid block file (header + 1 GiB payload).
+    #[serde(deserialize_with = "crate::config::de_size")]
     pub object_bytes_max: u64,
     /// Consecutive failed or late store calls that open the circuit
     /// breaker (calls then fail at once, as misses, without a request).

@@ -98,6 +98,10 @@ impl Backend for Node {
     }
 
     fn lookup(&self, ns: &NamespaceId, chain: &[BlockKey]) -> Result<Vec<Tier>> {
+        Ok(self.locate(ns, chain)?.0)
+    }
+
+    fn lookup_why(&self, ns: &NamespaceId, chain: &[BlockKey]) -> Result<(Vec<Tier>, MissReason)> {
         self.locate(ns, chain)
     }
 

@@ -16,9 +16,14 @@
 //! blocks around it. No payload moves at lookup time. G4 is asked through its existence cache first, then one HEAD.
 //! Both answers are hints: the onboard verifies what it fetches. Up to 16
 //! blocks are asked about at once; answers are taken in chain order.
+//!
+//! The first gap says why it is one: `Absent` when every place asked
+//! answered, `Unavailable` when G4 could not (down, breaker open, or past
+//! the deadline), so misses during an outage are not counted as absent.
 
 use super::Node;
 use crate::error::Result;
+use crate::tier::MissReason;
 use kvtier_client::{BlockKey, NamespaceId, Tier};
 use std::time::Instant;
 
@@ -27,7 +32,11 @@ use std::time::Instant;
 const LOOKUP_PARALLEL: usize = 16;
 
 impl Node {
-    pub(super) fn locate(&self, ns: &NamespaceId, chain: &[BlockKey]) -> Result<Vec<Tier>> {
+    pub(super) fn locate(
+        &self,
+        ns: &NamespaceId,
+        chain: &[BlockKey],
+    ) -> Result<(Vec<Tier>, MissReason)> {
         // Staged blocks (fetched, promotion pending) are local too.
         let mut n = self.g3.lookup_prefix(ns, chain);
         while n < chain.len() && self.staging.contains(ns, &chain[n]) {
@@ -36,7 +45,7 @@ impl Node {
         }
         let mut tiers = vec![Tier::G3; n];
         if n == chain.len() || (self.peers.is_none() && self.g4.is_none()) {
-            return Ok(tiers);
+            return Ok((tiers, MissReason::Absent));
         }
         let rest: Vec<BlockKey> = chain[n..].to_vec();
         let deadline = Instant::now() + self.lookup_remote_deadline;
@@ -46,16 +55,16 @@ impl Node {
         let (ns2, g3) = (*ns, self.g3.clone());
         let found = self.run_async(async move {
             use futures::StreamExt;
-            // Where one block is, or `None` when nowhere (or too late).
+            // Where one block is, or why it was not found.
             let where_is = |key: BlockKey| {
                 let (peers, g4, g3) = (peers.clone(), g4.clone(), g3.clone());
                 async move {
                     if Instant::now() >= deadline {
-                        return None;
+                        return Err(MissReason::Unavailable);
                     }
                     // A block promoted meanwhile (another client onboarded it).
                     if g3.lookup_prefix(&ns2, std::slice::from_ref(&key)) == 1 {
-                        return Some(Tier::G3);
+                        return Ok(Tier::G3);
                     }
                     if let Some(set) = &peers {
                         let order: Vec<_> =
@@ -67,7 +76,7 @@ impl Node {
                         let mut ask = Vec::new();
                         for p in &order {
                             match set.digest_says(&p.id, &ns2, &key) {
-                                Some(true) => return Some(Tier::Peer),
+                                Some(true) => return Ok(Tier::Peer),
                                 Some(false) if !set.config().holdings_probe_negatives => {}
                                 _ => ask.push(p.address.clone()),
                             }
@@ -84,12 +93,14 @@ impl Node {
                             .into_iter()
                             .any(|a| a)
                         {
-                            return Some(Tier::Peer);
+                            return Ok(Tier::Peer);
                         }
                     }
-                    let g4 = g4.as_ref()?;
+                    let g4 = g4.as_ref().ok_or(MissReason::Absent)?;
                     let present = match g4.contains_cached(&ns2, &key) {
                         Some(p) => p,
+                        // A store that errs or answers too late could hold
+                        // the block: unavailable, not absent.
                         None => tokio::time::timeout_at(
                             tokio::time::Instant::from_std(deadline),
                             g4.contains_async(&ns2, &key),
@@ -97,9 +108,9 @@ impl Node {
                         .await
                         .ok()
                         .and_then(|r| r.ok())
-                        .unwrap_or(false),
+                        .ok_or(MissReason::Unavailable)?,
                     };
-                    present.then_some(Tier::G4)
+                    present.then_some(Tier::G4).ok_or(MissReason::Absent)
                 }
             };
             // Several blocks asked at once, answers taken in chain order; the
@@ -108,12 +119,20 @@ impl Node {
                 .map(where_is)
                 .buffered(LOOKUP_PARALLEL);
             let mut out = Vec::new();
-            while let Some(Some(t)) = answers.next().await {
-                out.push(t);
+            let mut why = MissReason::Absent;
+            while let Some(answer) = answers.next().await {
+                match answer {
+                    Ok(t) => out.push(t),
+                    Err(reason) => {
+                        why = reason;
+                        break;
+                    }
+                }
             }
-            out
+            (out, why)
         });
-        tiers.extend(found.unwrap_or_default());
-        Ok(tiers)
+        let (found, why) = found.unwrap_or((Vec::new(), MissReason::Unavailable));
+        tiers.extend(found);
+        Ok((tiers, why))
     }
 }

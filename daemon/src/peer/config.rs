@@ -62,14 +62,16 @@ pub struct PeerConfig {
     pub down_backoff_ms: u64,
     /// Skip time for a peer that sent corrupt bytes.
     pub corrupt_quarantine_ms: u64,
-    /// Largest block file accepted from a peer.
+    /// Largest block file accepted from a peer (a size).
+    #[serde(deserialize_with = "crate::config::de_size")]
     pub block_bytes_max: u64,
     /// Period of fetching each peer's holdings digest; 0 turns digests
     /// off (lookups then probe every block).
     pub holdings_refresh_ms: u64,
     /// Largest holdings digest this node serves and accepts (0: digests
     /// neither served nor fetched); past it a digest's false-positive rate
-    /// rises instead.
+    /// rises instead. A size.
+    #[serde(deserialize_with = "crate::config::de_size")]
     pub holdings_bytes_max: u64,
     /// Confirm a block a peer's digest does not list with a header probe.
     pub holdings_probe_negatives: bool,

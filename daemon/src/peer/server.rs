@@ -219,7 +219,10 @@ impl PeerServer {
         let key = PeerKey::from_secret(&cfg.secret)?;
         let listener = TcpListener::bind(cfg.bind)
             .await
-            .map_err(|e| Error::io("binding the peer server to", cfg.bind.to_string(), e))?;
+            .map_err(|e| Error::Config {
+                key: "peer.bind".into(),
+                problem: format!("cannot listen on {}: {e}", cfg.bind),
+            })?;
         let local_addr = listener
             .local_addr()
             .map_err(|e| Error::io("reading the address of", cfg.bind.to_string(), e))?;

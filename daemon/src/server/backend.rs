@@ -135,6 +135,15 @@ pub trait Backend: Send + Sync + 'static {
     /// The tier of each block of the longest stored prefix of `chain`.
     fn lookup(&self, ns: &NamespaceId, chain: &[BlockKey]) -> Result<Vec<Tier>>;
 
+    /// [`Backend::lookup`], and why the prefix stopped short of `chain`
+    /// (meaningless when it did not): `Absent` when no tier holds the
+    /// first missing block, `Unavailable` when a tier that might hold it
+    /// could not answer in time (G4 down or late), so that misses during
+    /// an outage are counted as such. The default: always `Absent`.
+    fn lookup_why(&self, ns: &NamespaceId, chain: &[BlockKey]) -> Result<(Vec<Tier>, MissReason)> {
+        Ok((self.lookup(ns, chain)?, MissReason::Absent))
+    }
+
     /// Stores one block whose validated header is `header` (its namespace
     /// is `ns`) and whose payload is `payload` (shared memory).
     fn offload(

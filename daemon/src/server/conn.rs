@@ -379,15 +379,15 @@ impl Conn<'_> {
             // A namespace the caller may not use runs as its decoy: a
             // namespace nothing is stored under, so the answer and its cost
             // are those of an unknown namespace's miss (access.rs).
-            Request::Lookup { ns, keys } => match b.lookup(&self.ns_for(&ns), &keys) {
-                Ok(mut tiers) => {
+            Request::Lookup { ns, keys } => match b.lookup_why(&self.ns_for(&ns), &keys) {
+                Ok((mut tiers, why)) => {
                     tiers.truncate(keys.len());
                     for t in &tiers {
                         m.hits.with_label_values(&[t.name()]).inc();
                     }
                     if tiers.len() < keys.len() {
                         m.misses
-                            .with_label_values(&["absent"])
+                            .with_label_values(&[reason_name(why)])
                             .inc_by((keys.len() - tiers.len()) as u64);
                     }
                     Response::Lookup { tiers }
@@ -977,7 +977,8 @@ impl Conn<'_> {
                         // null: not yet known (G4 before its first listing).
                         "blocks": t.known.then_some(t.blocks),
                         "bytes": t.known.then_some(t.bytes),
-                        "capacity_bytes": t.capacity_bytes,
+                        // null: unbounded (a G4 without capacity_bytes).
+                        "capacity_bytes": (t.capacity_bytes > 0).then_some(t.capacity_bytes),
                     }),
                 )
             })
@@ -993,7 +994,9 @@ impl Conn<'_> {
             "in_flight_requests": self.sh.in_flight.load(Ordering::Relaxed),
             "event_subscribers": self.sh.bus.subscribers(),
             "events_published": self.sh.bus.published(),
-            "events_dynamo_worker_id": self.sh.bus.dynamo_worker(),
+            // A string: ids derived from a node id use all 64 bits, which
+            // a JSON number loses above 2^53 in most readers (jq, JS).
+            "events_dynamo_worker_id": self.sh.bus.dynamo_worker().map(|w| w.to_string()),
             "events_dynamo_skipped_blocks": self.sh.bus.dynamo_skipped_blocks(),
         })
         .to_string()
