@@ -111,6 +111,7 @@ from ._common import (
     base_hints,
     coalesce,
     connector_key,
+    describe,
     make_client,
     offload_grouped,
     parse_hints,
@@ -235,6 +236,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
             client = make_client(self.extra_config)
+            describe(client, self.namespaces, "vllm", self.fail)
             self._manager = KvtierOffloadingManager(
                 client,
                 self.namespaces,
