@@ -77,7 +77,8 @@ pub const OP_PREFETCH: u8 = 16;
 /// Op: say which engine and model a namespace belongs to, for the
 /// operator's view (`kvtier stats`, `kvtier ls`, `/metrics`). Additive:
 /// an older daemon answers it with an error, which clients ignore.
-pub const OP_DESCRIBE: u8 = 17;
+/// (18: 17 is batched lookups'.)
+pub const OP_DESCRIBE: u8 = 18;
 /// Longest engine name a [`Request::Describe`] carries, in bytes.
 pub const DESCRIBE_ENGINE_BYTES_MAX: usize = 32;
 /// Longest model name a [`Request::Describe`] carries, in bytes (a
@@ -1682,7 +1683,7 @@ mod tests {
 
     proptest::proptest! {
         #[test]
-        fn decoders_never_panic(body in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..512), op in 0u8..18) {
+        fn decoders_never_panic(body in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..512), op in 0u8..19) {
             let mut framed = vec![PROTOCOL_VERSION, op, 0, 0, 1, 0, 0, 0];
             framed.extend_from_slice(&body);
             let _ = Request::decode(&framed);
