@@ -120,14 +120,26 @@ fn demo_ls_stat_verify_events_stats() {
     // counted for it (the demo's and this test's requests).
     let n = &j["namespaces"][0];
     assert_eq!(n["id"], first.split('/').next().unwrap(), "{j}");
-    assert_eq!((&n["engine"], &n["model"]), (&"kvtier-demo".into(), &"demo/llama-ish".into()));
+    assert_eq!(
+        (&n["engine"], &n["model"]),
+        (&"kvtier-demo".into(), &"demo/llama-ish".into())
+    );
     assert_eq!(n["offload_blocks"], 4, "{j}");
-    assert!(n["lookups"].as_u64().unwrap() >= 2 && n["lookup_hit_blocks"].as_u64().unwrap() >= 4, "{j}");
+    assert!(
+        n["lookups"].as_u64().unwrap() >= 2 && n["lookup_hit_blocks"].as_u64().unwrap() >= 4,
+        "{j}"
+    );
     assert!(n["onboard_hit_blocks"].as_u64().unwrap() >= 4, "{j}");
     assert_eq!(n["onboard_bytes"].as_u64().unwrap() % (256 << 10), 0, "{j}");
     let (ok, st, _) = run(&["stats"], s);
     assert!(ok && st.contains("g3: 4 blocks"), "{st}");
-    assert!(st.contains(&format!("{} kvtier-demo \"demo/llama-ish\"", n["id"].as_str().unwrap())), "{st}");
+    assert!(
+        st.contains(&format!(
+            "{} kvtier-demo \"demo/llama-ish\"",
+            n["id"].as_str().unwrap()
+        )),
+        "{st}"
+    );
     let (ok, v, _) = run(&["verify", "--all", "--json"], s);
     assert!(ok);
     let j: serde_json::Value = serde_json::from_str(&v).unwrap();
