@@ -177,13 +177,7 @@ def run(args) -> dict[str, Any]:
             keys = {b: _keys(r, b, args.chunks, nonce) for b in order}
             for b in order:
                 objs, digests[b] = _fill(manager, metadata, args.chunks, seed=r * 2 + (b == KVTIER))
-                try:
-                    row[f"{b}_put_s"] = _put(manager, b, keys[b], objs, disk_dir, args.deadline_s)
-                finally:
-                    # The backends hold their own references (as LMCache's
-                    # cache engine drops its own after batched_put).
-                    for o in objs:
-                        o.ref_count_down()
+                row[f"{b}_put_s"] = _put(manager, b, keys[b], objs, disk_dir, args.deadline_s)
             if cold and not _drop_caches():
                 cold = False
             for b in order:
