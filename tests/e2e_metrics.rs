@@ -393,6 +393,14 @@ fn promtool_accepts_the_exposition_with_every_feature_on() {
     // Traffic that makes the feature families carry samples.
     let c = kvtier_client::Client::connect(&d.socket).unwrap();
     let h = c.namespace(&ns());
+    // The per-namespace kvtier_client_* families, labelled with the
+    // engine and model a connector describes (a model with spaces and
+    // quotes: escaped in the exposition).
+    assert_eq!(
+        c.describe(ns().id(), "vllm", "org/m \"7b\" · tp=8")
+            .unwrap(),
+        kvtier_client::proto::ItemStatus::Ok
+    );
     let (k, f) = block(7);
     let payload = kvtier_client::decode_block(&f).unwrap().1.to_vec();
     let out = h.offload(&[kvtier_client::OffloadBlock {
@@ -407,6 +415,11 @@ fn promtool_accepts_the_exposition_with_every_feature_on() {
         m.iter().any(|s| s.name.starts_with("kvtier_peer_"))
             && m.iter().any(|s| s.name.starts_with("kvtier_events_zmq"))
     });
+    let (_, text) = d.http_get("/metrics");
+    let described = format!(
+        "kvtier_client_offload_blocks_total{{engine=\"vllm\",model=\"org/m \\\"7b\\\" · tp=8\",namespace=\"{ns_id}\"}} 1"
+    );
+    assert!(text.contains(&described), "{described} not in\n{text}");
 
     let (_, text) = d.http_get("/metrics");
     check_conventions(&text);

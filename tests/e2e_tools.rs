@@ -70,9 +70,11 @@ fn demo_ls_stat_verify_events_stats() {
     // A header naming both sizes, then one line per block: the payload
     // and the block file (what `stat` on the mount shows).
     assert_eq!(ls.lines().count(), 5, "{ls}");
+    // Then the engine and model the demo described its namespace with
+    // (OP_DESCRIBE): the daemon keeps them, ls shows them.
     assert_eq!(
         ls.lines().next().unwrap(),
-        "PATH\tTIER\tPAYLOAD_BYTES\tFILE_BYTES"
+        "PATH\tTIER\tPAYLOAD_BYTES\tFILE_BYTES\tENGINE\tMODEL"
     );
     let cols: Vec<&str> = ls.lines().nth(1).unwrap().split('\t').collect();
     assert_eq!(
@@ -80,7 +82,9 @@ fn demo_ls_stat_verify_events_stats() {
         [
             "g3",
             &(256 << 10).to_string(),
-            &((256 << 10) + 4096).to_string()
+            &((256 << 10) + 4096).to_string(),
+            "kvtier-demo",
+            "demo/llama-ish",
         ]
     );
     let first = cols[0].to_string();
@@ -123,9 +127,31 @@ fn demo_ls_stat_verify_events_stats() {
     );
     let worker = j["events_dynamo_worker_id"].as_str().unwrap();
     assert!(worker.parse::<u64>().is_ok(), "{st}");
+    // The namespace with its engine and model, and what the daemon
+    // counted for it (the demo's and this test's requests).
+    let n = &j["namespaces"][0];
+    assert_eq!(n["id"], first.split('/').next().unwrap(), "{j}");
+    assert_eq!(
+        (&n["engine"], &n["model"]),
+        (&"kvtier-demo".into(), &"demo/llama-ish".into())
+    );
+    assert_eq!(n["offload_blocks"], 4, "{j}");
+    assert!(
+        n["lookups"].as_u64().unwrap() >= 2 && n["lookup_hit_blocks"].as_u64().unwrap() >= 4,
+        "{j}"
+    );
+    assert!(n["onboard_hit_blocks"].as_u64().unwrap() >= 4, "{j}");
+    assert_eq!(n["onboard_bytes"].as_u64().unwrap() % (256 << 10), 0, "{j}");
     let (ok, st, _) = run(&["stats"], s);
     assert!(ok && st.contains("g3: 4 blocks"), "{st}");
     assert!(st.contains("capacity unbounded"), "{st}");
+    assert!(
+        st.contains(&format!(
+            "{} kvtier-demo \"demo/llama-ish\"",
+            n["id"].as_str().unwrap()
+        )),
+        "{st}"
+    );
     let (ok, v, _) = run(&["verify", "--all", "--json"], s);
     assert!(ok);
     let j: serde_json::Value = serde_json::from_str(&v).unwrap();

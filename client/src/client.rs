@@ -682,6 +682,32 @@ impl Client {
         self.items_ids(keys, |keys| Request::ReportCorrupt { ns, keys })
     }
 
+    /// Tells the daemon which engine and model `ns` belongs to (shown by
+    /// `kvtier stats`, `kvtier ls` and `/metrics`; never part of a block's
+    /// identity). `model` is cut to what the wire carries
+    /// ([`proto::description_model`]); `engine` must be 1..=32 bytes of
+    /// `[a-z0-9._-]`. Ok, Invalid (a namespace this caller may not use) or
+    /// LimitReached (the daemon keeps its most descriptions). A daemon
+    /// that predates the request answers with an error.
+    pub fn describe(&self, ns: NamespaceId, engine: &str, model: &str) -> Result<ItemStatus> {
+        let model = proto::description_model(model);
+        proto::check_description(engine, &model)?;
+        let st = self.call(
+            |_| {
+                Ok(Request::Describe {
+                    ns,
+                    engine: engine.to_string(),
+                    model: model.clone(),
+                })
+            },
+            |_, r, _| match r {
+                Response::Items { status } if status.len() == 1 => Ok(status),
+                other => Err(unexpected(other)),
+            },
+        )?;
+        Ok(st[0])
+    }
+
     fn items_ids(
         &self,
         keys: &[BlockKey],
@@ -998,6 +1024,12 @@ impl<'a> NsHandle<'a> {
         tokens: &[u32],
     ) -> Result<Vec<BlockKey>> {
         self.ns.hash_chain_after(parent, tokens)
+    }
+
+    /// Tells the daemon this namespace is `engine`'s, for its model
+    /// ([`Client::describe`] with the namespace's model id).
+    pub fn describe(&self, engine: &str) -> Result<ItemStatus> {
+        self.client.describe(self.id, engine, &self.ns.model)
     }
 
     /// Longest cached prefix of `chain`, with the tier of each block.

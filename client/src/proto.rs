@@ -74,6 +74,16 @@ pub const OP_REPORT_CORRUPT: u8 = 14;
 /// Op: fetch the non-local blocks of a chain into G3 in the background.
 /// (16: 15 is free.)
 pub const OP_PREFETCH: u8 = 16;
+/// Op: say which engine and model a namespace belongs to, for the
+/// operator's view (`kvtier stats`, `kvtier ls`, `/metrics`). Additive:
+/// an older daemon answers it with an error, which clients ignore.
+/// (18: 17 is batched lookups'.)
+pub const OP_DESCRIBE: u8 = 18;
+/// Longest engine name a [`Request::Describe`] carries, in bytes.
+pub const DESCRIBE_ENGINE_BYTES_MAX: usize = 32;
+/// Longest model name a [`Request::Describe`] carries, in bytes (a
+/// client cuts a longer one at a character boundary).
+pub const DESCRIBE_MODEL_BYTES_MAX: usize = 256;
 /// Reply bit.
 pub const OP_REPLY: u8 = 0x80;
 /// An event on a subscribed connection.
@@ -370,6 +380,57 @@ pub enum Request {
         /// The chain (or the part of it the caller expects to miss).
         keys: Vec<BlockKey>,
     },
+    /// Which engine and model `ns` belongs to (labels for the operator;
+    /// never part of a block's identity). Reply: `Items` with one status:
+    /// Ok, or Invalid for a namespace the caller may not use, or
+    /// LimitReached when the daemon already keeps its most descriptions.
+    Describe {
+        /// Namespace.
+        ns: NamespaceId,
+        /// The engine (`vllm`, `sglang`, `lmcache`, ...), at most
+        /// [`DESCRIBE_ENGINE_BYTES_MAX`] bytes of `[a-z0-9._-]`.
+        engine: String,
+        /// The model, at most [`DESCRIBE_MODEL_BYTES_MAX`] bytes, no
+        /// control characters.
+        model: String,
+    },
+}
+
+/// `model` as a [`Request::Describe`] carries it: control characters
+/// replaced by spaces, cut to [`DESCRIBE_MODEL_BYTES_MAX`] bytes at a
+/// character boundary.
+pub fn description_model(model: &str) -> String {
+    let mut out = String::with_capacity(model.len().min(DESCRIBE_MODEL_BYTES_MAX));
+    for c in model.chars() {
+        let c = if c.is_control() { ' ' } else { c };
+        if out.len() + c.len_utf8() > DESCRIBE_MODEL_BYTES_MAX {
+            break;
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// Whether `engine` and `model` are what a [`Request::Describe`] may
+/// carry (the error says why not).
+pub fn check_description(engine: &str, model: &str) -> Result<()> {
+    if engine.is_empty()
+        || engine.len() > DESCRIBE_ENGINE_BYTES_MAX
+        || !engine
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"._-".contains(&b))
+    {
+        return Err(proto(format!(
+            "engine name {engine:?}: 1..={DESCRIBE_ENGINE_BYTES_MAX} bytes of [a-z0-9._-]"
+        )));
+    }
+    if model.len() > DESCRIBE_MODEL_BYTES_MAX || model.chars().any(char::is_control) {
+        return Err(proto(format!(
+            "model name of {} bytes: at most {DESCRIBE_MODEL_BYTES_MAX}, no control characters",
+            model.len()
+        )));
+    }
+    Ok(())
 }
 
 /// Per-item result of an onboard.
@@ -755,6 +816,7 @@ impl Request {
             Request::List { .. } => OP_LIST,
             Request::Subscribe => OP_SUBSCRIBE,
             Request::Prefetch { .. } => OP_PREFETCH,
+            Request::Describe { .. } => OP_DESCRIBE,
         }
     }
 
@@ -776,6 +838,7 @@ impl Request {
             OP_VERIFY => "verify",
             OP_REPORT_CORRUPT => "report_corrupt",
             OP_PREFETCH => "prefetch",
+            OP_DESCRIBE => "describe",
             _ => "unknown",
         }
     }
@@ -856,6 +919,11 @@ impl Request {
                 w.u32(*deadline_ms);
                 w.u64(*stream);
                 write_keys(&mut w, keys);
+            }
+            Request::Describe { ns, engine, model } => {
+                w.ns(ns);
+                w.string(engine);
+                w.string(model);
             }
             Request::Stats | Request::Subscribe => {}
             Request::List { ns, after, limit } => {
@@ -993,6 +1061,13 @@ impl Request {
                 stream: r.u64()?,
                 keys: read_keys(&mut r)?,
             },
+            OP_DESCRIBE => {
+                let ns = r.ns()?;
+                let engine = r.string()?;
+                let model = r.string()?;
+                check_description(&engine, &model)?;
+                Request::Describe { ns, engine, model }
+            }
             OP_STATS => Request::Stats,
             OP_SUBSCRIBE => Request::Subscribe,
             OP_LIST => {
@@ -1151,7 +1226,7 @@ impl Response {
                     Response::Lookup { tiers }
                 }
                 OP_OFFLOAD | OP_RELEASE | OP_PIN | OP_UNPIN | OP_EVICT | OP_VERIFY
-                | OP_REPORT_CORRUPT | OP_PREFETCH => {
+                | OP_REPORT_CORRUPT | OP_PREFETCH | OP_DESCRIBE => {
                     let n = r.count(KEYS_MAX, 1)?;
                     let mut status = Vec::with_capacity(n);
                     for _ in 0..n {
@@ -1495,6 +1570,11 @@ mod tests {
                 stream: 7,
                 keys: vec![k(5), k(6)],
             },
+            Request::Describe {
+                ns,
+                engine: "vllm".into(),
+                model: "meta-llama/Llama-3.1-8B · tp=8".into(),
+            },
             Request::Stats,
             Request::List {
                 ns: Some(ns),
@@ -1528,6 +1608,34 @@ mod tests {
             assert_eq!(id, 9);
             assert_eq!(back, r);
         }
+    }
+
+    #[test]
+    fn descriptions_out_of_bounds_are_refused_by_the_decoder() {
+        let ns = NamespaceId([5; 16]);
+        let long_model = "m".repeat(DESCRIBE_MODEL_BYTES_MAX + 1);
+        for (engine, model) in [
+            ("", "m"),
+            ("VLLM", "m"),
+            ("v llm", "m"),
+            ("e".repeat(DESCRIBE_ENGINE_BYTES_MAX + 1).as_str(), "m"),
+            ("vllm", long_model.as_str()),
+            ("vllm", "a\nb"),
+        ] {
+            let f = Request::Describe {
+                ns,
+                engine: engine.into(),
+                model: model.into(),
+            }
+            .encode(1);
+            assert!(Request::decode(&f[4..]).is_err(), "{engine:?} {model:?}");
+        }
+        let ok = Request::Describe {
+            ns,
+            engine: "sglang".into(),
+            model: "m".repeat(DESCRIBE_MODEL_BYTES_MAX),
+        };
+        assert!(Request::decode(&ok.encode(1)[4..]).is_ok());
     }
 
     #[test]
@@ -1575,7 +1683,7 @@ mod tests {
 
     proptest::proptest! {
         #[test]
-        fn decoders_never_panic(body in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..512), op in 0u8..16) {
+        fn decoders_never_panic(body in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..512), op in 0u8..19) {
             let mut framed = vec![PROTOCOL_VERSION, op, 0, 0, 1, 0, 0, 0];
             framed.extend_from_slice(&body);
             let _ = Request::decode(&framed);

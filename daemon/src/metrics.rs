@@ -388,6 +388,15 @@ impl Metrics {
         }
     }
 
+    /// Adds a collector whose families are built at each scrape (the
+    /// server's per-namespace `kvtier_client_*` families). One whose names
+    /// are registered already is logged and left out.
+    pub fn register_collector(&self, c: Box<dyn prometheus::core::Collector>) {
+        if let Err(e) = self.registry.register(c) {
+            tracing::warn!(error = %e, "a metrics collector was not registered");
+        }
+    }
+
     /// Sets the event bus whose figures /metrics shows (the server does).
     pub fn set_bus(&self, bus: EventBus) {
         if let Ok(mut g) = self.bus.write() {

@@ -235,7 +235,7 @@ fn stats_text(s: &serde_json::Value) -> String {
     }
     if let Some(o) = s.as_object() {
         for (k, v) in o {
-            if k == "backend" || k == "tiers" {
+            if k == "backend" || k == "tiers" || k == "namespaces" {
                 continue;
             }
             let v = match v {
@@ -246,7 +246,51 @@ fn stats_text(s: &serde_json::Value) -> String {
             out += &format!("{}: {v}\n", k.replace('_', " "));
         }
     }
+    if let Some(list) = s["namespaces"].as_array().filter(|l| !l.is_empty()) {
+        out += "namespaces (engine, model; lookups, blocks hit/missed at lookup and onboard, bytes onboarded and stored):\n";
+        for n in list {
+            let c = |k: &str| n[k].as_u64().unwrap_or(0);
+            out += &format!(
+                "  {} {} {}: lookups {}, lookup blocks {}/{}, onboard blocks {}/{}, onboard {} bytes, stored {} blocks {} bytes, reported corrupt {}\n",
+                n["id"].as_str().unwrap_or("?"),
+                n["engine"].as_str().unwrap_or("-"),
+                n["model"].as_str().map(|m| format!("{m:?}")).unwrap_or_else(|| "-".into()),
+                c("lookups"),
+                c("lookup_hit_blocks"),
+                c("lookup_miss_blocks"),
+                c("onboard_hit_blocks"),
+                c("onboard_miss_blocks"),
+                c("onboard_bytes"),
+                c("offload_blocks"),
+                c("offload_bytes"),
+                c("reported_corrupt_blocks"),
+            );
+        }
+    }
     out
+}
+
+/// Engine and model per namespace, as connectors described them
+/// (`kvtier stats`' `namespaces`); empty when the caller may not read the
+/// daemon-wide stats (a tenant) or the daemon predates descriptions.
+fn descriptions(c: &Client) -> std::collections::HashMap<String, (String, String)> {
+    let Ok(s) = c.stats() else {
+        return Default::default();
+    };
+    s["namespaces"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|n| {
+            Some((
+                n["id"].as_str()?.to_string(),
+                (
+                    n["engine"].as_str()?.to_string(),
+                    n["model"].as_str()?.to_string(),
+                ),
+            ))
+        })
+        .collect()
 }
 
 /// Lists stored blocks.
@@ -254,6 +298,8 @@ pub fn ls(a: LsArgs) -> Result<()> {
     let c = a.sock.client()?;
     let ns = a.namespace.as_deref().map(parse_ns).transpose()?;
     let blocks = all_blocks(&c, ns, a.limit.unwrap_or(u64::MAX))?;
+    let described = descriptions(&c);
+    let desc = |n: &NamespaceId| described.get(&n.to_hex());
     // Both sizes, named: the payload (what the engine stored) and the
     // block file (header + padded payload: what `stat` on the mount and
     // `du` show).
@@ -273,6 +319,8 @@ pub fn ls(a: LsArgs) -> Result<()> {
                     "tier": st.tier.name(),
                     "payload_len": st.payload_len,
                     "file_bytes": file_bytes(st),
+                    "engine": desc(n).map(|d| d.0.as_str()),
+                    "model": desc(n).map(|d| d.1.as_str()),
                 })
             })
             .collect();
@@ -286,11 +334,14 @@ pub fn ls(a: LsArgs) -> Result<()> {
         "kvtier ls: blocks on this node's G3 ({}); blocks only in G4 or on peers are not listed (kvtier stats counts G4)",
         blocks.len()
     );
-    println!("PATH\tTIER\tPAYLOAD_BYTES\tFILE_BYTES");
+    // Engine and model last: scripts that cut the first four columns
+    // keep working.
+    println!("PATH\tTIER\tPAYLOAD_BYTES\tFILE_BYTES\tENGINE\tMODEL");
     for (n, k, st) in blocks {
         let file_bytes = file_bytes(&st);
+        let (engine, model) = desc(&n).map_or(("-", "-"), |d| (d.0.as_str(), d.1.as_str()));
         println!(
-            "{n}/{}/{k}\t{}\t{}\t{file_bytes}",
+            "{n}/{}/{k}\t{}\t{}\t{file_bytes}\t{engine}\t{model}",
             k.shard(),
             st.tier.name(),
             st.payload_len
@@ -668,6 +719,9 @@ fn g4_fall_through(socket: &Path, g4_dir: Option<&Path>, mode: HashMode) -> Resu
     let ns = demo_namespace(mode)?;
     let client = Client::connect(socket)?;
     let h = client.namespace(&ns);
+    // What `kvtier stats` and `kvtier ls` then show beside the namespace
+    // id (an older daemon refuses the request: the demo goes on).
+    let _ = h.describe("kvtier-demo");
     let tokens: Vec<u32> = (0..64).collect();
     let keys = h.hash_chain(&tokens);
     let Some(g4_dir) = g4_dir.filter(|d| d.is_dir()) else {

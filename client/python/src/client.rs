@@ -460,6 +460,25 @@ impl Client {
         })
     }
 
+    /// describe(ns, engine) -> str
+    ///
+    /// Tells the daemon which engine (1..=32 bytes of [a-z0-9._-]) the
+    /// namespace belongs to, with the namespace's model (cut to 256
+    /// bytes): `kvtier stats`, `kvtier ls` and /metrics show them beside
+    /// the namespace id. Never part of a block's identity. "ok",
+    /// "invalid" (a namespace this caller may not use) or "limit_reached"
+    /// (the daemon keeps its most descriptions). Raises kvtier.Error for a
+    /// bad engine name or a daemon that predates the request.
+    fn describe(&self, py: Python<'_>, ns: NsArg<'_>, engine: &str) -> PyResult<String> {
+        let c = self.inner()?;
+        let nsr = ns.0.inner.clone();
+        let engine = engine.to_string();
+        let st = py
+            .detach(move || c.within_deadline(|| c.namespace(&nsr).describe(&engine)))
+            .map_err(from_client)?;
+        Ok(status_name(st))
+    }
+
     /// unpin(ns, keys) -> list[str]: removes pins ("ok" or "absent" per key).
     fn unpin(
         &self,

@@ -47,12 +47,13 @@ class Daemon:
     def __init__(self, config: str | None = None, g4: bool = True) -> None:
         self.dir = pathlib.Path(tempfile.mkdtemp(prefix="kvtier-py-"))
         self.socket = str(self.dir / "kvtierd.sock")
+        self.metrics_port = free_port()
         self.args = [
             kvtierd_bin(),
             "--socket", self.socket,
             "--g3-dir", str(self.dir / "g3"),
             "--g3-capacity", "256MiB",
-            "--metrics-addr", f"127.0.0.1:{free_port()}",
+            "--metrics-addr", f"127.0.0.1:{self.metrics_port}",
             "--g4", f"file://{self.dir / 'g4'}" if g4 else "",
         ]
         if config is not None:
@@ -76,6 +77,28 @@ class Daemon:
             except OSError:
                 time.sleep(0.02)
         raise RuntimeError("kvtierd did not listen within 20 s")
+
+    def metrics(self) -> str:
+        """The daemon's /metrics exposition."""
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as r:
+            return r.read().decode()
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The sum of ``name``'s samples whose labels include ``labels``
+        (0 when none)."""
+        import re
+
+        total = 0.0
+        for line in self.metrics().splitlines():
+            m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)$", line)
+            if not m or m.group(1) != name:
+                continue
+            have = dict(re.findall(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"', m.group(2) or ""))
+            if all(have.get(k) == v for k, v in labels.items()):
+                total += float(m.group(3))
+        return total
 
     def kill9(self) -> None:
         if self.proc and self.proc.poll() is None:

@@ -147,3 +147,74 @@ def test_a_bad_kvtier_setting_refuses_to_start(daemon):
     for bad in ({"kvtier_priority": 999}, {"kvtier_timeout_ms": "soon"}, {"kvtier_expected_reuse": -1}):
         with pytest.raises(KvtierStartupError, match="kvtier"):
             setup(daemon.socket, **bad)
+
+
+def test_batched_get_is_one_onboard_with_the_reads_together(daemon):
+    """LMCache's StorageManager.batched_get (a retrieve's read of the
+    chunks its lookup found) over the plugin: one onboard request for the
+    whole batch (the daemon reads its chunks together), counted by the
+    daemon itself; the chunks come back exact, and the daemon's
+    per-namespace figures carry LMCache's engine and model."""
+    from types import SimpleNamespace
+
+    from lmcache.v1.storage_backend.storage_manager import StorageManager
+
+    backend, cpu, metadata = setup(daemon.socket)
+    keys = [key(2000 + i) for i in range(8)]
+    objs = [filled(cpu, metadata, 80 + i) for i in range(8)]
+    want = [o.tensor.view(torch.uint8).clone() for o in objs]
+    before = daemon.metric("kvtier_requests_total", op="offload")
+    backend.batched_submit_put_task(keys, objs)
+    assert daemon.metric("kvtier_requests_total", op="offload") - before == 1  # the put too
+    assert backend.batched_contains(keys) == 8
+    manager = SimpleNamespace(
+        get_active_storage_backends=lambda location: [("kvtier", backend)],
+        storage_backends={"kvtier": backend},
+    )
+    before = daemon.metric("kvtier_requests_total", op="onboard")
+    got = StorageManager.batched_get(manager, keys)
+    assert daemon.metric("kvtier_requests_total", op="onboard") - before == 1
+    assert all(g is not None for g in got)
+    for g, w in zip(got, want):
+        assert torch.equal(g.tensor.view(torch.uint8), w)
+        g.ref_count_down()
+    # A missing chunk in the middle: the ones before it still load, in the
+    # same single request.
+    before = daemon.metric("kvtier_requests_total", op="onboard")
+    got = backend.batched_get_blocking([keys[0], key(9999), keys[1]])
+    assert daemon.metric("kvtier_requests_total", op="onboard") - before == 1
+    assert got[0] is not None and got[1] is None and got[2] is not None
+    for g in (got[0], got[2]):
+        g.ref_count_down()
+    ns = backend._namespace(keys[0])
+    labels = {"namespace": ns.id, "engine": "lmcache"}
+    assert daemon.metric("kvtier_client_onboard_blocks_total", result="hit", **labels) == 10
+    assert daemon.metric("kvtier_client_onboard_blocks_total", result="miss", **labels) == 1
+    assert daemon.metric("kvtier_client_offload_bytes_total", **labels) == 8 * backend.chunk_bytes
+    assert daemon.metric("kvtier_client_lookup_blocks_total", result="hit", **labels) == 8
+
+
+def test_bench_runs_tiny_and_keeps_the_json_contract(daemon, tmp_path):
+    """``python -m kvtier.integrations.lmcache_bench`` (kvtier beside
+    LMCache's local_disk through LMCache's StorageManager) at a tiny size,
+    from another directory: one JSON document on stdout, each comparison
+    with its value, its baseline and their quotient under a key ending in
+    ``_vs_baseline`` (and nothing else so named). Never a speed."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "kvtier.integrations.lmcache_bench", "--socket", daemon.socket,
+         "--dir", str(daemon.dir), "--chunks", "2", "--chunk-mib", "1", "--rounds", "1",
+         "--no-cold", "--json"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    doc = json.loads(out.stdout)
+    assert doc["bench"] == "lmcache" and doc["cold"] is False and doc["chunks"] == 2
+    assert sorted(k for k in doc if "vs_baseline" in k) == ["get_gbps_vs_baseline", "put_gbps_vs_baseline"]
+    for op in ("put", "get"):
+        v, b = doc[f"{op}_gbps"], doc[f"baseline_{op}_gbps"]
+        assert v > 0 and b > 0
+        assert abs(doc[f"{op}_gbps_vs_baseline"] - v / b) < 1e-9

@@ -213,3 +213,73 @@ def test_controller_recomputes_pages_that_fail_after_exists(fault):
         assert c["load_failures"] == 3 and c.get("load_blocks", 0) == 0, c
     finally:
         d.close()
+
+
+def test_generic_batch_get_is_one_onboard(daemon):
+    """SGLang's generic (copying) ``batch_get``, for callers without
+    interface_v1: one onboard request per batch, counted by the daemon
+    (it was one per page); the pages land exact, a missing one is None."""
+    host = mha_host("page_first")
+    fill_random(host, 11)
+    b = backend(storage_config(daemon.socket), host)
+    assert b.batch_set_v1(KEYS[:4], indices([1, 2, 3, 4])) == [True] * 4
+    want = page_bytes(host, [1, 2, 3, 4])
+    dst = [torch.zeros(b.ns.block_bytes, dtype=torch.uint8) for _ in range(5)]
+    before = daemon.metric("kvtier_requests_total", op="onboard")
+    got = b.batch_get(KEYS[:4] + [KEYS[5]], dst)
+    assert daemon.metric("kvtier_requests_total", op="onboard") - before == 1
+    assert got[4] is None and all(g is not None for g in got[:4])
+    assert [bytes(g.numpy()) for g in got[:4]] == want
+
+
+def test_get_stats_feeds_sglangs_storage_metrics(daemon):
+    """``get_stats()`` (what SGLang's radix cache hands its
+    StorageMetricsCollector with --enable-storage-metrics) carries each
+    batch's pages and GB/s since the last call, not None; the daemon's
+    /metrics counts the same pages under this namespace, labelled sglang."""
+    from sglang.srt.observability.metrics_collector import StorageMetrics, StorageMetricsCollector
+
+    host = mha_host("page_first")
+    fill_random(host, 12)
+    b = backend(storage_config(daemon.socket), host)
+    assert b.batch_set_v1(KEYS[:3], indices([1, 2, 3])) == [True] * 3
+    assert b.batch_get_v1(KEYS[:3], indices([5, 6, 7])) == [True] * 3
+    s = b.get_stats()
+    assert isinstance(s, StorageMetrics)
+    assert s.backup_pgs == [3] and s.prefetch_pgs == [3]
+    assert s.backup_bandwidth[0] > 0 and s.prefetch_bandwidth[0] > 0
+    StorageMetricsCollector(labels={"model_name": "test"}).log_storage_metrics(s)
+    assert b.get_stats().prefetch_pgs == []  # drained
+    labels = {"namespace": b.ns.id, "engine": "sglang"}
+    assert daemon.metric("kvtier_client_offload_blocks_total", **labels) == 3
+    assert daemon.metric("kvtier_client_onboard_blocks_total", result="hit", **labels) == 3
+    assert daemon.metric("kvtier_client_onboard_bytes_total", **labels) == 3 * b.ns.block_bytes
+
+
+@pytest.mark.parametrize("extra", ["swa", "mamba"])
+def test_hybrid_pools_are_refused_at_start_up(daemon, extra):
+    """SGLang's hybrid models hand the storage backend their extra host
+    pools (a HostPoolGroup's PoolEntries) through
+    register_mem_host_pool_v2, as HybridCacheController.attach_storage_backend
+    does, and then call on_host_pools_registered: kvtier refuses there,
+    with a kvtier.Error naming the pool, rather than failing (or raising
+    NotImplementedError) at the first v2 transfer. The KV pool alone is
+    accepted."""
+    import kvtier
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+    from sglang.srt.mem_cache.pool_host.group import HostPoolGroup, PoolEntry
+
+    kv, side = mha_host("page_first"), mha_host("page_first")
+    name = PoolName.SWA if extra == "swa" else PoolName.MAMBA
+    group = HostPoolGroup([
+        PoolEntry(PoolName.KV, kv, None, lambda i: i, is_primary_index_anchor=True),
+        PoolEntry(name, side, None, lambda i: i),
+    ])
+    b = backend(storage_config(daemon.socket), kv)
+    with pytest.raises(kvtier.Error, match=f"hybrid host pool '{name.value}'"):
+        for entry in group.entries:
+            b.register_mem_host_pool_v2(entry.host_pool, entry.name)
+        b.on_host_pools_registered()
+    only_kv = backend(storage_config(daemon.socket), kv)
+    only_kv.register_mem_host_pool_v2(kv, PoolName.KV)
+    only_kv.on_host_pools_registered()

@@ -114,6 +114,9 @@ class Engine:
         # Prompt tokens the "model" computed per request (prefill work).
         self.computed: dict[str, int] = {}
         self.finished: dict[str, list[int]] = {}
+        # The kv_connector_stats payloads of the scheduler's stats, one per
+        # step that had any (what vLLM's Prometheus logger observes).
+        self.connector_stats: list[dict] = []
         self.steps = 0
         # Called with each SchedulerOutput between the scheduler's lookup
         # and the worker's load (to kill the daemon there).
@@ -183,6 +186,9 @@ class Engine:
         out = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
                                 sampled_token_ids=sampled, kv_connector_output=kvo)
         for eco in self.scheduler.update_from_output(so, out).values():
+            st = eco.scheduler_stats
+            if st is not None and st.kv_connector_stats:
+                self.connector_stats.append(st.kv_connector_stats)
             for o in eco.outputs:
                 if o.finish_reason is not None:
                     self.finished[o.request_id] = o.new_token_ids

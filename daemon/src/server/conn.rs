@@ -1,6 +1,7 @@
 //! One client connection: handshake, then request/reply until the client
 //! leaves, errs, idles out, or subscribes (then it is an event stream).
 
+use super::clients::{Description, NsCounts};
 use super::onboard::{read_all, Ranges, ReadJob};
 use super::quota::Res;
 use super::{OffloadBlock, PrefetchCaller, Shared};
@@ -379,25 +380,57 @@ impl Conn<'_> {
             // A namespace the caller may not use runs as its decoy: a
             // namespace nothing is stored under, so the answer and its cost
             // are those of an unknown namespace's miss (access.rs).
-            Request::Lookup { ns, keys } => match b.lookup_why(&self.ns_for(&ns), &keys) {
-                Ok((mut tiers, why)) => {
-                    tiers.truncate(keys.len());
-                    for t in &tiers {
-                        m.hits.with_label_values(&[t.name()]).inc();
+            Request::Lookup { ns, keys } => {
+                let ns = self.ns_for(&ns);
+                let tiers = match b.lookup_why(&ns, &keys) {
+                    Ok((mut tiers, why)) => {
+                        tiers.truncate(keys.len());
+                        for t in &tiers {
+                            m.hits.with_label_values(&[t.name()]).inc();
+                        }
+                        if tiers.len() < keys.len() {
+                            m.misses
+                                .with_label_values(&[reason_name(why)])
+                                .inc_by((keys.len() - tiers.len()) as u64);
+                        }
+                        tiers
                     }
-                    if tiers.len() < keys.len() {
-                        m.misses
-                            .with_label_values(&[reason_name(why)])
-                            .inc_by((keys.len() - tiers.len()) as u64);
+                    Err(e) => {
+                        self.status_of(&e);
+                        m.misses.with_label_values(&["unavailable"]).inc();
+                        Vec::new()
                     }
-                    Response::Lookup { tiers }
-                }
-                Err(e) => {
-                    self.status_of(&e);
-                    m.misses.with_label_values(&["unavailable"]).inc();
-                    Response::Lookup { tiers: Vec::new() }
-                }
-            },
+                };
+                let found = tiers.len() as u64;
+                self.sh.clients.count(
+                    &ns,
+                    false,
+                    NsCounts {
+                        lookups: 1,
+                        lookup_hit_blocks: found,
+                        lookup_miss_blocks: keys.len() as u64 - found,
+                        ..Default::default()
+                    },
+                );
+                Response::Lookup { tiers }
+            }
+            Request::Describe { ns, engine, model } => {
+                let st = if !self.who.grant.may(&ns) {
+                    // Only a namespace the caller may use: a tenant cannot
+                    // relabel another tenant's.
+                    self.error("denied");
+                    ItemStatus::Invalid
+                } else {
+                    match self.sh.clients.describe(&ns, Description { engine, model }) {
+                        Ok(()) => ItemStatus::Ok,
+                        Err(_) => {
+                            self.error("limit");
+                            ItemStatus::LimitReached
+                        }
+                    }
+                };
+                Response::Items { status: vec![st] }
+            }
             Request::Offload { ns, items } => {
                 let Some(region) = self.region.as_ref() else {
                     return (Self::no_region(), Vec::new());
@@ -429,15 +462,21 @@ impl Conn<'_> {
                     }
                 }
                 let outcomes = self.sh.backend.offload_batch(&ns, &batch);
+                let mut stored = NsCounts::default();
                 for ((i, b), r) in at.into_iter().zip(&batch).zip(outcomes) {
                     status[i] = match r {
                         Ok(PutOutcome::Stored) => {
                             self.sh.metrics.offload_bytes.inc_by(b.header.payload_len);
+                            stored.offload_blocks += 1;
+                            stored.offload_bytes += b.header.payload_len;
                             ItemStatus::Ok
                         }
                         Ok(PutOutcome::AlreadyPresent) => ItemStatus::AlreadyPresent,
                         Err(e) => self.status_of(&e),
                     };
+                }
+                if stored.offload_blocks > 0 {
+                    self.sh.clients.count(&ns, true, stored);
                 }
                 Response::Items { status }
             }
@@ -458,6 +497,20 @@ impl Conn<'_> {
                 let ns = self.ns_for(&ns);
                 let out = self.onboard(ns, mode, lease_ttl_ms, items);
                 self.sh.quotas.give(uid, Res::Onboard, 1);
+                if let (Response::Onboard { items }, _) = &out {
+                    let hits = items.iter().filter(|r| r.status == ItemStatus::Ok);
+                    let hit_blocks = hits.clone().count() as u64;
+                    self.sh.clients.count(
+                        &ns,
+                        false,
+                        NsCounts {
+                            onboard_hit_blocks: hit_blocks,
+                            onboard_miss_blocks: items.len() as u64 - hit_blocks,
+                            onboard_bytes: hits.map(|r| r.payload_len).sum(),
+                            ..Default::default()
+                        },
+                    );
+                }
                 return out;
             }
             Request::Release { leases } => {
@@ -572,6 +625,14 @@ impl Conn<'_> {
             // repaired from G4 or a peer at once (node/repair.rs).
             Request::ReportCorrupt { ns, keys } => {
                 let ns = self.ns_for(&ns);
+                self.sh.clients.count(
+                    &ns,
+                    false,
+                    NsCounts {
+                        reported_corrupt_blocks: keys.len() as u64,
+                        ..Default::default()
+                    },
+                );
                 Response::Items {
                     status: keys
                         .iter()
@@ -998,6 +1059,7 @@ impl Conn<'_> {
             // a JSON number loses above 2^53 in most readers (jq, JS).
             "events_dynamo_worker_id": self.sh.bus.dynamo_worker().map(|w| w.to_string()),
             "events_dynamo_skipped_blocks": self.sh.bus.dynamo_skipped_blocks(),
+            "namespaces": self.sh.clients.json(),
         })
         .to_string()
     }

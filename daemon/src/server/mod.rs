@@ -13,6 +13,7 @@
 
 pub mod backend;
 mod bind;
+pub mod clients;
 mod conn;
 mod follow;
 mod mem;
@@ -95,6 +96,8 @@ pub(crate) struct Shared {
     pub next_session: AtomicU64,
     pub policy: Arc<Policy>,
     pub quotas: quota::Quotas,
+    /// Per-namespace figures and descriptions (clients.rs).
+    pub clients: Arc<clients::ClientStats>,
 }
 
 /// Stops a running server from another thread or a signal handler task.
@@ -179,6 +182,11 @@ impl Server {
         let listener = bind::bind_private(path, sock.mode, gid)?;
         backend.attach_events(bus.clone());
         metrics.set_bus(bus.clone());
+        let client_stats = Arc::new(clients::ClientStats::new());
+        match clients::ClientCollector::new(client_stats.clone()) {
+            Ok(c) => metrics.register_collector(Box::new(c)),
+            Err(e) => tracing::warn!(error = %e, "per-namespace client metrics not exported"),
+        }
         Ok(Server {
             listener,
             path: path.clone(),
@@ -193,6 +201,7 @@ impl Server {
                 next_session: AtomicU64::new(1),
                 policy: Arc::new(Policy::open()),
                 quotas: quota::Quotas::new(UidLimits::default()),
+                clients: client_stats,
             }),
         })
     }

@@ -87,6 +87,10 @@ class Client:
         """See :meth:`kvtier.Client.pin`."""
         return await self._run(self.sync.pin, ns, keys, ttl_ms)
 
+    async def describe(self, ns, engine: str):
+        """See :meth:`kvtier.Client.describe`."""
+        return await self._run(self.sync.describe, ns, engine)
+
     async def prefetch(self, ns, keys, deadline_ms: int = 10_000, stream: int = 0):
         """See :meth:`kvtier.Client.prefetch`."""
         return await self._run(self.sync.prefetch, ns, keys, deadline_ms, stream)

@@ -108,13 +108,44 @@ def setting(extra: Optional[Mapping[str, Any]], name: str, default: Any = None) 
     return extra.get(f"kvtier_{name}", default)
 
 
-def make_client(extra: Optional[Mapping[str, Any]]) -> kvtier.Client:
+# Largest shared region a connector asks for by default (the daemon's own
+# bound, server.region_bytes_max, is 4 GiB by default).
+REGION_BYTES_DEFAULT_MAX = 1 << 30
+
+
+def make_client(extra: Optional[Mapping[str, Any]], region_bytes: Optional[int] = None) -> kvtier.Client:
     """A client from ``kvtier_socket`` (default: $KVTIER_SOCKET, then the
-    daemon's default path) and ``kvtier_timeout_ms`` (default 2000)."""
+    daemon's default path), ``kvtier_timeout_ms`` (default 2000) and
+    ``kvtier_region_bytes`` (the shared region blocks move through: one
+    onboard carries as many blocks as fit; default ``region_bytes``, else
+    the client's 64 MiB)."""
     timeout_ms = int(setting(extra, "timeout_ms", 2000))
     if timeout_ms <= 0:
         raise KvtierConfigError(f"kvtier_timeout_ms must be positive, got {timeout_ms}")
-    return kvtier.Client(socket=setting(extra, "socket"), timeout_ms=timeout_ms)
+    kw: dict = {}
+    region = setting(extra, "region_bytes", region_bytes)
+    if region is not None:
+        kw["region_bytes"] = _bounded_int(region, "kvtier_region_bytes", 1 << 40)
+        if kw["region_bytes"] == 0:
+            raise KvtierConfigError("kvtier_region_bytes must be positive")
+    return kvtier.Client(socket=setting(extra, "socket"), timeout_ms=timeout_ms, **kw)
+
+
+def describe(client: kvtier.Client, namespaces: Iterable, engine: str, fail: FailOpen) -> None:
+    """Tells kvtierd which engine and model each namespace belongs to
+    (``client.describe``: shown by ``kvtier stats``, ``kvtier ls`` and the
+    daemon's ``kvtier_client_*`` metrics). Never raises: a daemon that is
+    down or predates descriptions only leaves the namespace unlabelled."""
+    for ns in namespaces:
+        try:
+            client.describe(ns, engine)
+        except Exception as e:
+            logger.warning(
+                "kvtier %s: namespace %s not described to kvtierd (%s: %s); "
+                "kvtier stats and ls show its id only",
+                fail.connector, ns.id, type(e).__name__, e,
+            )
+            return
 
 
 def tenant_salt(extra: Optional[Mapping[str, Any]]) -> bytes:

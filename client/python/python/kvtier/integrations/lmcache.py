@@ -68,6 +68,7 @@ from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 import kvtier
 
 from ._common import (
+    REGION_BYTES_DEFAULT_MAX,
     BlockHints,
     Counters,
     FailOpen,
@@ -76,7 +77,9 @@ from ._common import (
     ReuseTracker,
     base_hints,
     connector_key,
+    describe,
     make_client,
+    offload_grouped,
     parse_hints,
     setting,
     stream_id,
@@ -87,6 +90,10 @@ LMCACHE_VERSION = "0.5.6"
 
 # Cached namespaces (one per model / world size / dtype / tags / worker).
 NAMESPACES_MAX = 1024
+
+# Chunks one onboard reads together when the shared region can hold them
+# (the daemon's onboard_reads_in_flight default is 16).
+READS_TOGETHER_CHUNKS = 16
 
 # The request_configs prefix of per-request hints.
 HINTS_PREFIX = "lmcache.kvtier."
@@ -143,10 +150,6 @@ class KvtierStorageBackend(StoragePluginInterface):
         self.extra = dict(config.extra_config or {})
         self.counters = Counters()
         self.fail = FailOpen("lmcache", self.counters)
-        self.client = make_client(self.extra)
-        self.hints = base_hints(self.extra)
-        self.reuse = ReuseTracker()
-        self.prefetcher = Prefetcher(self.client, self.counters, self.fail, self.extra)
         self.shapes = list(metadata.get_shapes())
         self.dtypes = list(metadata.get_dtypes())
         self.fmt = MemoryFormat.KV_MLA_FMT if metadata.use_mla else MemoryFormat.KV_2LTD
@@ -159,6 +162,15 @@ class KvtierStorageBackend(StoragePluginInterface):
                 f"an LMCache chunk is {self.chunk_bytes} bytes, over kvtier's "
                 f"{kvtier.BLOCK_BYTES_MAX}: lower chunk_size"
             )
+        # A shared region that holds a batch of READS_TOGETHER_CHUNKS
+        # chunks, so one onboard reads them together (the 64 MiB default
+        # holds three 16 MiB chunks); kvtier_region_bytes overrides.
+        slot = -(-self.chunk_bytes // 4096) * 4096 + 4096
+        region = min(max(64 << 20, READS_TOGETHER_CHUNKS * slot), REGION_BYTES_DEFAULT_MAX)
+        self.client = make_client(self.extra, region_bytes=region)
+        self.hints = base_hints(self.extra)
+        self.reuse = ReuseTracker()
+        self.prefetcher = Prefetcher(self.client, self.counters, self.fail, self.extra)
         self.layout = kvtier.Layout.with_block_bytes(self.chunk_bytes)
         self.salt = tenant_salt(self.extra)
         self.model = setting(self.extra, "model")
@@ -188,6 +200,7 @@ class KvtierStorageBackend(StoragePluginInterface):
                 if len(self._ns) >= NAMESPACES_MAX:
                     self._ns.pop(next(iter(self._ns)))
                 self._ns[ident] = ns
+                describe(self.client, [ns], "lmcache", self.fail)
             return ns
 
     def _hints(self, key: CacheEngineKey) -> BlockHints:
@@ -275,18 +288,42 @@ class KvtierStorageBackend(StoragePluginInterface):
         on_complete_callback: Optional[Callable[[CacheEngineKey], None]] = None,
     ) -> Optional[List[Future]]:
         self.counters.add("stores")
+        # The full chunks, in order, by namespace run: each run is one
+        # offload (the daemon shares its durable steps: one directory
+        # fsync and index commit), its chunks recorded as the chain they
+        # are (a put is a request's chunks in token order).
+        full = []
         for key, obj in zip(keys, objs):
+            if int(obj.get_size()) != self.chunk_bytes:
+                self.counters.add("store_skipped_partial")
+            else:
+                full.append((key, obj))
+        start = 0
+        while start < len(full):
             try:
-                if int(obj.get_size()) != self.chunk_bytes:
-                    self.counters.add("store_skipped_partial")
-                    continue
-                ck = chunk_key(key)
-                h = self._hints(key).with_reuse(self.reuse.others(ck))
-                res = self.client.offload(self._namespace(key), [ck], [self._buf(obj)], **h.kwargs())[0]
+                ns = self._namespace(full[start][0])
+                end = start + 1
+                while end < len(full) and self._namespace(full[end][0]) is ns:
+                    end += 1
             except Exception as e:
-                self.counters.add("store_failures")
+                self.counters.add("store_failures", len(full) - start)
                 self.fail.error("put", e)
-                continue
+                return None
+            self._put_run(ns, full[start:end], on_complete_callback)
+            start = end
+        return None
+
+    def _put_run(self, ns: kvtier.Namespace, run: list, on_complete_callback) -> None:
+        """One offload of ``run`` ((key, memory object) pairs of ``ns``)."""
+        try:
+            cks = [chunk_key(k) for k, _ in run]
+            hints = [self._hints(k).with_reuse(self.reuse.others(ck)) for (k, _), ck in zip(run, cks)]
+            results = offload_grouped(self.client, ns, cks, [self._buf(o) for _, o in run], hints)
+        except Exception as e:
+            self.counters.add("store_failures", len(run))
+            self.fail.error("put", e)
+            return
+        for (key, _), res in zip(run, results):
             if res.status == "stored":
                 self.counters.add("store_blocks")
                 self.counters.add("store_bytes", self.chunk_bytes)
@@ -301,7 +338,6 @@ class KvtierStorageBackend(StoragePluginInterface):
                     on_complete_callback(key)
                 except Exception as e:
                     self.fail.error("on_complete_callback", e)
-        return None
 
     # -- gets -------------------------------------------------------------
 
@@ -309,41 +345,69 @@ class KvtierStorageBackend(StoragePluginInterface):
         return self.batched_get_blocking([key])[0]
 
     def batched_get_blocking(self, keys: List[CacheEngineKey]) -> List[Optional[MemoryObj]]:
-        out: List[Optional[MemoryObj]] = []
-        for key in keys:
-            out.append(self._get_one(key))
+        """The chunks of ``keys`` (None for one that could not be read):
+        their memory objects allocated first, then one onboard per
+        namespace run (one for a whole lookup), so the daemon reads every
+        chunk of the batch together rather than one after another."""
+        out: List[Optional[MemoryObj]] = [None] * len(keys)
+        if not keys:
+            return out
+        self.counters.add("loads")
+        objs: List[Optional[MemoryObj]] = []
+        for _ in keys:
+            try:
+                obj = self.local_cpu_backend.allocate(self.shapes, self.dtypes, self.fmt)
+            except Exception as e:
+                self.fail.error("allocate", e)
+                obj = None
+            if obj is None:
+                # LMCache uses the prefix before the first None: the rest
+                # would be read for nothing.
+                self.counters.add("load_failures", len(keys) - len(objs))
+                self.fail.warn("no CPU memory for a retrieved chunk", "local_cpu_backend.allocate")
+                break
+            objs.append(obj)
+        start = 0
+        while start < len(objs):
+            ns = self._namespace(keys[start])
+            end = start + 1
+            while end < len(objs) and self._namespace(keys[end]) is ns:
+                end += 1
+            self._onboard_run(ns, keys[start:end], objs[start:end], out, start)
+            start = end
         return out
 
-    def _get_one(self, key: CacheEngineKey) -> Optional[MemoryObj]:
-        self.counters.add("loads")
+    def _onboard_run(
+        self,
+        ns: kvtier.Namespace,
+        keys: List[CacheEngineKey],
+        objs: List[MemoryObj],
+        out: List[Optional[MemoryObj]],
+        at: int,
+    ) -> None:
+        """One onboard of chunks of one namespace into ``objs``; each hit
+        goes to ``out[at + i]``, each miss's memory object is freed."""
+        cks = [chunk_key(k) for k in keys]
         try:
-            obj = self.local_cpu_backend.allocate(self.shapes, self.dtypes, self.fmt)
+            res = self.client.onboard_into(ns, cks, [self._buf(o) for o in objs])
         except Exception as e:
-            self.fail.error("allocate", e)
-            return None
-        if obj is None:
-            self.counters.add("load_failures")
-            self.fail.warn("no CPU memory for a retrieved chunk", "local_cpu_backend.allocate")
-            return None
-        try:
-            ns, ck = self._namespace(key), chunk_key(key)
-            res = self.client.onboard_into(ns, [ck], [self._buf(obj)])[0]
-            self.prefetcher.loaded(ns, ck, res.tier if res.ok else None)
-        except Exception as e:
-            obj.ref_count_down()
-            self.counters.add("load_failures")
+            for obj in objs:
+                obj.ref_count_down()
+            self.counters.add("load_failures", len(objs))
             self.fail.error("get", e)
-            return None
-        if not res.ok:
-            obj.ref_count_down()
-            self.counters.add("load_failures")
-            if res.reason != "absent":
-                self.fail.warn(f"load {res.reason}", res.detail)
-            return None
-        self.counters.add("load_blocks")
-        self.counters.add(f"load_blocks_{res.tier}")
-        self.counters.add("load_bytes", res.nbytes)
-        return obj
+            return
+        for i, (ck, obj, r) in enumerate(zip(cks, objs, res)):
+            self.prefetcher.loaded(ns, ck, r.tier if r.ok else None)
+            if not r.ok:
+                obj.ref_count_down()
+                self.counters.add("load_failures")
+                if r.reason != "absent":
+                    self.fail.warn(f"load {r.reason}", r.detail)
+                continue
+            self.counters.add("load_blocks")
+            self.counters.add(f"load_blocks_{r.tier}")
+            self.counters.add("load_bytes", r.nbytes)
+            out[at + i] = obj
 
     async def batched_get_non_blocking(
         self, lookup_id: str, keys: list[CacheEngineKey], transfer_spec: Any = None

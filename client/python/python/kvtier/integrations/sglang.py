@@ -43,6 +43,7 @@ follows reads them from G3. Bounded and fail open (``_common.Prefetcher``).
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any, List, Optional
 
 import numpy as np
@@ -51,6 +52,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
+    PoolName,
 )
 
 import kvtier
@@ -64,6 +66,7 @@ from ._common import (
     base_hints,
     coalesce,
     connector_key,
+    describe,
     make_client,
     offload_grouped,
     parse_hints,
@@ -77,6 +80,9 @@ SGLANG_VERSION = "0.5.23"
 # Keys this backend stored that clear() evicts (kvtier has no namespace-wide
 # delete); older keys beyond this many are left to kvtier's own eviction.
 CLEAR_TRACKED_KEYS_MAX = 1 << 20
+
+# Batches get_stats keeps per figure until SGLang collects them.
+STATS_OPS_MAX = 4096
 
 
 def page_key(key: str) -> bytes:
@@ -118,6 +124,11 @@ class KvtierHiCacheStorage(HiCacheStorage):
         self.page_size = 0
         self._stored: dict[bytes, None] = {}
         self._stored_lock = threading.Lock()
+        # Per-batch figures for get_stats (StorageMetrics' field names).
+        self._ops: dict[str, list] = {
+            "prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [], "backup_bandwidth": []
+        }
+        self._ops_lock = threading.Lock()
 
     # -- setup ------------------------------------------------------------
 
@@ -158,6 +169,25 @@ class KvtierHiCacheStorage(HiCacheStorage):
             tenant_salt(self.extra),
             hash_mode="opaque",
             rank=None if self.is_mla else int(c.tp_rank),
+        )
+        describe(self.client, [self.ns], "sglang", self.fail)
+
+    def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
+        """SGLang's hybrid models (Mamba state, sliding-window attention,
+        DSA indexers, draft pools) register their extra host pools here and
+        then move them through the v2 interface (``batch_*_v2``), which
+        this backend does not implement: kvtier refuses at start-up, naming
+        the pool, instead of failing at the first transfer. The KV pool
+        itself is accepted (it is the one ``register_mem_pool_host`` had)."""
+        name = str(getattr(host_pool_name, "value", host_pool_name))
+        if name == PoolName.KV.value:
+            super().register_mem_host_pool_v2(host_pool, host_pool_name)
+            return
+        raise KvtierConfigError(
+            f"kvtier's SGLang backend stores KV pages only: this model's hybrid host pool "
+            f"{name!r} ({type(host_pool).__name__}, SGLang's v2 storage interface for "
+            "Mamba / SWA / indexer state) is not supported; run this model without "
+            "--hicache-storage-backend kvtier"
         )
 
     def _page_buffers(self, n: int, host_indices: torch.Tensor) -> list:
@@ -226,11 +256,15 @@ class KvtierHiCacheStorage(HiCacheStorage):
             assert self.ns is not None, "register_mem_pool_host was not called"
             bufs = self._page_buffers(len(keys), host_indices)
             ks = [page_key(k) for k in keys]
+            t0 = time.perf_counter()
             res = self.client.onboard_into(self.ns, ks, bufs)
+            took = time.perf_counter() - t0
         except Exception as e:
             self.counters.add("load_failures", len(keys))
             self.fail.error("batch_get_v1", e)
             return [False] * len(keys)
+        got = [r for r in res if r.ok]
+        self._record("prefetch_pgs", "prefetch_bandwidth", len(got), sum(r.nbytes for r in got), took)
         out = []
         for k, r in zip(ks, res):
             self.prefetcher.loaded(self.ns, k, r.tier if r.ok else None)
@@ -263,11 +297,15 @@ class KvtierHiCacheStorage(HiCacheStorage):
             ks = [page_key(k) for k in keys]
             prefix = extra_info.prefix_keys if extra_info is not None else None
             parent = page_key(prefix[-1]) if prefix else None
+            t0 = time.perf_counter()
             res = offload_grouped(self.client, self.ns, ks, bufs, self._hints(ks, extra_info), parent)
+            took = time.perf_counter() - t0
         except Exception as e:
             self.counters.add("store_failures", len(keys))
             self.fail.error("batch_set_v1", e)
             return [False] * len(keys)
+        stored = sum(1 for r in res if r.status == "stored")
+        self._record("backup_pgs", "backup_bandwidth", stored, stored * self.ns.block_bytes, took)
         out = []
         for k, r in zip(ks, res):
             ok = r.status in ("stored", "already_present")
@@ -315,7 +353,31 @@ class KvtierHiCacheStorage(HiCacheStorage):
             self.fail.error("clear", e)
 
     def get_stats(self):
-        return None
+        """SGLang's storage metrics since the last call (its
+        ``--enable-storage-metrics`` histograms ``sglang:prefetch_pgs``,
+        ``backup_pgs``, ``prefetch_bandwidth``, ``backup_bandwidth``, in
+        GB/s per batch); the connector's cumulative ``counters`` stay on
+        ``self.counters``."""
+        # Imported here: SGLang's metrics module is heavy, and only a
+        # server run with --enable-storage-metrics asks.
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+
+        out = StorageMetrics()
+        with self._ops_lock:
+            for name, ops in self._ops.items():
+                getattr(out, name).extend(ops)
+                ops.clear()
+        return out
+
+    def _record(self, pgs: str, bw: str, pages: int, nbytes: int, seconds: float) -> None:
+        """One batch for :meth:`get_stats` (bounded: the oldest batches
+        are dropped when SGLang does not collect)."""
+        with self._ops_lock:
+            for name, v in ((pgs, pages), (bw, nbytes / max(seconds, 1e-9) / 1e9)):
+                ops = self._ops[name]
+                ops.append(v)
+                if len(ops) > STATS_OPS_MAX:
+                    del ops[: len(ops) - STATS_OPS_MAX]
 
     # -- the generic (copying) interface, for callers without interface_v1 --
 
@@ -344,8 +406,26 @@ class KvtierHiCacheStorage(HiCacheStorage):
         target_locations: Optional[Any] = None,
         target_sizes: Optional[Any] = None,
     ) -> List[torch.Tensor | None] | int:
-        locs = target_locations or [None] * len(keys)
-        return [self.get(k, loc) for k, loc in zip(keys, locs)]
+        """One onboard for the batch (the daemon reads its blocks
+        together), not one per key."""
+        locs = list(target_locations or [None] * len(keys))
+        out: List[torch.Tensor | None] = [None] * len(keys)
+        want = [i for i, loc in enumerate(locs) if loc is not None]
+        if self.ns is None or not want:
+            return out
+        try:
+            res = self.client.onboard_into(
+                self.ns,
+                [page_key(keys[i]) for i in want],
+                [locs[i].view(torch.uint8).reshape(-1).numpy() for i in want],
+            )
+        except Exception as e:
+            self.fail.error("batch_get", e)
+            return out
+        for i, r in zip(want, res):
+            if r.ok:
+                out[i] = locs[i]
+        return out
 
     def set(
         self,

@@ -111,6 +111,7 @@ from ._common import (
     base_hints,
     coalesce,
     connector_key,
+    describe,
     make_client,
     offload_grouped,
     parse_hints,
@@ -130,6 +131,21 @@ KV_HINTS_ACTION = "kvtier.hints"
 
 
 log = logging.getLogger("kvtier.vllm")
+
+# kvtier's scheduler-side counters as vLLM's own connector metrics: metric
+# name -> (Counters name, help). vLLM's Prometheus logger exports them as
+# counters (``..._total``) beside its ``vllm:kv_offload_load_bytes`` etc.,
+# which KvtierOffloadingWorker's transfer sizes and times feed.
+MANAGER_STATS = {
+    "vllm:kv_offload_kvtier_lookups": ("lookups", "Offload keys the scheduler looked up in kvtier."),
+    "vllm:kv_offload_kvtier_lookup_hits": ("lookup_hits", "kvtier lookups that found the key on every rank."),
+    "vllm:kv_offload_kvtier_lookup_misses": (
+        "lookup_misses", "kvtier lookups that missed (absent, or the daemon unavailable)."),
+    "vllm:kv_offload_kvtier_lookup_pending": (
+        "lookup_pending", "kvtier lookups answered HIT_PENDING while the key is prefetched to G3."),
+    "vllm:kv_offload_kvtier_prefetch_blocks": ("prefetch_blocks", "Keys kvtier was asked to prefetch."),
+    "vllm:kv_offload_kvtier_errors": ("errors", "Scheduler-side kvtier errors the connector failed open on."),
+}
 
 
 class LoadErrors:
@@ -235,6 +251,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
             client = make_client(self.extra_config)
+            describe(client, self.namespaces, "vllm", self.fail)
             self._manager = KvtierOffloadingManager(
                 client,
                 self.namespaces,
@@ -259,6 +276,14 @@ class KvtierOffloadingSpec(OffloadingSpec):
                 load_errors=self.load_errors,
             )
         return self._worker
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict:
+        """kvtier's scheduler-side counters (:data:`MANAGER_STATS`), which
+        :meth:`KvtierOffloadingManager.get_stats` reports, as vLLM metrics."""
+        from vllm.v1.kv_offload.base import OffloadingCounterMetadata
+
+        return {name: OffloadingCounterMetadata(documentation=doc) for name, (_, doc) in MANAGER_STATS.items()}
 
 
 class _RequestHints:
@@ -438,6 +463,23 @@ class KvtierOffloadingManager(OffloadingManager):
         # kvtier is shared by every engine on the node: a reset of this
         # engine's cache forgets in-flight bookkeeping, not others' blocks.
         self._storing.clear()
+
+    def get_stats(self):
+        """What the connector counted since the last call, as vLLM's
+        ``OffloadingConnectorStats`` (the scheduler folds it into its
+        ``kv_connector_stats``: Prometheus and the periodic log); None when
+        nothing changed."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+
+        snap = self.counters.snapshot()
+        sent = getattr(self, "_stats_sent", {})
+        stats = OffloadingConnectorStats()
+        for name, (counter, _) in MANAGER_STATS.items():
+            d = snap.get(counter, 0) - sent.get(counter, 0)
+            if d > 0:
+                stats.increase_counter(name, d)
+        self._stats_sent = snap
+        return None if stats.is_empty() else stats
 
 
 class _Job:
