@@ -368,9 +368,33 @@ impl Conn<'_> {
         st
     }
 
+    /// The tiers of `keys`' cached prefix in `ns` (empty when the backend
+    /// failed: a miss, counted).
+    fn lookup(&self, ns: &NamespaceId, keys: &[BlockKey]) -> Vec<Tier> {
+        let m = &self.sh.metrics;
+        match self.sh.backend.lookup(&self.ns_for(ns), keys) {
+            Ok(mut tiers) => {
+                tiers.truncate(keys.len());
+                for t in &tiers {
+                    m.hits.with_label_values(&[t.name()]).inc();
+                }
+                if tiers.len() < keys.len() {
+                    m.misses
+                        .with_label_values(&["absent"])
+                        .inc_by((keys.len() - tiers.len()) as u64);
+                }
+                tiers
+            }
+            Err(e) => {
+                self.status_of(&e);
+                m.misses.with_label_values(&["unavailable"]).inc();
+                Vec::new()
+            }
+        }
+    }
+
     fn handle(&mut self, req: Request) -> (Response, Vec<std::fs::File>) {
         let b = &self.sh.backend;
-        let m = &self.sh.metrics;
         let resp = match req {
             Request::Hello { .. } | Request::Subscribe => Response::Error {
                 code: code::MALFORMED,
@@ -379,24 +403,13 @@ impl Conn<'_> {
             // A namespace the caller may not use runs as its decoy: a
             // namespace nothing is stored under, so the answer and its cost
             // are those of an unknown namespace's miss (access.rs).
-            Request::Lookup { ns, keys } => match b.lookup(&self.ns_for(&ns), &keys) {
-                Ok(mut tiers) => {
-                    tiers.truncate(keys.len());
-                    for t in &tiers {
-                        m.hits.with_label_values(&[t.name()]).inc();
-                    }
-                    if tiers.len() < keys.len() {
-                        m.misses
-                            .with_label_values(&["absent"])
-                            .inc_by((keys.len() - tiers.len()) as u64);
-                    }
-                    Response::Lookup { tiers }
-                }
-                Err(e) => {
-                    self.status_of(&e);
-                    m.misses.with_label_values(&["unavailable"]).inc();
-                    Response::Lookup { tiers: Vec::new() }
-                }
+            Request::Lookup { ns, keys } => Response::Lookup {
+                tiers: self.lookup(&ns, &keys),
+            },
+            // Each namespace exactly as its own Lookup (decoy included):
+            // one frame instead of one per tensor-parallel rank.
+            Request::LookupMany { nss, keys } => Response::LookupMany {
+                tiers: nss.iter().map(|ns| self.lookup(ns, &keys)).collect(),
             },
             Request::Offload { ns, items } => {
                 let Some(region) = self.region.as_ref() else {

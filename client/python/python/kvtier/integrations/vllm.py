@@ -68,7 +68,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Collection, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Optional
@@ -121,6 +121,8 @@ from ._common import (
 # How long a block stays pinned between prepare_load and complete_load at
 # most (a crashed engine's pins expire by themselves).
 LOAD_PIN_TTL_MS = 120_000
+# Pin and unpin calls queued for the pinning thread at most.
+PIN_QUEUE_MAX = 1024
 
 VLLM_VERSION = "0.33.0"
 
@@ -243,6 +245,10 @@ class KvtierOffloadingSpec(OffloadingSpec):
                 fail=self.fail,
                 hints=self.hints,
                 prefetcher=Prefetcher(client, self.counters, self.fail, self.extra_config),
+                chunk_tokens={
+                    g.group_id: g.tokens_per_block * self.blocks_per_chunk for g in self.config.groups
+                },
+                pin_client=make_client(self.extra_config),
             )
         return self._manager
 
@@ -271,9 +277,59 @@ class _RequestHints:
         self.ephemeral_from_token = ephemeral_from_token
 
 
+class _ScheduleRegion:
+    """The manager's ``lock`` (vLLM enters it around each scheduler step,
+    and around each hook outside one): when the outermost region ends, the
+    lookup answers cached for that step are dropped, so every scheduling
+    pass asks kvtierd afresh and a HIT stays valid until the step's
+    prepare_load. The manager is entered from the scheduler thread only,
+    so no mutex is needed."""
+
+    def __init__(self, on_release) -> None:
+        self._depth = 0
+        self._on_release = on_release
+
+    def __enter__(self) -> "_ScheduleRegion":
+        self._depth += 1
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._depth -= 1
+        if self._depth <= 0:
+            self._depth = 0
+            self._on_release()
+
+
+class _PromptAnswers:
+    """What one batched lookup learned of a request's chunk keys: a key of
+    the looked-up chains is a HIT, HIT_PENDING or MISS; a key past the
+    first miss (or not in them) is not known and is asked on its own."""
+
+    __slots__ = ("known", "born")
+
+    def __init__(self) -> None:
+        self.known: dict[OffloadKey, LookupResult] = {}
+        self.born = time.monotonic()
+
+
+# A request's batched answers are trusted for at most this long even if
+# vLLM never released the manager's lock region (belt and braces: 0.33
+# releases it at the end of every step), and at most this many requests'
+# answers are kept.
+ANSWERS_TTL_S = 1.0
+ANSWERS_REQUESTS_MAX = 1024
+
+
 class KvtierOffloadingManager(OffloadingManager):
     """Scheduler side: kvtierd is the index (no local copy of it), so every
-    engine on the node, and every restart, sees the same blocks."""
+    engine on the node, and every restart, sees the same blocks.
+
+    Lookups: vLLM asks one key at a time; the first lookup of a request in
+    a scheduling step takes all its chunk keys (from the ``ReqContext``
+    the scheduler filled before looking up) and asks kvtierd once, for
+    every chunk and every rank (``lookup_many``: one request, whatever
+    the tensor-parallel size); the step's other lookups of that request
+    are answered from it."""
 
     def __init__(
         self,
@@ -284,45 +340,134 @@ class KvtierOffloadingManager(OffloadingManager):
         fail: FailOpen,
         hints: Optional[BlockHints] = None,
         prefetcher: Optional[Prefetcher] = None,
+        chunk_tokens: Optional[dict[int, int]] = None,
+        pin_client: Optional[kvtier.Client] = None,
     ) -> None:
         self.client = client
+        # Pins go through their own connection on their own thread.
+        self.pin_client = pin_client or client
+        self._pinner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-vllm-pin")
+        self._pins_lock = threading.Lock()
+        self._pins_queued = 0
         self.namespaces = namespaces
         self.enable_events = enable_events
         self.counters = counters
         self.fail = fail
         self.hints = hints or BlockHints()
         self.prefetcher = prefetcher
+        # Tokens per offload chunk of each KV group: which of a request's
+        # keys are chunk keys (its chain), not partial-tail boundaries.
+        self.chunk_tokens = chunk_tokens or {}
         self.reuse = ReuseTracker()
         self._storing: set[OffloadKey] = set()
         self._events: list[OffloadingEvent] = []
+        self._answers: "OrderedDict[str, _PromptAnswers]" = OrderedDict()
+        self._region = _ScheduleRegion(self._answers.clear)
+
+    @property
+    def lock(self) -> _ScheduleRegion:
+        return self._region
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         self.counters.add("lookups")
-        pending = False
+        ans = self._answers.get(req_context.req_id)
+        if ans is not None and time.monotonic() - ans.born > ANSWERS_TTL_S:
+            ans = None
+        if ans is None or key not in ans.known:
+            ans = self._lookup_prompt(key, req_context)
+        got = ans.known.get(key) if ans is not None else None
+        if got is None:
+            got = self._lookup_one(key, req_context)
+        if got is LookupResult.MISS:
+            self.counters.add("lookup_misses")
+            self.reuse.seen(connector_key(key), req_context.req_id)
+        elif got is LookupResult.HIT_PENDING:
+            self.counters.add("lookup_pending")
+        else:
+            self.counters.add("lookup_hits")
+        return got
+
+    def _chains(self, key: OffloadKey, req_context: ReqContext) -> list[list[OffloadKey]]:
+        """The request's chunk keys per KV group, in chain order (empty
+        when ``key`` is not one of them: a partial-tail boundary)."""
+        positions = getattr(req_context, "_offload_key_positions", None)
+        if not positions or key not in positions:
+            return []
+        by_group: dict[int, list[tuple[int, OffloadKey]]] = {}
+        for k, end in positions.items():
+            g = get_offload_group_idx(k)
+            tokens = self.chunk_tokens.get(g)
+            if tokens and end % tokens == 0:
+                by_group.setdefault(g, []).append((end, k))
+        chains = [[k for _, k in sorted(v)] for v in by_group.values()]
+        if not any(key in c for c in chains):
+            return []
+        return chains
+
+    def _lookup_prompt(self, key: OffloadKey, req_context: ReqContext) -> Optional[_PromptAnswers]:
+        """One batched lookup of all of the request's chunk keys (one
+        request per KV group: kvtier answers a chain's cached prefix),
+        cached for this scheduling step. None when ``key`` is not a chunk
+        key or the lookup failed (then it is asked on its own)."""
+        chains = self._chains(key, req_context)
+        if not chains:
+            return None
+        ans = _PromptAnswers()
+        try:
+            for chain in chains:
+                ks = [connector_key(k) for k in chain]
+                self.counters.add("lookup_requests")
+                if len(self.namespaces) == 1:
+                    found = [self.client.lookup(self.namespaces[0], ks)]
+                else:
+                    found = self.client.lookup_many(self.namespaces, ks)
+                for f in found:
+                    if f.reason not in (None, "absent"):
+                        self.fail.warn(f"lookup {f.reason}", f.detail)
+                prefix = min(f.prefix_len for f in found)
+                pending = [False] * prefix
+                if self.prefetcher is not None:
+                    for ns, f in zip(self.namespaces, found):
+                        flags = self.prefetcher.pending_many(ns, ks[:prefix], f.tiers[:prefix])
+                        pending = [a or b for a, b in zip(pending, flags)]
+                for k, p in zip(chain, pending):
+                    ans.known[k] = LookupResult.HIT_PENDING if p else LookupResult.HIT
+                if prefix < len(chain):
+                    # Absent from at least one rank. Keys past it are not
+                    # known (a sliding-window group asks them from the end).
+                    ans.known[chain[prefix]] = LookupResult.MISS
+        except Exception as e:  # fail open: asked one by one (each a miss if the daemon is gone)
+            self.fail.error("lookup failed", e)
+            return None
+        self._answers[req_context.req_id] = ans
+        self._answers.move_to_end(req_context.req_id)
+        while len(self._answers) > ANSWERS_REQUESTS_MAX:
+            self._answers.popitem(last=False)
+        return ans
+
+    def _lookup_one(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        """One key in every rank's namespace, one request."""
         try:
             k = connector_key(key)
-            for ns in self.namespaces:
-                found = self.client.lookup(ns, [k])
-                if found.prefix_len != 1:
-                    if found.reason not in (None, "absent"):
-                        self.fail.warn(f"lookup {found.reason}", found.detail)
-                    self.counters.add("lookup_misses")
-                    self.reuse.seen(k, req_context.req_id)
+            self.counters.add("lookup_requests")
+            if len(self.namespaces) == 1:
+                found = [self.client.lookup(self.namespaces[0], [k])]
+            else:
+                found = self.client.lookup_many(self.namespaces, [k])
+            pending = False
+            for ns, f in zip(self.namespaces, found):
+                if f.prefix_len != 1:
+                    if f.reason not in (None, "absent"):
+                        self.fail.warn(f"lookup {f.reason}", f.detail)
                     return LookupResult.MISS
                 if self.prefetcher is not None:
-                    tier = found.tiers[0] if found.tiers else None
-                    pending |= self.prefetcher.pending(ns, k, tier)
+                    pending |= self.prefetcher.pending(ns, k, f.tiers[0] if f.tiers else None)
         except Exception as e:  # fail open: a miss
             self.fail.error("lookup failed", e)
-            self.counters.add("lookup_misses")
             return LookupResult.MISS
-        if pending:
-            # On a peer or G4 and being prefetched: vLLM looks again later,
-            # and loads it from G3 then.
-            self.counters.add("lookup_pending")
-            return LookupResult.HIT_PENDING
-        self.counters.add("lookup_hits")
-        return LookupResult.HIT
+        # On a peer or G4 and being prefetched: vLLM looks again later,
+        # and loads it from G3 then.
+        return LookupResult.HIT_PENDING if pending else LookupResult.HIT
 
     def _request_hints(self, req_context: ReqContext) -> _RequestHints:
         got = req_context.get_state(_RequestHints)
@@ -360,15 +505,41 @@ class KvtierOffloadingManager(OffloadingManager):
         return h
 
     def _pin(self, keys: list[OffloadKey], pin: bool) -> None:
+        """Pins (or unpins) ``keys`` on every rank, off the scheduler's
+        thread: a pin only narrows the window in which eviction could
+        fail a load (which is then recomputed), so the scheduler never
+        waits for one. In order (one thread, its own connection); past
+        ``PIN_QUEUE_MAX`` queued, dropped and counted (a dropped pin's
+        keys are merely unprotected, a dropped unpin expires by its TTL)."""
+        if not keys:
+            return
+        ks = [connector_key(k) for k in keys]
+        with self._pins_lock:
+            if self._pins_queued >= PIN_QUEUE_MAX:
+                self.counters.add("pins_dropped")
+                return
+            self._pins_queued += 1
         try:
-            ks = [connector_key(k) for k in keys]
+            self._pinner.submit(self._pin_now, ks, pin)
+        except RuntimeError:  # shut down
+            with self._pins_lock:
+                self._pins_queued -= 1
+
+    def _pin_now(self, ks: list[bytes], pin: bool) -> None:
+        try:
             for ns in self.namespaces:
                 if pin:
-                    self.client.pin(ns, ks, ttl_ms=LOAD_PIN_TTL_MS)
+                    self.pin_client.pin(ns, ks, ttl_ms=LOAD_PIN_TTL_MS)
                 else:
-                    self.client.unpin(ns, ks)
+                    self.pin_client.unpin(ns, ks)
         except Exception as e:  # a pin is an optimisation
             self.fail.error("pin" if pin else "unpin", e)
+        finally:
+            with self._pins_lock:
+                self._pins_queued -= 1
+
+    def shutdown(self) -> None:
+        self._pinner.shutdown(wait=True)
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         ordered = _group_order(keys)
@@ -380,6 +551,8 @@ class KvtierOffloadingManager(OffloadingManager):
 
     def _present(self, keys: list[OffloadKey]) -> list[bool]:
         """Whether every rank holds each key (raises when the daemon is gone)."""
+        if not keys:
+            return []
         ks = [connector_key(k) for k in keys]
         present = [True] * len(keys)
         for ns in self.namespaces:
