@@ -94,3 +94,36 @@ def test_lookups_still_answer_each_key_when_the_daemon_dies(tmp_path, g3_daemon)
     assert e.finished["reader"] and e.computed["reader"] == len(PROMPT)
     assert e.counters().get("lookup_hits", 0) == 0
     e.shutdown()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_one_onboard_per_step_for_all_the_requests_it_loads(tmp_path, g3_daemon, tp):
+    """Several requests whose chunks are cached, scheduled in one step:
+    vLLM submits one load job per request; the worker reads them with one
+    onboard (kvtierd reads its blocks in flight together), per rank."""
+    chunks = 4
+    prompts = {f"p{i}": [1000 * (i + 1) + j for j in range(chunks * BLOCK_SIZE + 3)] for i in range(3)}
+    w = Engine(tmp_path, g3_daemon.socket, tp=tp)
+    for rid, p in prompts.items():
+        w.add(rid, p)
+    for rid in prompts:
+        w.run(rid)
+    for rank in range(tp):
+        assert w.counters(rank).get("store_blocks", 0) == chunks * len(prompts)
+    w.shutdown()
+
+    e = Engine(tmp_path, g3_daemon.socket, tp=tp)
+    before = requests_by_op(g3_daemon)
+    for rid, p in prompts.items():
+        e.add(f"again-{rid}", p)
+    for rid in prompts:
+        e.run(f"again-{rid}")
+    after = requests_by_op(g3_daemon)
+    for rid, p in prompts.items():
+        assert e.computed[f"again-{rid}"] == len(p) - chunks * BLOCK_SIZE, e.computed
+    for rank in range(tp):
+        c = e.counters(rank)
+        assert c.get("loads") == len(prompts) and c.get("load_blocks") == chunks * len(prompts), c
+        assert c.get("load_batches") == 1, c
+    assert after.get("onboard", 0) - before.get("onboard", 0) == tp, (before, after)
+    e.shutdown()

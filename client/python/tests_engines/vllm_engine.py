@@ -33,7 +33,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    MLAAttentionSpec,
+)
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
@@ -52,10 +58,29 @@ TINY_LLAMA = {
     "bos_token_id": 1, "eos_token_id": EOS,
 }
 
+# A tiny DeepSeek-V2 config: vLLM's MLA (one latent vector per token,
+# the same on every tensor-parallel rank).
+KV_LORA_RANK, ROPE_DIM = 24, 8
+MLA_HEAD = KV_LORA_RANK + ROPE_DIM
+TINY_DEEPSEEK = {
+    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "hidden_size": 64,
+    "intermediate_size": 128, "moe_intermediate_size": 32, "num_attention_heads": 8,
+    "num_key_value_heads": 8, "num_hidden_layers": len(LAYERS), "vocab_size": 1024,
+    "kv_lora_rank": KV_LORA_RANK, "q_lora_rank": None, "qk_rope_head_dim": ROPE_DIM,
+    "qk_nope_head_dim": 16, "v_head_dim": 16, "n_routed_experts": None, "first_k_dense_replace": 2,
+    "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "torch_dtype": "float32",
+    "bos_token_id": 1, "eos_token_id": EOS,
+}
+
 _hash_ready = False
 
 
-def model_dir(tmp: pathlib.Path, tp: int = 1) -> str:
+def model_dir(tmp: pathlib.Path, tp: int = 1, mla: bool = False) -> str:
+    if mla:
+        d = tmp / "tiny-deepseek"
+        d.mkdir(exist_ok=True)
+        (d / "config.json").write_text(json.dumps(TINY_DEEPSEEK))
+        return str(d)
     # vLLM checks that the attention heads split over the TP ranks; the KV
     # cache this engine registers is its own (KV_HEADS per rank).
     d = tmp / f"tiny-llama-tp{tp}"
@@ -75,7 +100,7 @@ class Engine:
 
     def __init__(self, tmp: pathlib.Path, socket: str, connector: str = "KvtierConnector",
                  policy: str = "recompute", tp: int = 1, num_blocks: int = NUM_BLOCKS,
-                 max_model_len: int = 2048, workers: bool = True, **extra) -> None:
+                 max_model_len: int = 2048, workers: bool = True, mla: bool = False, **extra) -> None:
         global _hash_ready
         if not _hash_ready:
             init_none_hash(sha256)
@@ -83,7 +108,8 @@ class Engine:
         extra_config = {"kvtier_socket": socket, "kvtier_timeout_ms": 2000, **extra}
         if connector == "OffloadingConnector":
             extra_config.update(spec_name="KvtierOffloadingSpec", spec_module_path="kvtier.integrations.vllm")
-        model = ModelConfig(model=model_dir(tmp, tp), dtype="float32", skip_tokenizer_init=True,
+        self.mla = mla
+        model = ModelConfig(model=model_dir(tmp, tp, mla), dtype="float32", skip_tokenizer_init=True,
                             max_model_len=max_model_len, seed=0)
         self.config = VllmConfig(
             model_config=model,
@@ -100,8 +126,12 @@ class Engine:
             device_config=DeviceConfig("cpu"),
             load_config=LoadConfig(load_format="dummy"),
         )
-        spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE,
-                                 dtype=torch.float32)
+        if mla:
+            spec = MLAAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=MLA_HEAD,
+                                    dtype=torch.float32)
+        else:
+            spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE,
+                                     dtype=torch.float32)
         self.page_bytes = spec.page_size_bytes
         self.kv_cache_config = KVCacheConfig(
             num_blocks=num_blocks,
@@ -111,6 +141,8 @@ class Engine:
                               layer_stride=self.page_bytes * num_blocks, block_stride=self.page_bytes)
             ],
             kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)],
+            # MLA: every TP rank holds the whole (latent) KV.
+            kv_tp_replicas=tp if mla else 1,
         )
         self.config.cache_config.num_gpu_blocks = num_blocks
         self.scheduler = Scheduler(
@@ -130,8 +162,8 @@ class Engine:
             self.config.parallel_config.rank = rank
             w = KVConnectorFactory.create_connector(
                 config=self.config, role=KVConnectorRole.WORKER, kv_cache_config=self.kv_cache_config)
-            kv = {n: torch.zeros((num_blocks, 2, BLOCK_SIZE, KV_HEADS, HEAD_SIZE), dtype=torch.float32)
-                  for n in LAYERS}
+            shape = (num_blocks, BLOCK_SIZE, MLA_HEAD) if mla else (num_blocks, 2, BLOCK_SIZE, KV_HEADS, HEAD_SIZE)
+            kv = {n: torch.zeros(shape, dtype=torch.float32) for n in LAYERS}
             w.register_kv_caches(kv)
             self.workers.append(w)
             self.kvs.append(kv)
@@ -186,7 +218,11 @@ class Engine:
                 b, off = block_ids[pos // BLOCK_SIZE], pos % BLOCK_SIZE
                 for li, layer in enumerate(LAYERS):
                     for kv in self.kvs:
-                        kv[layer][b, :, off] = float(req.all_token_ids[0] * 10_000 + pos * 10 + li)
+                        v = float(req.all_token_ids[0] * 10_000 + pos * 10 + li)
+                        if self.mla:
+                            kv[layer][b, off] = v
+                        else:
+                            kv[layer][b, :, off] = v
             # Prefill work only (decode steps add one token each).
             self.computed[req_id] += max(0, min(start + n, req.num_prompt_tokens) - start)
 
