@@ -66,8 +66,9 @@ TINY_DEEPSEEK = {
     "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "hidden_size": 64,
     "intermediate_size": 128, "moe_intermediate_size": 32, "num_attention_heads": 8,
     "num_key_value_heads": 8, "num_hidden_layers": len(LAYERS), "vocab_size": 1024,
-    "kv_lora_rank": KV_LORA_RANK, "q_lora_rank": None, "qk_rope_head_dim": ROPE_DIM,
-    "qk_nope_head_dim": 16, "v_head_dim": 16, "n_routed_experts": None, "first_k_dense_replace": 2,
+    "kv_lora_rank": KV_LORA_RANK, "qk_rope_head_dim": ROPE_DIM,
+    "qk_nope_head_dim": 16, "v_head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
+    "first_k_dense_replace": 2,
     "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "torch_dtype": "float32",
     "bos_token_id": 1, "eos_token_id": EOS,
 }
