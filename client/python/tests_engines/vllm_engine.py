@@ -54,7 +54,7 @@ TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
     "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": KV_HEADS,
     "head_dim": HEAD_SIZE, "num_hidden_layers": len(LAYERS), "vocab_size": 1024,
-    "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "torch_dtype": "float32",
+    "max_position_embeddings": 65536, "rms_norm_eps": 1e-5, "torch_dtype": "float32",
     "bos_token_id": 1, "eos_token_id": EOS,
 }
 
