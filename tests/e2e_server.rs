@@ -481,7 +481,7 @@ fn lookup_many_answers_each_namespace_in_one_request() {
     let client = Client::with_config(cfg(&d.socket.display().to_string(), false));
     let layout = KvLayout::with_block_bytes(BLOCK as u64).unwrap();
     let nss: Vec<Namespace> = (0..3)
-        .map(|r| Namespace::new(&format!("e2e-rank-{r}"), layout, "", "t").unwrap())
+        .map(|r| Namespace::new(format!("e2e-rank-{r}"), layout, "", "t").unwrap())
         .collect();
     let keys = client.namespace(&nss[0]).hash_chain(&tokens(7, 6));
     let data: Vec<Vec<u8>> = (0..6).map(|i| payload(7, i)).collect();
