@@ -484,3 +484,55 @@ fn config_errors_and_default_config() {
     assert!(err.contains("metrics.addr"), "{err}");
     assert_eq!(err.lines().count(), 1, "one clear line: {err}");
 }
+
+/// One `lookup_many` request answers a chain's cached prefix in each of
+/// several namespaces (a tensor-parallel group's ranks), each as its own
+/// lookup would: one frame, counted once.
+#[test]
+fn lookup_many_answers_each_namespace_in_one_request() {
+    if std::env::var("KVTIER_E2E_SOCKET").is_ok() || std::env::var("KVTIER_E2E_HAMMER").is_ok() {
+        return;
+    }
+    let d = Daemon::start();
+    let client = Client::with_config(cfg(&d.socket.display().to_string(), false));
+    let layout = KvLayout::with_block_bytes(BLOCK as u64).unwrap();
+    let nss: Vec<Namespace> = (0..3)
+        .map(|r| Namespace::new(format!("e2e-rank-{r}"), layout, "", "t").unwrap())
+        .collect();
+    let keys = client.namespace(&nss[0]).hash_chain(&tokens(7, 6));
+    let data: Vec<Vec<u8>> = (0..6).map(|i| payload(7, i)).collect();
+    let refs: Vec<&[u8]> = data.iter().map(|d| &d[..]).collect();
+    // Rank 0 holds the whole chain, rank 1 its first two blocks, rank 2 none.
+    for (ns, n) in [(&nss[0], 6), (&nss[1], 2)] {
+        let out =
+            client
+                .namespace(ns)
+                .offload_chain(None, &keys[..n], &refs[..n], Hints::default());
+        assert!(out.iter().all(|o| *o == OffloadOutcome::Stored), "{out:?}");
+    }
+    let before = metric(
+        &d.scrape(),
+        "kvtier_requests_total",
+        &[("op", "lookup_many")],
+    );
+    let ids: Vec<_> = nss.iter().map(|n| n.id()).collect();
+    let got = client.lookup_many(&ids, &keys);
+    let prefixes: Vec<usize> = got.iter().map(|l| l.prefix_len()).collect();
+    assert_eq!(prefixes, vec![6, 2, 0], "{got:?}");
+    for (ns, l) in nss.iter().zip(&got) {
+        assert_eq!(l.tiers, client.namespace(ns).lookup(&keys).tiers);
+    }
+    let after = metric(
+        &d.scrape(),
+        "kvtier_requests_total",
+        &[("op", "lookup_many")],
+    );
+    assert_eq!(after - before, 1.0);
+    // Out of range: a miss in each, nothing sent.
+    assert!(client.lookup_many(&[], &keys).is_empty());
+    let many = vec![ids[0]; proto::LOOKUP_NAMESPACES_MAX + 1];
+    assert!(client
+        .lookup_many(&many, &keys)
+        .iter()
+        .all(|l| l.prefix_len() == 0 && l.miss.is_some()));
+}

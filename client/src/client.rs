@@ -31,7 +31,7 @@ use crate::key::BlockKey;
 use crate::namespace::{Namespace, NamespaceId};
 use crate::proto::{
     self, BlockStat, ItemStatus, ListEntry, OffloadItem, OnboardItem, OnboardMode, Request,
-    Response, FDS_MAX, KEYS_MAX,
+    Response, FDS_MAX, KEYS_MAX, LOOKUP_NAMESPACES_MAX,
 };
 use crate::shm::Region;
 use crate::types::{Hints, Tier};
@@ -625,6 +625,80 @@ impl Client {
             )?;
         }
         Ok(())
+    }
+
+    /// The longest cached prefix of `chain` in each of `nss` (the same
+    /// chain under several namespaces: a tensor-parallel group's ranks),
+    /// one request per `KEYS_MAX` keys whatever the number of namespaces
+    /// (at most [`LOOKUP_NAMESPACES_MAX`]). Results in `nss` order; a
+    /// failed request is a miss with its cause in each, as
+    /// [`NsHandle::lookup`].
+    pub fn lookup_many(&self, nss: &[NamespaceId], chain: &[BlockKey]) -> Vec<LookupResult> {
+        let miss = |e: &Error| LookupResult {
+            tiers: Vec::new(),
+            miss: Some(Miss::from_error(e)),
+        };
+        if nss.is_empty() || nss.len() > LOOKUP_NAMESPACES_MAX {
+            let e = Error::Protocol {
+                reason: format!(
+                    "lookup_many takes 1..={LOOKUP_NAMESPACES_MAX} namespaces, got {}",
+                    nss.len()
+                ),
+            };
+            return nss.iter().map(|_| miss(&e)).collect();
+        }
+        let mut out: Vec<LookupResult> = nss
+            .iter()
+            .map(|_| LookupResult {
+                tiers: Vec::new(),
+                miss: None,
+            })
+            .collect();
+        // Namespaces whose prefix covers every part so far: only they are
+        // asked about the next part.
+        let mut open: Vec<usize> = (0..nss.len()).collect();
+        for part in chain.chunks(KEYS_MAX) {
+            if open.is_empty() {
+                break;
+            }
+            let ask: Vec<NamespaceId> = open.iter().map(|&i| nss[i]).collect();
+            let r = self.call(
+                |_| {
+                    Ok(Request::LookupMany {
+                        nss: ask.clone(),
+                        keys: part.to_vec(),
+                    })
+                },
+                |_, r, _| match r {
+                    Response::LookupMany { tiers }
+                        if tiers.len() == ask.len()
+                            && tiers.iter().all(|t| t.len() <= part.len()) =>
+                    {
+                        Ok(tiers)
+                    }
+                    other => Err(unexpected(other)),
+                },
+            );
+            match r {
+                Ok(tiers) => {
+                    let mut still = Vec::with_capacity(open.len());
+                    for (&i, t) in open.iter().zip(tiers) {
+                        if t.len() == part.len() {
+                            still.push(i);
+                        }
+                        out[i].tiers.extend(t);
+                    }
+                    open = still;
+                }
+                Err(e) => {
+                    for &i in &open {
+                        out[i] = miss(&e);
+                    }
+                    break;
+                }
+            }
+        }
+        out
     }
 
     /// Metadata of keys in a namespace known only by id (tools).

@@ -38,6 +38,9 @@ pub const KEYS_MAX: usize = 4096;
 pub const FDS_MAX: usize = 128;
 /// Longest string (error message, stats JSON) in a frame.
 pub const STRING_BYTES_MAX: usize = FRAME_BYTES_MAX - 64;
+/// Most namespaces one [`Request::LookupMany`] may name (the daemon's work
+/// is at most this many in-memory prefix probes of `KEYS_MAX` keys).
+pub const LOOKUP_NAMESPACES_MAX: usize = 64;
 /// Shared-region offsets and lengths are multiples of this (O_DIRECT).
 pub const SHM_ALIGN_BYTES: u64 = 4096;
 
@@ -74,6 +77,10 @@ pub const OP_REPORT_CORRUPT: u8 = 14;
 /// Op: fetch the non-local blocks of a chain into G3 in the background.
 /// (16: 15 is free.)
 pub const OP_PREFETCH: u8 = 16;
+/// Op: longest cached prefix of one chain in each of several namespaces
+/// (a tensor-parallel group's ranks hold the same keys, one namespace
+/// each): one request where a lookup per namespace took N.
+pub const OP_LOOKUP_MANY: u8 = 17;
 /// Op: say which engine and model a namespace belongs to, for the
 /// operator's view (`kvtier stats`, `kvtier ls`, `/metrics`). Additive:
 /// an older daemon answers it with an error, which clients ignore.
@@ -267,6 +274,13 @@ pub enum Request {
     Lookup {
         /// Namespace.
         ns: NamespaceId,
+        /// The chain.
+        keys: Vec<BlockKey>,
+    },
+    /// Longest cached prefix of the chain `keys` in each of `nss`.
+    LookupMany {
+        /// Namespaces (1..=LOOKUP_NAMESPACES_MAX).
+        nss: Vec<NamespaceId>,
         /// The chain.
         keys: Vec<BlockKey>,
     },
@@ -498,6 +512,12 @@ pub enum Response {
     Lookup {
         /// Tiers.
         tiers: Vec<Tier>,
+    },
+    /// Per namespace of a [`Request::LookupMany`], in its order: the tier
+    /// of each block of that namespace's cached prefix.
+    LookupMany {
+        /// Tiers per namespace.
+        tiers: Vec<Vec<Tier>>,
     },
     /// Per-item outcomes (offload, pin, unpin, evict, release counts).
     Items {
@@ -803,6 +823,7 @@ impl Request {
         match self {
             Request::Hello { .. } => OP_HELLO,
             Request::Lookup { .. } => OP_LOOKUP,
+            Request::LookupMany { .. } => OP_LOOKUP_MANY,
             Request::Offload { .. } => OP_OFFLOAD,
             Request::Onboard { .. } => OP_ONBOARD,
             Request::Release { .. } => OP_RELEASE,
@@ -825,6 +846,7 @@ impl Request {
         match op {
             OP_HELLO => "hello",
             OP_LOOKUP => "lookup",
+            OP_LOOKUP_MANY => "lookup_many",
             OP_OFFLOAD => "offload",
             OP_ONBOARD => "onboard",
             OP_RELEASE => "release",
@@ -856,6 +878,13 @@ impl Request {
             | Request::ReportCorrupt { ns, keys }
             | Request::Stat { ns, keys } => {
                 w.ns(ns);
+                write_keys(&mut w, keys);
+            }
+            Request::LookupMany { nss, keys } => {
+                w.count(nss.len());
+                for ns in nss {
+                    w.ns(ns);
+                }
                 write_keys(&mut w, keys);
             }
             Request::Evict { ns, keys, tier } => {
@@ -961,6 +990,20 @@ impl Request {
                 ns: r.ns()?,
                 keys: read_keys(&mut r)?,
             },
+            OP_LOOKUP_MANY => {
+                let n = r.count(LOOKUP_NAMESPACES_MAX, 16)?;
+                if n == 0 {
+                    return Err(proto("lookup_many of no namespace"));
+                }
+                let mut nss = Vec::with_capacity(n);
+                for _ in 0..n {
+                    nss.push(r.ns()?);
+                }
+                Request::LookupMany {
+                    nss,
+                    keys: read_keys(&mut r)?,
+                }
+            }
             OP_UNPIN => Request::Unpin {
                 ns: r.ns()?,
                 keys: read_keys(&mut r)?,
@@ -1142,6 +1185,15 @@ impl Response {
                     w.u8(t.code());
                 }
             }
+            Response::LookupMany { tiers } => {
+                w.count(tiers.len());
+                for per_ns in tiers {
+                    w.count(per_ns.len());
+                    for t in per_ns {
+                        w.u8(t.code());
+                    }
+                }
+            }
             Response::Items { status } => {
                 w.count(status.len());
                 for s in status {
@@ -1224,6 +1276,19 @@ impl Response {
                         tiers.push(r.tier()?);
                     }
                     Response::Lookup { tiers }
+                }
+                OP_LOOKUP_MANY => {
+                    let n = r.count(LOOKUP_NAMESPACES_MAX, 4)?;
+                    let mut tiers = Vec::with_capacity(n);
+                    for _ in 0..n {
+                        let m = r.count(KEYS_MAX, 1)?;
+                        let mut per_ns = Vec::with_capacity(m);
+                        for _ in 0..m {
+                            per_ns.push(r.tier()?);
+                        }
+                        tiers.push(per_ns);
+                    }
+                    Response::LookupMany { tiers }
                 }
                 OP_OFFLOAD | OP_RELEASE | OP_PIN | OP_UNPIN | OP_EVICT | OP_VERIFY
                 | OP_REPORT_CORRUPT | OP_PREFETCH | OP_DESCRIBE => {
@@ -1533,6 +1598,10 @@ mod tests {
                 ns,
                 keys: vec![k(1), k(2)],
             },
+            Request::LookupMany {
+                nss: vec![ns, NamespaceId([8; 16])],
+                keys: vec![k(1), k(2)],
+            },
             Request::Offload {
                 ns,
                 items: vec![OffloadItem {
@@ -1716,5 +1785,26 @@ mod tests {
         };
         let f = e.encode(OP_LOOKUP, 4);
         assert_eq!(Response::decode(&f[4..], OP_LOOKUP).unwrap(), (4, e));
+        let m = Response::LookupMany {
+            tiers: vec![vec![Tier::G3, Tier::G4], vec![], vec![Tier::Peer]],
+        };
+        let f = m.encode(OP_LOOKUP_MANY, 5);
+        assert_eq!(Response::decode(&f[4..], OP_LOOKUP_MANY).unwrap(), (5, m));
+    }
+
+    #[test]
+    fn lookup_many_of_no_namespace_or_too_many_is_refused() {
+        let none = Request::LookupMany {
+            nss: vec![],
+            keys: vec![k(1)],
+        }
+        .encode(1);
+        assert!(Request::decode(&none[4..]).is_err());
+        let many = Request::LookupMany {
+            nss: vec![NamespaceId([1; 16]); LOOKUP_NAMESPACES_MAX + 1],
+            keys: vec![k(1)],
+        }
+        .encode(1);
+        assert!(Request::decode(&many[4..]).is_err());
     }
 }

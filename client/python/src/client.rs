@@ -293,6 +293,36 @@ impl Client {
         Ok(Lookup::from(&r))
     }
 
+    /// lookup_many(namespaces, keys) -> list[Lookup]
+    ///
+    /// The longest cached prefix of the chain `keys` in each of
+    /// `namespaces` (1 to 64 of them: e.g. every tensor-parallel rank's
+    /// namespace of one model, which share their keys), in one request
+    /// to the daemon instead of one per namespace. One Lookup per
+    /// namespace, in order; misses as lookup's.
+    fn lookup_many(
+        &self,
+        py: Python<'_>,
+        namespaces: Arg<Vec<PyRef<'_, Namespace>>>,
+        keys: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<Lookup>> {
+        let n = namespaces.0.len();
+        if n == 0 || n > kvtier_client::proto::LOOKUP_NAMESPACES_MAX {
+            return Err(crate::errors::argument_error(
+                py,
+                format!(
+                    "lookup_many takes 1..={} namespaces, got {n}",
+                    kvtier_client::proto::LOOKUP_NAMESPACES_MAX
+                ),
+            ));
+        }
+        let ids: Vec<_> = namespaces.0.iter().map(|ns| ns.inner.id()).collect();
+        let keys = keys_from(keys)?;
+        let c = self.inner()?;
+        let r = py.detach(move || c.within_deadline(|| c.lookup_many(&ids, &keys)));
+        Ok(r.iter().map(Lookup::from).collect())
+    }
+
     /// offload(ns, keys, bufs, parent=None, *, priority=0, pinned=False, ephemeral=False, expected_reuse=0) -> list[BlockResult]
     ///
     /// Stores blocks: bufs[i] holds keys[i]'s exactly ns.block_bytes bytes

@@ -153,6 +153,32 @@ def test_tp_ranks_do_not_share_mha_pages_but_mla_does(daemon):
     assert m1.batch_exists(KEYS[:2]) == 2
 
 
+def test_mla_pages_are_one_copy_whatever_the_tp_size(daemon):
+    """MLA's KV does not depend on the TP size: a deployment at TP 4 finds
+    (and reads back byte for byte) what one at TP 2 stored; MHA's pages,
+    split by heads, do not carry over."""
+    mhost = mla_host()
+    fill_random(mhost, 5)
+    tp2 = backend(storage_config(daemon.socket, mla=True, tp_rank=0, tp_size=2), mhost)
+    assert tp2.batch_set_v1(KEYS[:2], indices([1, 2])) == [True, True]
+    want = page_bytes(mhost, [1, 2])
+    for rank in range(4):
+        tp4 = backend(storage_config(daemon.socket, mla=True, tp_rank=rank, tp_size=4), mhost)
+        assert tp4.ns.id == tp2.ns.id
+        assert tp4.batch_exists(KEYS[:2]) == 2
+        ptrs, sizes = mhost.get_page_buffer_meta(indices([3, 4]))
+        for p, n in zip(ptrs, sizes):
+            ctypes.memset(int(p), 0, int(n))
+        assert tp4.batch_get_v1(KEYS[:2], indices([3, 4])) == [True, True]
+        assert page_bytes(mhost, [3, 4]) == want
+    host = mha_host("page_first")
+    fill_random(host, 6)
+    m2 = backend(storage_config(daemon.socket, tp_rank=0, tp_size=2), host)
+    m4 = backend(storage_config(daemon.socket, tp_rank=0, tp_size=4), host)
+    assert m2.batch_set_v1(KEYS[:2], indices([1, 2])) == [True, True]
+    assert m4.ns.id != m2.ns.id and m4.batch_exists(KEYS[:2]) == 0
+
+
 def test_dead_daemon_means_recompute(daemon):
     host = mha_host("page_first")
     fill_random(host, 4)

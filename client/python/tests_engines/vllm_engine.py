@@ -23,15 +23,23 @@ from vllm.config import (
     KVTransferConfig,
     LoadConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     VllmConfig,
 )
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    MLAAttentionSpec,
+)
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
@@ -46,6 +54,21 @@ TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
     "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": KV_HEADS,
     "head_dim": HEAD_SIZE, "num_hidden_layers": len(LAYERS), "vocab_size": 1024,
+    "max_position_embeddings": 65536, "rms_norm_eps": 1e-5, "torch_dtype": "float32",
+    "bos_token_id": 1, "eos_token_id": EOS,
+}
+
+# A tiny DeepSeek-V2 config: vLLM's MLA (one latent vector per token,
+# the same on every tensor-parallel rank).
+KV_LORA_RANK, ROPE_DIM = 24, 8
+MLA_HEAD = KV_LORA_RANK + ROPE_DIM
+TINY_DEEPSEEK = {
+    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "hidden_size": 64,
+    "intermediate_size": 128, "moe_intermediate_size": 32, "num_attention_heads": 8,
+    "num_key_value_heads": 8, "num_hidden_layers": len(LAYERS), "vocab_size": 1024,
+    "kv_lora_rank": KV_LORA_RANK, "qk_rope_head_dim": ROPE_DIM,
+    "qk_nope_head_dim": 16, "v_head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
+    "first_k_dense_replace": 2,
     "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "torch_dtype": "float32",
     "bos_token_id": 1, "eos_token_id": EOS,
 }
@@ -53,18 +76,32 @@ TINY_LLAMA = {
 _hash_ready = False
 
 
-def model_dir(tmp: pathlib.Path) -> str:
-    d = tmp / "tiny-llama"
+def model_dir(tmp: pathlib.Path, tp: int = 1, mla: bool = False) -> str:
+    if mla:
+        d = tmp / "tiny-deepseek"
+        d.mkdir(exist_ok=True)
+        (d / "config.json").write_text(json.dumps(TINY_DEEPSEEK))
+        return str(d)
+    # vLLM checks that the attention heads split over the TP ranks; the KV
+    # cache this engine registers is its own (KV_HEADS per rank).
+    d = tmp / f"tiny-llama-tp{tp}"
     d.mkdir(exist_ok=True)
-    (d / "config.json").write_text(json.dumps(TINY_LLAMA))
+    heads = max(TINY_LLAMA["num_attention_heads"], tp)
+    (d / "config.json").write_text(json.dumps({**TINY_LLAMA, "num_attention_heads": heads}))
     return str(d)
 
 
 class Engine:
-    """One vLLM engine (scheduler + one worker) with a KV connector."""
+    """One vLLM engine (scheduler + one worker) with a KV connector. With
+    ``tp`` > 1 the scheduler plans for that many tensor-parallel ranks and
+    the worker here is rank 0 (the other ranks' workers are not run).
+    ``num_blocks`` sizes the "GPU" KV cache, ``max_model_len`` the longest
+    prompt; ``workers=False`` builds the scheduler alone (for measuring
+    it: no step can finish a transfer then)."""
 
     def __init__(self, tmp: pathlib.Path, socket: str, connector: str = "KvtierConnector",
-                 policy: str = "recompute", **extra) -> None:
+                 policy: str = "recompute", tp: int = 1, num_blocks: int = NUM_BLOCKS,
+                 max_model_len: int = 2048, workers: bool = True, mla: bool = False, **extra) -> None:
         global _hash_ready
         if not _hash_ready:
             init_none_hash(sha256)
@@ -72,12 +109,15 @@ class Engine:
         extra_config = {"kvtier_socket": socket, "kvtier_timeout_ms": 2000, **extra}
         if connector == "OffloadingConnector":
             extra_config.update(spec_name="KvtierOffloadingSpec", spec_module_path="kvtier.integrations.vllm")
-        model = ModelConfig(model=model_dir(tmp), dtype="float32", skip_tokenizer_init=True,
-                            max_model_len=2048, seed=0)
+        self.mla = mla
+        model = ModelConfig(model=model_dir(tmp, tp, mla), dtype="float32", skip_tokenizer_init=True,
+                            max_model_len=max_model_len, seed=0)
         self.config = VllmConfig(
             model_config=model,
-            scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=1024, max_model_len=2048,
-                                             is_encoder_decoder=False),
+            scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=1024,
+                                             max_model_len=max_model_len, is_encoder_decoder=False),
+            parallel_config=ParallelConfig(tensor_parallel_size=tp,
+                                           distributed_executor_backend="mp" if tp > 1 else None),
             cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
             kv_transfer_config=KVTransferConfig(
                 kv_connector=connector,
@@ -87,30 +127,51 @@ class Engine:
             device_config=DeviceConfig("cpu"),
             load_config=LoadConfig(load_format="dummy"),
         )
-        spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE,
-                                 dtype=torch.float32)
+        if mla:
+            spec = MLAAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=MLA_HEAD,
+                                    dtype=torch.float32)
+        else:
+            spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE,
+                                     dtype=torch.float32)
         self.page_bytes = spec.page_size_bytes
         self.kv_cache_config = KVCacheConfig(
-            num_blocks=NUM_BLOCKS,
+            num_blocks=num_blocks,
             # One backing allocation, layer-outermost (as vLLM's allocator).
             kv_cache_tensors=[
-                KVCacheTensor(size=self.page_bytes * NUM_BLOCKS * len(LAYERS), layers=list(LAYERS),
-                              layer_stride=self.page_bytes * NUM_BLOCKS, block_stride=self.page_bytes)
+                KVCacheTensor(size=self.page_bytes * num_blocks * len(LAYERS), layers=list(LAYERS),
+                              layer_stride=self.page_bytes * num_blocks, block_stride=self.page_bytes)
             ],
             kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)],
+            # MLA: every TP rank holds the whole (latent) KV.
+            kv_tp_replicas=tp if mla else 1,
         )
-        self.config.cache_config.num_gpu_blocks = NUM_BLOCKS
+        self.config.cache_config.num_gpu_blocks = num_blocks
         self.scheduler = Scheduler(
             vllm_config=self.config, kv_cache_config=self.kv_cache_config, log_stats=True,
             structured_output_manager=StructuredOutputManager(self.config), block_size=BLOCK_SIZE,
         )
-        self.worker = KVConnectorFactory.create_connector(
-            config=self.config, role=KVConnectorRole.WORKER, kv_cache_config=self.kv_cache_config)
-        # The "GPU" KV cache: per layer (blocks, K/V, block_size, heads,
-        # head), manager blocks first as vLLM's connectors view it, on the CPU.
-        self.kv = {n: torch.zeros((NUM_BLOCKS, 2, BLOCK_SIZE, KV_HEADS, HEAD_SIZE), dtype=torch.float32)
-                   for n in LAYERS}
-        self.worker.register_kv_caches(self.kv)
+        # One worker-side connector per tensor-parallel rank (vLLM's
+        # workers each build theirs with parallel_config.rank set), each
+        # with its own "GPU" KV cache: per layer (blocks, K/V, block_size,
+        # heads, head), manager blocks first as vLLM's connectors view it,
+        # on the CPU. Their outputs are merged as vLLM's executor merges
+        # them (KVOutputAggregator), so a transfer is done when every rank
+        # reported it.
+        self.workers = []
+        self.kvs: list[dict[str, torch.Tensor]] = []
+        for rank in range(tp if workers else 0):
+            self.config.parallel_config.rank = rank
+            w = KVConnectorFactory.create_connector(
+                config=self.config, role=KVConnectorRole.WORKER, kv_cache_config=self.kv_cache_config)
+            shape = (num_blocks, BLOCK_SIZE, MLA_HEAD) if mla else (num_blocks, 2, BLOCK_SIZE, KV_HEADS, HEAD_SIZE)
+            kv = {n: torch.zeros(shape, dtype=torch.float32) for n in LAYERS}
+            w.register_kv_caches(kv)
+            self.workers.append(w)
+            self.kvs.append(kv)
+        self.config.parallel_config.rank = 0
+        if workers:
+            self.worker, self.kv = self.workers[0], self.kvs[0]
+        self.aggregator = KVOutputAggregator(tp)
         # Prompt tokens the "model" computed per request (prefill work).
         self.computed: dict[str, int] = {}
         self.finished: dict[str, list[int]] = {}
@@ -127,18 +188,23 @@ class Engine:
         """The worker's KvtierOffloadingSpec (its counters: loads, stores)."""
         return self.worker.connector_worker.spec
 
-    def counters(self) -> dict:
-        """The scheduler's (lookups) and the worker's counters together."""
+    def counters(self, rank: int = 0) -> dict:
+        """The scheduler's (lookups) and one rank's worker counters together."""
         out = dict(self.scheduler.connector.connector_scheduler.manager.counters.snapshot())
-        for k, v in self.spec.counters.snapshot().items():
+        for k, v in self.workers[rank].connector_worker.spec.counters.snapshot().items():
             out[k] = out.get(k, 0) + v
         return out
 
-    def add(self, req_id: str, prompt: list[int], max_tokens: int = 2) -> Request:
+    @staticmethod
+    def request(req_id: str, prompt: list[int], max_tokens: int = 2) -> Request:
+        """A vLLM Request of ``prompt`` (its block hashes computed)."""
         sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         sp.update_from_generation_config({}, EOS)
-        req = Request(request_id=req_id, prompt_token_ids=list(prompt), sampling_params=sp, pooling_params=None,
-                      block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256))
+        return Request(request_id=req_id, prompt_token_ids=list(prompt), sampling_params=sp, pooling_params=None,
+                       block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256))
+
+    def add(self, req_id: str, prompt: list[int], max_tokens: int = 2) -> Request:
+        req = self.request(req_id, prompt, max_tokens)
         self.scheduler.add_request(req)
         self.computed[req_id] = 0
         return req
@@ -155,7 +221,12 @@ class Engine:
             for pos in range(start, start + n):
                 b, off = block_ids[pos // BLOCK_SIZE], pos % BLOCK_SIZE
                 for li, layer in enumerate(LAYERS):
-                    self.kv[layer][b, :, off] = float(req.all_token_ids[0] * 10_000 + pos * 10 + li)
+                    for kv in self.kvs:
+                        v = float(req.all_token_ids[0] * 10_000 + pos * 10 + li)
+                        if self.mla:
+                            kv[layer][b, off] = v
+                        else:
+                            kv[layer][b, :, off] = v
             # Prefill work only (decode steps add one token each).
             self.computed[req_id] += max(0, min(start + n, req.num_prompt_tokens) - start)
 
@@ -165,26 +236,30 @@ class Engine:
         meta = so.kv_connector_metadata
         if self.before_load is not None:
             self.before_load(so)
-        self.worker.handle_preemptions(meta)
-        self.worker.bind_connector_metadata(meta)
-        self.worker.start_load_kv(None)
+        for w in self.workers:
+            w.handle_preemptions(meta)
+            w.bind_connector_metadata(meta)
+            w.start_load_kv(None)
         self._forward(so)
-        self.worker.wait_for_save()
-        tr = self.worker.get_transfer_results(so.finished_req_ids)
-        kvo = KVConnectorOutput(
-            finished_sending=tr.finished_sending, finished_recving=tr.finished_recving,
-            failed_recving=tr.failed_recving, invalid_block_ids=self.worker.get_block_ids_with_load_errors(),
-            kv_connector_worker_meta=self.worker.build_connector_worker_meta(),
-        )
-        self.worker.clear_connector_metadata()
         ids = [r for r in so.num_scheduled_tokens]
         # A request whose prompt is fully computed samples one token.
         sampled = []
         for r in ids:
             req = self.scheduler.requests[r]
             sampled.append([7] if req.num_computed_tokens >= req.num_prompt_tokens else [])
-        out = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                                sampled_token_ids=sampled, kv_connector_output=kvo)
+        outs = []
+        for w in self.workers:
+            w.wait_for_save()
+            tr = w.get_transfer_results(so.finished_req_ids)
+            kvo = KVConnectorOutput(
+                finished_sending=tr.finished_sending, finished_recving=tr.finished_recving,
+                failed_recving=tr.failed_recving, invalid_block_ids=w.get_block_ids_with_load_errors(),
+                kv_connector_worker_meta=w.build_connector_worker_meta(),
+            )
+            w.clear_connector_metadata()
+            outs.append(ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                          sampled_token_ids=sampled, kv_connector_output=kvo))
+        out = self.aggregator.aggregate(outs, 0)
         for eco in self.scheduler.update_from_output(so, out).values():
             st = eco.scheduler_stats
             if st is not None and st.kv_connector_stats:
@@ -206,7 +281,8 @@ class Engine:
                 time.sleep(0.01)  # only transfers in flight
 
     def shutdown(self) -> None:
-        self.worker.shutdown()
+        for w in self.workers:
+            w.shutdown()
         if self.scheduler.connector is not None:
             self.scheduler.connector.shutdown()
 

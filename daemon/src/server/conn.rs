@@ -369,9 +369,48 @@ impl Conn<'_> {
         st
     }
 
+    /// The tiers of `keys`' cached prefix in `ns` (empty when the backend
+    /// failed: a miss, counted).
+    /// One namespace's lookup (its decoy when the caller may not use
+    /// it), counted in the metrics and in the namespace's figures.
+    fn lookup(&self, ns: &NamespaceId, keys: &[BlockKey]) -> Vec<Tier> {
+        let m = &self.sh.metrics;
+        let ns = self.ns_for(ns);
+        let tiers = match self.sh.backend.lookup_why(&ns, keys) {
+            Ok((mut tiers, why)) => {
+                tiers.truncate(keys.len());
+                for t in &tiers {
+                    m.hits.with_label_values(&[t.name()]).inc();
+                }
+                if tiers.len() < keys.len() {
+                    m.misses
+                        .with_label_values(&[reason_name(why)])
+                        .inc_by((keys.len() - tiers.len()) as u64);
+                }
+                tiers
+            }
+            Err(e) => {
+                self.status_of(&e);
+                m.misses.with_label_values(&["unavailable"]).inc();
+                Vec::new()
+            }
+        };
+        let found = tiers.len() as u64;
+        self.sh.clients.count(
+            &ns,
+            false,
+            NsCounts {
+                lookups: 1,
+                lookup_hit_blocks: found,
+                lookup_miss_blocks: keys.len() as u64 - found,
+                ..Default::default()
+            },
+        );
+        tiers
+    }
+
     fn handle(&mut self, req: Request) -> (Response, Vec<std::fs::File>) {
         let b = &self.sh.backend;
-        let m = &self.sh.metrics;
         let resp = match req {
             Request::Hello { .. } | Request::Subscribe => Response::Error {
                 code: code::MALFORMED,
@@ -380,40 +419,14 @@ impl Conn<'_> {
             // A namespace the caller may not use runs as its decoy: a
             // namespace nothing is stored under, so the answer and its cost
             // are those of an unknown namespace's miss (access.rs).
-            Request::Lookup { ns, keys } => {
-                let ns = self.ns_for(&ns);
-                let tiers = match b.lookup_why(&ns, &keys) {
-                    Ok((mut tiers, why)) => {
-                        tiers.truncate(keys.len());
-                        for t in &tiers {
-                            m.hits.with_label_values(&[t.name()]).inc();
-                        }
-                        if tiers.len() < keys.len() {
-                            m.misses
-                                .with_label_values(&[reason_name(why)])
-                                .inc_by((keys.len() - tiers.len()) as u64);
-                        }
-                        tiers
-                    }
-                    Err(e) => {
-                        self.status_of(&e);
-                        m.misses.with_label_values(&["unavailable"]).inc();
-                        Vec::new()
-                    }
-                };
-                let found = tiers.len() as u64;
-                self.sh.clients.count(
-                    &ns,
-                    false,
-                    NsCounts {
-                        lookups: 1,
-                        lookup_hit_blocks: found,
-                        lookup_miss_blocks: keys.len() as u64 - found,
-                        ..Default::default()
-                    },
-                );
-                Response::Lookup { tiers }
-            }
+            Request::Lookup { ns, keys } => Response::Lookup {
+                tiers: self.lookup(&ns, &keys),
+            },
+            // Each namespace exactly as its own Lookup (decoy included):
+            // one frame instead of one per tensor-parallel rank.
+            Request::LookupMany { nss, keys } => Response::LookupMany {
+                tiers: nss.iter().map(|ns| self.lookup(ns, &keys)).collect(),
+            },
             Request::Describe { ns, engine, model } => {
                 let st = if !self.who.grant.may(&ns) {
                     // Only a namespace the caller may use: a tenant cannot

@@ -67,6 +67,10 @@ class Client:
         """See :meth:`kvtier.Client.lookup`."""
         return await self._run(self.sync.lookup, ns, keys)
 
+    async def lookup_many(self, namespaces, keys):
+        """See :meth:`kvtier.Client.lookup_many`."""
+        return await self._run(self.sync.lookup_many, namespaces, keys)
+
     async def offload(self, ns, keys, bufs, parent=None, **hints):
         """See :meth:`kvtier.Client.offload`."""
         return await self._run(self.sync.offload, ns, keys, bufs, parent, **hints)

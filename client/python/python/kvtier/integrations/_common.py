@@ -370,24 +370,36 @@ class Prefetcher:
         """For a block a lookup found on ``tier``: True while a prefetch of
         it is in flight (the caller may wait for it), False when it is on
         G3 or should be loaded from where it is."""
+        return self.pending_many(ns, [key], [tier])[0]
+
+    def pending_many(self, ns, keys: Sequence[bytes], tiers: Sequence[Optional[str]]) -> list[bool]:
+        """:meth:`pending` of each key, with one prefetch call for all the
+        keys below G3 not yet in flight."""
+        out = [False] * len(keys)
         if not self.enabled:
-            return False
-        pk = (ns.id, key)
+            return out
         now = time.monotonic()
+        ask: list[int] = []
         with self._lock:
-            expiry = self._pending.get(pk)
-            if tier == "g3" or tier is None:
-                if expiry is not None:
+            for i, (key, tier) in enumerate(zip(keys, tiers)):
+                pk = (ns.id, key)
+                expiry = self._pending.get(pk)
+                if tier == "g3" or tier is None:
+                    if expiry is not None:
+                        del self._pending[pk]
+                        self.counters.add("prefetch_landed")
+                elif expiry is None:
+                    ask.append(i)
+                elif now < expiry:
+                    out[i] = True
+                else:
                     del self._pending[pk]
-                    self.counters.add("prefetch_landed")
-                return False
-            if expiry is not None:
-                if now < expiry:
-                    return True
-                del self._pending[pk]
-                self.counters.add("prefetch_expired")
-                return False
-        return bool(self.request(ns, [key], [tier], stream=0))
+                    self.counters.add("prefetch_expired")
+        if ask:
+            queued = set(self.request(ns, [keys[i] for i in ask], [tiers[i] for i in ask], stream=0))
+            for i in ask:
+                out[i] = keys[i] in queued
+        return out
 
     def loaded(self, ns, key: bytes, tier: Optional[str]) -> None:
         """The engine loaded ``key`` (from ``tier``): no longer tracked; a

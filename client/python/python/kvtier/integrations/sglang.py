@@ -16,9 +16,10 @@ K and V when laid out back to back).
 
 Keys: SGLang's page hashes (hex strings) as kvtier keys (their bytes,
 ``hash_mode="opaque"``). The namespace holds the model, the host pool's
-layout, dtype and page size, the TP size and the PP stage, and the TP rank
-unless the model is MLA (MLA's KV is the same on every TP rank; only the
-storage writer stores it).
+layout, dtype and page size, the PP stage, and the TP size and rank
+unless the model is MLA (MLA's KV is the same on every TP rank and at
+every TP size: one copy, which only the storage writer stores, read by
+every rank and by deployments at another TP size).
 
 Fail open: ``batch_exists`` answers 0 and the get/set calls answer False
 for a page they could not move (a miss, a timeout, a dead daemon); SGLang
@@ -155,12 +156,16 @@ class KvtierHiCacheStorage(HiCacheStorage):
         layout = getattr(mem_pool_host, "layout", "unknown")
         dtype = str(getattr(mem_pool_host, "dtype", "unknown")).replace("torch.", "")
         kind = "mla" if self.is_mla else "mha"
+        # MLA's latent KV is the same on every TP rank whatever the TP
+        # size: its namespace leaves the TP size out, so a deployment at
+        # another TP size finds the same pages (one copy, the writer's).
+        tp = "" if self.is_mla else f"/tp={c.tp_size}"
         desc = (
             f"{model}#sglang/{kind}/{layout}/{dtype}/page={self.page_size}"
-            f"/tp={c.tp_size}/pp={c.pp_rank}of{c.pp_size}"
+            f"{tp}/pp={c.pp_rank}of{c.pp_size}"
             f"/cp={c.attn_cp_rank}of{c.attn_cp_size}/dcp={c.dcp_rank}of{c.dcp_size}"
         )
-        if c.should_split_heads:
+        if c.should_split_heads and not self.is_mla:
             desc += f"/tplcm={c.tp_lcm_size}"
         self.ns = kvtier.Namespace(
             desc,

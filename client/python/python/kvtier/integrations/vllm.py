@@ -17,6 +17,10 @@ key as is (``hash_mode="opaque"``). The namespace is built from the model
 name, vLLM's KV layout (dtype, cache layout, tokens per block, blocks per
 chunk, TP/PP sizes) and the worker's rank (``Namespace(rank=...)``, a TLV
 extension: it never changes other namespaces' identity nor the tenant salt).
+MLA at TP > 1 (vLLM's ``replicated_layout``: every rank holds the same
+latent KV) is stored once: one namespace without rank or TP size, written
+by rank 0 only (vLLM's own store-writer rule) and read by every rank, so
+a deployment at another TP size finds the same blocks.
 One kvtier block is one offload chunk of one worker: ``blocks_per_chunk``
 GPU blocks of ``worker_kv_bytes_per_block`` bytes each, every tensor's page
 of a GPU block back to back (zero padded when a KV group's pages are
@@ -68,7 +72,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Collection, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Optional
@@ -122,6 +126,8 @@ from ._common import (
 # How long a block stays pinned between prepare_load and complete_load at
 # most (a crashed engine's pins expire by themselves).
 LOAD_PIN_TTL_MS = 120_000
+# Pin and unpin calls queued for the pinning thread at most.
+PIN_QUEUE_MAX = 1024
 
 VLLM_VERSION = "0.33.0"
 
@@ -200,10 +206,13 @@ def namespace_model(config: OffloadingConfig, extra: Any) -> str:
     model = setting(extra, "model", config.model.name)
     groups = ",".join(str(g.tokens_per_block) for g in config.groups)
     p = config.parallel
+    # MLA at TP > 1 (vLLM's replicated_layout): every rank's bytes are the
+    # same and do not depend on the TP size: one copy, shared by any TP.
+    tp = "replicated" if config.replicated_layout else str(p.tp_size)
     return (
         f"{model}#vllm/{config.model.dtype}/{config.kv_cache_layout or 'default'}"
         f"/canonical={int(config.canonical_layout)}/tpb={groups}"
-        f"/bpc={config.cache.blocks_per_chunk}/tp={p.tp_size}/pp={p.pp_size}"
+        f"/bpc={config.cache.blocks_per_chunk}/tp={tp}/pp={p.pp_size}"
         f"/pcp={p.pcp_size}/dcp={p.dcp_size}"
     )
 
@@ -238,10 +247,17 @@ class KvtierOffloadingSpec(OffloadingSpec):
         layout = kvtier.Layout.with_block_bytes(self.chunk_bytes)
         model = namespace_model(config, self.extra_config)
         salt = tenant_salt(self.extra_config)
-        self.namespaces = [
-            kvtier.Namespace(model, layout, "", salt, hash_mode="opaque", rank=r)
-            for r in range(max(1, config.parallel.world_size))
-        ]
+        # MLA at TP > 1: vLLM's OffloadingConnectorWorker stores from rank
+        # 0 only when the spec says the layout is replicated; every rank
+        # loads that one copy, and a lookup asks one namespace.
+        self.replicated_layout = bool(config.replicated_layout)
+        if self.replicated_layout:
+            self.namespaces = [kvtier.Namespace(model, layout, "", salt, hash_mode="opaque")]
+        else:
+            self.namespaces = [
+                kvtier.Namespace(model, layout, "", salt, hash_mode="opaque", rank=r)
+                for r in range(max(1, config.parallel.world_size))
+            ]
         self._manager: Optional[KvtierOffloadingManager] = None
         self._worker: Optional[KvtierOffloadingWorker] = None
         # Set by KvtierConnector, which reports failed loads to vLLM; None
@@ -260,6 +276,10 @@ class KvtierOffloadingSpec(OffloadingSpec):
                 fail=self.fail,
                 hints=self.hints,
                 prefetcher=Prefetcher(client, self.counters, self.fail, self.extra_config),
+                chunk_tokens={
+                    g.group_id: g.tokens_per_block * self.blocks_per_chunk for g in self.config.groups
+                },
+                pin_client=make_client(self.extra_config),
             )
         return self._manager
 
@@ -268,7 +288,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
             self._worker = KvtierOffloadingWorker(
                 kv_caches,
                 client=make_client(self.extra_config),
-                ns=self.namespaces[self.config.parallel.rank],
+                ns=self.namespaces[0 if self.replicated_layout else self.config.parallel.rank],
                 worker_block_bytes=self.config.worker_kv_bytes_per_block,
                 blocks_per_chunk=self.blocks_per_chunk,
                 counters=self.counters,
@@ -296,9 +316,61 @@ class _RequestHints:
         self.ephemeral_from_token = ephemeral_from_token
 
 
+class _ScheduleRegion:
+    """The manager's ``lock`` (vLLM enters it around each scheduler step,
+    and around each hook outside one): when the outermost region ends, the
+    lookup answers cached for that step are dropped, so every scheduling
+    pass asks kvtierd afresh and a HIT stays valid until the step's
+    prepare_load. The manager is entered from the scheduler thread only,
+    so no mutex is needed."""
+
+    def __init__(self, on_release) -> None:
+        self._depth = 0
+        self._on_release = on_release
+
+    def __enter__(self) -> "_ScheduleRegion":
+        self._depth += 1
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._depth -= 1
+        if self._depth <= 0:
+            self._depth = 0
+            self._on_release()
+
+
+class _PromptAnswers:
+    """What one batched lookup learned of a request's chunk keys: a key of
+    the looked-up chains is a HIT, HIT_PENDING or MISS; a key past the
+    first miss (or not in them) is not known and is asked on its own."""
+
+    __slots__ = ("known", "asked", "born")
+
+    def __init__(self) -> None:
+        self.known: dict[OffloadKey, LookupResult] = {}
+        # Every key a batched request covered (known or past its miss).
+        self.asked: set[OffloadKey] = set()
+        self.born = time.monotonic()
+
+
+# A request's batched answers are trusted for at most this long even if
+# vLLM never released the manager's lock region (belt and braces: 0.33
+# releases it at the end of every step), and at most this many requests'
+# answers are kept.
+ANSWERS_TTL_S = 1.0
+ANSWERS_REQUESTS_MAX = 1024
+
+
 class KvtierOffloadingManager(OffloadingManager):
     """Scheduler side: kvtierd is the index (no local copy of it), so every
-    engine on the node, and every restart, sees the same blocks."""
+    engine on the node, and every restart, sees the same blocks.
+
+    Lookups: vLLM asks one key at a time; the first lookup of a request in
+    a scheduling step takes all its chunk keys (from the ``ReqContext``
+    the scheduler filled before looking up) and asks kvtierd once, for
+    every chunk and every rank (``lookup_many``: one request, whatever
+    the tensor-parallel size); the step's other lookups of that request
+    are answered from it."""
 
     def __init__(
         self,
@@ -309,45 +381,143 @@ class KvtierOffloadingManager(OffloadingManager):
         fail: FailOpen,
         hints: Optional[BlockHints] = None,
         prefetcher: Optional[Prefetcher] = None,
+        chunk_tokens: Optional[dict[int, int]] = None,
+        pin_client: Optional[kvtier.Client] = None,
     ) -> None:
         self.client = client
+        # Pins go through their own connection on their own thread.
+        self.pin_client = pin_client or client
+        self._pinner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-vllm-pin")
+        self._pins_lock = threading.Lock()
+        self._pins_queued = 0
         self.namespaces = namespaces
         self.enable_events = enable_events
         self.counters = counters
         self.fail = fail
         self.hints = hints or BlockHints()
         self.prefetcher = prefetcher
+        # Tokens per offload chunk of each KV group: which of a request's
+        # keys are chunk keys (its chain), not partial-tail boundaries.
+        self.chunk_tokens = chunk_tokens or {}
         self.reuse = ReuseTracker()
         self._storing: set[OffloadKey] = set()
         self._events: list[OffloadingEvent] = []
+        self._answers: "OrderedDict[str, _PromptAnswers]" = OrderedDict()
+        self._region = _ScheduleRegion(self._answers.clear)
+
+    @property
+    def lock(self) -> _ScheduleRegion:
+        return self._region
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         self.counters.add("lookups")
-        pending = False
+        ans = self._answers.get(req_context.req_id)
+        if ans is not None and time.monotonic() - ans.born > ANSWERS_TTL_S:
+            ans = None
+        got = ans.known.get(key) if ans is not None else None
+        if got is None and (ans is None or key not in ans.asked):
+            ans = self._lookup_prompt(key, req_context, ans)
+            got = ans.known.get(key) if ans is not None else None
+        if got is None:
+            # Asked in a batch but past its first miss (a sliding window
+            # scans from the end), or the batch failed: on its own.
+            got = self._lookup_one(key, req_context)
+        if got is LookupResult.MISS:
+            self.counters.add("lookup_misses")
+            self.reuse.seen(connector_key(key), req_context.req_id)
+        elif got is LookupResult.HIT_PENDING:
+            self.counters.add("lookup_pending")
+        else:
+            self.counters.add("lookup_hits")
+        return got
+
+    def _chain_from(self, key: OffloadKey, req_context: ReqContext) -> list[OffloadKey]:
+        """The request's chunk keys of ``key``'s KV group from ``key`` on,
+        in chain order (vLLM asks them in that order, after the chunks
+        its GPU cache holds); empty when ``key`` is not a chunk key (a
+        partial-tail boundary)."""
+        positions = getattr(req_context, "_offload_key_positions", None)
+        if not positions:
+            return []
+        at = positions.get(key)
+        g = get_offload_group_idx(key)
+        tokens = self.chunk_tokens.get(g)
+        if at is None or not tokens or at % tokens != 0:
+            return []
+        chain = [
+            (end, k)
+            for k, end in positions.items()
+            if end >= at and end % tokens == 0 and get_offload_group_idx(k) == g
+        ]
+        return [k for _, k in sorted(chain, key=lambda e: e[0])]
+
+    def _lookup_prompt(
+        self, key: OffloadKey, req_context: ReqContext, ans: Optional[_PromptAnswers]
+    ) -> Optional[_PromptAnswers]:
+        """One request for the request's chunk keys from ``key`` on (its
+        KV group's chain: kvtier answers a chain's cached prefix) in
+        every rank's namespace, kept for this scheduling step (added to
+        ``ans``, the step's answers so far). None when ``key`` is not a
+        chunk key or the lookup failed (then it is asked on its own)."""
+        chain = self._chain_from(key, req_context)
+        if not chain:
+            return ans
+        if ans is None:
+            ans = _PromptAnswers()
+        ans.asked.update(chain)
+        self._answers[req_context.req_id] = ans
+        self._answers.move_to_end(req_context.req_id)
+        while len(self._answers) > ANSWERS_REQUESTS_MAX:
+            self._answers.popitem(last=False)
+        try:
+            ks = [connector_key(k) for k in chain]
+            self.counters.add("lookup_requests")
+            if len(self.namespaces) == 1:
+                found = [self.client.lookup(self.namespaces[0], ks)]
+            else:
+                found = self.client.lookup_many(self.namespaces, ks)
+            for f in found:
+                if f.reason not in (None, "absent"):
+                    self.fail.warn(f"lookup {f.reason}", f.detail)
+            prefix = min(f.prefix_len for f in found)
+            pending = [False] * prefix
+            if self.prefetcher is not None and prefix:
+                for ns, f in zip(self.namespaces, found):
+                    flags = self.prefetcher.pending_many(ns, ks[:prefix], list(f.tiers)[:prefix])
+                    pending = [a or b for a, b in zip(pending, flags)]
+            for k, p in zip(chain, pending):
+                ans.known[k] = LookupResult.HIT_PENDING if p else LookupResult.HIT
+            if prefix < len(chain):
+                # Absent from at least one rank. Keys past it are not
+                # known (a sliding window asks them from the end).
+                ans.known[chain[prefix]] = LookupResult.MISS
+        except Exception as e:  # fail open: asked one by one (each a miss if the daemon is gone)
+            self.fail.error("lookup failed", e)
+        return ans
+
+    def _lookup_one(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        """One key in every rank's namespace, one request."""
         try:
             k = connector_key(key)
-            for ns in self.namespaces:
-                found = self.client.lookup(ns, [k])
-                if found.prefix_len != 1:
-                    if found.reason not in (None, "absent"):
-                        self.fail.warn(f"lookup {found.reason}", found.detail)
-                    self.counters.add("lookup_misses")
-                    self.reuse.seen(k, req_context.req_id)
+            self.counters.add("lookup_requests")
+            if len(self.namespaces) == 1:
+                found = [self.client.lookup(self.namespaces[0], [k])]
+            else:
+                found = self.client.lookup_many(self.namespaces, [k])
+            pending = False
+            for ns, f in zip(self.namespaces, found):
+                if f.prefix_len != 1:
+                    if f.reason not in (None, "absent"):
+                        self.fail.warn(f"lookup {f.reason}", f.detail)
                     return LookupResult.MISS
                 if self.prefetcher is not None:
-                    tier = found.tiers[0] if found.tiers else None
-                    pending |= self.prefetcher.pending(ns, k, tier)
+                    pending |= self.prefetcher.pending(ns, k, f.tiers[0] if f.tiers else None)
         except Exception as e:  # fail open: a miss
             self.fail.error("lookup failed", e)
-            self.counters.add("lookup_misses")
             return LookupResult.MISS
-        if pending:
-            # On a peer or G4 and being prefetched: vLLM looks again later,
-            # and loads it from G3 then.
-            self.counters.add("lookup_pending")
-            return LookupResult.HIT_PENDING
-        self.counters.add("lookup_hits")
-        return LookupResult.HIT
+        # On a peer or G4 and being prefetched: vLLM looks again later,
+        # and loads it from G3 then.
+        return LookupResult.HIT_PENDING if pending else LookupResult.HIT
 
     def _request_hints(self, req_context: ReqContext) -> _RequestHints:
         got = req_context.get_state(_RequestHints)
@@ -385,15 +555,41 @@ class KvtierOffloadingManager(OffloadingManager):
         return h
 
     def _pin(self, keys: list[OffloadKey], pin: bool) -> None:
+        """Pins (or unpins) ``keys`` on every rank, off the scheduler's
+        thread: a pin only narrows the window in which eviction could
+        fail a load (which is then recomputed), so the scheduler never
+        waits for one. In order (one thread, its own connection); past
+        ``PIN_QUEUE_MAX`` queued, dropped and counted (a dropped pin's
+        keys are merely unprotected, a dropped unpin expires by its TTL)."""
+        if not keys:
+            return
+        ks = [connector_key(k) for k in keys]
+        with self._pins_lock:
+            if self._pins_queued >= PIN_QUEUE_MAX:
+                self.counters.add("pins_dropped")
+                return
+            self._pins_queued += 1
         try:
-            ks = [connector_key(k) for k in keys]
+            self._pinner.submit(self._pin_now, ks, pin)
+        except RuntimeError:  # shut down
+            with self._pins_lock:
+                self._pins_queued -= 1
+
+    def _pin_now(self, ks: list[bytes], pin: bool) -> None:
+        try:
             for ns in self.namespaces:
                 if pin:
-                    self.client.pin(ns, ks, ttl_ms=LOAD_PIN_TTL_MS)
+                    self.pin_client.pin(ns, ks, ttl_ms=LOAD_PIN_TTL_MS)
                 else:
-                    self.client.unpin(ns, ks)
+                    self.pin_client.unpin(ns, ks)
         except Exception as e:  # a pin is an optimisation
             self.fail.error("pin" if pin else "unpin", e)
+        finally:
+            with self._pins_lock:
+                self._pins_queued -= 1
+
+    def shutdown(self) -> None:
+        self._pinner.shutdown(wait=True)
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         ordered = _group_order(keys)
@@ -405,6 +601,8 @@ class KvtierOffloadingManager(OffloadingManager):
 
     def _present(self, keys: list[OffloadKey]) -> list[bool]:
         """Whether every rank holds each key (raises when the daemon is gone)."""
+        if not keys:
+            return []
         ks = [connector_key(k) for k in keys]
         present = [True] * len(keys)
         for ns in self.namespaces:
@@ -496,7 +694,10 @@ class _Job:
 
 class KvtierOffloadingWorker(OffloadingWorker):
     """Worker side: moves chunks between the GPU KV cache and kvtierd on
-    one background thread (submissions never block the forward pass)."""
+    one background thread (submissions never block the forward pass).
+    Loads submitted while the thread is busy (several requests' loads of
+    one step) are read together: one onboard for all their chunks, whose
+    reads kvtierd runs in flight together."""
 
     def __init__(
         self,
@@ -539,6 +740,10 @@ class KvtierOffloadingWorker(OffloadingWorker):
         self._zeros = np.zeros(worker_block_bytes, np.uint8)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-vllm")
         self._jobs: deque[_Job] = deque()
+        # Loads submitted and not yet read: (job, keys, buffers).
+        self._loads: list[tuple[_Job, list[bytes], list]] = []
+        # Inside batch(): loads wait for its end.
+        self._holding = False
         self._lock = threading.Lock()
 
     # -- the layout of one chunk ------------------------------------------
@@ -657,28 +862,77 @@ class KvtierOffloadingWorker(OffloadingWorker):
         except Exception as e:
             self.fail.error("submit_load", e)
             return self._submit(job_id, lambda: False, 0, block_ids)
+        job = _Job(job_id, len(keys) * self.block_bytes * self.bpc, block_ids)
+        job.future = Future()
+        with self._lock:
+            # Loads wait here until the transfer thread is free (or, inside
+            # batch(), until the step's loads are all submitted); it then
+            # reads every queued load's chunks with one onboard (kvtierd
+            # runs the reads of one request together).
+            self._loads.append((job, [connector_key(k) for k in keys], bufs))
+            self._jobs.append(job)
+            if self._holding:
+                return True
+        self._kick()
+        return True
 
-        def run() -> bool:
-            self.counters.add("loads")
-            try:
-                res = self.client.onboard_into(self.ns, [connector_key(k) for k in keys], bufs)
-            except Exception as e:
-                self.counters.add("load_failures", len(keys))
-                self.fail.error("load", e)
-                return False
+    def _kick(self) -> None:
+        """Starts a read of the queued loads on the transfer thread."""
+        try:
+            self._pool.submit(self._run_loads)
+        except RuntimeError as e:  # shut down: the queued loads fail
+            with self._lock:
+                batch, self._loads = self._loads, []
+            for job, _, _ in batch:
+                assert job.future is not None
+                job.future.set_result(False)
+            if batch:
+                self.fail.error("submit_load", e)
+
+    def batch(self) -> "_LoadBatch":
+        """Loads submitted inside ``with worker.batch():`` are read together
+        when it ends (KvtierConnector wraps each step's submissions)."""
+        return _LoadBatch(self)
+
+    def _run_loads(self) -> None:
+        """Every queued load in one onboard call (a no-op when an earlier
+        call took them); each job's outcome is its own chunks'."""
+        with self._lock:
+            batch, self._loads = self._loads, []
+        if not batch:
+            return
+        t0 = time.perf_counter()
+        keys = [k for _, ks, _ in batch for k in ks]
+        bufs = [b for _, _, bs in batch for b in bs]
+        self.counters.add("loads", len(batch))
+        self.counters.add("load_batches")
+        try:
+            res = self.client.onboard_into(self.ns, keys, bufs)
+            err = None
+        except Exception as e:
+            res, err = None, e
+        seconds = time.perf_counter() - t0
+        at = 0
+        for job, ks, _ in batch:
             ok = True
-            for r in res:
-                if r.ok:
-                    self.counters.add("load_blocks")
-                    self.counters.add(f"load_blocks_{r.tier}")
-                    self.counters.add("load_bytes", r.nbytes)
-                else:
-                    ok = False
-                    self.counters.add("load_failures")
-                    self.fail.warn(f"load {r.reason}", r.detail)
-            return ok
-
-        return self._submit(job_id, run, len(keys) * self.block_bytes * self.bpc, block_ids)
+            if res is None:
+                ok = False
+                self.counters.add("load_failures", len(ks))
+                self.fail.error("load", err)
+            else:
+                for r in res[at:at + len(ks)]:
+                    if r.ok:
+                        self.counters.add("load_blocks")
+                        self.counters.add(f"load_blocks_{r.tier}")
+                        self.counters.add("load_bytes", r.nbytes)
+                    else:
+                        ok = False
+                        self.counters.add("load_failures")
+                        self.fail.warn(f"load {r.reason}", r.detail)
+            at += len(ks)
+            job.seconds = seconds
+            assert job.future is not None
+            job.future.set_result(ok)
 
     def get_finished(self) -> list[TransferResult]:
         out: list[TransferResult] = []
@@ -709,6 +963,10 @@ class KvtierOffloadingWorker(OffloadingWorker):
 
     def wait(self, job_ids: set[int]) -> None:
         with self._lock:
+            held = bool(self._loads) and self._holding
+        if held:  # a sync load inside batch(): read what is queued now
+            self._kick()
+        with self._lock:
             futures = [j.future for j in self._jobs if j.job_id in job_ids and j.future]
         for f in futures:
             try:
@@ -718,6 +976,25 @@ class KvtierOffloadingWorker(OffloadingWorker):
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+class _LoadBatch:
+    """See :meth:`KvtierOffloadingWorker.batch`."""
+
+    def __init__(self, worker: KvtierOffloadingWorker) -> None:
+        self.worker = worker
+
+    def __enter__(self) -> "_LoadBatch":
+        with self.worker._lock:
+            self.worker._holding = True
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        with self.worker._lock:
+            self.worker._holding = False
+            queued = bool(self.worker._loads)
+        if queued:
+            self.worker._kick()
 
 
 class KvtierConnector(OffloadingConnector):
@@ -768,6 +1045,15 @@ class KvtierConnector(OffloadingConnector):
                 "gone) fails its request; set \"kv_load_failure_policy\": \"recompute\" to "
                 "recompute it instead", ktc.kv_load_failure_policy,
             )
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        # The step's loads (one job per request) are read with one onboard.
+        w = self.connector_worker.worker if self.connector_worker is not None else None
+        if isinstance(w, KvtierOffloadingWorker):
+            with w.batch():
+                super().start_load_kv(forward_context, **kwargs)
+        else:
+            super().start_load_kv(forward_context, **kwargs)
 
     def get_transfer_results(self, finished_req_ids: set[str]):
         worker = self.connector_worker

@@ -1,0 +1,242 @@
+"""What kvtier's vLLM connector costs vLLM 0.33.0's scheduler for a cached
+prompt: the time spent inside the scheduler-side connector (lookup,
+prepare_load, building the step's metadata, completing the load) while
+vLLM's real Scheduler runs one request whose every full chunk is in
+kvtierd for every tensor-parallel rank, through to its end (the workers
+load on every rank: vllm_engine.Engine). Beside it, in the same
+invocation and interleaved (A B A B ...), the baseline: the same engine
+with the connector's lookups as they were before batching, one request
+to kvtierd per chunk per rank (``PerChunkManager`` below).
+
+    target/engines-venv/bin/python client/python/tests_engines/bench_vllm_scheduler.py \\
+        --tokens 32768 --tp 8 --rounds 5 --json
+
+Starts its own kvtierd (target/debug/kvtierd, G3 only, in a temp dir),
+stores the prompt's chunks once for every rank, then measures. One JSON
+document on stdout with ``--json`` (docs/BENCHMARKS.md), progress on
+stderr. Not a test: the suite runs it at a tiny size for its JSON."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import pathlib
+import statistics
+import sys
+import tempfile
+import time
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import numpy as np  # noqa: E402
+from conftest import support  # noqa: E402
+from vllm.v1.kv_offload.base import LookupResult, make_offload_key  # noqa: E402
+from vllm_engine import BLOCK_SIZE, Engine  # noqa: E402
+
+import kvtier  # noqa: E402
+from kvtier.integrations._common import connector_key  # noqa: E402
+from kvtier.integrations.vllm import KvtierOffloadingManager  # noqa: E402
+
+TARGET_CONNECTOR_MS = 5.0
+
+# The scheduler-side connector's hooks (KvtierConnector's, i.e. vLLM's
+# OffloadingConnector's scheduler role): what the engine core calls.
+HOOKS = (
+    "get_num_new_matched_tokens",
+    "update_state_after_alloc",
+    "build_connector_meta",
+    "update_connector_output",
+    "request_finished",
+    "take_events",
+)
+
+
+class PerChunkManager(KvtierOffloadingManager):
+    """The baseline: the manager before batching (main at 4e0f403): one
+    kvtierd lookup per chunk per rank, no per-step answers, pins and
+    unpins on the scheduler's thread."""
+
+    def _pin(self, keys, pin):
+        try:
+            ks = [connector_key(k) for k in keys]
+            for ns in self.namespaces:
+                if pin:
+                    self.client.pin(ns, ks, ttl_ms=120_000)
+                else:
+                    self.client.unpin(ns, ks)
+        except Exception:
+            pass
+
+    @property
+    def lock(self):
+        return contextlib.nullcontext()
+
+    def lookup(self, key, req_context):
+        self.counters.add("lookups")
+        pending = False
+        try:
+            k = connector_key(key)
+            for ns in self.namespaces:
+                self.counters.add("lookup_requests")
+                found = self.client.lookup(ns, [k])
+                if found.prefix_len != 1:
+                    self.counters.add("lookup_misses")
+                    return LookupResult.MISS
+                if self.prefetcher is not None:
+                    tier = found.tiers[0] if found.tiers else None
+                    pending |= self.prefetcher.pending(ns, k, tier)
+        except Exception:
+            self.counters.add("lookup_misses")
+            return LookupResult.MISS
+        if pending:
+            return LookupResult.HIT_PENDING
+        self.counters.add("lookup_hits")
+        return LookupResult.HIT
+
+
+def timed_connector(e: Engine) -> list[float]:
+    """Wraps the scheduler-side connector's hooks; returns the list each
+    call's seconds are appended to."""
+    spent: list[float] = []
+    conn = e.scheduler.connector
+    for name in HOOKS:
+        real = getattr(conn, name)
+
+        def wrap(*a, _real=real, **kw):
+            t0 = time.perf_counter()
+            try:
+                return _real(*a, **kw)
+            finally:
+                spent.append(time.perf_counter() - t0)
+
+        setattr(conn, name, wrap)
+    return spent
+
+
+def engine(tmp: pathlib.Path, socket: str, tp: int, tokens: int, per_chunk: bool) -> Engine:
+    blocks = tokens // BLOCK_SIZE + 16
+    e = Engine(tmp, socket, tp=tp, num_blocks=blocks, max_model_len=tokens + 64,
+               kvtier_timeout_ms=60_000, kvtier_prefetch=False)
+    if per_chunk:
+        cs = e.scheduler.connector.connector_scheduler
+        m = cs.manager
+        m.shutdown()
+        cs.manager = PerChunkManager(m.client, m.namespaces, m.enable_events, m.counters, m.fail,
+                                     m.hints, m.prefetcher, m.chunk_tokens)
+    return e
+
+
+def store_prompt(e: Engine, socket: str, prompt: list[int]) -> int:
+    """Stores every full chunk of ``prompt`` for every rank (what the
+    engine's workers would have offloaded); returns the chunk count."""
+    req = e.request("store", prompt)
+    nss = e.scheduler.connector.connector_scheduler.manager.namespaces
+    keys = [connector_key(make_offload_key(h, 0)) for h in req.block_hashes]
+    rng = np.random.default_rng(7)
+    c = kvtier.Client(socket=socket, timeout_ms=600_000)
+    for ns in nss:
+        for at in range(0, len(keys), 512):
+            part = keys[at:at + 512]
+            bufs = [rng.integers(0, 255, ns.block_bytes, dtype=np.uint8) for _ in part]
+            res = c.offload(ns, part, bufs, keys[at - 1] if at else None)
+            bad = [r for r in res if not r.ok]
+            if bad:
+                raise SystemExit(f"storing the prompt failed: {bad[0]!r}")
+    c.close()
+    return len(keys)
+
+
+def one_round(tmp, socket, tp, tokens, prompt, per_chunk: bool, i: int) -> dict:
+    e = engine(tmp, socket, tp, tokens, per_chunk)
+    spent = timed_connector(e)
+    rid = f"{'base' if per_chunk else 'kvtier'}-{i}"
+    e.add(rid, prompt)
+    e.run(rid, timeout_s=600)
+    c = e.counters()
+    out = {
+        "connector_ms": sum(spent) * 1000.0,
+        "lookup_requests": c.get("lookup_requests", 0),
+        "loaded_chunks": c.get("load_blocks", 0),
+        "computed_tokens": e.computed[rid],
+    }
+    e.shutdown()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=32768, help="prompt length (a multiple of 16 plus a tail)")
+    ap.add_argument("--tp", type=int, default=8, help="tensor-parallel ranks")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds of each (interleaved)")
+    ap.add_argument("--json", action="store_true", help="one JSON document on stdout")
+    args = ap.parse_args()
+    if args.tokens < 2 * BLOCK_SIZE or args.tp < 1 or args.rounds < 1:
+        ap.error("--tokens >= 32, --tp >= 1, --rounds >= 1")
+    logging.disable(logging.WARNING)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    prompt = [100 + (i % 900) for i in range(args.tokens + 5)]  # full chunks and a 5-token tail
+    d = support.Daemon(g4=False)
+    # Room for every rank's chunks (the test daemon's default is 256 MiB).
+    d.args[d.args.index("--g3-capacity") + 1] = "4GiB"
+    d.restart()
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="kvtier-bench-vllm-"))
+    try:
+        print(f"storing {args.tokens} tokens for {args.tp} ranks ...", file=sys.stderr)
+        chunks = store_prompt(engine(tmp, d.socket, args.tp, args.tokens, False), d.socket, prompt)
+        runs: dict[bool, list[dict]] = {False: [], True: []}
+        for i in range(args.rounds):
+            for per_chunk in (False, True):
+                r = one_round(tmp, d.socket, args.tp, args.tokens, prompt, per_chunk, i)
+                if r["loaded_chunks"] != chunks or r["computed_tokens"] != len(prompt) - chunks * BLOCK_SIZE:
+                    raise SystemExit(f"the prompt was not loaded from kvtier: {r} ({chunks} chunks)")
+                runs[per_chunk].append(r)
+                print(f"round {i + 1}/{args.rounds} {'per-chunk' if per_chunk else 'batched'}: "
+                      f"{r['connector_ms']:.2f} ms, {r['lookup_requests']} lookup requests", file=sys.stderr)
+    finally:
+        d.close()
+
+    def summary(rs: list[dict]) -> tuple[float, list[float], int]:
+        ms = [r["connector_ms"] for r in rs]
+        return statistics.median(ms), [min(ms), max(ms)], int(statistics.median(r["lookup_requests"] for r in rs))
+
+    ms, ms_range, lookups = summary(runs[False])
+    base_ms, base_range, base_lookups = summary(runs[True])
+    doc = {
+        "bench": "vllm_scheduler",
+        "vllm": "0.33.0",
+        "tokens": args.tokens,
+        "tp": args.tp,
+        "chunks": chunks,
+        "rounds": args.rounds,
+        "connector_ms": round(ms, 3),
+        "connector_ms_range": [round(x, 3) for x in ms_range],
+        "baseline_connector_ms": round(base_ms, 3),
+        "baseline_connector_ms_range": [round(x, 3) for x in base_range],
+        "lookup_requests_per_prompt": lookups,
+        "baseline_lookup_requests_per_prompt": base_lookups,
+        "prompts_per_s": round(1000.0 / ms, 3) if ms > 0 else None,
+        "baseline_prompts_per_s": round(1000.0 / base_ms, 3) if base_ms > 0 else None,
+        "prompts_per_s_vs_baseline": round(base_ms / ms, 3) if ms > 0 else None,
+        "target_connector_ms": TARGET_CONNECTOR_MS,
+        "meets_target": ms <= TARGET_CONNECTOR_MS,
+        "baseline": "the connector's lookups before batching: one kvtierd request per chunk per rank",
+    }
+    if args.json:
+        print(json.dumps(doc))
+    else:
+        print(f"vLLM scheduler, {args.tokens}-token cached prompt ({chunks} chunks) at TP {args.tp}, "
+              f"median of {args.rounds}:")
+        print(f"  kvtier connector:   {ms:9.2f} ms  (range {ms_range[0]:.2f}-{ms_range[1]:.2f}), "
+              f"{lookups} lookup requests")
+        print(f"  per-chunk baseline: {base_ms:9.2f} ms  (range {base_range[0]:.2f}-{base_range[1]:.2f}), "
+              f"{base_lookups} lookup requests")
+        print(f"  target <= {TARGET_CONNECTOR_MS} ms: {'met' if doc['meets_target'] else 'NOT met'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""What vLLM 0.33.0's real Scheduler costs kvtierd per prompt, counted at
+the daemon (``kvtier_requests_total`` by op on its metrics port), not
+timed: the scheduler's manager asks one chunk key at a time, and the
+connector answers a scheduling pass from ONE lookup request for all the
+prompt's chunks and all tensor-parallel ranks (it was one request per
+chunk per rank); the worker loads a request's chunks with one onboard
+(kvtierd reads its blocks in flight together), not one per block."""
+
+from __future__ import annotations
+
+import re
+import urllib.request
+
+import pytest
+from conftest import support
+from vllm_engine import BLOCK_SIZE, Engine
+
+CHUNKS = 8
+PROMPT = [300 + i for i in range(CHUNKS * BLOCK_SIZE + 3)]  # 8 full chunks and a tail
+
+
+@pytest.fixture
+def g3_daemon():
+    d = support.Daemon(g4=False)
+    yield d
+    d.close()
+
+
+def requests_by_op(d) -> dict[str, int]:
+    addr = d.args[d.args.index("--metrics-addr") + 1]
+    text = urllib.request.urlopen(f"http://{addr}/metrics", timeout=30).read().decode()
+    out: dict[str, int] = {}
+    for m in re.finditer(r'^kvtier_requests_total\{op="([a-z_]+)"\} (\S+)$', text, re.M):
+        out[m.group(1)] = int(float(m.group(2)))
+    return out
+
+
+def lookup_requests(d) -> int:
+    c = requests_by_op(d)
+    return c.get("lookup", 0) + c.get("lookup_many", 0)
+
+
+@pytest.mark.parametrize("tp", [1, 4])
+def test_one_lookup_request_per_scheduling_pass_for_all_chunks_and_ranks(tmp_path, g3_daemon, tp):
+    w = Engine(tmp_path, g3_daemon.socket, tp=tp)
+    w.add("writer", PROMPT)
+    w.run("writer")
+    for rank in range(tp):
+        assert w.counters(rank).get("store_blocks", 0) == CHUNKS
+    w.shutdown()
+
+    e = Engine(tmp_path, g3_daemon.socket, tp=tp)
+    assert len(e.scheduler.connector.connector_scheduler.manager.namespaces) == tp
+    passes = []
+    conn = e.scheduler.connector
+    real = conn.get_num_new_matched_tokens
+
+    def counted(*a, **kw):
+        passes.append(1)
+        return real(*a, **kw)
+
+    conn.get_num_new_matched_tokens = counted
+    before = requests_by_op(g3_daemon)
+    e.add("reader", PROMPT)
+    e.run("reader")
+    after = requests_by_op(g3_daemon)
+    c = e.counters()
+    # Every chunk was loaded (on rank 0's worker), only the tail computed.
+    assert c.get("load_blocks") == CHUNKS and e.computed["reader"] == len(PROMPT) - CHUNKS * BLOCK_SIZE, c
+    assert c.get("lookups", 0) >= CHUNKS, c  # vLLM asked key by key ...
+    lookups = sum(after.get(op, 0) - before.get(op, 0) for op in ("lookup", "lookup_many"))
+    # ... and kvtierd was asked once per scheduling pass (was CHUNKS * tp).
+    assert passes and lookups == len(passes), (lookups, len(passes), c)
+    # The load: one onboard request per rank for the request's chunks
+    # (one job), not one per chunk.
+    for rank in range(tp):
+        assert e.counters(rank).get("loads") == 1 and e.counters(rank).get("load_blocks") == CHUNKS
+    assert after.get("onboard", 0) - before.get("onboard", 0) == tp, (before, after)
+    e.shutdown()  # waits for the pinning thread
+    # The load's chunks were pinned and unpinned (off the scheduler's
+    # thread), one request per rank each.
+    done = requests_by_op(g3_daemon)
+    for op in ("pin", "unpin"):
+        assert done.get(op, 0) - before.get(op, 0) == tp, (op, before, done)
+
+
+def test_lookups_still_answer_each_key_when_the_daemon_dies(tmp_path, g3_daemon):
+    """The batched answer fails open: with kvtierd gone every key is a
+    miss and the request is computed."""
+    e = Engine(tmp_path, g3_daemon.socket, tp=2)
+    g3_daemon.kill9()
+    e.add("reader", PROMPT)
+    e.run("reader")
+    assert e.finished["reader"] and e.computed["reader"] == len(PROMPT)
+    assert e.counters().get("lookup_hits", 0) == 0
+    e.shutdown()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_one_onboard_per_step_for_all_the_requests_it_loads(tmp_path, g3_daemon, tp):
+    """Several requests whose chunks are cached, scheduled in one step:
+    vLLM submits one load job per request; the worker reads them with one
+    onboard (kvtierd reads its blocks in flight together), per rank."""
+    chunks = 4
+    prompts = {f"p{i}": [1000 * (i + 1) + j for j in range(chunks * BLOCK_SIZE + 3)] for i in range(3)}
+    w = Engine(tmp_path, g3_daemon.socket, tp=tp)
+    for rid, p in prompts.items():
+        w.add(rid, p)
+    for rid in prompts:
+        w.run(rid)
+    for rank in range(tp):
+        assert w.counters(rank).get("store_blocks", 0) == chunks * len(prompts)
+    w.shutdown()
+
+    e = Engine(tmp_path, g3_daemon.socket, tp=tp)
+    before = requests_by_op(g3_daemon)
+    for rid, p in prompts.items():
+        e.add(f"again-{rid}", p)
+    for rid in prompts:
+        e.run(f"again-{rid}")
+    after = requests_by_op(g3_daemon)
+    for rid, p in prompts.items():
+        assert e.computed[f"again-{rid}"] == len(p) - chunks * BLOCK_SIZE, e.computed
+    for rank in range(tp):
+        c = e.counters(rank)
+        assert c.get("loads") == len(prompts) and c.get("load_blocks") == chunks * len(prompts), c
+        assert c.get("load_batches") == 1, c
+    assert after.get("onboard", 0) - before.get("onboard", 0) == tp, (before, after)
+    e.shutdown()
