@@ -434,7 +434,9 @@ impl ReplayTarget for DaemonTarget<'_> {
             call_s += t.elapsed().as_secs_f64();
             for (j, o) in out.iter().enumerate() {
                 match o {
-                    OffloadOutcome::Stored => self.m.stored_blocks += 1,
+                    OffloadOutcome::Stored | OffloadOutcome::StoredUnpinned => {
+                        self.m.stored_blocks += 1
+                    }
                     OffloadOutcome::AlreadyPresent => self.m.already_present_blocks += 1,
                     OffloadOutcome::Failed(m) => {
                         return Err(target_err(format!(

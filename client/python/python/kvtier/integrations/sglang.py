@@ -270,9 +270,12 @@ class KvtierHiCacheStorage(HiCacheStorage):
             return [False] * len(keys)
         out = []
         for k, r in zip(ks, res):
-            ok = r.status in ("stored", "already_present")
+            ok = r.status in ("stored", "stored_unpinned", "already_present")
             out.append(ok)
-            if r.status == "stored":
+            if r.status in ("stored", "stored_unpinned"):
+                if r.status == "stored_unpinned":
+                    # Stored, but the daemon's pin budget refused the pin.
+                    self.counters.add("store_unpinned")
                 self.counters.add("store_blocks")
                 self.counters.add("store_bytes", self.ns.block_bytes)
                 self._remember(k)
@@ -363,7 +366,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
         except Exception as e:
             self.fail.error("set", e)
             return False
-        return res[0].status in ("stored", "already_present")
+        return res[0].status in ("stored", "stored_unpinned", "already_present")
 
     def batch_set(
         self,
