@@ -34,6 +34,18 @@ impl G3Store {
         reason: RemoveReason,
         retire: bool,
     ) -> Result<bool> {
+        self.remove_block_as(ns, key, Some(reason), retire)
+    }
+
+    /// [`G3Store::remove_block`]; `reason` `None`: no `Removed` event (a
+    /// block never announced as stored, `take_back`).
+    fn remove_block_as(
+        &self,
+        ns: &NamespaceId,
+        key: &BlockKey,
+        reason: Option<RemoveReason>,
+        retire: bool,
+    ) -> Result<bool> {
         let (id, check) = digest(ns, key);
         let present = self
             .mem
@@ -72,11 +84,13 @@ impl G3Store {
             Err(e) => return Err(Error::io("removing", &path, e)),
         };
         if self.forget(ns, key, id)? {
-            self.emit(G3Event::Removed {
-                ns: *ns,
-                key: *key,
-                reason,
-            });
+            if let Some(reason) = reason {
+                self.emit(G3Event::Removed {
+                    ns: *ns,
+                    key: *key,
+                    reason,
+                });
+            }
             return Ok(true);
         }
         // A reader (the uploader, an onboard) that opened the file just
@@ -160,6 +174,23 @@ impl G3Store {
                 Err(e) => {
                     tracing::warn!(key = %rec.key, error = %e, "g3: cannot remove a block whose parent is gone");
                 }
+            }
+        }
+    }
+
+    /// Takes back blocks of a batch that were written but found unreachable
+    /// when published (an earlier block of their chain failed, or their
+    /// parent was removed by force meanwhile): answered `ParentAbsent` and
+    /// never announced, so no `Removed` event either. `ids` in batch order
+    /// (a parent before its child): taken last first, so none goes as
+    /// another's descendant (which would announce it).
+    pub(super) fn take_back(&self, ids: &[u64]) {
+        for &id in ids.iter().rev() {
+            let Ok(Some(rec)) = self.disk.get(id) else {
+                continue;
+            };
+            if let Err(e) = self.remove_block_as(&rec.ns, &rec.key, None, false) {
+                tracing::warn!(key = %rec.key, error = %e, "g3: cannot take back a block whose parent is gone");
             }
         }
     }

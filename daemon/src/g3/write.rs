@@ -389,10 +389,11 @@ impl G3Store {
             }
             self.maybe_reclaim();
         }
-        // A parent deleted by force while its child was being written (only
-        // a forced removal can take a spared parent): the child would be
-        // unreachable, so it goes now (never announced as stored).
-        self.remove_unreachable(&cut);
+        // A parent that failed earlier in this batch, or was deleted by
+        // force while its child was being written (only a forced removal
+        // can take a spared parent): the child would be unreachable, so it
+        // goes now (never announced as stored).
+        self.take_back(&cut);
         if let Ok(mut w) = self.writing.lock() {
             for (job, mine) in jobs.iter().zip(&sole) {
                 if *mine {
