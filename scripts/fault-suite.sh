@@ -9,6 +9,14 @@ FAILED=0
 SKIPPED=()
 LOG_DIR=${KVTIER_FAULT_LOG_DIR:-$(mktemp -d -t kvtier-fault-suite.XXXXXX)}
 
+# "P F": the tests passed and failed in a cargo test log, from its
+# "test result:" lines (with --nocapture a test's output lands between
+# its "test NAME ..." and its "ok", so those lines cannot be counted).
+test_results() {
+  awk '/^test result:/ { for (i = 2; i <= NF; i++) { if ($i == "passed;") p += $(i - 1); if ($i == "failed;") f += $(i - 1) } }
+       END { print p + 0, f + 0 }' "$1"
+}
+
 # G4 against a hostile object store: the proxy fault matrix (5 rounds,
 # 4 MiB blocks), a server killed mid-GET, a silent endpoint, no metadata
 # contact without credentials = "instance", and a real kvtierd + mount in
@@ -24,10 +32,9 @@ g4_faults() {
   local p f
   p=$(grep -c 'PASS g4 fault' "$log")
   f=$(grep -c 'FAIL g4 fault' "$log")
-  # The other tests of the file, one scenario each.
+  # The tests of the file, one scenario each (the matrix test too).
   local tp tf
-  tp=$(grep -E '^test .* \.\.\. ok$' "$log" | grep -vc 'proxy_fault_matrix')
-  tf=$(grep -E '^test .* \.\.\. FAILED$' "$log" | grep -vc 'proxy_fault_matrix')
+  read -r tp tf < <(test_results "$log")
   PASSED=$((PASSED + p + tp))
   FAILED=$((FAILED + f + tf))
   if [ "$rc" -ne 0 ] && [ $((f + tf)) -eq 0 ]; then
@@ -75,25 +82,30 @@ g4_outage() {
 # G3 power loss (daemon/tests/g3_power_loss.rs): KVTIER_POWER_LOSS_ITERS
 # iterations (default 1000; 4 scenarios round robin, seeds from
 # KVTIER_POWER_LOSS_SEED) of crash + recovery + checks, then the mutation
-# check (each durability site removed in turn) with a larger budget. One
-# scenario per test that passes.
+# check (each durability site removed in turn) with a larger budget; the
+# same through the real client, socket, server and node
+# (daemon/tests/acked: KVTIER_ACKED_POWER_LOSS_ITERS, default 200) and its
+# mutation check. One scenario per test that passes.
 g3_power_loss() {
   local iters=${KVTIER_POWER_LOSS_ITERS:-1000}
   local log="$LOG_DIR/g3_power_loss.log"
   KVTIER_POWER_LOSS_ITERS=$iters KVTIER_MUTATION_ITERS=${KVTIER_MUTATION_ITERS:-1200} \
+    KVTIER_MUTATION_SAFE_ITERS=${KVTIER_MUTATION_SAFE_ITERS:-60} \
+    KVTIER_ACKED_POWER_LOSS_ITERS=${KVTIER_ACKED_POWER_LOSS_ITERS:-200} \
+    KVTIER_ACKED_MUTATION_ITERS=${KVTIER_ACKED_MUTATION_ITERS:-480} \
+    KVTIER_ACKED_MUTATION_SAFE_ITERS=${KVTIER_ACKED_MUTATION_SAFE_ITERS:-24} \
     cargo test -p kvtier-daemon --test g3_power_loss -- --nocapture --test-threads=2 \
     --skip simulation_short >"$log" 2>&1
   local rc=$?
   local p f
-  p=$(grep -cE '^test .* \.\.\. ok$' "$log")
-  f=$(grep -cE '^test .* \.\.\. FAILED$' "$log")
+  read -r p f < <(test_results "$log")
   PASSED=$((PASSED + p))
   FAILED=$((FAILED + f))
   if [ "$rc" -ne 0 ] && [ "$f" -eq 0 ]; then
     echo "g3_power_loss: cargo test failed without a test failure; see $log"
     FAILED=$((FAILED + 1))
   fi
-  grep -E '^power loss:|caught at|not load-bearing' "$log"
+  grep -E '^(acked )?power loss:|caught at|not load-bearing' "$log"
 }
 
 # The deterministic simulation (daemon/tests/sim, run by g3_power_loss's
@@ -262,21 +274,26 @@ g3_safety() {
     cargo test -p kvtier --test e2e_g3_safety -- --include-ignored --nocapture \
     --test-threads=1 >"$log" 2>&1
   local rc=$?
-  local p f
-  p=$(grep -cE '^test .* \.\.\. ok$|^PASS g3 safety' "$log")
-  f=$(grep -cE '^test .* \.\.\. FAILED$|^FAIL g3 safety' "$log")
+  local p f tp tf
+  # Round lines may share a line with a test's name (--nocapture).
+  p=$(grep -c 'PASS g3 safety' "$log")
+  f=$(grep -c 'FAIL g3 safety' "$log")
+  read -r tp tf < <(test_results "$log")
+  p=$((p + tp))
+  f=$((f + tf))
   log="$LOG_DIR/g3_walk.log"
   cargo test -p kvtier-daemon --lib g3:: -- --nocapture >"$log" 2>&1
   local rc2=$?
-  p=$((p + $(grep -cE '^test g3::(walk|dir_lock|tests)::.* \.\.\. ok$' "$log")))
-  f=$((f + $(grep -cE '^test g3::.* \.\.\. FAILED$' "$log")))
+  read -r tp tf < <(test_results "$log")
+  p=$((p + tp))
+  f=$((f + tf))
   PASSED=$((PASSED + p))
   FAILED=$((FAILED + f))
   if { [ "$rc" -ne 0 ] || [ "$rc2" -ne 0 ]; } && [ "$f" -eq 0 ]; then
     echo "g3_safety: cargo test failed without a test failure; see $LOG_DIR"
     FAILED=$((FAILED + 1))
   fi
-  grep -E '^(PASS|FAIL) g3 safety' "$LOG_DIR/g3_safety.log"
+  grep -oE '(PASS|FAIL) g3 safety.*' "$LOG_DIR/g3_safety.log"
 }
 
 g4_faults

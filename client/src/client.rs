@@ -9,7 +9,9 @@
 //! call reconnects by itself: at once when the daemon was gone (a refused
 //! connect costs microseconds, and a restarted daemon is reached on the
 //! next call), at most once per [`ClientConfig::reconnect_backoff_ms`]
-//! after a timeout or a refusal by a daemon that is there.
+//! after a timeout or a refusal by a daemon that is there. A kept
+//! connection that a daemon restart cut is retried once on a fresh one
+//! within the call's deadline, so the first call after a restart succeeds.
 //!
 //! **Integrity.** The client verifies what it onboards itself, whatever the
 //! mode: it decodes and validates the block header the daemon placed in the
@@ -516,53 +518,71 @@ impl Client {
     /// Runs one request (connecting first if needed); a failure drops the
     /// connection so the next call starts fresh. `f` runs with the region
     /// and the reply while the connection is still held.
+    ///
+    /// A connection kept from an earlier call may have been cut by a
+    /// daemon restart (the first send then fails with a broken pipe, or
+    /// the reply never comes): when such a kept connection fails as
+    /// `Unavailable`, the request is built again and sent once more on a
+    /// fresh connection, within the same deadline. Every request is safe
+    /// to repeat (blocks are immutable and content-addressed; pins, leases
+    /// and evictions converge), and a daemon that is really gone costs the
+    /// retry one refused connect.
     pub(crate) fn call<T>(
         &self,
-        build: impl FnOnce(Option<&Region>) -> Result<Request>,
+        mut build: impl FnMut(Option<&Region>) -> Result<Request>,
         f: impl FnOnce(Option<&Region>, Response, Vec<OwnedFd>) -> Result<T>,
     ) -> Result<T> {
         let mut g = self.conn.lock().map_err(|_| poisoned())?;
+        let mut kept = g.is_some();
         if g.is_none() {
             *g = Some(self.open()?);
         }
-        let Some(conn) = g.as_mut() else {
-            return Err(poisoned());
-        };
-        let req = build(conn.region.as_deref())?;
-        // Past the call's deadline nothing is sent, and the connection
-        // (idle, in step) stays.
-        let t = self.io_timeout(Request::op_name(req.op()))?;
-        if t != conn.io_timeout {
-            let set = conn
-                .sock
-                .set_read_timeout(Some(t))
-                .and_then(|()| conn.sock.set_write_timeout(Some(t)));
-            if let Err(e) = set {
-                *g = None;
-                return Err(io_to_error(
-                    &self.cfg.socket,
-                    "timeout",
-                    self.cfg.timeout_ms,
-                    e,
-                ));
-            }
-            conn.io_timeout = t;
-        }
-        match self.exchange(conn, &req, &[]) {
-            Ok((Response::Error { code, message }, _)) => {
-                // The daemon closes the connection after an error reply.
-                *g = None;
-                Err(Error::Remote { code, message })
-            }
-            Ok((resp, fds)) => f(conn.region.as_deref(), resp, fds),
-            Err(e) => {
-                *g = None;
-                if backs_off(&e) {
-                    if let Ok(mut lf) = self.last_failure.lock() {
-                        *lf = Some(Instant::now());
-                    }
+        loop {
+            let Some(conn) = g.as_mut() else {
+                return Err(poisoned());
+            };
+            let req = build(conn.region.as_deref())?;
+            // Past the call's deadline nothing is sent, and the connection
+            // (idle, in step) stays.
+            let t = self.io_timeout(Request::op_name(req.op()))?;
+            if t != conn.io_timeout {
+                let set = conn
+                    .sock
+                    .set_read_timeout(Some(t))
+                    .and_then(|()| conn.sock.set_write_timeout(Some(t)));
+                if let Err(e) = set {
+                    *g = None;
+                    return Err(io_to_error(
+                        &self.cfg.socket,
+                        "timeout",
+                        self.cfg.timeout_ms,
+                        e,
+                    ));
                 }
-                Err(e)
+                conn.io_timeout = t;
+            }
+            match self.exchange(conn, &req, &[]) {
+                Ok((Response::Error { code, message }, _)) => {
+                    // The daemon closes the connection after an error reply.
+                    *g = None;
+                    return Err(Error::Remote { code, message });
+                }
+                Ok((resp, fds)) => return f(conn.region.as_deref(), resp, fds),
+                Err(e) => {
+                    *g = None;
+                    if kept && matches!(e, Error::Unavailable { .. }) {
+                        // Once: the fresh connection's failure stands.
+                        kept = false;
+                        *g = Some(self.open()?);
+                        continue;
+                    }
+                    if backs_off(&e) {
+                        if let Ok(mut lf) = self.last_failure.lock() {
+                            *lf = Some(Instant::now());
+                        }
+                    }
+                    return Err(e);
+                }
             }
         }
     }
@@ -864,6 +884,49 @@ impl EventStream {
         match Response::decode(&body, proto::OP_SUBSCRIBE)?.1 {
             Response::Event(e) => Ok(Some(e)),
             other => Err(unexpected(other)),
+        }
+    }
+}
+
+/// Block files the daemon opened for this client ([`NsHandle::open_direct`]):
+/// per key a [`DirectBlock`] or why it missed. Hand it back to
+/// [`NsHandle::finish_direct`] when the bytes are read.
+#[derive(Debug)]
+pub struct DirectBlocks {
+    files: Vec<std::fs::File>,
+    /// Per key, in request order.
+    pub items: Vec<std::result::Result<DirectBlock, Miss>>,
+    leases: Vec<u64>,
+    /// Keys whose header failed here (reported by `finish_direct`).
+    corrupt: Vec<BlockKey>,
+}
+
+impl DirectBlocks {
+    /// The open block file `b` is in.
+    pub fn file(&self, b: &DirectBlock) -> &std::fs::File {
+        &self.files[b.file]
+    }
+}
+
+/// One block of a direct read: its header (checked against the request and
+/// the reply, its payload not yet verified) and where its payload is.
+#[derive(Debug, Clone)]
+pub struct DirectBlock {
+    file: usize,
+    /// Offset of the payload in the file (4096-aligned for G3 files).
+    pub payload_offset: u64,
+    /// The block's header: `payload_len` and `payload_blake3` to verify.
+    pub header: BlockHeader,
+    /// Where the daemon found it.
+    pub tier: Tier,
+}
+
+impl DirectBlock {
+    /// The hit this block is once its payload is verified.
+    pub fn hit(&self) -> Onboarded {
+        Onboarded::Hit {
+            tier: self.tier,
+            payload_len: self.header.payload_len,
         }
     }
 }
@@ -1328,93 +1391,158 @@ impl<'a> NsHandle<'a> {
     }
 
     fn onboard_direct(&self, keys: &[BlockKey], bufs: &mut [&mut [u8]]) -> Vec<Onboarded> {
-        let r = self.client.call(
-            |_| {
-                let items = keys
-                    .iter()
-                    .map(|k| OnboardItem {
-                        key: *k,
-                        shm_offset: 0,
-                        shm_len: 0,
-                    })
-                    .collect();
-                Ok(Request::Onboard {
-                    ns: self.id,
-                    mode: OnboardMode::DirectFd,
-                    lease_ttl_ms: self.client.cfg.timeout_ms.min(u32::MAX as u64) as u32,
-                    items,
-                })
-            },
-            |_, r, fds| match r {
-                Response::Onboard { items } if items.len() == keys.len() => Ok((items, fds)),
-                other => Err(unexpected(other)),
-            },
-        );
-        let (items, fds) = match r {
-            Ok(x) => x,
-            Err(e) => return missed(&e, keys.len()),
-        };
-        let files: Vec<std::fs::File> = fds.into_iter().map(std::fs::File::from).collect();
-        let mut out = Vec::with_capacity(keys.len());
-        let mut leases = Vec::new();
-        // Blocks whose bytes failed verification here (not the daemon's
-        // own Corrupt answers: it has quarantined those already).
+        let caps: Vec<usize> = bufs.iter().map(|b| b.len()).collect();
+        let d = self.open_direct(keys, &caps);
         let mut corrupt = Vec::new();
-        for (j, it) in items.iter().enumerate() {
-            if it.lease_id != 0 {
-                leases.push(it.lease_id);
-            }
-            if it.status != ItemStatus::Ok {
-                out.push(Onboarded::Miss(Miss::from_status(it.status)));
-                continue;
-            }
-            let Some(f) = files.get(it.fd_index as usize) else {
-                out.push(Onboarded::Miss(Miss::new(MissCause::Refused, "missing fd")));
-                continue;
-            };
-            let mut hb = vec![0u8; HEADER_BYTES];
-            if let Err(e) = f.read_exact_at(&mut hb, it.file_offset) {
-                out.push(Onboarded::Miss(Miss::new(
-                    MissCause::Storage,
-                    e.to_string(),
-                )));
-                continue;
-            }
-            let h = match self.check_header(&hb, &keys[j], it, bufs[j].len()) {
-                Ok(h) => h,
+        let mut out = Vec::with_capacity(keys.len());
+        for (j, it) in d.items.iter().enumerate() {
+            let b = match it {
+                Ok(b) => b,
                 Err(m) => {
-                    if m.cause == MissCause::Corrupt {
-                        corrupt.push(keys[j]);
-                    }
-                    out.push(Onboarded::Miss(m));
+                    out.push(Onboarded::Miss(m.clone()));
                     continue;
                 }
             };
-            let dst = &mut bufs[j][..h.payload_len as usize];
-            if let Err(e) = f.read_exact_at(dst, it.file_offset + HEADER_BYTES as u64) {
+            let dst = &mut bufs[j][..b.header.payload_len as usize];
+            if let Err(e) = d.file(b).read_exact_at(dst, b.payload_offset) {
                 out.push(Onboarded::Miss(Miss::new(
                     MissCause::Storage,
                     e.to_string(),
                 )));
                 continue;
             }
-            out.push(match h.verify_payload(dst) {
-                Ok(()) => Onboarded::Hit {
-                    tier: it.tier,
-                    payload_len: h.payload_len,
-                },
+            out.push(match b.header.verify_payload(dst) {
+                Ok(()) => b.hit(),
                 Err(e) => {
                     corrupt.push(keys[j]);
                     Onboarded::Miss(Miss::new(MissCause::Corrupt, e.to_string()))
                 }
             });
         }
-        // Leases time out anyway; a failed release costs nothing but time.
-        let _ = self.client.release(&leases);
-        if !corrupt.is_empty() {
-            self.report_corrupt(&corrupt);
-        }
+        self.finish_direct(d, &corrupt);
         out
+    }
+
+    /// Asks the daemon for the block files of `keys` (at most
+    /// [`FDS_MAX`]; more are misses), each leased until
+    /// [`Self::finish_direct`] or the call's deadline, and checks each
+    /// header against the request and the reply, and its payload against
+    /// `caps[i]` (the bytes the caller can take for key i). The payload is
+    /// neither read nor verified: the caller reads
+    /// `header.payload_len` bytes at `payload_offset` of [`DirectBlocks::file`]
+    /// (the GPU crate with its own pipeline, say) and must compare their
+    /// blake3 with `header.payload_blake3` before using them (the daemon
+    /// hands fds out unverified). A failed call is a miss for every key.
+    pub fn open_direct(&self, keys: &[BlockKey], caps: &[usize]) -> DirectBlocks {
+        let n = keys.len().min(FDS_MAX).min(caps.len());
+        let mut d = DirectBlocks {
+            files: Vec::new(),
+            items: Vec::with_capacity(keys.len()),
+            leases: Vec::new(),
+            corrupt: Vec::new(),
+        };
+        let r = if n == 0 {
+            Ok((Vec::new(), Vec::new()))
+        } else {
+            self.client.call(
+                |_| {
+                    let items = keys[..n]
+                        .iter()
+                        .map(|k| OnboardItem {
+                            key: *k,
+                            shm_offset: 0,
+                            shm_len: 0,
+                        })
+                        .collect();
+                    Ok(Request::Onboard {
+                        ns: self.id,
+                        mode: OnboardMode::DirectFd,
+                        lease_ttl_ms: self.client.cfg.timeout_ms.min(u32::MAX as u64) as u32,
+                        items,
+                    })
+                },
+                |_, r, fds| match r {
+                    Response::Onboard { items } if items.len() == n => Ok((items, fds)),
+                    other => Err(unexpected(other)),
+                },
+            )
+        };
+        let items = match r {
+            Ok((items, fds)) => {
+                d.files = fds.into_iter().map(std::fs::File::from).collect();
+                items
+            }
+            Err(e) => {
+                d.items = missed(&e, keys.len())
+                    .into_iter()
+                    .map(|o| match o {
+                        Onboarded::Miss(m) => Err(m),
+                        Onboarded::Hit { .. } => Err(Miss::new(MissCause::Refused, "no reply")),
+                    })
+                    .collect();
+                return d;
+            }
+        };
+        for (j, it) in items.iter().enumerate() {
+            if it.lease_id != 0 {
+                d.leases.push(it.lease_id);
+            }
+            let got = self.open_one(&d.files, &keys[j], it, caps[j]);
+            if let Err(m) = &got {
+                if m.cause == MissCause::Corrupt && it.status == ItemStatus::Ok {
+                    d.corrupt.push(keys[j]);
+                }
+            }
+            d.items.push(got);
+        }
+        for _ in n..keys.len() {
+            d.items.push(Err(Miss::new(
+                MissCause::TooLarge,
+                "more keys than one direct read takes, or no buffer for this key",
+            )));
+        }
+        d
+    }
+
+    /// One item of a direct-read reply: its fd and its header, checked.
+    fn open_one(
+        &self,
+        files: &[std::fs::File],
+        key: &BlockKey,
+        it: &proto::OnboardResult,
+        cap: usize,
+    ) -> std::result::Result<DirectBlock, Miss> {
+        if it.status != ItemStatus::Ok {
+            return Err(Miss::from_status(it.status));
+        }
+        let file = it.fd_index as usize;
+        let Some(f) = files.get(file) else {
+            return Err(Miss::new(MissCause::Refused, "missing fd"));
+        };
+        let mut hb = vec![0u8; HEADER_BYTES];
+        f.read_exact_at(&mut hb, it.file_offset)
+            .map_err(|e| Miss::new(MissCause::Storage, e.to_string()))?;
+        let header = self.check_header(&hb, key, it, cap)?;
+        Ok(DirectBlock {
+            file,
+            payload_offset: it.file_offset + HEADER_BYTES as u64,
+            header,
+            tier: it.tier,
+        })
+    }
+
+    /// Ends a direct read: gives the leases back, and reports to the daemon
+    /// the blocks whose header (found by [`Self::open_direct`]) or payload
+    /// (`corrupt`: found by the caller's verification) failed, so that it
+    /// re-verifies, quarantines and repairs them. Best effort: leases time
+    /// out anyway, and the misses stand whatever the answer.
+    pub fn finish_direct(&self, d: DirectBlocks, corrupt: &[BlockKey]) {
+        let _ = self.client.release(&d.leases);
+        let mut all = d.corrupt;
+        all.extend_from_slice(corrupt);
+        if !all.is_empty() {
+            self.report_corrupt(&all);
+        }
     }
 
     /// Tells the daemon that blocks read over a passed fd failed this

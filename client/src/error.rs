@@ -52,6 +52,13 @@ pub enum Error {
         /// Why it was refused.
         reason: String,
     },
+    /// A shared-memory pool was refused (its size, a second pool, a
+    /// region past the client's or the daemon's limit).
+    #[error("{reason}")]
+    Pool {
+        /// Why.
+        reason: String,
+    },
     /// A wire frame was malformed or too large.
     #[error("protocol error: {reason}")]
     Protocol {

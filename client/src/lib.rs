@@ -43,8 +43,8 @@ pub mod types;
 pub use aligned::AlignedBuf;
 pub use block::{decode_block, encode_block, BlockHeader, DynamoMeta};
 pub use client::{
-    Client, ClientConfig, EventStream, LookupResult, Miss, MissCause, NsHandle, OffloadBlock,
-    OffloadOutcome, Onboarded, Pool, PoolBlock,
+    Client, ClientConfig, DirectBlock, DirectBlocks, EventStream, LookupResult, Miss, MissCause,
+    NsHandle, OffloadBlock, OffloadOutcome, Onboarded, Pool, PoolBlock,
 };
 pub use error::{Error, FormatFault, Result};
 pub use events::{KvEvent, KvEventData, StorageTier};

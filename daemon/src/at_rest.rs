@@ -4,24 +4,23 @@
 //! store's objects 0600), and tightens trees an earlier version left open
 //! (0755 directories, 0644 files) at start.
 //!
-//! The walk never follows a symbolic link below its root: every step is
-//! relative to an open directory fd (`openat` with `O_NOFOLLOW`), every
-//! change is an `fchmod` on an fd whose `fstat` was just checked, so a user
-//! who can write into the tree cannot swap in a link and have the daemon
-//! change a file elsewhere. Links are counted and left alone. The root
-//! itself is configuration (`g3.dir`, the `file://` path) and may be a link.
-//! A self-contained module so that G3's recovery walk can later share it.
+//! The walk is G3's (`g3/walk.rs`): it never follows a symbolic link
+//! below its root and crosses no filesystem; every change is an `fchmod`
+//! on an fd opened with `O_NOFOLLOW` whose `fstat` was just checked, so a
+//! user who can write into the tree cannot swap in a link and have the
+//! daemon change a file elsewhere. Links are counted and left alone. The
+//! root itself is configuration (`g3.dir`, the `file://` path) and may be
+//! a link: it is resolved once.
 
 use crate::error::{Error, Result};
-use nix::fcntl::{openat, OFlag};
-use nix::sys::stat::{fchmod, fstat, fstatat, FileStat, Mode, SFlag};
-use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use crate::g3::walk::{self, Entry, Kind, Step};
+use nix::fcntl::OFlag;
+use nix::sys::stat::{fchmod, fstat, FileStat, Mode, SFlag};
+use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 
 /// The daemon's umask: nothing it creates is readable by group or others.
 pub const PRIVATE_UMASK: u32 = 0o077;
-/// Deepest directory nesting walked (G3's tree is 4 deep).
-pub const WALK_DEPTH_MAX: usize = 16;
 
 /// Sets [`PRIVATE_UMASK`] for the whole process (call first thing, before
 /// any thread or file exists); returns the previous umask.
@@ -47,10 +46,6 @@ impl Tightened {
     }
 }
 
-fn io(op: &'static str, path: &Path, e: nix::errno::Errno) -> Error {
-    Error::io(op, path, std::io::Error::from(e))
-}
-
 fn is(st: &FileStat, kind: SFlag) -> bool {
     SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT == kind
 }
@@ -69,82 +64,83 @@ fn restrict(fd: impl AsFd, st: &FileStat) -> std::result::Result<bool, nix::errn
 /// file owner-only, without following links below `root`. A missing root
 /// is nothing to do.
 pub fn tighten_tree(root: &Path) -> Result<Tightened> {
-    let dir = match nix::fcntl::open(
-        root,
-        OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
-        Mode::empty(),
-    ) {
-        Ok(d) => d,
-        Err(nix::errno::Errno::ENOENT) => return Ok(Tightened::default()),
-        Err(e) => return Err(io("opening a data directory", root, e)),
+    let root = match std::fs::canonicalize(root) {
+        Ok(r) => r,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Tightened::default()),
+        Err(e) => return Err(Error::io("resolving a data directory", root, e)),
     };
     let mut t = Tightened::default();
-    walk(&dir, root.to_path_buf(), 0, &mut t)?;
-    Ok(t)
-}
-
-fn walk(dir: &OwnedFd, path: PathBuf, depth: usize, t: &mut Tightened) -> Result<()> {
-    let st = fstat(dir).map_err(|e| io("stat of a data directory", &path, e))?;
-    if restrict(dir, &st).map_err(|e| io("restricting a data directory", &path, e))? {
+    let dir = walk::open_dir_nofollow(&root)
+        .map_err(|e| Error::io("opening a data directory", &root, e))?;
+    let st = fstat(&dir).map_err(|e| Error::io("stat of a data directory", &root, e.into()))?;
+    if restrict(&dir, &st)
+        .map_err(|e| Error::io("restricting a data directory", &root, e.into()))?
+    {
         t.dirs += 1;
     }
-    if depth >= WALK_DEPTH_MAX {
-        return Err(Error::io(
-            "walking a data directory",
-            &path,
-            std::io::Error::other(format!("nested deeper than {WALK_DEPTH_MAX} levels")),
-        ));
+    let mut failed = None;
+    walk::walk(&root, &mut |e| {
+        match tighten_entry(e, &mut t) {
+            Ok(()) => {}
+            Err(err) => {
+                failed.get_or_insert(err);
+            }
+        }
+        Step::Descend
+    })
+    .map_err(|e| Error::io("walking a data directory", &root, e))?;
+    match failed {
+        Some(e) => Err(e),
+        None => Ok(t),
     }
-    // Listing through the fd's /proc link reads the directory this fd holds
-    // open (a magic link, not a path lookup), whatever its path is now.
-    let list = std::fs::read_dir(format!("/proc/self/fd/{}", dir.as_raw_fd()))
-        .map_err(|e| Error::io("listing a data directory", &path, e))?;
-    for entry in list {
-        let entry = entry.map_err(|e| Error::io("listing a data directory", &path, e))?;
-        let name = entry.file_name();
-        let child = path.join(&name);
-        let st = match fstatat(
-            dir,
-            name.as_os_str(),
-            nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW,
-        ) {
-            Ok(s) => s,
-            Err(nix::errno::Errno::ENOENT) => continue,
-            Err(e) => return Err(io("stat in a data directory", &child, e)),
-        };
-        if is(&st, SFlag::S_IFLNK) {
+}
+
+fn tighten_entry(e: &Entry<'_>, t: &mut Tightened) -> Result<()> {
+    let path = e.path();
+    // Gone, or swapped for a link or a mount since the walk looked: not ours.
+    let gone = |err: &std::io::Error| {
+        matches!(
+            err.raw_os_error(),
+            Some(libc::ENOENT | libc::ELOOP | libc::ENOTDIR)
+        ) || err.kind() == std::io::ErrorKind::Other
+    };
+    let (flags, files) = match e.kind() {
+        Kind::Symlink => {
             t.links_skipped += 1;
-        } else if is(&st, SFlag::S_IFDIR) {
-            let flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
-            match openat(dir, name.as_os_str(), flags, Mode::empty()) {
-                Ok(sub) => walk(&sub, child, depth + 1, t)?,
-                // Swapped for a link or removed since the stat: not ours.
-                Err(
-                    nix::errno::Errno::ENOENT
-                    | nix::errno::Errno::ELOOP
-                    | nix::errno::Errno::ENOTDIR,
-                ) => {}
-                Err(e) => return Err(io("opening a data directory", &child, e)),
-            }
-        } else if is(&st, SFlag::S_IFREG) && st.st_mode & PRIVATE_UMASK != 0 {
-            // NONBLOCK|NOCTTY: harmless even if a fifo or tty was swapped in
-            // since the stat; the fstat below decides.
-            let flags = OFlag::O_RDONLY
-                | OFlag::O_NOFOLLOW
-                | OFlag::O_NONBLOCK
-                | OFlag::O_NOCTTY
-                | OFlag::O_CLOEXEC;
-            let f = match openat(dir, name.as_os_str(), flags, Mode::empty()) {
-                Ok(f) => f,
-                Err(nix::errno::Errno::ENOENT | nix::errno::Errno::ELOOP) => continue,
-                Err(e) => return Err(io("opening a data file", &child, e)),
-            };
-            let st = fstat(&f).map_err(|e| io("stat of a data file", &child, e))?;
-            if is(&st, SFlag::S_IFREG)
-                && restrict(&f, &st).map_err(|e| io("restricting a data file", &child, e))?
-            {
-                t.files += 1;
-            }
+            return Ok(());
+        }
+        Kind::Dir => (OFlag::O_RDONLY | OFlag::O_DIRECTORY, false),
+        // NONBLOCK|NOCTTY: harmless even if a fifo or tty was swapped in
+        // since the walk looked; the fstat below decides.
+        Kind::File => (OFlag::O_RDONLY | OFlag::O_NONBLOCK | OFlag::O_NOCTTY, true),
+        Kind::Unlistable => {
+            return Err(Error::io(
+                "opening a data directory",
+                path,
+                std::io::Error::other(e.error().map_or_else(String::new, |x| x.to_string())),
+            ))
+        }
+        Kind::OtherFs | Kind::Other => return Ok(()),
+    };
+    let fd = match e.open(flags) {
+        Ok(fd) => fd,
+        Err(err) if gone(&err) => return Ok(()),
+        Err(err) => return Err(Error::io("opening in a data directory", path, err)),
+    };
+    let st = fstat(&fd).map_err(|x| Error::io("stat in a data directory", path, x.into()))?;
+    let want = if files {
+        SFlag::S_IFREG
+    } else {
+        SFlag::S_IFDIR
+    };
+    if is(&st, want)
+        && restrict(&fd, &st)
+            .map_err(|x| Error::io("restricting in a data directory", path, x.into()))?
+    {
+        if files {
+            t.files += 1;
+        } else {
+            t.dirs += 1;
         }
     }
     Ok(())

@@ -20,16 +20,25 @@
 //! `power_loss_short` runs in `cargo test`; `KVTIER_POWER_LOSS_ITERS=N`
 //! sets its iterations (scripts/fault-suite.sh runs 1000+).
 //! `mutation_check` removes each durability call in turn
-//! ([`SyncSite`]): the load-bearing ones must make the harness fail, the
-//! others must not lose a block.
+//! ([`SyncSite`]): the load-bearing ones must make the harness fail
+//! within `KVTIER_MUTATION_ITERS` iterations, the others must not lose a
+//! block in `KVTIER_MUTATION_SAFE_ITERS`.
+//!
+//! The module `acked` (acked/mod.rs) runs the same crash model under the
+//! real client, socket, server and node: what a client was acknowledged
+//! must survive.
 
 #[path = "g3_support/mod.rs"]
 mod common;
 // The deterministic simulation shares this binary (one link less in CI).
 #[path = "sim/mod.rs"]
 mod sim;
+// The same crash model under the real server and node: what a client was
+// acknowledged over the socket must survive (acked/mod.rs).
+#[path = "acked/mod.rs"]
+mod acked;
 
-use kvtier_client::{BlockHeader, BlockKey, Namespace};
+use kvtier_client::{BlockHeader, BlockKey, Namespace, NamespaceId};
 use kvtier_daemon::conformance::{block, namespace};
 use kvtier_daemon::g3::engine::{IoEngine, PreadEngine, UringEngine};
 use kvtier_daemon::g3::powerloss::PowerLossFs;
@@ -42,11 +51,24 @@ use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
+/// Where power is lost (shared with acked/mod.rs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Phase {
     Workload,
     Close,
     Recovery,
+}
+
+impl Phase {
+    /// During the workload 1/2, during close 1/4, during the workload and
+    /// again during recovery 1/4.
+    fn draw(rng: &mut impl Rng) -> Phase {
+        match rng.random_range(0..4) {
+            0 | 1 => Phase::Workload,
+            2 => Phase::Close,
+            _ => Phase::Recovery,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -55,10 +77,43 @@ struct Scenario {
     payload_bytes: u64,
     blocks_per_writer: u64,
     batch: usize,
+    /// Concurrent writers (through the socket: clients, each on its own
+    /// connection).
     writers: u64,
     /// Capacity in blocks (eviction when small).
     capacity_blocks: u64,
+    /// Writers also remove blocks on request (a delete; through the
+    /// socket an evict).
     deletes: bool,
+}
+
+impl Scenario {
+    /// The block seeds of writer `w`'s next batch, its `i`-th block on:
+    /// one key in five is shared by all writers (the same key from two
+    /// writers at once).
+    fn next_seeds(&self, rng: &mut impl Rng, epoch: u64, w: u64, i: u64) -> Vec<u64> {
+        let base = |writer: u64| epoch * 1_000_000 + writer * 10_000;
+        let n = (self.batch as u64).min(self.blocks_per_writer - i);
+        (0..n)
+            .map(|j| {
+                if rng.random_range(0..5) == 0 {
+                    base(99) + rng.random_range(0..4)
+                } else {
+                    base(w) + i + j
+                }
+            })
+            .collect()
+    }
+}
+
+/// Keys with an acknowledged attempt.
+fn acked_keys(attempts: &Mutex<HashMap<BlockKey, Vec<Attempt>>>) -> u64 {
+    attempts
+        .lock()
+        .unwrap()
+        .values()
+        .filter(|t| t.iter().any(|a| a.acked))
+        .count() as u64
 }
 
 const SCENARIOS: &[Scenario] = &[
@@ -100,12 +155,13 @@ const SCENARIOS: &[Scenario] = &[
     },
 ];
 
-/// One put attempted by the workload.
+/// One put attempted by the workload (through the socket: one offload).
 #[derive(Debug, Clone)]
 struct Attempt {
     seed: u64,
     /// Simulator operation count when the put began.
     begun_op: u64,
+    /// Acknowledged (through the socket: `Stored` or `AlreadyPresent`).
     acked: bool,
 }
 
@@ -151,10 +207,6 @@ impl Run {
         )
     }
 
-    fn key_seed_base(&self, epoch: u64, writer: u64) -> u64 {
-        epoch * 1_000_000 + writer * 10_000
-    }
-
     /// Puts, reads, deletes and hint updates from `writers` threads.
     fn workload(&self, store: &Arc<G3Store>, epoch: u64, seed: u64) {
         std::thread::scope(|sc| {
@@ -173,18 +225,8 @@ impl Run {
             if self.fs.crashed() {
                 return;
             }
-            let n = (self.sc.batch as u64).min(self.sc.blocks_per_writer - i);
-            let seeds: Vec<u64> = (0..n)
-                .map(|j| {
-                    // One in five keys is shared by all writers (same key
-                    // from two writers at once).
-                    if rng.random_range(0..5) == 0 {
-                        self.key_seed_base(epoch, 99) + rng.random_range(0..4)
-                    } else {
-                        self.key_seed_base(epoch, w) + i + j
-                    }
-                })
-                .collect();
+            let seeds = self.sc.next_seeds(&mut rng, epoch, w, i);
+            let n = seeds.len() as u64;
             let blocks: Vec<(BlockKey, BlockHeader, Vec<u8>)> =
                 seeds.iter().map(|s| block(&self.ns, *s)).collect();
             let begun_op = self.fs.ops();
@@ -236,17 +278,7 @@ impl Run {
     fn check(&self, store: &G3Store) -> Result<(), String> {
         let ns_id = self.ns.id();
         let attempts = self.attempts.lock().unwrap();
-        let removed = self.fs.removed_blocks();
-        let mut visible: HashSet<BlockKey> = HashSet::new();
-        let mut after = None;
-        loop {
-            let page = store.list(&ns_id, after.as_ref(), 1000);
-            if page.is_empty() {
-                break;
-            }
-            after = page.last().copied();
-            visible.extend(page);
-        }
+        let visible = listed(store, &ns_id);
         for key in &visible {
             let Some(tries) = attempts.get(key) else {
                 return Err(format!("phantom block {key}: never put"));
@@ -261,24 +293,56 @@ impl Run {
                 return Err(format!("visible block {key} has wrong bytes"));
             }
         }
-        for (key, tries) in attempts.iter() {
-            let Some(first_ack) = tries.iter().filter(|t| t.acked).map(|t| t.begun_op).min() else {
-                continue;
-            };
-            if visible.contains(key) {
-                continue;
-            }
-            let path = store.block_file_path(&ns_id, key);
-            // Removed on purpose (delete, eviction) after an acked put began.
-            let excused = removed.iter().any(|(op, p)| *p == path && *op > first_ack);
-            if !excused {
-                return Err(format!(
-                    "acknowledged block {key} lost (put began at op {first_ack})"
-                ));
-            }
-        }
+        acked_are_visible(
+            store,
+            &ns_id,
+            &attempts,
+            &visible,
+            &self.fs.removed_blocks(),
+        )?;
         common::tree_matches_index(store, &self.root(), &visible)
     }
+}
+
+/// Every key `store` lists in `ns`.
+fn listed(store: &G3Store, ns: &NamespaceId) -> HashSet<BlockKey> {
+    let mut visible = HashSet::new();
+    let mut after = None;
+    loop {
+        let page = store.list(ns, after.as_ref(), 1000);
+        if page.is_empty() {
+            return visible;
+        }
+        after = page.last().copied();
+        visible.extend(page);
+    }
+}
+
+/// Every key with an acknowledged attempt is `visible`, unless its file
+/// was removed on purpose (a delete, an eviction: `removed` holds the
+/// simulator's operation number and the path) after that attempt began.
+fn acked_are_visible(
+    store: &G3Store,
+    ns: &NamespaceId,
+    attempts: &HashMap<BlockKey, Vec<Attempt>>,
+    visible: &HashSet<BlockKey>,
+    removed: &[(u64, PathBuf)],
+) -> Result<(), String> {
+    for (key, tries) in attempts {
+        let Some(first_ack) = tries.iter().filter(|t| t.acked).map(|t| t.begun_op).min() else {
+            continue;
+        };
+        if visible.contains(key) {
+            continue;
+        }
+        let path = store.block_file_path(ns, key);
+        if !removed.iter().any(|(op, p)| *p == path && *op > first_ack) {
+            return Err(format!(
+                "acknowledged block {key} lost (its put began at op {first_ack})"
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Stops a store after power was lost: close (joins the reclaimer; fails
@@ -308,6 +372,19 @@ struct Iter {
     crashed_in_recovery: u64,
 }
 
+impl Iter {
+    fn add(&mut self, o: &Iter) {
+        self.acked += o.acked;
+        self.entries_undone += o.entries_undone;
+        self.files_dropped += o.files_dropped;
+        self.files_torn += o.files_torn;
+        self.evictions += o.evictions;
+        self.recycled_writes += o.recycled_writes;
+        self.crashed_in_close += o.crashed_in_close;
+        self.crashed_in_recovery += o.crashed_in_recovery;
+    }
+}
+
 /// One iteration: `seed` picks the scenario's crash point and phase.
 fn iteration(sc: Scenario, seed: u64, skip: Option<SyncSite>) -> Result<Iter, String> {
     let dir = tempfile::tempdir().unwrap();
@@ -322,11 +399,7 @@ fn iteration(sc: Scenario, seed: u64, skip: Option<SyncSite>) -> Result<Iter, St
         attempts: Mutex::new(HashMap::new()),
     };
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let phase = match rng.random_range(0..4) {
-        0 | 1 => Phase::Workload,
-        2 => Phase::Close,
-        _ => Phase::Recovery,
-    };
+    let phase = Phase::draw(&mut rng);
     let mut it = Iter::default();
     let err = |what: &str, e: &dyn std::fmt::Display| format!("{}: {what}: {e}", sc.name);
     // Half the iterations start with a cleanly closed session, so that the
@@ -397,13 +470,7 @@ fn iteration(sc: Scenario, seed: u64, skip: Option<SyncSite>) -> Result<Iter, St
     let s = run.open_roomy().map_err(|e| err("clean reopen", &e))?;
     run.check(&s)
         .map_err(|e| format!("{} seed {seed} {phase:?} (clean reopen): {e}", sc.name))?;
-    it.acked = run
-        .attempts
-        .lock()
-        .unwrap()
-        .values()
-        .filter(|t| t.iter().any(|a| a.acked))
-        .count() as u64;
+    it.acked = acked_keys(&run.attempts);
     Ok(it)
 }
 
@@ -435,16 +502,7 @@ fn power_loss_short() {
             .ok()
             .and_then(|n| SyncSite::ALL.iter().copied().find(|s| s.name() == n));
         match iteration(sc, seed, skip) {
-            Ok(it) => {
-                total.acked += it.acked;
-                total.entries_undone += it.entries_undone;
-                total.files_dropped += it.files_dropped;
-                total.files_torn += it.files_torn;
-                total.evictions += it.evictions;
-                total.recycled_writes += it.recycled_writes;
-                total.crashed_in_close += it.crashed_in_close;
-                total.crashed_in_recovery += it.crashed_in_recovery;
-            }
+            Ok(it) => total.add(&it),
             Err(e) => panic!("iteration {i} (replay: KVTIER_POWER_LOSS_SEED={seed} KVTIER_POWER_LOSS_ITERS=1 KVTIER_POWER_LOSS_SCENARIO={}): {e}", sc.name),
         }
     }
@@ -493,14 +551,17 @@ fn mutation_check() {
         // rare run whose interleavings hide it longer (once 120 were not
         // enough on a machine at load 7).
         .unwrap_or(480);
+    // The others run every iteration (nothing may be caught), so their
+    // budget is what proves them safe to lose: its own knob (it was
+    // budget / 60, 8 in CI, 20 in the fault suite).
+    let safe: u64 = std::env::var("KVTIER_MUTATION_SAFE_ITERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(16);
     let mut report = Vec::new();
     for &site in SyncSite::ALL {
         let mut caught = None;
-        let tries = if site.load_bearing() {
-            budget
-        } else {
-            budget / 60
-        };
+        let tries = if site.load_bearing() { budget } else { safe };
         for i in 0..tries {
             let sc = SCENARIOS[(i as usize) % SCENARIOS.len()];
             if let Err(e) = iteration(sc, 0xbad0 + i, Some(site)) {

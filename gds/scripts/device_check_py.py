@@ -1,6 +1,8 @@
 """Python round trip into CUDA device memory (run by device-check.sh on a
 GPU machine): kvtier.Client.onboard_into / offload with torch or cupy
-device tensors against a real kvtierd, verified byte for byte, and the
+device tensors against a real kvtierd through kvtier-gds's pipeline (the
+route each result reports: two_hop or direct), verified byte for byte, a
+block corrupted on disk refused on that path, and the
 onboard throughput into device memory beside a plain pinned host-to-device
 copy of the same bytes (the PCIe baseline). Prints one JSON document.
 
@@ -9,6 +11,7 @@ usage: python device_check_py.py KVTIERD WORKDIR [BLOCKS] [BLOCK_BYTES]
 
 import json
 import os
+import pathlib
 import socket
 import subprocess
 import sys
@@ -81,11 +84,15 @@ def main():
             def pinned_copy(dst):
                 m.cuda.runtime.memcpy(dst.data.ptr, pinned_mem.ptr, bb, 1)  # cudaMemcpyHostToDevice
 
-        # Round trip 1: host -> kvtier -> device, byte for byte.
+        # Round trip 1: host -> kvtier -> device, byte for byte, through
+        # kvtier-gds's pipeline (the result's route says which way).
         res = c.onboard_into(ns, keys, dev)
         sync()
         assert all(res), res[:3]
         assert all(to_bytes(d) == h for d, h in zip(dev, host)), "device bytes differ"
+        routes = sorted({r.route for r in res})
+        assert set(routes) <= {"two_hop", "direct"}, f"device onboard did not take the gds pipeline: {routes}"
+        fallbacks = sorted({r.detail for r in res if r.detail})[:3]
         # Round trip 2: device -> kvtier -> host, with a segmented block.
         ns2 = kvtier.Namespace("device-check/python2", ns.layout, tenant_salt=os.urandom(8))
         k2 = ns2.hash_chain(list(range(16 * 2)))
@@ -107,12 +114,29 @@ def main():
                 pinned_copy(d)
             sync()
             rounds_base.append(blocks * bb / (time.perf_counter() - t) / 1e9)
+        # A block corrupted on disk is a corrupt miss on the device path
+        # too (every byte verified), and the others still land.
+        g3 = [p for p in pathlib.Path(work, "g3").rglob(keys[1].hex())]
+        assert len(g3) == 1, g3
+        with open(g3[0], "r+b") as f:
+            f.seek(4096 + bb // 2)
+            b = f.read(1)
+            f.seek(4096 + bb // 2)
+            f.write(bytes([b[0] ^ 0xFF]))
+        res = c.onboard_into(ns, keys[:3], dev[:3])
+        sync()
+        assert [r.ok for r in res] == [True, False, True] and res[1].reason == "corrupt", res
+        corrupt_miss = "ok"
+
         med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
         print(json.dumps({
             "library": name,
             "blocks": blocks,
             "block_bytes": bb,
             "roundtrip_device": "ok",
+            "python_device_routes": routes,
+            "python_device_fallbacks": fallbacks,
+            "corrupt_block_on_device_path": corrupt_miss,
             "python_device_onboard_gbps": med(rounds_on),
             "pinned_h2d_gbps": med(rounds_base),
             "python_device_onboard_gbps_vs_baseline": med(rounds_on) / med(rounds_base),

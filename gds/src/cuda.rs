@@ -271,6 +271,16 @@ impl Stream {
         unsafe { cu::memcpy_htod_async(dst, src, self.s) }.map_err(cuda_err("cuMemcpyHtoDAsync"))
     }
 
+    /// Queues a copy of `dst.len()` bytes at device address `src` into `dst`.
+    ///
+    /// # Safety
+    /// `dst` must be pinned memory that nothing reads or writes until
+    /// [`Stream::sync`] returns; `src` must be valid for `dst.len()` bytes.
+    pub(crate) unsafe fn dtoh_async(&self, dst: &mut [u8], src: u64) -> Result<()> {
+        // SAFETY: forwarded from the caller's contract.
+        unsafe { cu::memcpy_dtoh_async(dst, src, self.s) }.map_err(cuda_err("cuMemcpyDtoHAsync"))
+    }
+
     /// Waits for every copy queued on this stream.
     pub(crate) fn sync(&self) -> Result<()> {
         // SAFETY: the stream is alive while self is.

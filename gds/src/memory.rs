@@ -129,6 +129,8 @@ pub struct Destination<'a> {
     kind: MemoryKind,
     regions: Vec<Region<'a>>,
     emulated: bool,
+    /// Regions cut wherever the engine's memory is, not by layer.
+    segments: bool,
 }
 
 impl<'a> Destination<'a> {
@@ -143,6 +145,7 @@ impl<'a> Destination<'a> {
             kind: MemoryKind::Host,
             regions: layers.into_iter().map(Region::Host).collect(),
             emulated: false,
+            segments: false,
         }
     }
 
@@ -154,6 +157,7 @@ impl<'a> Destination<'a> {
             kind,
             regions: layers.into_iter().map(Region::Host).collect(),
             emulated: kind != MemoryKind::Host,
+            segments: false,
         }
     }
 
@@ -168,6 +172,7 @@ impl<'a> Destination<'a> {
                 .map(|b| Region::Host(b.as_mut_slice()))
                 .collect(),
             emulated: false,
+            segments: false,
         }
     }
 
@@ -182,6 +187,7 @@ impl<'a> Destination<'a> {
                 .map(|b| Region::Device(b.span()))
                 .collect(),
             emulated: false,
+            segments: false,
         }
     }
 
@@ -199,6 +205,7 @@ impl<'a> Destination<'a> {
             kind: MemoryKind::Device,
             regions: spans.into_iter().map(Region::Device).collect(),
             emulated: false,
+            segments: false,
         })
     }
 
@@ -213,7 +220,22 @@ impl<'a> Destination<'a> {
             kind: MemoryKind::Device,
             regions: spans.into_iter().map(Region::Device).collect(),
             emulated: false,
+            segments: false,
         }
+    }
+
+    /// The same regions taken as the block's bytes in payload order, cut
+    /// wherever the caller's memory is (a Python list of segments, say)
+    /// rather than one per layer: only their total is checked against the
+    /// payload, not the namespace layout's layer size.
+    pub fn segments(mut self) -> Self {
+        self.segments = true;
+        self
+    }
+
+    /// Whether [`Self::segments`] was called.
+    pub fn is_segments(&self) -> bool {
+        self.segments
     }
 
     /// The memory kind the planner sees.

@@ -197,7 +197,15 @@ impl Transfer {
     /// A transfer for these capabilities. With CUDA present it opens GPU 0;
     /// if that fails it logs why and runs host-only.
     pub fn new(caps: Capabilities, cfg: TransferConfig) -> Result<Self> {
+        Self::on_gpu(caps, cfg, 0)
+    }
+
+    /// As [`Self::new`], on GPU `ordinal` (device pointers of that GPU's
+    /// primary context, as a `cuda:N` tensor's are).
+    pub fn on_gpu(caps: Capabilities, cfg: TransferConfig, ordinal: u32) -> Result<Self> {
         cfg.validate()?;
+        #[cfg(not(feature = "cuda"))]
+        let _ = ordinal;
         let lanes = (0..cfg.lanes)
             .map(|_| Lane::new(&cfg))
             .collect::<Result<Vec<_>>>()?;
@@ -211,11 +219,11 @@ impl Transfer {
         };
         #[cfg(feature = "cuda")]
         if t.caps.has_cuda() {
-            match crate::cuda::Gpu::open(0) {
+            match crate::cuda::Gpu::open(ordinal) {
                 Ok(g) => t.gpu = Some(g),
                 Err(e) => {
-                    tracing::warn!(error = %e, "CUDA probed present but GPU 0 did not open; running host-only");
-                    t.caps = Capabilities::host_only(format!("GPU 0 did not open: {e}"));
+                    tracing::warn!(error = %e, ordinal, "CUDA probed present but the GPU did not open; running host-only");
+                    t.caps = Capabilities::host_only(format!("GPU {ordinal} did not open: {e}"));
                 }
             }
         }
@@ -277,7 +285,17 @@ impl Transfer {
                 detail: format!("{payload_len} bytes exceeds {PAYLOAD_BYTES_MAX}"),
             });
         }
-        check_layout(layout, payload_len, &dst.region_lens())?;
+        if dst.is_segments() {
+            let total: usize = dst.region_lens().iter().sum();
+            if total as u64 != payload_len {
+                return Err(Error::Layout {
+                    what: "segments length",
+                    detail: format!("segments of {total} bytes for a {payload_len}-byte block"),
+                });
+            }
+        } else {
+            check_layout(layout, payload_len, &dst.region_lens())?;
+        }
         if dst.has_device_regions() && !self.has_gpu() {
             return Err(Error::NoCuda {
                 reason: format!("destination is device memory but {}", self.caps.describe()),

@@ -173,7 +173,7 @@ impl Client {
         let bb = ns.inner.layout.block_bytes() as usize;
         let mut held = Held::default();
         let blocks = all_blocks(bufs, writable, bb, keys.len(), &mut held)?;
-        if blocks.iter().any(|b| b.place != Place::Host) {
+        if blocks.iter().any(|b| b.place != Place::Host) || crate::gpu::host_via_gds() {
             return device(&keys, &blocks);
         }
         let c = self.inner()?;
@@ -484,7 +484,8 @@ impl Client {
     /// stat(ns, keys) -> list[dict | None]
     ///
     /// Metadata per key (None when not stored): tier, nbytes, blake3 (hex),
-    /// created_unix_ms, pinned_until_unix_ms, leases.
+    /// created_unix_ms, pinned (bool), pinned_until_unix_ms (None when not
+    /// pinned or pinned forever, as `kvtier stat --json`), leases.
     fn stat<'py>(
         &self,
         py: Python<'py>,
@@ -514,7 +515,16 @@ impl Client {
                             .collect::<String>(),
                     )?;
                     d.set_item("created_unix_ms", s.created_unix_ms)?;
-                    d.set_item("pinned_until_unix_ms", s.pinned_until_unix_ms)?;
+                    // As `kvtier stat --json` says it: "pinned", and the
+                    // end of the pin (None when not pinned or pinned
+                    // without end: the daemon's u64::MAX is no time).
+                    let pinned = s.pinned_until_unix_ms != 0;
+                    d.set_item("pinned", pinned)?;
+                    d.set_item(
+                        "pinned_until_unix_ms",
+                        (pinned && s.pinned_until_unix_ms != u64::MAX)
+                            .then_some(s.pinned_until_unix_ms),
+                    )?;
                     d.set_item("leases", s.leases)?;
                     out.append(d)?;
                 }

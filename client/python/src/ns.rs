@@ -4,7 +4,7 @@ use crate::errors::{InvalidKeyError, NamespaceError};
 use kvtier_client::{BlockKey, Dtype, HashMode, KvLayout, LayoutKind};
 use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList};
+use pyo3::types::{PyBool, PyByteArray, PyBytes, PyList};
 
 /// The shape of one KV block: bytes = tokens x layers x 2 (K, V) x kv_heads
 /// x head_dim x dtype size.
@@ -152,6 +152,13 @@ pub(crate) struct Namespace {
 
 /// Tokens from a list of ints or a 1-d numpy integer array.
 fn tokens_from(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+    // Bytes are not token ids (each byte would pass for one): refused, as
+    // a one-dimensional sequence of ints is what a prompt's tokens are.
+    if obj.is_instance_of::<PyBytes>() || obj.is_instance_of::<PyByteArray>() {
+        return Err(NamespaceError::new_err(
+            "tokens are token ids, not bytes: pass a list of ints or a 1-d numpy integer array",
+        ));
+    }
     // Fast path: a contiguous integer buffer (numpy int32/uint32/int64/uint64).
     // SAFETY: an all-zero Py_buffer is a valid out-parameter.
     let mut v: ffi::Py_buffer = unsafe { std::mem::zeroed() };
@@ -181,6 +188,14 @@ fn tokens_from(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
                 .trim_start_matches(['<', '=', '@', '!', '>'])
                 .to_string();
             let n = (v.len / v.itemsize.max(1)) as usize;
+            let nd = v.ndim;
+            if nd > 1 {
+                ffi::PyBuffer_Release(&mut v);
+                return Err(NamespaceError::new_err(format!(
+                    "tokens: a {nd}-d array; pass one prompt's token ids as a 1-d array \
+                     (hash each row on its own)"
+                )));
+            }
             let res: Result<Vec<u32>, String> = match (code.as_str(), v.itemsize) {
                 ("I" | "L", 4) => Ok(std::slice::from_raw_parts(v.buf as *const u32, n).to_vec()),
                 ("i" | "l", 4) => std::slice::from_raw_parts(v.buf as *const i32, n)
@@ -205,9 +220,19 @@ fn tokens_from(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
         return r.map_err(NamespaceError::new_err);
     }
     let _ = PyErr::take(obj.py());
-    let raw: Vec<i64> = obj.extract().map_err(|_| {
-        NamespaceError::new_err("tokens must be a list of ints or a 1-d numpy integer array")
-    })?;
+    let not_ids =
+        || NamespaceError::new_err("tokens must be a list of ints or a 1-d numpy integer array");
+    let items: Vec<Bound<'_, PyAny>> = obj.extract().map_err(|_| not_ids())?;
+    if let Some(i) = items.iter().position(|t| t.is_instance_of::<PyBool>()) {
+        return Err(NamespaceError::new_err(format!(
+            "token {i} is a bool, not a token id: pass ints"
+        )));
+    }
+    let raw: Vec<i64> = items
+        .iter()
+        .map(|t| t.extract::<i64>())
+        .collect::<PyResult<_>>()
+        .map_err(|_| not_ids())?;
     raw.into_iter()
         .map(|t| {
             u32::try_from(t)
@@ -220,6 +245,12 @@ fn tokens_from(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
 /// engines' are) or a hex string.
 pub(crate) fn key_from(obj: &Bound<'_, PyAny>) -> PyResult<BlockKey> {
     let bad = |e: kvtier_client::Error| InvalidKeyError::new_err(e.to_string());
+    // bool is an int subclass: True would pass for key 1.
+    if obj.is_instance_of::<PyBool>() {
+        return Err(InvalidKeyError::new_err(
+            "a bool is not a block key: pass bytes (1..=64), an int in 0..2**64 or a hex string",
+        ));
+    }
     if let Ok(b) = obj.cast::<PyBytes>() {
         return BlockKey::from_bytes(b.as_bytes()).map_err(bad);
     }

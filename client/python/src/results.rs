@@ -25,7 +25,10 @@ pub(crate) fn cause_name(c: MissCause) -> &'static str {
 /// (offloaded), or "miss" (recompute / not stored). reason (misses only): "absent",
 /// "corrupt", "unavailable", "timeout", "refused", "no_space", "storage",
 /// "too_large". tier (hits only): "g3", "peer" or "g4". nbytes: payload
-/// bytes written (hits).
+/// bytes written (hits). route (onboards into device memory): how the
+/// bytes reached it, "two_hop" (pinned bounce buffers, asynchronous
+/// copies) or "direct" (GPUDirect Storage); detail then says why a direct
+/// read fell back, if it did.
 #[pyclass(module = "kvtier", frozen, get_all)]
 #[derive(Clone)]
 pub(crate) struct BlockResult {
@@ -35,6 +38,7 @@ pub(crate) struct BlockResult {
     pub nbytes: u64,
     pub reason: Option<&'static str>,
     pub detail: String,
+    pub route: Option<&'static str>,
 }
 
 impl BlockResult {
@@ -46,6 +50,7 @@ impl BlockResult {
             nbytes: 0,
             reason: Some(cause_name(m.cause)),
             detail: m.detail.clone(),
+            route: None,
         }
     }
     pub(crate) fn onboarded(o: &Onboarded) -> Self {
@@ -57,10 +62,23 @@ impl BlockResult {
                 nbytes: *payload_len,
                 reason: None,
                 detail: String::new(),
+                route: None,
             },
             Onboarded::Miss(m) => Self::miss(m),
         }
     }
+    /// With the route of a device onboard's hit (and why a direct read
+    /// fell back, if it did).
+    pub(crate) fn with_outcome(mut self, o: Option<&kvtier_gds::Outcome>) -> Self {
+        if let (true, Some(o)) = (self.ok, o) {
+            self.route = Some(o.route.name());
+            if let Some(f) = &o.fallback {
+                self.detail = format!("{} fell back: {f}", o.planned.name());
+            }
+        }
+        self
+    }
+
     pub(crate) fn offloaded(o: &OffloadOutcome) -> Self {
         let ok = |status| BlockResult {
             ok: true,
@@ -69,6 +87,7 @@ impl BlockResult {
             nbytes: 0,
             reason: None,
             detail: String::new(),
+            route: None,
         };
         match o {
             OffloadOutcome::Stored => ok("stored"),

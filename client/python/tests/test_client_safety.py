@@ -167,3 +167,83 @@ def test_bad_arguments_raise_kvtier_errors_that_are_also_builtins(daemon, ns):
     # Nothing was sent: the client still works.
     assert c.lookup(ns, keys).prefix_len == 0
 
+
+
+def test_first_call_after_a_daemon_restart_reconnects_and_succeeds(daemon, ns):
+    """The kept connection is cut by a restart: the call is sent once more
+    on a fresh connection within its deadline (no Broken pipe miss, and no
+    back-off streak after it)."""
+    c = kvtier.Client(socket=daemon.socket, timeout_ms=5000)
+    keys = ns.hash_chain(list(range(32)))
+    assert all(c.offload(ns, keys, [np.ones(BLOCK, np.uint8)] * 2))
+    daemon.restart()
+    got = c.lookup(ns, keys)
+    assert got.prefix_len == 2, got
+    daemon.restart()
+    out = [np.zeros(BLOCK, np.uint8) for _ in range(2)]
+    assert all(c.onboard_into(ns, keys, out)), out
+    assert all((o == 1).all() for o in out)
+    daemon.restart()
+    assert c.pin(ns, keys, ttl_ms=60_000) == ["ok", "ok"]
+    daemon.restart()
+    assert [r.status for r in c.offload(ns, keys, [np.ones(BLOCK, np.uint8)] * 2)] == ["already_present"] * 2
+    # The same through kvtier.aio.
+    daemon.restart()
+
+    async def main():
+        async with kvtier.aio.Client(socket=daemon.socket, timeout_ms=5000) as a:
+            assert (await a.lookup(ns, keys)).prefix_len == 2
+            daemon.restart()
+            assert (await a.lookup(ns, keys)).prefix_len == 2
+
+    asyncio.run(main())
+
+
+def test_keys_and_tokens_are_strictly_typed(client, ns):
+    for bad in ([True], [b"\x01" * 32, False]):
+        with pytest.raises(kvtier.InvalidKeyError, match="bool"):
+            client.lookup(ns, bad)
+    with pytest.raises(kvtier.InvalidKeyError, match="bool"):
+        client.offload(ns, [True], [bytearray(BLOCK)])
+    with pytest.raises(kvtier.InvalidKeyError, match="bool"):
+        ns.hash_chain(list(range(16)), parent=True)
+    for bad in (b"0123456789abcdef", bytearray(16), np.zeros((2, 16), np.int64), [True] * 16,
+                [1] * 15 + [False]):
+        with pytest.raises(kvtier.NamespaceError):
+            ns.hash_chain(bad)
+    # What is right still works, the same from a list and an array.
+    assert ns.hash_chain(np.arange(16, dtype=np.int64)) == ns.hash_chain(list(range(16)))
+    assert len(client.lookup(ns, [5, "00" * 32, b"\x02" * 32]).tiers) == 0
+
+
+def test_a_forever_pin_reads_as_the_cli_says_it(daemon, client, ns):
+    import json
+    import pathlib
+
+    keys = ns.hash_chain(list(range(32)))
+    assert client.offload(ns, keys[:1], [np.ones(BLOCK, np.uint8)], pinned=True)[0]
+    assert client.offload(ns, keys[1:], [np.ones(BLOCK, np.uint8)], parent=keys[0])[0]
+    s = client.stat(ns, keys)
+    assert s[0]["pinned"] is True and s[0]["pinned_until_unix_ms"] is None, s[0]
+    assert s[1]["pinned"] is False and s[1]["pinned_until_unix_ms"] is None, s[1]
+    assert client.pin(ns, keys[1:], ttl_ms=60_000) == ["ok"]
+    s1 = client.stat(ns, keys[1:])[0]
+    assert s1["pinned"] is True and s1["pinned_until_unix_ms"] > time.time() * 1000
+    cli = pathlib.Path(kvtierd := __import__("conftest").kvtierd_bin()).with_name("kvtier")
+    if not cli.exists():
+        pytest.skip(f"no kvtier CLI beside {kvtierd}")
+    for k, st in zip(keys, (s[0], s1)):
+        out = subprocess.run([str(cli), "stat", "--socket", daemon.socket, "--json", f"{ns.id}/{k.hex()}"],
+                             capture_output=True, text=True, timeout=60)
+        j = json.loads(out.stdout)
+        assert (j["pinned"], j["pinned_until_unix_ms"]) == (st["pinned"], st["pinned_until_unix_ms"]), j
+
+
+def test_pool_errors_say_what_is_wrong(client):
+    with pytest.raises(kvtier.PoolError) as e:
+        client.alloc_pool(0)
+    assert "namespace" not in str(e.value) and "at least one byte" in str(e.value), e.value
+    with pytest.raises(kvtier.PoolError) as e:
+        client.alloc_pool(1 << 50)
+    msg = str(e.value)
+    assert "namespace" not in msg and "memfd" not in msg and "region_bytes" in msg, msg

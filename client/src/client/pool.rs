@@ -24,7 +24,6 @@ use crate::key::BlockKey;
 use crate::proto::{OffloadItem, Request, Response, KEYS_MAX};
 use crate::shm::Region;
 use crate::types::Hints;
-use std::path::PathBuf;
 use std::sync::Arc;
 
 /// A pool of block slots in a client's shared region (see the module docs).
@@ -111,10 +110,7 @@ impl Client {
     /// `server.region_bytes_max`, counted per client) is reported here.
     /// One pool per client.
     pub fn alloc_pool(&self, pool_bytes: u64) -> Result<Pool> {
-        let invalid = |reason: String| Error::InvalidNamespace {
-            field: "pool_bytes",
-            reason,
-        };
+        let invalid = |reason: String| Error::Pool { reason };
         if pool_bytes == 0 {
             return Err(invalid("a pool needs at least one byte".into()));
         }
@@ -126,10 +122,12 @@ impl Client {
         let len = pool_bytes.div_ceil(4096) * 4096;
         let total = base
             .checked_add(len)
-            .ok_or_else(|| invalid(format!("{pool_bytes} bytes")))?;
-        let region = Arc::new(Region::create(total).map_err(|e| Error::Io {
-            path: PathBuf::from("memfd"),
-            source: e,
+            .ok_or_else(|| invalid(format!("{pool_bytes} bytes do not fit in memory")))?;
+        let region = Arc::new(Region::create(total).map_err(|e| {
+            invalid(format!(
+                "the client's region (region_bytes {base} + the pool {len}) cannot be \
+                 created: {e}"
+            ))
         })?);
         *g = Some(region.clone());
         drop(g);

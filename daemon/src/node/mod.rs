@@ -247,6 +247,19 @@ impl Node {
     /// Opens G3 (recovery included), G4 and peers as configured, starts the
     /// G4 uploader, the peer server and heartbeats.
     pub fn open(cfg: NodeConfig) -> Result<Arc<Node>> {
+        let policy = crate::policy::by_name(&cfg.policy).ok_or_else(|| Error::Config {
+            key: "g3.policy".into(),
+            problem: format!("unknown policy {:?} (default | lru)", cfg.policy),
+        })?;
+        let g3 = G3Store::open(cfg.g3.clone(), policy)?;
+        Self::open_with_g3(cfg, g3)
+    }
+
+    /// [`Node::open`] around a G3 store the caller opened (`cfg.g3` and
+    /// `cfg.policy` are not used): the acknowledgement-path crash harness
+    /// (daemon/tests/acked/mod.rs) opens G3 over its power-loss
+    /// filesystem and serves it through the real node and server.
+    pub fn open_with_g3(cfg: NodeConfig, g3: Arc<G3Store>) -> Result<Arc<Node>> {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .thread_name("kvtier-node")
@@ -254,11 +267,6 @@ impl Node {
             .build()
             .map_err(|e| Error::io("starting the node runtime", "", e))?;
         let handle = runtime.handle().clone();
-        let policy = crate::policy::by_name(&cfg.policy).ok_or_else(|| Error::Config {
-            key: "g3.policy".into(),
-            problem: format!("unknown policy {:?} (default | lru)", cfg.policy),
-        })?;
-        let g3 = G3Store::open(cfg.g3.clone(), policy)?;
         let capacity_problem = Self::capacity_problem(&g3);
         if let Some(p) = &capacity_problem {
             tracing::warn!(problem = %p, "g3 capacity above the free space");

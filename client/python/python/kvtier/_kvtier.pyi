@@ -104,6 +104,7 @@ class BlockResult:
         Literal["absent", "corrupt", "unavailable", "timeout", "refused", "no_space", "storage", "too_large"]
     ]
     detail: str
+    route: Optional[Literal["two_hop", "direct"]]
     def __bool__(self) -> bool: ...
 
 class Lookup:
