@@ -121,7 +121,10 @@ fn real_daemon_replay_matches_the_dry_run_and_verifies_bytes() {
     assert_eq!(d["hit_blocks_dry_run_g3_ids"], d["hit_blocks"]);
     assert_eq!(d["requests_with_other_hits_g3_ids"], 0);
     assert_eq!(d["hit_ratio_diff"].as_f64().unwrap(), 0.0);
-    assert_eq!(d["capacity_used_blocks"], d["capacity_used_blocks_dry_run"], "{d}");
+    assert_eq!(
+        d["capacity_used_blocks"], d["capacity_used_blocks_dry_run"],
+        "{d}"
+    );
     assert_eq!(d["capacity_used_blocks"], j["capacity_blocks"]);
     // The capacity was under pressure, so eviction order mattered.
     assert!(d["evictions"].as_u64().unwrap() > 0, "{d}");

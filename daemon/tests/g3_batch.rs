@@ -295,7 +295,10 @@ fn full_filesystem_mid_batch_stores_what_was_written() {
         // only block 0 stays.
         s.delete(&id, &bs[1].0).unwrap();
         for &i in &stored[1..] {
-            assert!(!s.contains(&id, &bs[i].0).unwrap(), "block {i} outlived its parent");
+            assert!(
+                !s.contains(&id, &bs[i].0).unwrap(),
+                "block {i} outlived its parent"
+            );
         }
         assert!(s.contains(&id, &bs[0].0).unwrap());
         let (_, h, p) = block(&ns, 1000);
@@ -312,8 +315,8 @@ fn full_filesystem_mid_batch_stores_what_was_written() {
     };
     // Restart: block 0 is there, and nothing deleted or failed.
     let s = reopen(dir.path());
-    for i in 0..out.len() {
-        let present = s.contains(&id, &bs[i].0).unwrap();
+    for (i, b) in bs.iter().enumerate().take(out.len()) {
+        let present = s.contains(&id, &b.0).unwrap();
         assert_eq!(present, i == 0, "block {i}");
     }
     assert_eq!(s.recovery.lock().unwrap().quarantined, 0);

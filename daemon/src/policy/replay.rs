@@ -323,7 +323,10 @@ impl ReplayTarget for PolicyTarget {
         // G3 spares the batch's parents while it makes room for it.
         if let Some(r) = self.g3.as_mut() {
             let last = ids.len().saturating_sub(1);
-            r.spared = ids[from.saturating_sub(1)..last.max(from)].iter().copied().collect();
+            r.spared = ids[from.saturating_sub(1)..last.max(from)]
+                .iter()
+                .copied()
+                .collect();
         }
         if (fresh.len() as u64) < self.capacity_blocks {
             self.make_room(fresh.len() as u64);
@@ -425,7 +428,11 @@ pub fn replay_dry(trace: &Trace, kind: PolicyKind, capacity_blocks: u64) -> Resu
 /// Dry-run replay of the whole trace deciding as kvtierd with `kind` does
 /// ([`PolicyTarget::kvtierd`]): what a replay through a real daemon must
 /// equal.
-pub fn replay_kvtierd(trace: &Trace, kind: PolicyKind, capacity_blocks: u64) -> Result<ReplayStats> {
+pub fn replay_kvtierd(
+    trace: &Trace,
+    kind: PolicyKind,
+    capacity_blocks: u64,
+) -> Result<ReplayStats> {
     let mut t = PolicyTarget::kvtierd(kind, capacity_blocks).ok_or(Error::InvalidInput {
         what: "policy",
         reason: format!("kvtierd does not run `{}`", kind.name()),

@@ -492,11 +492,7 @@ fn lat(out: &mut Map<String, Value>, name: &str, v: &[f64]) {
 /// the report: hits beside the dry run that decides as kvtierd does
 /// (`replay_kvtierd`, same policy and capacity: the baseline), throughput, latencies, and onboard/offload GB/s
 /// beside raw O_DIRECT I/O of the same block size in the same directory.
-pub fn run(
-    trace: &Trace,
-    cfg: &DaemonReplayConfig,
-    model: &TtftModel,
-) -> Result<Value> {
+pub fn run(trace: &Trace, cfg: &DaemonReplayConfig, model: &TtftModel) -> Result<Value> {
     validate(cfg.policy, cfg.block_bytes)?;
     validate_capacity(trace, cfg.capacity_blocks, cfg.block_bytes)?;
     let dry = &replay_kvtierd(trace, cfg.policy, cfg.capacity_blocks)?;
