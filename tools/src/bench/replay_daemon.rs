@@ -52,9 +52,7 @@ use kvtier_client::{
 };
 use kvtier_daemon::error::Error as DaemonError;
 use kvtier_daemon::g3::G3Store;
-use kvtier_daemon::policy::replay::{
-    replay, replay_kvtierd, PolicyKind, ReplayStats, ReplayTarget, TtftModel,
-};
+use kvtier_daemon::policy::replay::{replay, replay_kvtierd, PolicyKind, ReplayTarget, TtftModel};
 use kvtier_daemon::policy::trace::{RequestHints, Trace};
 use serde_json::{json, Map, Value};
 use std::path::{Path, PathBuf};
