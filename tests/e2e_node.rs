@@ -508,24 +508,27 @@ fn mount_reads_fall_through_to_g4() {
         std::thread::sleep(Duration::from_millis(50));
     }
     let (keys, data) = offload(&d, 7, 2);
+    // The chain's leaf: evicting its root would take the leaf along, and
+    // leave G3 no block of the namespace (the mount lists a namespace's
+    // directory while G3 holds a block of it).
     let g4_file = d
         .dir
         .path()
         .join("g4/blocks")
-        .join(kvtier_client::block_path(&ns().id(), &keys[0]));
+        .join(kvtier_client::block_path(&ns().id(), &keys[1]));
     let t = Instant::now();
     while !g4_file.exists() {
         assert!(t.elapsed() < Duration::from_secs(20), "not uploaded to G4");
         std::thread::sleep(Duration::from_millis(20));
     }
     std::thread::sleep(Duration::from_millis(200)); // the in_g4 mark
-    client(&d).namespace(&ns()).evict(&keys[..1]).unwrap();
+    client(&d).namespace(&ns()).evict(&keys[1..]).unwrap();
     // Not on G3 any more: a plain read of the mount's file fetches it from
     // G4 (verified), promotes it, and serves the block file.
-    let file = std::fs::read(mnt.join(kvtier_client::block_path(&ns().id(), &keys[0]))).unwrap();
+    let file = std::fs::read(mnt.join(kvtier_client::block_path(&ns().id(), &keys[1]))).unwrap();
     let h = kvtier_client::BlockHeader::decode(&file[..4096]).unwrap();
-    assert_eq!(h.key, keys[0]);
-    assert!(file[4096..4096 + BLOCK] == data[0][..], "bytes differ");
+    assert_eq!(h.key, keys[1]);
+    assert!(file[4096..4096 + BLOCK] == data[1][..], "bytes differ");
     assert_eq!(
         metric(&d.scrape(), "kvtier_promotions_total", &[("source", "g4")]),
         1.0

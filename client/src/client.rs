@@ -186,10 +186,35 @@ pub struct OffloadBlock<'a> {
 pub enum OffloadOutcome {
     /// Stored and durable.
     Stored,
+    /// Stored and durable, but its pin hint was refused: the daemon's pin
+    /// budget is spent, so the block is evicted like any other. Pin fewer
+    /// blocks, unpin others, or give G3 more capacity (the budget is half
+    /// of it).
+    StoredUnpinned,
     /// Already there; nothing written.
     AlreadyPresent,
     /// Not stored.
     Failed(Miss),
+}
+
+impl OffloadOutcome {
+    /// The outcome a daemon's per-item status means.
+    pub(crate) fn from_status(s: ItemStatus) -> Self {
+        match s {
+            ItemStatus::Ok => OffloadOutcome::Stored,
+            ItemStatus::StoredUnpinned => OffloadOutcome::StoredUnpinned,
+            ItemStatus::AlreadyPresent => OffloadOutcome::AlreadyPresent,
+            s => OffloadOutcome::Failed(Miss::from_status(s)),
+        }
+    }
+
+    /// Newly stored by this offload (pinned as asked or not).
+    pub fn is_stored(&self) -> bool {
+        matches!(
+            self,
+            OffloadOutcome::Stored | OffloadOutcome::StoredUnpinned
+        )
+    }
 }
 
 /// Outcome of onboarding one block.
@@ -1267,11 +1292,7 @@ impl<'a> NsHandle<'a> {
                 },
             );
             match r {
-                Ok(status) => out.extend(status.into_iter().map(|s| match s {
-                    ItemStatus::Ok => OffloadOutcome::Stored,
-                    ItemStatus::AlreadyPresent => OffloadOutcome::AlreadyPresent,
-                    s => OffloadOutcome::Failed(Miss::from_status(s)),
-                })),
+                Ok(status) => out.extend(status.into_iter().map(OffloadOutcome::from_status)),
                 Err(e) => {
                     let m = Miss::from_error(&e);
                     out.extend(batch.iter().map(|_| OffloadOutcome::Failed(m.clone())));

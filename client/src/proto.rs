@@ -123,6 +123,10 @@ pub enum ItemStatus {
     /// The block failed verification, was quarantined and replaced by a
     /// verified copy from G4 or a peer (`Verify` with repair).
     Repaired = 9,
+    /// Offload: stored and durable, but the pin it asked for was refused
+    /// (the daemon's pin budget is spent): it is evicted like any other
+    /// block. Daemons before this code answered `Ok` and dropped the pin.
+    StoredUnpinned = 10,
 }
 
 /// Which tiers an [`Request::Evict`] removes a block from.
@@ -199,6 +203,7 @@ impl ItemStatus {
             7 => LimitReached,
             8 => Failed,
             9 => Repaired,
+            10 => StoredUnpinned,
             _ => return None,
         })
     }
@@ -1733,6 +1738,8 @@ mod tests {
         assert_eq!("all".parse::<EvictTier>().unwrap(), EvictTier::All);
         assert!("g5".parse::<EvictTier>().is_err());
         assert_eq!(ItemStatus::from_code(9), Some(ItemStatus::Repaired));
+        assert_eq!(ItemStatus::from_code(10), Some(ItemStatus::StoredUnpinned));
+        assert_eq!(ItemStatus::from_code(11), None);
     }
 
     #[test]

@@ -58,6 +58,17 @@ pub enum Error {
         /// The limit.
         limit: u64,
     },
+    /// A block continues a parent this tier does not hold: stored, it
+    /// could never be reached by a lookup of its chain (the wire's
+    /// `Absent`).
+    #[error("block {key} continues {parent}, which is not stored here (store the chain from its first missing block)")]
+    ParentAbsent {
+        /// The block refused (boxed: two inline keys would make every
+        /// `Result` of this crate carry 130 bytes of error).
+        key: Box<BlockKey>,
+        /// Its parent.
+        parent: Box<BlockKey>,
+    },
     /// The request is invalid.
     #[error("invalid {what}: {reason}")]
     InvalidInput {

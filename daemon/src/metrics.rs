@@ -91,6 +91,8 @@ const SCRAPED_COUNTERS: &[(&str, &str, &[&str])] = &[
     ("kvtier_g3_quarantine_trimmed_total", "Quarantined G3 entries deleted to stay within the quarantine bounds", &[]),
     ("kvtier_g3_renames_undone_total", "G3 renames undone after a failed group commit", &[]),
     ("kvtier_g3_orphans_replaced_total", "Unindexed G3 block files replaced by a fresh offload", &[]),
+    ("kvtier_g3_evicted_before_upload_total", "G3 blocks evicted before their G4 upload while write-through was on (G4 has no copy)", &[]),
+    ("kvtier_g3_unreachable_removed_total", "G3 blocks removed because their parent was removed by force or was gone at open", &[]),
     // The G3 recycle pool (g3/recycle.rs).
     ("kvtier_g3_recycled_writes_total", "G3 offloads that overwrote a pooled (evicted) file in place", &[]),
     ("kvtier_g3_recycle_retired_total", "Evicted G3 block files kept in recycle/ for reuse", &[]),
@@ -852,6 +854,8 @@ mod tests {
             "kvtier_g3_quarantine_bytes",
             "kvtier_g3_recycled_writes_total 0",
             "kvtier_g3_recycle_pool_bytes 0",
+            "kvtier_g3_evicted_before_upload_total 0",
+            "kvtier_g3_unreachable_removed_total 0",
         ] {
             assert!(text.contains(line), "{line} missing in\n{text}");
         }
@@ -880,6 +884,8 @@ mod tests {
                 ("quarantine_trimmed", 0),
                 ("renames_undone", 0),
                 ("orphans_replaced", 0),
+                ("evicted_before_upload", 0),
+                ("unreachable_removed", 0),
                 ("recycled_writes", 0),
                 ("recycle_retired", 0),
                 ("recycle_dropped", 0),

@@ -552,7 +552,7 @@ impl KvNamespace for G3Namespace {
         }
         .map_err(fs_err)?;
         match stored {
-            PutOutcome::Stored => {
+            PutOutcome::Stored | PutOutcome::StoredUnpinned => {
                 self.unlinked_set(ns, &key, false);
                 Ok(())
             }

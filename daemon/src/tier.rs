@@ -48,8 +48,19 @@ pub enum MissReason {
 pub enum PutOutcome {
     /// Newly stored and durable.
     Stored,
+    /// Newly stored and durable, but the pin it asked for was refused: the
+    /// pin budget (`pinned_budget_bytes`) is spent, so it is evicted like
+    /// any other block.
+    StoredUnpinned,
     /// The key was already present; nothing was written.
     AlreadyPresent,
+}
+
+impl PutOutcome {
+    /// Newly stored (pinned as asked or not).
+    pub fn is_stored(self) -> bool {
+        matches!(self, PutOutcome::Stored | PutOutcome::StoredUnpinned)
+    }
 }
 
 /// A verified block read from a tier.

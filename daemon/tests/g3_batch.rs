@@ -262,7 +262,12 @@ fn full_filesystem_mid_batch_stores_what_was_written() {
             .filter(|&i| matches!(out[i], Ok(PutOutcome::Stored)))
             .collect();
         assert!(stored.len() >= 2, "stored {stored:?}");
-        assert!(stored.contains(&0), "the first block fits: {:?}", out[0]);
+        // A chain: the blocks before the first failure are stored, every
+        // block after it is out of space or refused for its parent (a
+        // block past a missing one could never be reached; the write
+        // threads may have written it, it is taken back).
+        let first_failed = stored.len();
+        assert_eq!(stored, (0..first_failed).collect::<Vec<_>>(), "{out:?}");
         for (i, r) in out.iter().enumerate() {
             match r {
                 Ok(PutOutcome::Stored) => {
@@ -274,17 +279,28 @@ fn full_filesystem_mid_batch_stores_what_was_written() {
                     assert_eq!(b.payload, bs[i].2);
                 }
                 Err(Error::NoSpace { .. }) => assert!(!s.contains(&id, &bs[i].0).unwrap()),
+                Err(Error::ParentAbsent { parent, .. }) => {
+                    assert!(i > first_failed, "item {i} refused for its parent");
+                    assert_eq!(**parent, bs[i - 1].0);
+                    assert!(!s.contains(&id, &bs[i].0).unwrap());
+                }
                 other => panic!("item {i}: {other:?}"),
             }
         }
-        assert!(out.iter().any(|r| matches!(r, Err(Error::NoSpace { .. }))));
+        assert!(matches!(out[first_failed], Err(Error::NoSpace { .. })));
         assert_eq!(common::temp_files(dir.path()), 0);
         assert!(s.stats().read_only.is_none(), "ENOSPC does not poison");
-        // After space is freed, a batch stores again.
-        let deleted = stored[..2].to_vec();
-        for &i in &deleted {
-            s.delete(&id, &bs[i].0).unwrap();
+        // After space is freed, a batch stores again. Deleting block 1
+        // takes its descendants along (no lookup reaches them without it):
+        // only block 0 stays.
+        s.delete(&id, &bs[1].0).unwrap();
+        for &i in &stored[1..] {
+            assert!(
+                !s.contains(&id, &bs[i].0).unwrap(),
+                "block {i} outlived its parent"
+            );
         }
+        assert!(s.contains(&id, &bs[0].0).unwrap());
         let (_, h, p) = block(&ns, 1000);
         let again = s.put_blocks(
             &id,
@@ -295,19 +311,13 @@ fn full_filesystem_mid_batch_stores_what_was_written() {
             }],
         );
         assert!(matches!(again[0], Ok(PutOutcome::Stored)), "{:?}", again[0]);
-        (out, deleted)
+        out
     };
-    // Restart: what was reported stored (and not deleted) is there, and
-    // nothing that failed.
-    let (out, deleted) = out;
+    // Restart: block 0 is there, and nothing deleted or failed.
     let s = reopen(dir.path());
-    for (i, r) in out.iter().enumerate() {
-        let present = s.contains(&id, &bs[i].0).unwrap();
-        if matches!(r, Ok(PutOutcome::Stored)) && !deleted.contains(&i) {
-            assert!(present, "block {i} lost");
-        } else {
-            assert!(!present, "block {i} is visible");
-        }
+    for (i, b) in bs.iter().enumerate().take(out.len()) {
+        let present = s.contains(&id, &b.0).unwrap();
+        assert_eq!(present, i == 0, "block {i}");
     }
     assert_eq!(s.recovery.lock().unwrap().quarantined, 0);
 }

@@ -1,9 +1,12 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 //! `Backend::offload_batch` on the real node (G3 in a temp dir, no G4):
-//! per-item outcomes of one request, `Stored` events in input order with
-//! their parents, the chain found by lookup, and the same outcomes as the
+//! per-item outcomes of one request (a block past a refused one is refused
+//! for its parent), `Stored` events in input order with their parents, the
+//! chain found by lookup, and the same outcomes as the node's own
+//! one-at-a-time offloads and, up to the first refused block, as the
 //! one-at-a-time default on `MemBackend` (which reports a bad checksum as
-//! a format error where G3 says invalid input: both answer `Invalid`).
+//! a format error where G3 says invalid input: both answer `Invalid`;
+//! it keeps no chains, so it stores the blocks past it).
 //! And the onboard side through a real server: a request's block reads run
 //! together, and a damaged or absent block is a miss in its place.
 
@@ -66,6 +69,7 @@ fn outcomes(r: &[kvtier_daemon::Result<PutOutcome>]) -> Vec<String> {
         .map(|o| match o {
             Ok(o) => format!("{o:?}"),
             Err(Error::InvalidInput { .. } | Error::Client(_)) => "invalid".into(),
+            Err(Error::ParentAbsent { .. }) => "parent absent".into(),
             Err(e) => panic!("{e:?}"),
         })
         .collect()
@@ -86,11 +90,10 @@ fn node_batch_is_ordered_and_fails_per_item_like_the_default() {
     let blocks: Vec<_> = (0..10).map(block).collect();
     let mut bad = blocks[3].1.clone();
     bad[9] ^= 0x10;
-    // Block 5 is stored beforehand: present in the batch.
-    let (h5, p5) = &blocks[5];
+    // Block 0 is stored beforehand: present in the batch.
+    let (h0, p0) = &blocks[0];
     assert_eq!(
-        node.offload(&id, h5, p5, Some(blocks[4].0.key), Hints::default())
-            .unwrap(),
+        node.offload(&id, h0, p0, None, Hints::default()).unwrap(),
         PutOutcome::Stored
     );
     let first = sub.rx.recv().unwrap();
@@ -98,9 +101,14 @@ fn node_batch_is_ordered_and_fails_per_item_like_the_default() {
 
     let req = request(&blocks, &bad);
     let got = outcomes(&node.offload_batch(&id, &req));
-    let mut want: Vec<String> = (0..10).map(|_| "Stored".to_string()).collect();
+    // The chain breaks at the damaged block 3: every block after it
+    // continues a block G3 does not hold, so none is stored (no lookup
+    // could reach it).
+    let mut want: Vec<String> = (0..10).map(|_| "parent absent".to_string()).collect();
+    want[0] = "AlreadyPresent".into();
+    want[1] = "Stored".into();
+    want[2] = "Stored".into();
     want[3] = "invalid".into();
-    want[5] = "AlreadyPresent".into();
     assert_eq!(got, want);
 
     // Events: one Stored per stored block, in input order, with parents.
@@ -119,19 +127,35 @@ fn node_batch_is_ordered_and_fails_per_item_like_the_default() {
             other => panic!("{other:?}"),
         }
     }
-    let expect: Vec<(Option<BlockKey>, BlockKey)> = (0..10usize)
-        .filter(|&i| i != 3 && i != 5)
-        .map(|i| (i.checked_sub(1).map(|j| blocks[j].0.key), blocks[i].0.key))
+    let expect: Vec<(Option<BlockKey>, BlockKey)> = (1..3usize)
+        .map(|i| (Some(blocks[i - 1].0.key), blocks[i].0.key))
         .collect();
     assert_eq!(seen, expect);
-    // The chain breaks at the damaged block 3.
     let chain: Vec<BlockKey> = blocks.iter().map(|b| b.0.key).collect();
     assert_eq!(node.lookup(&id, &chain).unwrap(), vec![Tier::G3; 3]);
+    for b in &blocks[4..] {
+        assert!(node.stat(&id, &b.0.key).unwrap().is_none());
+    }
 
-    // The default (one at a time) on MemBackend answers the same.
+    // The node one block at a time answers the same.
+    let one_dir = tempfile::tempdir().unwrap();
+    let one = Node::open(NodeConfig::new(G3Config::new(
+        one_dir.path().join("g3"),
+        64 << 20,
+    )))
+    .unwrap();
+    one.offload(&id, h0, p0, None, Hints::default()).unwrap();
+    let singly: Vec<_> = req
+        .iter()
+        .map(|b| one.offload(&id, &b.header, b.payload, b.parent, b.hints))
+        .collect();
+    assert_eq!(outcomes(&singly), want);
+
+    // The default (one at a time) on MemBackend answers the same up to
+    // the damaged block.
     let mem = MemBackend::new(MemLimits::default(), dir.path().join("spill"));
-    mem.offload(&id, h5, p5, None, Hints::default()).unwrap();
-    assert_eq!(outcomes(&mem.offload_batch(&id, &req)), want);
+    mem.offload(&id, h0, p0, None, Hints::default()).unwrap();
+    assert_eq!(outcomes(&mem.offload_batch(&id, &req))[..4], want[..4]);
 }
 
 /// The node behind a gate that holds every `read_into` until `want` of

@@ -120,12 +120,13 @@ impl Daemon {
             .arg(&self.socket)
             .arg("--g3-dir")
             .arg(self.dir.path().join("g3"))
-            .args([
-                "--g3-capacity",
-                "256MiB",
-                "--metrics-addr",
-                &self.metrics_addr,
-            ])
+            // 256 MiB unless the test gives its own (the flag may not repeat).
+            .args(
+                ["--g3-capacity", "256MiB"]
+                    .into_iter()
+                    .filter(|_| !self.extra_args.iter().any(|a| a == "--g3-capacity")),
+            )
+            .args(["--metrics-addr", &self.metrics_addr])
             .args(&self.extra_args)
             .envs(self.envs.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .env("RUST_LOG", "warn")

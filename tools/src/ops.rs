@@ -5,8 +5,8 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use kvtier_client::proto::ItemStatus;
 use kvtier_client::{
-    BlockKey, Client, ClientConfig, HashMode, Hints, KvLayout, Namespace, NamespaceId,
-    OffloadOutcome, Onboarded, Tier,
+    BlockKey, Client, ClientConfig, HashMode, Hints, KvLayout, Namespace, NamespaceId, Onboarded,
+    Tier,
 };
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -827,7 +827,7 @@ fn round_trip(socket: &Path, mode: HashMode) -> Result<()> {
     // The tokens go along: in dynamo mode each header carries the block's
     // Dynamo routing facts (tokens_hash, token ids, parent).
     let (_, out) = h.offload_tokens(None, &tokens, &refs, Hints::default());
-    let stored = out.iter().filter(|o| **o == OffloadOutcome::Stored).count();
+    let stored = out.iter().filter(|o| o.is_stored()).count();
     println!("offload: {stored} stored in {:?}", t.elapsed());
     let after = h.lookup(&keys);
     println!(

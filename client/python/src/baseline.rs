@@ -97,10 +97,7 @@ pub(crate) fn _rust_client_round(
                         .collect();
                     h.offload(&items)
                 };
-                failed += out
-                    .iter()
-                    .filter(|o| **o != kvtier_client::OffloadOutcome::Stored)
-                    .count();
+                failed += out.iter().filter(|o| !o.is_stored()).count();
             }
         }
         (t.elapsed().as_secs_f64(), failed)

@@ -20,8 +20,9 @@ pub(crate) fn cause_name(c: MissCause) -> &'static str {
 /// The outcome of one block of an offload or onboard. True when it
 /// succeeded.
 ///
-/// status: "hit" (onboarded), "stored", "already_present" (offloaded), or
-/// "miss" (recompute / not stored). reason (misses only): "absent",
+/// status: "hit" (onboarded), "stored", "stored_unpinned" (stored, but its
+/// pin was refused: the pin budget is spent), "already_present"
+/// (offloaded), or "miss" (recompute / not stored). reason (misses only): "absent",
 /// "corrupt", "unavailable", "timeout", "refused", "no_space", "storage",
 /// "too_large". tier (hits only): "g3", "peer" or "g4". nbytes: payload
 /// bytes written (hits). route (onboards into device memory): how the
@@ -90,6 +91,7 @@ impl BlockResult {
         };
         match o {
             OffloadOutcome::Stored => ok("stored"),
+            OffloadOutcome::StoredUnpinned => ok("stored_unpinned"),
             OffloadOutcome::AlreadyPresent => ok("already_present"),
             OffloadOutcome::Failed(m) => Self::miss(m),
         }

@@ -192,3 +192,21 @@ def test_prefetch_brings_an_evicted_chain_back_before_its_request(daemon, client
     assert client.prefetch(ns, keys) == ["already_present"] * 3
     with pytest.raises(kvtier.ArgumentError):
         client.prefetch(ns, keys, deadline_ms=-1)
+
+
+def test_pins_past_the_budget_are_stored_unpinned(start_daemon, ns):
+    # G3 of 4 MiB: its pin budget (half) holds 7 blocks of 256 KiB (+4 KiB
+    # header each). Past it a pinned offload is stored but answered
+    # "stored_unpinned", never a plain "stored" (issue 27).
+    d = start_daemon(g4=False)
+    d.kill9()
+    d.args[d.args.index("--g3-capacity") + 1] = "4MiB"
+    d.start()
+    client = kvtier.Client(socket=d.socket, timeout_ms=5000)
+    statuses = []
+    for i in range(10):
+        key = ns.hash_chain(np.arange(16 * i, 16 * i + 16, dtype=np.int64))
+        r = client.offload(ns, key, payloads(1, seed=i), pinned=True)[0]
+        assert r.ok, r
+        statuses.append(r.status)
+    assert statuses == ["stored"] * 7 + ["stored_unpinned"] * 3, statuses

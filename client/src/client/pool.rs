@@ -21,7 +21,7 @@ use super::{Landing, OffloadOutcome, Onboarded};
 use crate::block::{BlockHeader, HEADER_BYTES};
 use crate::error::{Error, Result};
 use crate::key::BlockKey;
-use crate::proto::{ItemStatus, OffloadItem, Request, Response, KEYS_MAX};
+use crate::proto::{OffloadItem, Request, Response, KEYS_MAX};
 use crate::shm::Region;
 use crate::types::Hints;
 use std::sync::Arc;
@@ -201,9 +201,7 @@ impl NsHandle<'_> {
                         out.push(match b {
                             Some(m) => OffloadOutcome::Failed(m),
                             None => match st.next() {
-                                Some(ItemStatus::Ok) => OffloadOutcome::Stored,
-                                Some(ItemStatus::AlreadyPresent) => OffloadOutcome::AlreadyPresent,
-                                Some(s) => OffloadOutcome::Failed(Miss::from_status(s)),
+                                Some(s) => OffloadOutcome::from_status(s),
                                 None => OffloadOutcome::Failed(Miss::new(
                                     MissCause::Refused,
                                     "offload reply length",

@@ -43,6 +43,7 @@ impl G3Store {
         }
         drop(mem);
         self.update_record(id, |r| r.pin_until_s = until);
+        self.tell_policy(id);
         true
     }
 
@@ -59,12 +60,13 @@ impl G3Store {
         e.pin_until_s = 0;
         drop(mem);
         self.update_record(id, |r| r.pin_until_s = 0);
+        self.tell_policy(id);
         was
     }
 
     /// Sets the priority hint (told to the policy); `false` when absent.
     pub fn set_priority(&self, ns: &NamespaceId, key: &BlockKey, p: u8) -> bool {
-        let hints = {
+        let id = {
             let Ok(mut mem) = self.mem.write() else {
                 return false;
             };
@@ -73,21 +75,35 @@ impl G3Store {
                 return false;
             };
             e.priority = p;
-            (
-                id,
-                Hints {
-                    priority: p,
-                    pinned: e.pinned(now_s()),
-                    ephemeral: e.flags & FLAG_EPHEMERAL != 0,
-                    expected_reuse: 0,
-                },
-            )
+            id
+        };
+        self.tell_policy(id);
+        self.update_record(id, |r| r.priority = p);
+        true
+    }
+
+    /// Tells the policy a block's hints as G3 holds them. Pinned means a
+    /// pin without expiry: the policy keeps such a block out of its
+    /// candidates until unpinned; a pin with a TTL stays a candidate that
+    /// eviction refuses until it expires (G3 owns pins and their budget).
+    fn tell_policy(&self, id: u64) {
+        let hints = {
+            let Ok(mem) = self.mem.read() else {
+                return;
+            };
+            let Some(e) = mem.map.get(&id) else {
+                return;
+            };
+            Hints {
+                priority: e.priority,
+                pinned: e.pin_until_s == PIN_FOREVER,
+                ephemeral: e.flags & FLAG_EPHEMERAL != 0,
+                expected_reuse: 0,
+            }
         };
         if let Ok(mut pol) = self.policy.lock() {
-            pol.on_hints(hints.0, hints.1);
+            pol.on_hints(id, hints);
         }
-        self.update_record(hints.0, |r| r.priority = p);
-        true
     }
 
     /// Records that a copy exists in G4. False only when it was recorded
@@ -134,7 +150,7 @@ impl G3Store {
         true
     }
 
-    fn update_record(&self, id: u64, f: impl FnOnce(&mut Record)) {
+    pub(super) fn update_record(&self, id: u64, f: impl FnOnce(&mut Record)) {
         if let Ok(Some(mut r)) = self.disk.get(id) {
             f(&mut r);
             if let Err(e) = self.disk.put(&[(id, &r)]) {

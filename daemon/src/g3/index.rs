@@ -164,6 +164,9 @@ pub struct MemIndex {
     /// `insert` and the removals; do not insert into or remove from `map`
     /// directly).
     pub presence: super::presence::Presence,
+    /// Parent links between held blocks (chains.rs); a removal drops the
+    /// removed block's own link.
+    pub chains: super::chains::Chains,
 }
 
 impl MemIndex {
@@ -239,6 +242,7 @@ impl MemIndex {
         let e = self.map.remove(&id)?;
         self.used_bytes = self.used_bytes.saturating_sub(e.file_len());
         self.presence.remove(e.check);
+        self.chains.unlink(id);
         Some(e)
     }
 
@@ -247,6 +251,7 @@ impl MemIndex {
         let e = self.map.remove(&id)?;
         self.used_bytes = self.used_bytes.saturating_sub(e.file_len());
         self.presence.remove(e.check);
+        self.chains.unlink(id);
         if let Some(n) = self.ns_blocks.get_mut(ns) {
             *n -= 1;
             if *n == 0 {
@@ -280,6 +285,11 @@ pub struct Record {
     pub priority: u8,
     /// `FLAG_EPHEMERAL | FLAG_IN_G4`.
     pub flags: u8,
+    /// The id of the block it continues (its chain parent, held when it
+    /// was stored), so a restart keeps the leaves-first order. Encoded
+    /// after the key (a flag byte and 8 bytes): records without it read
+    /// as `None`, and builds before it ignore it.
+    pub parent: Option<u64>,
 }
 
 const REC_FIXED: usize = 16 + 8 + 32 + 8 + 4 + 4 + 4 + 1 + 1 + 1;
@@ -298,6 +308,10 @@ impl Record {
         v.push(self.flags);
         v.push(self.key.len() as u8);
         v.extend_from_slice(self.key.as_bytes());
+        if let Some(p) = self.parent {
+            v.push(1);
+            v.extend_from_slice(&p.to_le_bytes());
+        }
         v
     }
 
@@ -321,6 +335,11 @@ impl Record {
         sum.copy_from_slice(&b[24..56]);
         let klen = b[REC_FIXED - 1] as usize;
         let key = BlockKey::from_bytes(b.get(REC_FIXED..REC_FIXED + klen)?).ok()?;
+        let tail = &b[REC_FIXED + klen..];
+        let parent = match tail.first() {
+            Some(1) if tail.len() >= 9 => Some(u64_at(REC_FIXED + klen + 1)),
+            _ => None,
+        };
         Some(Record {
             ns: NamespaceId(ns),
             key,
@@ -332,6 +351,7 @@ impl Record {
             pin_until_s: u32_at(72),
             priority: b[76],
             flags: b[77],
+            parent,
         })
     }
 
@@ -733,8 +753,17 @@ mod tests {
             pin_until_s: 8,
             priority: 9,
             flags: FLAG_IN_G4,
+            parent: None,
         };
         assert_eq!(Record::decode(&r.encode()), Some(r.clone()));
+        let linked = Record {
+            parent: Some(0xfeed),
+            ..r.clone()
+        };
+        assert_eq!(Record::decode(&linked.encode()), Some(linked.clone()));
+        // What a build before the link reads: the record without it.
+        let old = linked.encode();
+        assert_eq!(old.len(), r.encode().len() + 9);
         assert_eq!(r.file_len(), 4096 + 65536);
         assert_eq!(std::mem::size_of::<Entry>(), 32);
     }

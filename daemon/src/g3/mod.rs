@@ -27,8 +27,11 @@
 //! - `lookup`: `lookup_prefix`, `stat`, `list`, `namespaces` (memory only,
 //!   but `stat`'s one record). `leases` and `hints`: leases, pins, priority,
 //!   the in-G4 flag.
-//! - `remove`: delete and forget. [`reclaimer`]: eviction, `make_room` and
-//!   the background thread. `close`: shutdown and the clean marker.
+//! - `remove`: delete and forget (a forced removal takes the block's
+//!   now-unreachable descendants along). [`reclaimer`]: eviction,
+//!   `make_room` and the background thread. `chains`: the parent links of
+//!   held blocks (leaves first). `spare`: what eviction must not take now
+//!   (a batch's parents, open chain tails). `close`: shutdown and the clean marker.
 //! - `events`: [`G3Event`] and the sink. `stats`: counters, [`G3Stats`].
 //!   `block_tier`: the [`crate::tier::BlockTier`] impl.
 //!
@@ -46,9 +49,16 @@
 //! Architecture invariant: a block is visible (index, lookups, events) only
 //! after its file and directory entry are durable; bytes leave this module
 //! only after their header, length, padding and payload checksum verified.
+//!
+//! Architecture invariant (chains): every held block is reachable from a
+//! held root through held parents. A put whose parent is not held is
+//! refused; eviction takes only leaves (no held child) and never a batch's
+//! parent or a chain's open tail; a forced removal takes the descendants
+//! with it.
 
 pub mod access_order;
 mod block_tier;
+mod chains;
 mod close;
 mod config;
 pub mod dir_lock;
@@ -73,6 +83,7 @@ mod recycle;
 mod remove;
 pub mod seam;
 mod snapshot;
+mod spare;
 mod stats;
 #[cfg(test)]
 mod tests;
@@ -151,6 +162,12 @@ pub struct G3Store {
     write_gate: RwLock<()>,
     reclaim: Arc<reclaimer::Signal>,
     reclaimer: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// What eviction must not take now: the parents of batches being
+    /// written, the open tails of chains (spare.rs).
+    spare: spare::Spare,
+    /// Eviction prefers blocks already in G4 (G4 write-through is on), and
+    /// counts the ones that go before their upload.
+    prefer_uploaded: AtomicBool,
     /// What recovery found at open.
     pub recovery: Mutex<RecoveryReport>,
     /// This store's exclusive hold on `root` (dir_lock.rs): taken before
@@ -339,6 +356,8 @@ impl G3Store {
             write_gate: RwLock::new(()),
             reclaim: Arc::new(reclaimer::Signal::default()),
             reclaimer: Mutex::new(None),
+            spare: spare::Spare::default(),
+            prefer_uploaded: AtomicBool::new(false),
             recovery: Mutex::new(RecoveryReport::default()),
             _dir_lock: lock,
             cfg,

@@ -1,11 +1,12 @@
 //! Eviction: the mechanism. The policy (crate::policy) picks victims; this
-//! module asks it only for blocks that are neither leased nor pinned, and
-//! runs in the background once usage passes the high watermark, down to
+//! module asks it only for leaves (chains.rs) that are neither leased nor
+//! pinned nor spared (spare.rs), and runs in the background once usage passes the high watermark, down to
 //! the low one. It also expires leases and makes the index durable once a
 //! second. Capacity on the write path lives here too: `make_room` evicts
 //! synchronously before a batch would pass `capacity_bytes`, and
 //! `maybe_reclaim` wakes the thread above the high watermark.
 
+use super::index::{FLAG_EPHEMERAL, FLAG_IN_G4};
 use super::{lock_err, now_s, G3Store, RemoveReason};
 use crate::error::{Error, Result};
 use std::sync::atomic::Ordering;
@@ -17,6 +18,8 @@ use std::time::Duration;
 pub struct Signal {
     state: Mutex<(bool, bool)>,
     cv: Condvar,
+    /// Test seam: the thread skips its eviction passes.
+    paused: std::sync::atomic::AtomicBool,
 }
 
 impl Signal {
@@ -61,13 +64,8 @@ pub(super) fn spawn(store: &Arc<G3Store>) -> Option<std::thread::JoinHandle<()>>
                 return;
             }
             let Some(s) = weak.upgrade() else { return };
-            s.sweep_leases();
-            let cap = s.block_capacity() as f64;
-            let used = s.mem.read().map(|m| m.used_bytes).unwrap_or(0) as f64;
-            if used > s.cfg.high_watermark * cap {
-                // Background evictions keep their files for reuse.
-                let n = s.evict_to((s.cfg.low_watermark * cap) as u64, true);
-                tracing::debug!(evicted = n, "g3: eviction pass");
+            if !signal.paused.load(Ordering::Relaxed) {
+                s.background_pass();
             }
             // Off the write path: retired files become reusable.
             s.settle_retired();
@@ -84,15 +82,85 @@ pub(super) fn spawn(store: &Arc<G3Store>) -> Option<std::thread::JoinHandle<()>>
     }
 }
 
+/// How many evictable candidates not yet in G4 a pass looks past, in the
+/// policy's order, for one that is (when G4 write-through is on): bounded,
+/// so a backlog of uploads costs a short scan, not one of the whole tier.
+const PREFER_UPLOADED_SCAN_MAX: u32 = 64;
+
+static BEFORE_UPLOAD_WARN: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new(10_000);
+static STUCK_WARN: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new(10_000);
+
+/// Whether a pass may make room now (the write path, a full filesystem) or
+/// can wait (the background pass: it never takes an open tail).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Urgency {
+    /// Room is needed for a write waiting now.
+    Now,
+    /// Down to the low watermark, in the background.
+    Background,
+}
+
 impl G3Store {
-    /// Evicts policy victims (never leased or pinned blocks) until usage is
-    /// at most `target_bytes` or nothing more may go. Returns blocks evicted.
-    /// `retire`: victims' files may go to the recycle pool.
-    pub(crate) fn evict_to(&self, target_bytes: u64, retire: bool) -> u64 {
+    /// Eviction prefers blocks already uploaded to G4 (set when G4
+    /// write-through is on), and counts and logs blocks evicted before
+    /// their upload.
+    pub fn set_prefer_uploaded(&self, on: bool) {
+        self.prefer_uploaded.store(on, Ordering::Relaxed);
+    }
+
+    /// Test seam: the background thread stops (`true`) or resumes evicting,
+    /// so that a test runs [`G3Store::background_pass`] itself, between its
+    /// checks (lease expiry and index flushes go on).
+    #[doc(hidden)]
+    pub fn pause_background_eviction(&self, paused: bool) {
+        self.reclaim.paused.store(paused, Ordering::Relaxed);
+    }
+
+    /// One pass of the background reclaimer: above the high watermark,
+    /// evicts down to the low one (never an open tail). Public for tests
+    /// (the chain model test runs it between operations). Returns blocks
+    /// evicted.
+    #[doc(hidden)]
+    pub fn background_pass(&self) -> u64 {
         self.sweep_leases();
+        let cap = self.block_capacity() as f64;
+        let used = self.mem.read().map(|m| m.used_bytes).unwrap_or(0) as f64;
+        if used <= self.cfg.high_watermark * cap {
+            return 0;
+        }
+        // Background evictions keep their files for reuse.
+        let n = self.evict_pass(
+            (self.cfg.low_watermark * cap) as u64,
+            true,
+            Urgency::Background,
+        );
+        tracing::debug!(evicted = n, "g3: eviction pass");
+        n
+    }
+
+    /// Evicts policy victims until usage is at most `target_bytes` or
+    /// nothing more may go, for a write waiting now (see
+    /// [`G3Store::evict_pass`]). Returns blocks evicted.
+    pub(crate) fn evict_to(&self, target_bytes: u64, retire: bool) -> u64 {
+        self.evict_pass(target_bytes, retire, Urgency::Now)
+    }
+
+    /// Evicts policy victims until usage is at most `target_bytes` or
+    /// nothing more may go. A victim is a leaf (no held child, chains.rs),
+    /// neither leased nor pinned, nor a batch's parent; an open tail
+    /// (spare.rs) only when `urgency` is `Now` and nothing else may go.
+    /// With G4 write-through on, a block already in G4 goes before one
+    /// that is not among the first [`PREFER_UPLOADED_SCAN_MAX`]
+    /// candidates. `retire`: victims' files may go to the recycle pool.
+    /// Returns blocks evicted.
+    pub(crate) fn evict_pass(&self, target_bytes: u64, retire: bool, urgency: Urgency) -> u64 {
+        self.sweep_leases();
+        let spared = self.spare.now();
+        let mut take_tails = false;
         let mut n = 0;
         loop {
             let now = now_s();
+            let prefer = self.prefer_uploaded.load(Ordering::Relaxed);
             let victim = {
                 let Ok(mem) = self.mem.read() else { break };
                 if mem.used_bytes <= target_bytes {
@@ -101,17 +169,52 @@ impl G3Store {
                 let Ok(mut pol) = self.policy.lock() else {
                     break;
                 };
-                pol.victim(&mut |id| {
+                let evictable = |id: u64| {
                     mem.map
                         .get(&id)
                         .is_some_and(|e| e.leases == 0 && !e.pinned(now))
-                })
+                        && !mem.chains.has_children(id)
+                        && !spared.parents.contains(&id)
+                        && (take_tails || !spared.tails.contains(&id))
+                };
+                let uploaded = |id: u64| {
+                    mem.map
+                        .get(&id)
+                        .is_some_and(|e| e.flags & (FLAG_IN_G4 | FLAG_EPHEMERAL) != 0)
+                };
+                let mut pick = None;
+                if prefer {
+                    let mut passed = 0u32;
+                    let first = pol.victim(&mut |id| {
+                        if !evictable(id) {
+                            return false;
+                        }
+                        if uploaded(id) {
+                            return true;
+                        }
+                        passed += 1;
+                        passed >= PREFER_UPLOADED_SCAN_MAX
+                    });
+                    pick = first.filter(|&id| uploaded(id));
+                }
+                pick.or_else(|| pol.victim(&mut |id| evictable(id)))
+                    .map(|id| (id, prefer && !uploaded(id)))
             };
-            let Some(id) = victim else {
-                tracing::warn!(
-                    target_bytes,
-                    "g3: over the watermark but every block is leased or pinned"
-                );
+            let Some((id, before_upload)) = victim else {
+                if urgency == Urgency::Now && !take_tails && !spared.tails.is_empty() {
+                    // Nothing else may go: an open tail's chain is cut short
+                    // (its next batch is refused) rather than the write.
+                    take_tails = true;
+                    continue;
+                }
+                if let Some(suppressed) = STUCK_WARN.allow() {
+                    tracing::warn!(
+                        target_bytes,
+                        suppressed,
+                        "g3: over the watermark but no block may go (every leaf is leased, \
+                         pinned, a batch's parent or a chain's open tail)"
+                    );
+                }
                 break;
             };
             let removed = match self.disk.get(id) {
@@ -125,6 +228,18 @@ impl G3Store {
                 Ok(true) => {
                     n += 1;
                     self.counters.evictions.fetch_add(1, Ordering::Relaxed);
+                    if before_upload {
+                        self.counters
+                            .evicted_before_upload
+                            .fetch_add(1, Ordering::Relaxed);
+                        if let Some(suppressed) = BEFORE_UPLOAD_WARN.allow() {
+                            tracing::warn!(
+                                suppressed,
+                                "g3: evicted a block before its G4 upload (G4 has no copy; \
+                                 kvtier_g3_evicted_before_upload_total counts them)"
+                            );
+                        }
+                    }
                 }
                 Ok(false) => {
                     // The policy knew a block the index does not: forget it

@@ -142,7 +142,11 @@ impl G3Store {
             None
         };
         rep.from_snapshot = image.is_some();
-        if let Some(image) = image {
+        // (child, parent) links, made into chains once the held set is
+        // known (chains.rs).
+        let mut links: Vec<(u64, u64)> = Vec::new();
+        if let Some((image, image_links)) = image {
+            links = image_links;
             mem.reserve(image.len());
             for (ns, id, e) in image {
                 order.push((
@@ -150,7 +154,7 @@ impl G3Store {
                     id,
                     Hints {
                         priority: e.priority,
-                        pinned: e.pin_until_s != 0,
+                        pinned: e.pin_until_s == super::index::PIN_FOREVER,
                         ephemeral: e.flags & super::index::FLAG_EPHEMERAL != 0,
                         expected_reuse: 0,
                     },
@@ -162,6 +166,7 @@ impl G3Store {
             self.disk.for_each(|id, r| {
                 let (_, check) = digest(&r.ns, &r.key);
                 order.push((r.last_access_s, id, hints_of(&r)));
+                links.extend(r.parent.map(|p| (id, p)));
                 mem.insert(r.ns, id, entry_of(&r, check));
             })?;
         }
@@ -172,6 +177,7 @@ impl G3Store {
         rep.indexed = mem.map.len() as u64 - rep.adopted;
         order.retain(|(_, id, _)| mem.map.contains_key(id));
         order.sort_unstable_by_key(|(t, id, _)| (*t, *id));
+        let unreachable = super::chains::link_recovered(&mut mem, &links);
         {
             let mut pol = self
                 .policy
@@ -182,7 +188,7 @@ impl G3Store {
                 pol.on_insert(
                     id,
                     BlockMeta {
-                        parent: None,
+                        parent: mem.chains.parent(id),
                         size_bytes,
                         hints,
                     },
@@ -193,6 +199,7 @@ impl G3Store {
         if let Ok(mut k) = self.known_dirs.lock() {
             k.extend(known);
         }
+        self.remove_unreachable(&unreachable);
         if !trusted {
             self.disk.flush()?;
         }
@@ -507,7 +514,7 @@ fn prefetch(path: &Path) {
 fn hints_of(r: &Record) -> Hints {
     Hints {
         priority: r.priority,
-        pinned: r.pin_until_s != 0,
+        pinned: r.pin_until_s == super::index::PIN_FOREVER,
         ephemeral: r.flags & super::index::FLAG_EPHEMERAL != 0,
         expected_reuse: 0,
     }
@@ -541,5 +548,6 @@ fn adopted_record(ns: NamespaceId, key: BlockKey, h: &BlockHeader) -> Record {
         pin_until_s: 0,
         priority: 0,
         flags: 0,
+        parent: None,
     }
 }

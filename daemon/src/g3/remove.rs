@@ -1,6 +1,7 @@
 //! Taking a block out of the tier: `delete_block` (on request) and
 //! `remove_block` (eviction too) unlink the file; `forget` drops it from
-//! memory, policy and redb, refusing to touch a colliding name.
+//! memory, policy and redb, refusing to touch a colliding name, and takes
+//! the descendants that the removal left unreachable along (chains.rs).
 
 use super::index::digest;
 use super::{lock_err, G3Event, G3Store, RemoveReason};
@@ -31,6 +32,18 @@ impl G3Store {
         ns: &NamespaceId,
         key: &BlockKey,
         reason: RemoveReason,
+        retire: bool,
+    ) -> Result<bool> {
+        self.remove_block_as(ns, key, Some(reason), retire)
+    }
+
+    /// [`G3Store::remove_block`]; `reason` `None`: no `Removed` event (a
+    /// block never announced as stored, `take_back`).
+    fn remove_block_as(
+        &self,
+        ns: &NamespaceId,
+        key: &BlockKey,
+        reason: Option<RemoveReason>,
         retire: bool,
     ) -> Result<bool> {
         let (id, check) = digest(ns, key);
@@ -71,11 +84,13 @@ impl G3Store {
             Err(e) => return Err(Error::io("removing", &path, e)),
         };
         if self.forget(ns, key, id)? {
-            self.emit(G3Event::Removed {
-                ns: *ns,
-                key: *key,
-                reason,
-            });
+            if let Some(reason) = reason {
+                self.emit(G3Event::Removed {
+                    ns: *ns,
+                    key: *key,
+                    reason,
+                });
+            }
             return Ok(true);
         }
         // A reader (the uploader, an onboard) that opened the file just
@@ -128,8 +143,69 @@ impl G3Store {
         Ok(())
     }
 
-    /// Drops a block from memory, policy and redb (not the file).
+    /// Removes the held descendants of a block that left (a forced
+    /// removal: delete, `kvtier evict`, corruption, a vanished file;
+    /// eviction takes only leaves): no lookup can reach them any more, so
+    /// they would only take room. Children before their parents, each with
+    /// its `Removed` event. Leases and pins do not keep them (as for the
+    /// removal itself).
+    fn remove_descendants(&self, id: u64) {
+        let ids = match self.mem.read() {
+            Ok(m) => m.chains.descendants(id, m.map.len()),
+            Err(_) => return,
+        };
+        self.remove_unreachable(&ids);
+    }
+
+    /// Removes blocks that no lookup can reach (their parent is gone), and
+    /// their descendants, each with its `Removed` event.
+    pub(super) fn remove_unreachable(&self, ids: &[u64]) {
+        for &id in ids {
+            let Ok(Some(rec)) = self.disk.get(id) else {
+                continue;
+            };
+            match self.remove_block(&rec.ns, &rec.key, RemoveReason::Deleted, false) {
+                Ok(true) => {
+                    self.counters
+                        .unreachable_removed
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::warn!(key = %rec.key, error = %e, "g3: cannot remove a block whose parent is gone");
+                }
+            }
+        }
+    }
+
+    /// Takes back blocks of a batch that were written but found unreachable
+    /// when published (an earlier block of their chain failed, or their
+    /// parent was removed by force meanwhile): answered `ParentAbsent` and
+    /// never announced, so no `Removed` event either. `ids` in batch order
+    /// (a parent before its child): taken last first, so none goes as
+    /// another's descendant (which would announce it).
+    pub(super) fn take_back(&self, ids: &[u64]) {
+        for &id in ids.iter().rev() {
+            let Ok(Some(rec)) = self.disk.get(id) else {
+                continue;
+            };
+            if let Err(e) = self.remove_block_as(&rec.ns, &rec.key, None, false) {
+                tracing::warn!(key = %rec.key, error = %e, "g3: cannot take back a block whose parent is gone");
+            }
+        }
+    }
+
+    /// Drops a block from memory, policy and redb (not the file), and its
+    /// descendants with it (`remove_descendants`).
     pub(super) fn forget(&self, ns: &NamespaceId, key: &BlockKey, id: u64) -> Result<bool> {
+        let forgotten = self.forget_one(ns, key, id)?;
+        if forgotten {
+            self.remove_descendants(id);
+        }
+        Ok(forgotten)
+    }
+
+    fn forget_one(&self, ns: &NamespaceId, key: &BlockKey, id: u64) -> Result<bool> {
         let (_, check) = digest(ns, key);
         // Another name whose digest collides keeps its entry (read before
         // the lock: no I/O under it).

@@ -4,7 +4,9 @@
 //! 52 MB read in one pass).
 //!
 //! Format: `MAGIC` (8 bytes), generation (u64 LE), count (u64 LE), then
-//! `count` entries of `ENTRY_BYTES`, then the blake3 of everything before.
+//! `count` entries of `ENTRY_BYTES`, then the chain links (chains.rs): a
+//! count (u64 LE) and that many (child id, parent id) pairs of u64 LE,
+//! then the blake3 of everything before.
 //! A snapshot is used only when its generation matches the index's and its
 //! checksum verifies; anything else falls back to redb.
 
@@ -16,8 +18,9 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 /// File name under the store's root.
 pub const SNAPSHOT_FILE: &str = "index.snap";
-// 2: ids are xxh3 digests (index format 2); a version-1 image is ignored.
-const MAGIC: &[u8; 8] = b"KVG3SNP2";
+// 2: ids are xxh3 digests (index format 2); 3: chain links follow the
+// entries. An older image is ignored (redb is read instead).
+const MAGIC: &[u8; 8] = b"KVG3SNP3";
 const ENTRY_BYTES: usize = 16 + 8 + 8 + 4 * 4 + 2;
 
 /// Writes the image of `mem` for `generation` durably (the caller fsyncs
@@ -51,6 +54,12 @@ pub fn write(
         count += 1;
     }
     buf[count_at..count_at + 8].copy_from_slice(&count.to_le_bytes());
+    let links: Vec<(u64, u64)> = mem.chains.links().collect();
+    buf.extend_from_slice(&(links.len() as u64).to_le_bytes());
+    for (child, parent) in links {
+        buf.extend_from_slice(&child.to_le_bytes());
+        buf.extend_from_slice(&parent.to_le_bytes());
+    }
     let sum = blake3::hash(&buf);
     buf.extend_from_slice(sum.as_bytes());
     let tmp = root.join(format!("{SNAPSHOT_FILE}.tmp"));
@@ -61,9 +70,12 @@ pub fn write(
 /// One loaded entry: namespace, id, entry.
 pub type Loaded = (NamespaceId, u64, Entry);
 
+/// A loaded image: its entries and its (child, parent) links.
+pub type Image = (Vec<Loaded>, Vec<(u64, u64)>);
+
 /// Loads the image written for `generation`, or `None` when it is absent,
 /// for another generation, or does not verify.
-pub fn load(root: &Path, generation: u64) -> Option<Vec<Loaded>> {
+pub fn load(root: &Path, generation: u64) -> Option<Image> {
     let mut f = std::fs::File::open(root.join(SNAPSHOT_FILE)).ok()?;
     let mut buf = Vec::new();
     f.read_to_end(&mut buf).ok()?;
@@ -88,10 +100,18 @@ pub fn load(root: &Path, generation: u64) -> Option<Vec<Loaded>> {
         return None;
     }
     let count = u64_at(body, 16) as usize;
-    let entries = &body[24..];
-    if entries.len() != count.checked_mul(ENTRY_BYTES)? {
+    let entries_len = count.checked_mul(ENTRY_BYTES)?;
+    let entries = body.get(24..24usize.checked_add(entries_len)?)?;
+    let rest = &body[24 + entries_len..];
+    let link_count = usize::try_from(u64_at(rest.get(..8)?, 0)).ok()?;
+    let pairs = &rest[8..];
+    if pairs.len() != link_count.checked_mul(16)? {
         return None;
     }
+    let links = pairs
+        .chunks_exact(16)
+        .map(|c| (u64_at(c, 0), u64_at(c, 8)))
+        .collect();
     let mut out = Vec::with_capacity(count);
     for c in entries.chunks_exact(ENTRY_BYTES) {
         let mut ns = [0u8; 16];
@@ -111,5 +131,5 @@ pub fn load(root: &Path, generation: u64) -> Option<Vec<Loaded>> {
             },
         ));
     }
-    Some(out)
+    Some((out, links))
 }

@@ -52,6 +52,10 @@ pub(super) struct Counters {
     pub(super) write_errors: AtomicU64,
     pub(super) renames_undone: AtomicU64,
     pub(super) orphans_replaced: AtomicU64,
+    /// Evicted while G4 write-through was on and before their upload.
+    pub(super) evicted_before_upload: AtomicU64,
+    /// Blocks removed because a forced removal took their parent.
+    pub(super) unreachable_removed: AtomicU64,
     /// Offloads that overwrote a recycled file (recycle.rs).
     pub(super) recycled_writes: AtomicU64,
     /// Evicted files retired into the recycle pool.
@@ -68,6 +72,7 @@ impl G3Store {
         let st = self.stats();
         let r = self.recovery.lock().map(|r| r.clone()).unwrap_or_default();
         let rc = self.recycle_counts();
+        let c = &self.counters;
         vec![
             ("index_rebuilt", u64::from(r.index_rebuilt)),
             ("clean_start", u64::from(r.clean_start)),
@@ -81,6 +86,14 @@ impl G3Store {
             ("quarantine_trimmed", st.quarantine_trimmed),
             ("renames_undone", st.renames_undone),
             ("orphans_replaced", st.orphans_replaced),
+            (
+                "evicted_before_upload",
+                c.evicted_before_upload.load(Ordering::Relaxed),
+            ),
+            (
+                "unreachable_removed",
+                c.unreachable_removed.load(Ordering::Relaxed),
+            ),
             ("recycled_writes", rc.recycled_writes),
             ("recycle_retired", rc.retired),
             ("recycle_dropped", rc.dropped),

@@ -45,6 +45,18 @@ fn collision(key: &BlockKey) -> Error {
     }
 }
 
+/// How a written block was published.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Published {
+    /// As asked.
+    Stored,
+    /// Its pin was refused for the budget.
+    Unpinned,
+    /// Its parent (or an earlier block of its chain in this batch) was
+    /// removed by force meanwhile: unreachable.
+    Cut(BlockKey),
+}
+
 /// An item of a batch that must be written.
 struct BatchJob {
     /// Its position in the batch.
@@ -55,7 +67,9 @@ struct BatchJob {
     spare: std::sync::Mutex<Option<PathBuf>>,
 }
 
-/// The index record of a freshly written block.
+/// The index record of a freshly written block. A pin hint is recorded
+/// as a pin in the group commit, so an acknowledged pin survives a crash;
+/// `publish` clears it again when the budget refuses it.
 fn record_of(ns: &NamespaceId, it: &PutItem<'_>, now: u32) -> Record {
     Record {
         ns: *ns,
@@ -65,13 +79,14 @@ fn record_of(ns: &NamespaceId, it: &PutItem<'_>, now: u32) -> Record {
         created_unix_ms: it.header.created_unix_ms,
         hits: 0,
         last_access_s: now,
-        pin_until_s: 0,
+        pin_until_s: if it.meta.hints.pinned { PIN_FOREVER } else { 0 },
         priority: it.meta.hints.priority,
         flags: if it.meta.hints.ephemeral {
             FLAG_EPHEMERAL
         } else {
             0
         },
+        parent: it.meta.parent.map(|p| digest(ns, &p).0),
     }
 }
 
@@ -140,11 +155,31 @@ impl G3Store {
         let mut first_of: HashMap<u64, usize> = HashMap::new();
         let mut repeats: Vec<(usize, usize)> = Vec::new();
         let mut reserved_bytes = 0u64;
+        // The blocks this batch continues stay until it is published: room
+        // made for the batch must not cut its own chain (spare.rs).
+        let _parents = self.spare.hold_parents(
+            items
+                .iter()
+                .filter_map(|it| it.meta.parent.map(|p| digest(ns, &p).0))
+                .collect(),
+        );
         for (at, it) in items.iter().enumerate() {
             let planned = self.plan_put(ns, it).and_then(|p| {
                 let Some((id, check)) = p else {
                     return Ok(Planned::Present);
                 };
+                // A block whose parent is neither held nor written earlier
+                // in this batch could never be reached: refused, so it
+                // takes no room from reachable blocks.
+                if let Some(parent) = it.meta.parent {
+                    let pid = digest(ns, &parent).0;
+                    if !first_of.contains_key(&pid) && !self.holds(ns, &parent)? {
+                        return Err(Error::ParentAbsent {
+                            key: Box::new(it.header.key),
+                            parent: Box::new(parent),
+                        });
+                    }
+                }
                 if let Some(&first) = first_of.get(&id) {
                     if items[first].header.key != it.header.key {
                         return Err(collision(&it.header.key));
@@ -299,15 +334,29 @@ impl G3Store {
         }
 
         // 4. Visible, in input order: index, policy, events.
+        let mut cut: Vec<u64> = Vec::new();
         if !renamed.is_empty() {
-            let published = self.publish(ns, items, &renamed, now).is_ok();
-            for job in &renamed {
-                if !published {
+            let published = self.publish(ns, items, &renamed, now);
+            for (k, job) in renamed.iter().enumerate() {
+                let Ok(p) = &published else {
                     out[job.at] = Some(Err(lock_err("g3 index")));
                     continue;
-                }
-                out[job.at] = Some(Ok(PutOutcome::Stored));
+                };
                 let it = &items[job.at];
+                out[job.at] = Some(match p.get(k) {
+                    Some(Published::Unpinned) => Ok(PutOutcome::StoredUnpinned),
+                    Some(Published::Cut(parent)) => {
+                        cut.push(job.id);
+                        Err(Error::ParentAbsent {
+                            key: Box::new(it.header.key),
+                            parent: Box::new(*parent),
+                        })
+                    }
+                    _ => Ok(PutOutcome::Stored),
+                });
+                if matches!(p.get(k), Some(Published::Cut(_))) {
+                    continue;
+                }
                 self.emit(G3Event::Stored {
                     ns: *ns,
                     key: it.header.key,
@@ -315,8 +364,24 @@ impl G3Store {
                     file_len: it.header.file_len(),
                 });
             }
+            if let Some(last) = renamed.last() {
+                self.spare.open_tail(last.id);
+            }
+            // Refused pins leave the records the commit wrote pinned.
+            if let Ok(p) = &published {
+                for (job, st) in renamed.iter().zip(p) {
+                    if *st == Published::Unpinned {
+                        self.update_record(job.id, |r| r.pin_until_s = 0);
+                    }
+                }
+            }
             self.maybe_reclaim();
         }
+        // A parent that failed earlier in this batch, or was deleted by
+        // force while its child was being written (only a forced removal
+        // can take a spared parent): the child would be unreachable, so it
+        // goes now (never announced as stored).
+        self.take_back(&cut);
         if let Ok(mut w) = self.writing.lock() {
             for (job, mine) in jobs.iter().zip(&sole) {
                 if *mine {
@@ -384,26 +449,42 @@ impl G3Store {
         }
     }
 
+    /// Whether a block is held (by its full name).
+    fn holds(&self, ns: &NamespaceId, key: &BlockKey) -> Result<bool> {
+        Ok(self
+            .mem
+            .read()
+            .map_err(|_| lock_err("g3 index"))?
+            .get(ns, key)
+            .is_some())
+    }
+
     /// Makes a committed batch visible, in input order: the in-memory
-    /// index and the eviction policy (a parent before its child, so the
-    /// policy keeps the link).
+    /// index, the chain links and the eviction policy (a parent before its
+    /// child, so both keep the link). Per job: whether its pin was refused
+    /// for the budget, or its parent went meanwhile.
     fn publish(
         &self,
         ns: &NamespaceId,
         items: &[PutItem<'_>],
         jobs: &[&BatchJob],
         now: u32,
-    ) -> Result<()> {
+    ) -> Result<Vec<Published>> {
         let mut mem = self.mem.write().map_err(|_| lock_err("g3 index"))?;
         let mut pol = self.policy.lock().map_err(|_| lock_err("g3 policy"))?;
+        let mut out = Vec::with_capacity(jobs.len());
+        let mut cut_ids: Vec<u64> = Vec::new();
         for job in jobs {
             let it = &items[job.at];
             let file_len = it.header.file_len();
             let mut pin_until_s = 0;
-            if it.meta.hints.pinned
-                && mem.pinned_bytes(now) + file_len <= self.cfg.pinned_budget_bytes
-            {
-                pin_until_s = PIN_FOREVER;
+            let mut state = Published::Stored;
+            if it.meta.hints.pinned {
+                if mem.pinned_bytes(now) + file_len <= self.cfg.pinned_budget_bytes {
+                    pin_until_s = PIN_FOREVER;
+                } else {
+                    state = Published::Unpinned;
+                }
             }
             let rec = record_of(ns, it, now);
             mem.insert(
@@ -420,16 +501,39 @@ impl G3Store {
                     flags: rec.flags,
                 },
             );
+            let parent = match it.meta.parent {
+                Some(p) if mem.get(ns, &p).is_some() => {
+                    let pid = digest(ns, &p).0;
+                    mem.chains.link(job.id, pid);
+                    if cut_ids.contains(&pid) {
+                        state = Published::Cut(p);
+                        cut_ids.push(job.id);
+                    }
+                    Some(pid)
+                }
+                Some(p) => {
+                    state = Published::Cut(p);
+                    cut_ids.push(job.id);
+                    None
+                }
+                None => None,
+            };
             pol.on_insert(
                 job.id,
                 BlockMeta {
-                    parent: it.meta.parent.map(|p| digest(ns, &p).0),
+                    parent,
                     size_bytes: file_len,
-                    hints: it.meta.hints,
+                    // The policy sees the pin G3 holds (a refused one is
+                    // none): G3 owns pins and their budget.
+                    hints: Hints {
+                        pinned: pin_until_s == PIN_FOREVER,
+                        ..it.meta.hints
+                    },
                 },
             );
+            out.push(state);
         }
-        Ok(())
+        Ok(out)
     }
 
     /// Removes the files a failed group commit renamed into place (and

@@ -233,7 +233,7 @@ async fn upload_one(inner: &Inner, source: &Arc<dyn BlockSource>, job: &Job) -> 
                 inner.stats.upload_lag_ms_last.store(lag, Relaxed);
                 inner.stats.upload_lag_ms_max.fetch_max(lag, Relaxed);
                 return match out {
-                    crate::tier::PutOutcome::Stored => {
+                    crate::tier::PutOutcome::Stored | crate::tier::PutOutcome::StoredUnpinned => {
                         stats::inc(&inner.stats.uploads_stored);
                         inner
                             .stats

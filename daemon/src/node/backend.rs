@@ -116,13 +116,16 @@ impl Backend for Node {
         let item = PutItem {
             header,
             payload,
-            meta: PutMeta { parent, hints },
+            meta: PutMeta {
+                parent: self.g3_parent(ns, parent, &[]),
+                hints,
+            },
         };
         let outcome = self
             .put_evicting_on_enospc(ns, &[item])
             .pop()
             .unwrap_or(Ok(PutOutcome::AlreadyPresent))?;
-        if outcome == PutOutcome::Stored {
+        if outcome.is_stored() {
             super::events::g3_stored(&self.events, ns, header, parent);
             self.note_parent(ns, header, parent, hints);
             self.admit(ns, &header.key, AdmissionEvent::Stored, hints, false);
@@ -139,18 +142,19 @@ impl Backend for Node {
     ) -> Vec<Result<PutOutcome>> {
         let items: Vec<PutItem<'_>> = blocks
             .iter()
-            .map(|b| PutItem {
+            .enumerate()
+            .map(|(i, b)| PutItem {
                 header: &b.header,
                 payload: b.payload,
                 meta: PutMeta {
-                    parent: b.parent,
+                    parent: self.g3_parent(ns, b.parent, &blocks[..i]),
                     hints: b.hints,
                 },
             })
             .collect();
         let out = self.put_evicting_on_enospc(ns, &items);
         for (b, r) in blocks.iter().zip(&out) {
-            if matches!(r, Ok(PutOutcome::Stored)) {
+            if matches!(r, Ok(o) if o.is_stored()) {
                 let key = &b.header.key;
                 super::events::g3_stored(&self.events, ns, &b.header, b.parent);
                 self.note_parent(ns, &b.header, b.parent, b.hints);

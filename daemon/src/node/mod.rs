@@ -295,6 +295,10 @@ impl Node {
                 tracing::info!(url = %g4.config().url, "G4 start-up check passed");
             }
             g4_order = Some(uplink::start(&g3, g4, events.clone())?);
+            // Every non-ephemeral block is owed an upload: eviction takes
+            // uploaded ones first and counts the others (reclaimer.rs).
+            // Under `after-first-reuse` most blocks are never owed one.
+            g3.set_prefer_uploaded(cfg.admission == crate::policy::G4Admission::All);
         }
         let mut node_id = String::from("local");
         let mut peer_fanout = 1;
@@ -358,6 +362,35 @@ impl Node {
             .start(&node, cfg.scrub)
             .map_err(|e| Error::io("starting the g3 scrub thread", "", e))?;
         Ok(node)
+    }
+
+    /// The parent G3 is told for a block offloaded with `parent` (`earlier`:
+    /// the blocks before it in its batch). G3 refuses a block whose parent
+    /// it does not hold (no lookup could reach it there); with a remote
+    /// tier the parent may be in G4 or on a peer, where a lookup does reach
+    /// it, so the block starts a G3 chain of its own instead (events keep
+    /// the declared parent). Only when a remote tier does hold it: a parent
+    /// held nowhere (refused or evicted before its upload) stays the G3
+    /// parent, so G3 refuses the block instead of keeping a root no lookup
+    /// reaches (issue 27: blocks 75-99 of a 100-block chain into a full
+    /// G3 were stored past a refused 74).
+    pub(super) fn g3_parent(
+        &self,
+        ns: &NamespaceId,
+        parent: Option<BlockKey>,
+        earlier: &[crate::server::OffloadBlock<'_>],
+    ) -> Option<BlockKey> {
+        let p = parent?;
+        if !self.remote() || self.on_g3(ns, &p) || earlier.iter().any(|b| b.header.key == p) {
+            return Some(p);
+        }
+        // One lookup (G4's existence cache or a HEAD, peers' digests or a
+        // probe, within lookup_remote_deadline_ms): paid only by a block
+        // whose parent G3 lacks, the start of a chain continued elsewhere.
+        match self.locate(ns, std::slice::from_ref(&p)) {
+            Ok(tiers) if !tiers.is_empty() => None,
+            _ => Some(p),
+        }
     }
 
     /// G3's `put_blocks`, and when the filesystem fills up before capacity
@@ -507,11 +540,16 @@ impl Node {
         let node = Arc::clone(self);
         Arc::new(
             move |ns: &NamespaceId, header: &kvtier_client::BlockHeader, payload: &[u8]| {
+                // A file's Dynamo parent links it in G3 when G3 holds the
+                // parent; otherwise the file starts a chain (an import is
+                // a file copy, never refused for its place in a chain; the
+                // event still carries the header's parent).
                 let parent = header
                     .dynamo
                     .as_ref()
                     .and_then(|d| d.parent)
-                    .map(BlockKey::from_u64);
+                    .map(BlockKey::from_u64)
+                    .filter(|p| node.on_g3(ns, p));
                 let out = crate::server::Backend::offload(
                     node.as_ref(),
                     ns,
@@ -520,7 +558,7 @@ impl Node {
                     parent,
                     kvtier_client::Hints::default(),
                 )?;
-                if out == crate::tier::PutOutcome::Stored {
+                if out.is_stored() {
                     on_stored(header);
                 }
                 Ok(out)

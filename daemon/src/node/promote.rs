@@ -20,7 +20,7 @@
 use super::events;
 use crate::error::Result;
 use crate::g3::{G3Store, PutMeta};
-use crate::tier::{Block, PutOutcome};
+use crate::tier::Block;
 use kvtier_client::{BlockKey, Hints, NamespaceId, Tier};
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -206,8 +206,18 @@ impl Shared {
     /// The G3 write of one promotion (any thread).
     fn write(&self, ns: &NamespaceId, block: &Block, from: Tier) -> Result<()> {
         let t = Instant::now();
+        // Linked in G3 to its parent when the header names one (Dynamo
+        // namespaces) and G3 holds it; otherwise a G3 root (its chain may
+        // continue on the tier it came from).
+        let parent = block
+            .header
+            .dynamo
+            .as_ref()
+            .and_then(|d| d.parent)
+            .map(kvtier_client::BlockKey::from_u64)
+            .filter(|p| self.g3.lookup_prefix(ns, std::slice::from_ref(p)) == 1);
         let meta = PutMeta {
-            parent: None,
+            parent,
             hints: Hints::default(),
         };
         self.order.begin(ns, &block.header.key);
@@ -221,7 +231,7 @@ impl Shared {
         let c = self.counters(from);
         // Counted once per block: a second writer of the same block (a lease
         // racing a worker) finds it present.
-        if outcome == PutOutcome::Stored {
+        if outcome.is_stored() {
             c.count.fetch_add(1, Ordering::Relaxed);
         }
         c.store_us
@@ -230,8 +240,7 @@ impl Shared {
             // It came from G4: never upload it again.
             self.g3.mark_in_g4(ns, &block.header.key);
         }
-        self.order
-            .done(ns, &block.header, outcome == PutOutcome::Stored);
+        self.order.done(ns, &block.header, outcome.is_stored());
         Ok(())
     }
 

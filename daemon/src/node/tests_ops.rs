@@ -275,3 +275,55 @@ fn the_scrub_repairs_a_copy_corrupted_at_rest_from_g4() {
     }
     assert!(n.g3().stat(&id, &h1.key).is_some());
 }
+
+/// Issue 28: with G4 write-through on (admission `all`), the node's G3
+/// eviction takes blocks already safe in G4 before one that is not, and a
+/// block evicted before its upload is counted
+/// (`kvtier_g3_evicted_before_upload_total`), never silent.
+#[test]
+fn eviction_prefers_uploaded_blocks_and_counts_one_evicted_before_its_upload() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = BLOCK + 4096;
+    let mut g3 = G3Config::new(dir.path().join("g3"), 4 * file);
+    // No recycle pool: capacity is exactly 4 block files.
+    g3.recycle_pool_bytes = 0;
+    let mut c = NodeConfig::new(g3);
+    c.g4 = Some(G4Config::new("memory://"));
+    c.fetch_deadline_ms = 5_000;
+    let n = Node::open(c).unwrap();
+    // Only the writes' own eviction runs (no background pass between).
+    n.g3().pause_background_eviction(true);
+    let id = ns().id();
+    let before_upload = |n: &Node| -> u64 {
+        let f: std::collections::HashMap<_, _> = n.g3().recovery_figures().into_iter().collect();
+        f["evicted_before_upload"]
+    };
+    let hs: Vec<BlockHeader> = (0..4).map(|i| offload_uploaded(&n, i).0).collect();
+    // Block 0, the oldest, is no longer safe in G4 (deleted there only).
+    assert_eq!(
+        n.evict_tier(&id, &hs[0].key, EvictTier::G4).unwrap(),
+        EvictOutcome::Evicted
+    );
+    assert!(!in_g4(&n, &hs[0].key));
+    // Three more blocks into the full tier: each takes an uploaded one.
+    for i in 4..7 {
+        offload_uploaded(&n, i);
+        assert!(
+            n.g3().stat(&id, &hs[0].key).is_some(),
+            "block 0 (not in G4) evicted before uploaded ones (offload {i})"
+        );
+    }
+    assert_eq!(before_upload(&n), 0);
+    // Nothing held is in G4 any more: the next eviction takes a block G4
+    // has no copy of, and counts it.
+    for i in 4..7 {
+        let k = block(i).0.key;
+        if n.g3().stat(&id, &k).is_some() {
+            n.evict_tier(&id, &k, EvictTier::G4).unwrap();
+        }
+    }
+    let (h7, p7) = block(7);
+    n.offload(&id, &h7, &p7, None, Hints::default()).unwrap();
+    assert_eq!(before_upload(&n), 1);
+    assert!(n.g3().stat(&id, &h7.key).is_some());
+}

@@ -60,7 +60,7 @@ pub trait EvictionPolicy: Send {
 /// an unknown name or one that exists only in replays (`belady`).
 pub fn by_name(name: &str) -> Option<Box<dyn EvictionPolicy>> {
     match name {
-        "lru" => Some(Box::new(Lru::new())),
+        "lru" => Some(Box::new(Lru::leaves_first())),
         "default" => Some(Box::new(DefaultPolicy::new())),
         _ => None,
     }

@@ -15,7 +15,7 @@ use super::trace::{ratio, RequestHints, Trace};
 use super::{BlockMeta, DefaultPolicy, EvictionPolicy, Lru};
 use crate::error::{Error, Result};
 use kvtier_client::Hints;
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::str::FromStr;
 
 /// A cache the replay drives.
@@ -94,6 +94,47 @@ pub struct PolicyTarget {
     cached: HashSet<u64>,
     evictions: u64,
     g4: Option<G4Model>,
+    /// G3's own rules, when the dry run stands for kvtierd.
+    g3: Option<G3Rules>,
+}
+
+/// What G3 adds to its policy's choices, for a dry run that must decide as
+/// kvtierd does ([`PolicyTarget::kvtierd`]): a block with a cached child
+/// is never a victim (g3/chains.rs, whatever the policy), the block a
+/// batch continues is never a victim while room is made for the batch
+/// (g3/spare.rs), and a block whose parent is not cached is refused (no
+/// lookup could reach it). Not modeled: G3's open tails (the last block of
+/// a batch for 10 s after it, which a write's eviction takes only when no
+/// other leaf may go): they depend on wall-clock time.
+#[derive(Debug, Default)]
+struct G3Rules {
+    parent_of: HashMap<u64, u64>,
+    children: HashMap<u64, u32>,
+    /// The parents of the batch being stored (the block it continues and
+    /// its own blocks but the last).
+    spared: HashSet<u64>,
+}
+
+impl G3Rules {
+    fn may_evict(&self, id: u64) -> bool {
+        !self.spared.contains(&id) && self.children.get(&id).is_none_or(|&n| n == 0)
+    }
+
+    fn link(&mut self, id: u64, parent: u64) {
+        self.parent_of.insert(id, parent);
+        *self.children.entry(parent).or_default() += 1;
+    }
+
+    fn unlink(&mut self, id: u64) {
+        if let Some(p) = self.parent_of.remove(&id) {
+            if let Some(n) = self.children.get_mut(&p) {
+                *n -= 1;
+                if *n == 0 {
+                    self.children.remove(&p);
+                }
+            }
+        }
+    }
 }
 
 /// A modeled G4 behind a dry-run G3: written per an admission rule, read
@@ -132,6 +173,18 @@ impl PolicyTarget {
         Self::with_policy(policy, clock, capacity_blocks)
     }
 
+    /// A dry-run target that decides as kvtierd does with `kind` (`lru`,
+    /// `default`): the policy the daemon builds for that name
+    /// ([`super::by_name`]: its `lru` lists leaves only, where the dry run's
+    /// `lru` is exact LRU, the baseline) under G3's rules ([`G3Rules`]).
+    /// `None` for a policy the daemon does not run (`belady`).
+    pub fn kvtierd(kind: PolicyKind, capacity_blocks: u64) -> Option<Self> {
+        let policy = super::by_name(kind.name())?;
+        let mut t = Self::with_policy(policy, ReplayClock::default(), capacity_blocks);
+        t.g3 = Some(G3Rules::default());
+        Some(t)
+    }
+
     /// A dry-run target over any policy.
     pub fn with_policy(
         policy: Box<dyn EvictionPolicy>,
@@ -145,6 +198,7 @@ impl PolicyTarget {
             cached: HashSet::new(),
             evictions: 0,
             g4: None,
+            g3: None,
         }
     }
 
@@ -178,19 +232,34 @@ impl PolicyTarget {
     /// nothing left to give.
     fn make_room(&mut self, incoming: u64) -> bool {
         while self.cached.len() as u64 + incoming > self.capacity_blocks {
-            let Some(v) = self.policy.victim(&mut |_| true) else {
+            let g3 = &self.g3;
+            let Some(v) = self
+                .policy
+                .victim(&mut |id| g3.as_ref().is_none_or(|r| r.may_evict(id)))
+            else {
                 return false;
             };
             self.policy.on_remove(v);
             self.cached.remove(&v);
+            if let Some(r) = self.g3.as_mut() {
+                r.unlink(v);
+            }
             self.evictions += 1;
         }
         true
     }
 
     fn insert(&mut self, id: u64, parent: Option<u64>, hints: Hints) {
-        if self.cached.contains(&id) || self.capacity_blocks == 0 || !self.make_room(1) {
+        if self.cached.contains(&id) || self.capacity_blocks == 0 {
             return;
+        }
+        // G3 refuses a block whose parent it does not hold.
+        let orphan = parent.is_some_and(|p| !self.cached.contains(&p));
+        if (self.g3.is_some() && orphan) || !self.make_room(1) {
+            return;
+        }
+        if let (Some(r), Some(p)) = (self.g3.as_mut(), parent) {
+            r.link(id, p);
         }
         self.cached.insert(id);
         self.policy.on_insert(
@@ -251,6 +320,14 @@ impl ReplayTarget for PolicyTarget {
             .collect();
         fresh.sort_unstable();
         fresh.dedup();
+        // G3 spares the batch's parents while it makes room for it.
+        if let Some(r) = self.g3.as_mut() {
+            let last = ids.len().saturating_sub(1);
+            r.spared = ids[from.saturating_sub(1)..last.max(from)]
+                .iter()
+                .copied()
+                .collect();
+        }
         if (fresh.len() as u64) < self.capacity_blocks {
             self.make_room(fresh.len() as u64);
         }
@@ -264,6 +341,9 @@ impl ReplayTarget for PolicyTarget {
             if self.cached.contains(&id) {
                 self.admit(id, AdmissionEvent::Stored);
             }
+        }
+        if let Some(r) = self.g3.as_mut() {
+            r.spared.clear();
         }
         Ok(())
     }
@@ -342,6 +422,21 @@ pub fn replay(trace: &Trace, target: &mut dyn ReplayTarget) -> Result<ReplayStat
 /// Dry-run replay of the whole trace with `kind` at `capacity_blocks`.
 pub fn replay_dry(trace: &Trace, kind: PolicyKind, capacity_blocks: u64) -> Result<ReplayStats> {
     let mut t = PolicyTarget::new(kind, trace, capacity_blocks);
+    replay(trace, &mut t)
+}
+
+/// Dry-run replay of the whole trace deciding as kvtierd with `kind` does
+/// ([`PolicyTarget::kvtierd`]): what a replay through a real daemon must
+/// equal.
+pub fn replay_kvtierd(
+    trace: &Trace,
+    kind: PolicyKind,
+    capacity_blocks: u64,
+) -> Result<ReplayStats> {
+    let mut t = PolicyTarget::kvtierd(kind, capacity_blocks).ok_or(Error::InvalidInput {
+        what: "policy",
+        reason: format!("kvtierd does not run `{}`", kind.name()),
+    })?;
     replay(trace, &mut t)
 }
 

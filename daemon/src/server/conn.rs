@@ -84,6 +84,7 @@ fn err_kind(e: &Error) -> (&'static str, ItemStatus) {
         Error::LimitReached { .. } => ("limit", ItemStatus::LimitReached),
         Error::InvalidInput { .. } | Error::Client(_) => ("invalid", ItemStatus::Invalid),
         Error::Corrupt { .. } => ("corrupt", ItemStatus::Corrupt),
+        Error::ParentAbsent { .. } => ("parent_absent", ItemStatus::Absent),
         Error::Timeout { .. } => ("timeout", ItemStatus::Unavailable),
         Error::Io { .. } => ("io", ItemStatus::Failed),
         _ => ("storage", ItemStatus::Failed),
@@ -483,6 +484,10 @@ impl Conn<'_> {
                             stored.offload_blocks += 1;
                             stored.offload_bytes += b.header.payload_len;
                             ItemStatus::Ok
+                        }
+                        Ok(PutOutcome::StoredUnpinned) => {
+                            self.sh.metrics.offload_bytes.inc_by(b.header.payload_len);
+                            ItemStatus::StoredUnpinned
                         }
                         Ok(PutOutcome::AlreadyPresent) => ItemStatus::AlreadyPresent,
                         Err(e) => self.status_of(&e),

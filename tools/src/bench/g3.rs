@@ -627,6 +627,7 @@ fn clean_restart_report(tmp: &Path, n: usize, depth: usize, engine: EngineKind) 
                     pin_until_s: 0,
                     priority: 0,
                     flags: 0,
+                    parent: None,
                 };
                 (digest(&ns, &key).0, rec)
             })

@@ -1,6 +1,9 @@
 //! The real-daemon target of `kvtier bench replay` (`--block-size`): the
 //! trace replayed through a `kvtierd` this bench starts, with real block
-//! bytes, beside the dry run of the same policy and capacity.
+//! bytes, beside a dry run that decides as kvtierd does with the same
+//! policy and capacity (`replay_kvtierd`: the daemon's own policy code,
+//! whose `lru` lists leaves only, under G3's chain rules; the top level of
+//! the report stays the plain dry run, whose `lru` is exact LRU).
 //!
 //! Mapping (deterministic, documented in docs/BENCHMARKS.md):
 //! - trace id `i` -> `BlockKey::from_u64(i)` in a namespace of its own
@@ -49,9 +52,7 @@ use kvtier_client::{
 };
 use kvtier_daemon::error::Error as DaemonError;
 use kvtier_daemon::g3::G3Store;
-use kvtier_daemon::policy::replay::{
-    replay, replay_dry, PolicyKind, ReplayStats, ReplayTarget, TtftModel,
-};
+use kvtier_daemon::policy::replay::{replay, replay_kvtierd, PolicyKind, ReplayTarget, TtftModel};
 use kvtier_daemon::policy::trace::{RequestHints, Trace};
 use serde_json::{json, Map, Value};
 use std::path::{Path, PathBuf};
@@ -434,7 +435,9 @@ impl ReplayTarget for DaemonTarget<'_> {
             call_s += t.elapsed().as_secs_f64();
             for (j, o) in out.iter().enumerate() {
                 match o {
-                    OffloadOutcome::Stored => self.m.stored_blocks += 1,
+                    OffloadOutcome::Stored | OffloadOutcome::StoredUnpinned => {
+                        self.m.stored_blocks += 1
+                    }
                     OffloadOutcome::AlreadyPresent => self.m.already_present_blocks += 1,
                     OffloadOutcome::Failed(m) => {
                         return Err(target_err(format!(
@@ -484,17 +487,13 @@ fn lat(out: &mut Map<String, Value>, name: &str, v: &[f64]) {
 }
 
 /// Replays `trace` through a fresh kvtierd and returns the `daemon` part of
-/// the report: hits beside `dry` (the dry run of the same policy and
-/// capacity, the baseline), throughput, latencies, and onboard/offload GB/s
+/// the report: hits beside the dry run that decides as kvtierd does
+/// (`replay_kvtierd`, same policy and capacity: the baseline), throughput, latencies, and onboard/offload GB/s
 /// beside raw O_DIRECT I/O of the same block size in the same directory.
-pub fn run(
-    trace: &Trace,
-    cfg: &DaemonReplayConfig,
-    dry: &ReplayStats,
-    model: &TtftModel,
-) -> Result<Value> {
+pub fn run(trace: &Trace, cfg: &DaemonReplayConfig, model: &TtftModel) -> Result<Value> {
     validate(cfg.policy, cfg.block_bytes)?;
     validate_capacity(trace, cfg.capacity_blocks, cfg.block_bytes)?;
+    let dry = &replay_kvtierd(trace, cfg.policy, cfg.capacity_blocks)?;
     if is_tmpfs(&cfg.base_dir) {
         bail!(
             "{} is on tmpfs: the real-daemon replay measures the disk; give --dir on the disk",
@@ -587,7 +586,7 @@ pub fn run(
             .map(|(id, _)| id)
             .collect();
     }
-    let dry_g3 = replay_dry(&as_g3, cfg.policy, cfg.capacity_blocks)?;
+    let dry_g3 = replay_kvtierd(&as_g3, cfg.policy, cfg.capacity_blocks)?;
 
     let mut out = Map::new();
     out.insert("target".into(), json!("kvtierd"));

@@ -97,7 +97,7 @@ class Namespace:
 
 class BlockResult:
     ok: bool
-    status: Literal["hit", "stored", "already_present", "miss"]
+    status: Literal["hit", "stored", "stored_unpinned", "already_present", "miss"]
     tier: Optional[Literal["g3", "peer", "g4"]]
     nbytes: int
     reason: Optional[

@@ -32,9 +32,10 @@ class Counters:
 
     Names: ``lookups``, ``lookup_hits``, ``lookup_misses``, ``loads``,
     ``load_blocks``, ``load_failures``, ``load_bytes``, ``stores``,
-    ``store_blocks``, ``store_already_present``, ``store_failures``,
-    ``store_bytes`` (payload bytes stored), ``errors`` (exceptions caught
-    instead of raised into the
+    ``store_blocks``, ``store_unpinned`` (stored, but the pin hint was
+    refused: the daemon's pin budget is spent), ``store_already_present``,
+    ``store_failures``, ``store_bytes`` (payload bytes stored), ``errors``
+    (exceptions caught instead of raised into the
     engine), and for prefetch (:class:`Prefetcher`): ``prefetches`` (calls),
     ``prefetch_blocks`` (queued), ``prefetch_already_present``,
     ``prefetch_limited`` (the daemon's or the connector's bound),

@@ -324,7 +324,10 @@ class KvtierStorageBackend(StoragePluginInterface):
             self.fail.error("put", e)
             return
         for (key, _), res in zip(run, results):
-            if res.status == "stored":
+            if res.status in ("stored", "stored_unpinned"):
+                if res.status == "stored_unpinned":
+                    # Stored, but the daemon's pin budget refused the pin.
+                    self.counters.add("store_unpinned")
                 self.counters.add("store_blocks")
                 self.counters.add("store_bytes", self.chunk_bytes)
             elif res.status == "already_present":

@@ -309,13 +309,16 @@ class KvtierHiCacheStorage(HiCacheStorage):
             self.counters.add("store_failures", len(keys))
             self.fail.error("batch_set_v1", e)
             return [False] * len(keys)
-        stored = sum(1 for r in res if r.status == "stored")
+        stored = sum(1 for r in res if r.status in ("stored", "stored_unpinned"))
         self._record("backup_pgs", "backup_bandwidth", stored, stored * self.ns.block_bytes, took)
         out = []
         for k, r in zip(ks, res):
-            ok = r.status in ("stored", "already_present")
+            ok = r.status in ("stored", "stored_unpinned", "already_present")
             out.append(ok)
-            if r.status == "stored":
+            if r.status in ("stored", "stored_unpinned"):
+                if r.status == "stored_unpinned":
+                    # Stored, but the daemon's pin budget refused the pin.
+                    self.counters.add("store_unpinned")
                 self.counters.add("store_blocks")
                 self.counters.add("store_bytes", self.ns.block_bytes)
                 self._remember(k)
@@ -448,7 +451,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
         except Exception as e:
             self.fail.error("set", e)
             return False
-        return res[0].status in ("stored", "already_present")
+        return res[0].status in ("stored", "stored_unpinned", "already_present")
 
     def batch_set(
         self,

@@ -831,7 +831,10 @@ class KvtierOffloadingWorker(OffloadingWorker):
                 )
                 self.counters.add("stores")
                 for r in res:
-                    if r.status == "stored":
+                    if r.status in ("stored", "stored_unpinned"):
+                        if r.status == "stored_unpinned":
+                            # Stored, but the daemon's pin budget refused the pin.
+                            self.counters.add("store_unpinned")
                         self.counters.add("store_blocks")
                         self.counters.add("store_bytes", self.ns.block_bytes)
                     elif r.status == "already_present":
