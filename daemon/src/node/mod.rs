@@ -388,7 +388,7 @@ impl Node {
         // probe, within lookup_remote_deadline_ms): paid only by a block
         // whose parent G3 lacks, the start of a chain continued elsewhere.
         match self.locate(ns, std::slice::from_ref(&p)) {
-            Ok(tiers) if !tiers.is_empty() => None,
+            Ok((tiers, _)) if !tiers.is_empty() => None,
             _ => Some(p),
         }
     }
