@@ -90,6 +90,11 @@ recycle_max_files = 4096
 # block: a start after a crash verifies each in full and puts it back.
 # Past this many bytes of them the pool is made durable at once.
 recycle_unsettled_max = "256MiB"
+# The last block of each offload batch stays an open tail this long: the
+# rest of its request may still come, so the background pass never evicts
+# it and a pass that must make room takes it only when nothing else may
+# go. 0: no open tails (a replay that must decide as a dry run does).
+open_tail_grace_ms = 10000
 # Background scrub: every block is re-read and verified at this average
 # rate (bytes per second; "0" turns it off), a corrupt copy quarantined and
 # replaced from G4 or a peer. A pass starts scrub_pause_ms after the last
@@ -387,6 +392,9 @@ pub struct G3Section {
     /// start after a crash verifies in full).
     #[serde(deserialize_with = "de_size")]
     pub recycle_unsettled_max: u64,
+    /// How long the last block of a batch stays an open tail, in ms
+    /// (g3/spare.rs; 0: none).
+    pub open_tail_grace_ms: u64,
     /// Average read rate of the background scrub, bytes per second (0:
     /// off; node/scrub.rs).
     #[serde(deserialize_with = "de_size")]
@@ -794,6 +802,7 @@ impl Default for G3Section {
             recycle_max: None,
             recycle_max_files: 4096,
             recycle_unsettled_max: 256 << 20,
+            open_tail_grace_ms: 10_000,
             scrub_bytes_per_s: 16 << 20,
             scrub_pause_ms: 3_600_000,
         }

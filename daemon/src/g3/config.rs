@@ -66,6 +66,9 @@ pub struct G3Config {
     /// eviction could leave the whole pool, up to half of capacity, to
     /// verify).
     pub recycle_unsettled_bytes_max: u64,
+    /// How long the last block of a batch stays an open tail (spare.rs;
+    /// zero: none).
+    pub open_tail_grace: std::time::Duration,
     /// Written into the directory's lock file beside the pid (kvtierd:
     /// `socket <path>`), so that a second daemon refused the directory
     /// names the holder (dir_lock.rs).
@@ -117,6 +120,7 @@ impl G3Config {
             recycle_pool_bytes: capacity_bytes / 2,
             recycle_pool_files_max: 4096,
             recycle_unsettled_bytes_max: 256 << 20,
+            open_tail_grace: super::spare::TAIL_GRACE,
             owner_note: String::new(),
         }
     }

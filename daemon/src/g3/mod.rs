@@ -356,7 +356,7 @@ impl G3Store {
             write_gate: RwLock::new(()),
             reclaim: Arc::new(reclaimer::Signal::default()),
             reclaimer: Mutex::new(None),
-            spare: spare::Spare::default(),
+            spare: spare::Spare::with_grace(cfg.open_tail_grace),
             prefer_uploaded: AtomicBool::new(false),
             recovery: Mutex::new(RecoveryReport::default()),
             _dir_lock: lock,

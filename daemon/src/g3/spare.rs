@@ -6,7 +6,7 @@
 //!   continues (the only leaf of a full single chain), so the batch's
 //!   blocks arrived with their parent gone. Hard: no pass takes them.
 //! - **Open tails**: the last block of each recent batch, for
-//!   [`TAIL_GRACE`]. It is a leaf only because the rest of its request has
+//!   [`TAIL_GRACE`] by default (`g3.open_tail_grace_ms`). It is a leaf only because the rest of its request has
 //!   not arrived yet; the background pass evicting it cut the chain under
 //!   the next batch. Soft: the background pass never takes one, a pass that
 //!   must make room now (`make_room`, a full filesystem) takes one only
@@ -16,9 +16,10 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-/// How long the last block of a batch stays an open tail: longer than the
-/// gap between two batches of one request on a loaded node.
-pub(super) const TAIL_GRACE: Duration = Duration::from_secs(10);
+/// How long the last block of a batch stays an open tail by default
+/// (`g3.open_tail_grace_ms`): longer than the gap between two batches of
+/// one request on a loaded node.
+pub(crate) const TAIL_GRACE: Duration = Duration::from_secs(10);
 /// Most open tails remembered (the oldest is forgotten first).
 const TAILS_MAX: usize = 1024;
 
@@ -27,6 +28,8 @@ pub(super) struct Spare {
     /// Parent id -> batches in flight that continue it.
     parents: Mutex<HashMap<u64, u32>>,
     tails: Mutex<VecDeque<(u64, Instant)>>,
+    /// How long a tail stays open (zero: tails are never kept).
+    grace: Duration,
 }
 
 /// The ids a pass must spare, copied once per pass.
@@ -58,6 +61,14 @@ impl Drop for ParentsGuard<'_> {
 }
 
 impl Spare {
+    /// Open tails kept for `grace`.
+    pub(super) fn with_grace(grace: Duration) -> Self {
+        Spare {
+            grace,
+            ..Spare::default()
+        }
+    }
+
     /// Spares `ids` (a batch's parents) until the guard drops.
     pub(super) fn hold_parents(&self, mut ids: Vec<u64>) -> ParentsGuard<'_> {
         ids.sort_unstable();
@@ -72,6 +83,9 @@ impl Spare {
 
     /// `id` was the last block of a batch: an open tail for a while.
     pub(super) fn open_tail(&self, id: u64) {
+        if self.grace.is_zero() {
+            return;
+        }
         if let Ok(mut t) = self.tails.lock() {
             if t.len() >= TAILS_MAX {
                 t.pop_front();
@@ -87,7 +101,7 @@ impl Spare {
             s.parents.extend(p.keys());
         }
         if let Ok(mut t) = self.tails.lock() {
-            while t.front().is_some_and(|(_, at)| at.elapsed() >= TAIL_GRACE) {
+            while t.front().is_some_and(|(_, at)| at.elapsed() >= self.grace) {
                 t.pop_front();
             }
             s.tails.extend(t.iter().map(|(id, _)| *id));

@@ -104,8 +104,10 @@ pub struct PolicyTarget {
 /// batch continues is never a victim while room is made for the batch
 /// (g3/spare.rs), and a block whose parent is not cached is refused (no
 /// lookup could reach it). Not modeled: G3's open tails (the last block of
-/// a batch for 10 s after it, which a write's eviction takes only when no
-/// other leaf may go): they depend on wall-clock time.
+/// a batch for `g3.open_tail_grace_ms` after it, which a write's eviction
+/// takes only when no other leaf may go): they follow the wall clock, so a
+/// replay through kvtierd that must equal this runs with them off
+/// (`open_tail_grace_ms = 0`, tools' replay_daemon).
 #[derive(Debug, Default)]
 struct G3Rules {
     parent_of: HashMap<u64, u64>,

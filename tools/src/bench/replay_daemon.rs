@@ -210,7 +210,10 @@ impl ReplayDaemon {
              [g3]\ndir = {g3:?}\ncapacity = {g3_capacity_bytes}\npolicy = {pol:?}\n\
              # Never evict in the background (it would go down to the low\n\
              # watermark, below what the dry run keeps): evict only when full.\n\
-             high_watermark = 1.0\nlow_watermark = 0.99\n\n\
+             high_watermark = 1.0\nlow_watermark = 0.99\n\
+             # No open tails: they hold a batch's last block for a wall-clock\n\
+             # time, which the dry run (a replay clock) cannot follow.\n\
+             open_tail_grace_ms = 0\n\n\
              [g4]\nurl = \"\"\n\n[metrics]\naddr = \"\"\n",
             sock = socket.display().to_string(),
             g3 = data.path().join("g3").display().to_string(),
