@@ -173,7 +173,9 @@ impl G3Store {
                 // takes no room from reachable blocks.
                 if let Some(parent) = it.meta.parent {
                     let pid = digest(ns, &parent).0;
-                    if !first_of.contains_key(&pid) && !self.holds(ns, &parent)? {
+                    if !first_of.contains_key(&pid)
+                        && !crate::tier::BlockTier::contains(self, ns, &parent)?
+                    {
                         return Err(Error::ParentAbsent {
                             key: Box::new(it.header.key),
                             parent: Box::new(parent),
@@ -447,16 +449,6 @@ impl G3Store {
             },
             Some(false) => Err(collision(&key)),
         }
-    }
-
-    /// Whether a block is held (by its full name).
-    fn holds(&self, ns: &NamespaceId, key: &BlockKey) -> Result<bool> {
-        Ok(self
-            .mem
-            .read()
-            .map_err(|_| lock_err("g3 index"))?
-            .get(ns, key)
-            .is_some())
     }
 
     /// Makes a committed batch visible, in input order: the in-memory
