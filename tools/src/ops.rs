@@ -432,7 +432,8 @@ pub fn verify(a: VerifyArgs) -> Result<()> {
             (None, _) => bail!("{k}: give NAMESPACE/KEY"),
         }
     }
-    if targets.is_empty() {
+    // `--all` on an empty node is a clean "0 blocks", not a usage error.
+    if !a.all && a.namespace.is_none() && a.keys.is_empty() {
         bail!("nothing to verify: pass --all, --namespace or NAMESPACE/KEY");
     }
     let repair = !a.no_repair;
@@ -795,6 +796,32 @@ fn g4_fall_through(socket: &Path, g4_dir: Option<&Path>, mode: HashMode) -> Resu
     );
     if from_g4 != keys.len() || !same || l.tiers.iter().any(|t| *t != Tier::G4) {
         bail!("G4 fall-through failed");
+    }
+    // The promotion into G3 runs in the background (lookup already counts a
+    // staged block as local): wait until the files are G3's, so `kvtier ls`
+    // and `kvtier verify --all` run right after the demo see them.
+    let t = Instant::now();
+    loop {
+        let (page, _) = client.list(Some(ns.id()), None, 1024)?;
+        let on_g3 = keys
+            .iter()
+            .filter(|k| page.iter().any(|e| e.key == **k))
+            .count();
+        if on_g3 == keys.len() {
+            println!(
+                "promoted to G3: {on_g3} of {} blocks in {:?}",
+                keys.len(),
+                t.elapsed()
+            );
+            break;
+        }
+        if t.elapsed() > Duration::from_secs(20) {
+            bail!(
+                "the promotion into G3 did not finish within 20 s ({on_g3} of {} blocks)",
+                keys.len()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
     }
     println!("G4 fall-through OK");
     Ok(())
