@@ -185,3 +185,86 @@ fn a_restarted_daemon_is_reached_at_once_and_a_hung_one_backs_off() {
     drop(c);
     t.join().unwrap();
 }
+
+/// A daemon older than `LookupMany` (op 17): it answers what its decoder
+/// says of an unknown op, `MALFORMED`, and closes the connection; a
+/// `Lookup` it answers with `n_ns_a` blocks on G3 for namespace A and
+/// none for any other. Counts the `LookupMany` requests it refused.
+fn older_daemon(
+    l: UnixListener,
+    a: kvtier_client::NamespaceId,
+    refused: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+) {
+    for s in l.incoming() {
+        let Ok(s) = s else { return };
+        let fd = s.as_raw_fd();
+        let mut fds = Vec::new();
+        let Ok(body) = proto::recv_frame(fd, &mut fds) else {
+            continue;
+        };
+        let (id, Request::Hello { shm_bytes, .. }) = Request::decode(&body).unwrap() else {
+            panic!("no hello")
+        };
+        let _region = Region::adopt(fds.pop().unwrap(), shm_bytes).unwrap();
+        let hello = Response::Hello {
+            version: 1,
+            session_id: 1,
+            keys_max: 4096,
+            lease_ttl_max_ms: 1000,
+        };
+        proto::send_frame(fd, &hello.encode(proto::OP_HELLO, id), &[]).unwrap();
+        while let Ok(body) = proto::recv_frame(fd, &mut fds) {
+            match Request::decode(&body).unwrap() {
+                (id, Request::Lookup { ns, keys }) => {
+                    let n = if ns == a { keys.len().min(3) } else { 0 };
+                    let r = Response::Lookup {
+                        tiers: vec![Tier::G3; n],
+                    };
+                    proto::send_frame(fd, &r.encode(proto::OP_LOOKUP, id), &[]).unwrap();
+                }
+                (id, Request::LookupMany { .. }) => {
+                    refused.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    let r = Response::Error {
+                        code: proto::code::MALFORMED,
+                        message: "protocol error: unknown op 17".into(),
+                    };
+                    let _ = proto::send_frame(fd, &r.encode(proto::OP_LOOKUP_MANY, id), &[]);
+                    break;
+                }
+                _ => break,
+            }
+        }
+    }
+}
+
+/// A client newer than its daemon (a rolling upgrade): `lookup_many` gets
+/// the same answers one namespace at a time, and asks the old daemon for
+/// the op it refused only once.
+#[test]
+fn lookup_many_against_an_older_daemon_asks_one_namespace_at_a_time() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("s");
+    let l = UnixListener::bind(&sock).unwrap();
+    let a = ns().id();
+    let b = Namespace::new(
+        "other",
+        KvLayout::with_block_bytes(BLOCK as u64).unwrap(),
+        "",
+        "",
+    )
+    .unwrap()
+    .id();
+    let refused = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let r2 = refused.clone();
+    std::thread::spawn(move || older_daemon(l, a, r2));
+    let c = client(&sock);
+    let keys: Vec<BlockKey> = (1..=5).map(BlockKey::from_u64).collect();
+    for _ in 0..3 {
+        let r = c.lookup_many(&[a, b], &keys);
+        assert_eq!(r.len(), 2);
+        assert!(r[0].miss.is_none() && r[1].miss.is_none(), "{r:?}");
+        assert_eq!(r[0].tiers, vec![Tier::G3; 3], "{r:?}");
+        assert_eq!(r[1].prefix_len(), 0, "{r:?}");
+    }
+    assert_eq!(refused.load(std::sync::atomic::Ordering::SeqCst), 1);
+}

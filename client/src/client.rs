@@ -286,6 +286,10 @@ pub struct Client {
     /// A region that outlives connections (set by [`Client::alloc_pool`]):
     /// every (re)connect hands the daemon this one instead of a fresh one.
     pub(crate) persistent_region: Mutex<Option<Arc<Region>>>,
+    /// The daemon refused `LookupMany` as an unknown op (one older than
+    /// the client, met in a rolling upgrade): lookups go one namespace at a
+    /// time from then on, instead of a refused request and a reconnect each.
+    lookup_many_refused: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for Client {
@@ -329,6 +333,7 @@ impl Client {
             conn: Mutex::new(None),
             last_failure: Mutex::new(None),
             persistent_region: Mutex::new(None),
+            lookup_many_refused: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -672,6 +677,13 @@ impl Client {
             };
             return nss.iter().map(|_| miss(&e)).collect();
         }
+        let one_by_one = || nss.iter().map(|ns| self.lookup_id(*ns, chain)).collect();
+        if self
+            .lookup_many_refused
+            .load(std::sync::atomic::Ordering::Relaxed)
+        {
+            return one_by_one();
+        }
         let mut out: Vec<LookupResult> = nss
             .iter()
             .map(|_| LookupResult {
@@ -715,6 +727,16 @@ impl Client {
                     }
                     open = still;
                 }
+                // A daemon older than the op (it answers "unknown op" and
+                // closes the connection): the same answer, one namespace at
+                // a time, now and from then on.
+                Err(Error::Remote { code, message })
+                    if code == proto::code::MALFORMED && message.contains("unknown op") =>
+                {
+                    self.lookup_many_refused
+                        .store(true, std::sync::atomic::Ordering::Relaxed);
+                    return one_by_one();
+                }
                 Err(e) => {
                     for &i in &open {
                         out[i] = miss(&e);
@@ -724,6 +746,42 @@ impl Client {
             }
         }
         out
+    }
+
+    /// Longest cached prefix of `chain` in the namespace `ns` (by id), with
+    /// the tier of each block: [`NsHandle::lookup`].
+    pub fn lookup_id(&self, ns: NamespaceId, chain: &[BlockKey]) -> LookupResult {
+        let mut tiers = Vec::new();
+        for part in chain.chunks(KEYS_MAX) {
+            let r = self.call(
+                |_| {
+                    Ok(Request::Lookup {
+                        ns,
+                        keys: part.to_vec(),
+                    })
+                },
+                |_, r, _| match r {
+                    Response::Lookup { tiers } if tiers.len() <= part.len() => Ok(tiers),
+                    other => Err(unexpected(other)),
+                },
+            );
+            match r {
+                Ok(t) => {
+                    let full = t.len() == part.len();
+                    tiers.extend(t);
+                    if !full {
+                        break;
+                    }
+                }
+                Err(e) => {
+                    return LookupResult {
+                        tiers: Vec::new(),
+                        miss: Some(Miss::from_error(&e)),
+                    }
+                }
+            }
+        }
+        LookupResult { tiers, miss: None }
     }
 
     /// Metadata of keys in a namespace known only by id (tools).
@@ -1133,37 +1191,7 @@ impl<'a> NsHandle<'a> {
 
     /// Longest cached prefix of `chain`, with the tier of each block.
     pub fn lookup(&self, chain: &[BlockKey]) -> LookupResult {
-        let mut tiers = Vec::new();
-        for part in chain.chunks(KEYS_MAX) {
-            let r = self.client.call(
-                |_| {
-                    Ok(Request::Lookup {
-                        ns: self.id,
-                        keys: part.to_vec(),
-                    })
-                },
-                |_, r, _| match r {
-                    Response::Lookup { tiers } if tiers.len() <= part.len() => Ok(tiers),
-                    other => Err(unexpected(other)),
-                },
-            );
-            match r {
-                Ok(t) => {
-                    let full = t.len() == part.len();
-                    tiers.extend(t);
-                    if !full {
-                        break;
-                    }
-                }
-                Err(e) => {
-                    return LookupResult {
-                        tiers: Vec::new(),
-                        miss: Some(Miss::from_error(&e)),
-                    }
-                }
-            }
-        }
-        LookupResult { tiers, miss: None }
+        self.client.lookup_id(self.id, chain)
     }
 
     /// Offloads blocks (batched through the shared region). Never fails as a
