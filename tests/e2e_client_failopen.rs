@@ -25,14 +25,9 @@ fn ns() -> Namespace {
     .unwrap()
 }
 
-/// Serves one connection: hello, then answers every onboard with a block
-/// whose payload is altered after its header was sealed (`corrupt`), or
-/// never answers at all (`!corrupt`).
-fn fake_daemon(l: UnixListener, corrupt: bool) {
-    let (s, _) = l.accept().unwrap();
-    let fd = s.as_raw_fd();
-    let mut fds = Vec::new();
-    let body = proto::recv_frame(fd, &mut fds).unwrap();
+/// Answers the client's hello on `fd`; the shared region it passed.
+fn hello(fd: i32, fds: &mut Vec<std::os::fd::OwnedFd>) -> Option<Region> {
+    let body = proto::recv_frame(fd, fds).ok()?;
     let (id, Request::Hello { shm_bytes, .. }) = Request::decode(&body).unwrap() else {
         panic!("no hello")
     };
@@ -44,6 +39,17 @@ fn fake_daemon(l: UnixListener, corrupt: bool) {
         lease_ttl_max_ms: 1000,
     };
     proto::send_frame(fd, &hello.encode(proto::OP_HELLO, id), &[]).unwrap();
+    Some(region)
+}
+
+/// Serves one connection: hello, then answers every onboard with a block
+/// whose payload is altered after its header was sealed (`corrupt`), or
+/// never answers at all (`!corrupt`).
+fn fake_daemon(l: UnixListener, corrupt: bool) {
+    let (s, _) = l.accept().unwrap();
+    let fd = s.as_raw_fd();
+    let mut fds = Vec::new();
+    let region = hello(fd, &mut fds).unwrap();
     loop {
         let Ok(body) = proto::recv_frame(fd, &mut fds) else {
             return;
@@ -199,20 +205,9 @@ fn older_daemon(
         let Ok(s) = s else { return };
         let fd = s.as_raw_fd();
         let mut fds = Vec::new();
-        let Ok(body) = proto::recv_frame(fd, &mut fds) else {
+        let Some(_region) = hello(fd, &mut fds) else {
             continue;
         };
-        let (id, Request::Hello { shm_bytes, .. }) = Request::decode(&body).unwrap() else {
-            panic!("no hello")
-        };
-        let _region = Region::adopt(fds.pop().unwrap(), shm_bytes).unwrap();
-        let hello = Response::Hello {
-            version: 1,
-            session_id: 1,
-            keys_max: 4096,
-            lease_ttl_max_ms: 1000,
-        };
-        proto::send_frame(fd, &hello.encode(proto::OP_HELLO, id), &[]).unwrap();
         while let Ok(body) = proto::recv_frame(fd, &mut fds) {
             match Request::decode(&body).unwrap() {
                 (id, Request::Lookup { ns, keys }) => {
