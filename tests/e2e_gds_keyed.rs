@@ -129,6 +129,18 @@ fn segmented_blocks_round_trip_through_the_pipeline_and_a_corrupt_one_is_never_s
         assert!(bufs[i] == payloads[i], "block {i}: wrong bytes");
     }
 
+    // Every block in G4 first. The corrupt copy is quarantined, and with it
+    // G3's tail of the chain behind it (unreachable there without it): those
+    // blocks are then served from G4, which the write-through may not have
+    // reached yet on a loaded machine (they were `Absent` then).
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while c.stats().unwrap()["tiers"]["g4"]["blocks"].as_u64() < Some(n as u64) {
+        assert!(
+            Instant::now() < deadline,
+            "the blocks did not reach G4 in 60 s"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
     // Two payload bytes of block 5 flipped on disk, behind the daemon's back.
     let bad = 5;
     let f = std::fs::OpenOptions::new()

@@ -430,7 +430,32 @@ impl DiskIndex {
             let damaged = !matches!(e, redb::DatabaseError::DatabaseAlreadyOpen);
             (damaged, fail(&e))
         })?;
-        Self::init(db, path).map_err(|e| (false, e))
+        let me = Self::init(db, path).map_err(|e| (false, e))?;
+        // After a stop that was not clean (a crash, a power cut) every page
+        // is read once here, under open's catch_unwind: a file redb opens
+        // but cannot walk is damaged, set aside and rebuilt from the files,
+        // rather than an error (or a panic) in the middle of serving.
+        let clean = path
+            .parent()
+            .is_some_and(|root| root.join(super::recover::CLEAN_MARKER).exists());
+        if !clean {
+            me.scan_all().map_err(|e| (true, e))?;
+        }
+        Ok(me)
+    }
+
+    /// Reads every entry of every table (the open after an unclean stop).
+    fn scan_all(&self) -> Result<()> {
+        let r = self.db.begin_read().map_err(|e| self.err(e))?;
+        let b = r.open_table(BLOCKS).map_err(|e| self.err(e))?;
+        for item in b.iter().map_err(|e| self.err(e))? {
+            item.map_err(|e| self.err(e))?;
+        }
+        let n = r.open_table(NAMES).map_err(|e| self.err(e))?;
+        for item in n.iter().map_err(|e| self.err(e))? {
+            item.map_err(|e| self.err(e))?;
+        }
+        Ok(())
     }
 
     fn init(db: Database, path: &Path) -> Result<Self> {
@@ -516,26 +541,38 @@ impl DiskIndex {
         }
     }
 
+    /// Runs one redb operation; a panic inside redb (its `unreachable!` on
+    /// some damaged pages, which open does not always meet: found by the
+    /// power-loss mutation check, in close's scan) is an index error, never
+    /// a daemon that dies. The next open then finds no clean marker and
+    /// scans the whole file, which sets a damaged one aside.
+    fn guarded<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))
+            .unwrap_or_else(|_| Err(self.err("redb panicked reading the file (damaged)")))
+    }
+
     fn write<T>(
         &self,
         durability: Durability,
         f: impl FnOnce(&redb::WriteTransaction) -> std::result::Result<T, redb::Error>,
     ) -> Result<T> {
-        let lazy = matches!(durability, Durability::None);
-        let mut w = self.db.begin_write().map_err(|e| self.err(e))?;
-        w.set_durability(durability).map_err(|e| self.err(e))?;
-        if !lazy {
-            // Durable commits also record redb's allocator state, so that
-            // an open after a crash (or a drop that could not record it)
-            // loads it instead of rebuilding it from the whole file.
-            w.set_quick_repair(true);
-        }
-        let t = f(&w).map_err(|e| self.err(e))?;
-        w.commit().map_err(|e| self.err(e))?;
-        if lazy {
-            self.dirty.store(true, Ordering::Release);
-        }
-        Ok(t)
+        self.guarded(|| {
+            let lazy = matches!(durability, Durability::None);
+            let mut w = self.db.begin_write().map_err(|e| self.err(e))?;
+            w.set_durability(durability).map_err(|e| self.err(e))?;
+            if !lazy {
+                // Durable commits also record redb's allocator state, so that
+                // an open after a crash (or a drop that could not record it)
+                // loads it instead of rebuilding it from the whole file.
+                w.set_quick_repair(true);
+            }
+            let t = f(&w).map_err(|e| self.err(e))?;
+            w.commit().map_err(|e| self.err(e))?;
+            if lazy {
+                self.dirty.store(true, Ordering::Release);
+            }
+            Ok(t)
+        })
     }
 
     /// Inserts or replaces records (non-durable commit).
@@ -576,10 +613,12 @@ impl DiskIndex {
 
     /// One record.
     pub fn get(&self, id: u64) -> Result<Option<Record>> {
-        let r = self.db.begin_read().map_err(|e| self.err(e))?;
-        let t = r.open_table(BLOCKS).map_err(|e| self.err(e))?;
-        let v = t.get(id).map_err(|e| self.err(e))?;
-        Ok(v.and_then(|g| Record::decode(g.value())))
+        self.guarded(|| {
+            let r = self.db.begin_read().map_err(|e| self.err(e))?;
+            let t = r.open_table(BLOCKS).map_err(|e| self.err(e))?;
+            let v = t.get(id).map_err(|e| self.err(e))?;
+            Ok(v.and_then(|g| Record::decode(g.value())))
+        })
     }
 
     /// The record of `id` when it names (`ns`, `key`): `None` for an absent
@@ -590,15 +629,17 @@ impl DiskIndex {
 
     /// Visits every record (recovery).
     pub fn for_each(&self, mut f: impl FnMut(u64, Record)) -> Result<()> {
-        let r = self.db.begin_read().map_err(|e| self.err(e))?;
-        let t = r.open_table(BLOCKS).map_err(|e| self.err(e))?;
-        for item in t.iter().map_err(|e| self.err(e))? {
-            let (k, v) = item.map_err(|e| self.err(e))?;
-            if let Some(rec) = Record::decode(v.value()) {
-                f(k.value(), rec);
+        self.guarded(|| {
+            let r = self.db.begin_read().map_err(|e| self.err(e))?;
+            let t = r.open_table(BLOCKS).map_err(|e| self.err(e))?;
+            for item in t.iter().map_err(|e| self.err(e))? {
+                let (k, v) = item.map_err(|e| self.err(e))?;
+                if let Some(rec) = Record::decode(v.value()) {
+                    f(k.value(), rec);
+                }
             }
-        }
-        Ok(())
+            Ok(())
+        })
     }
 
     /// Keys of `ns` after `after`, sorted by raw key bytes.
@@ -608,41 +649,45 @@ impl DiskIndex {
         after: Option<&BlockKey>,
         limit: usize,
     ) -> Result<Vec<BlockKey>> {
-        let r = self.db.begin_read().map_err(|e| self.err(e))?;
-        let t = r.open_table(NAMES).map_err(|e| self.err(e))?;
-        let start: Vec<u8> = match after {
-            Some(k) => {
-                let mut v = name_key(ns, k);
-                v.push(0);
-                v
+        self.guarded(|| {
+            let r = self.db.begin_read().map_err(|e| self.err(e))?;
+            let t = r.open_table(NAMES).map_err(|e| self.err(e))?;
+            let start: Vec<u8> = match after {
+                Some(k) => {
+                    let mut v = name_key(ns, k);
+                    v.push(0);
+                    v
+                }
+                None => ns.0.to_vec(),
+            };
+            let mut out = Vec::new();
+            for item in t.range(start.as_slice()..).map_err(|e| self.err(e))? {
+                if out.len() >= limit {
+                    break;
+                }
+                let (k, _) = item.map_err(|e| self.err(e))?;
+                let k = k.value();
+                if k.len() <= 16 || k[..16] != ns.0 {
+                    break;
+                }
+                if let Ok(key) = BlockKey::from_bytes(&k[16..]) {
+                    out.push(key);
+                }
             }
-            None => ns.0.to_vec(),
-        };
-        let mut out = Vec::new();
-        for item in t.range(start.as_slice()..).map_err(|e| self.err(e))? {
-            if out.len() >= limit {
-                break;
-            }
-            let (k, _) = item.map_err(|e| self.err(e))?;
-            let k = k.value();
-            if k.len() <= 16 || k[..16] != ns.0 {
-                break;
-            }
-            if let Ok(key) = BlockKey::from_bytes(&k[16..]) {
-                out.push(key);
-            }
-        }
-        Ok(out)
+            Ok(out)
+        })
     }
 
     /// The index generation: bumped (durably) at every open, written into
     /// the clean-shutdown marker at close, so that a marker is trusted only
     /// beside the index it was written for.
     pub fn generation(&self) -> Result<u64> {
-        let r = self.db.begin_read().map_err(|e| self.err(e))?;
-        let t = r.open_table(META).map_err(|e| self.err(e))?;
-        let v = t.get(GENERATION).map_err(|e| self.err(e))?;
-        Ok(v.map(|g| g.value()).unwrap_or(0))
+        self.guarded(|| {
+            let r = self.db.begin_read().map_err(|e| self.err(e))?;
+            let t = r.open_table(META).map_err(|e| self.err(e))?;
+            let v = t.get(GENERATION).map_err(|e| self.err(e))?;
+            Ok(v.map(|g| g.value()).unwrap_or(0))
+        })
     }
 
     /// Sets the generation (non-durable commit: it is bumped only after

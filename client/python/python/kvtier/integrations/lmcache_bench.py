@@ -171,6 +171,12 @@ def run(args) -> dict[str, Any]:
     nonce = time.time_ns()
     try:
         for r in range(args.rounds):
+            # batched_get writes what it read back into LMCache's CPU cache;
+            # left there, two rounds fill it, and local_disk's put (which
+            # allocates without evicting) then never stores its chunks.
+            l1 = manager.storage_backends.get("LocalCPUBackend")
+            if l1 is not None:
+                l1.clear()
             order = [KVTIER, LOCAL_DISK] if r % 2 == 0 else [LOCAL_DISK, KVTIER]
             row: dict[str, float] = {}
             digests = {}
