@@ -127,3 +127,29 @@ def test_one_onboard_per_step_for_all_the_requests_it_loads(tmp_path, g3_daemon,
         assert c.get("load_batches") == 1, c
     assert after.get("onboard", 0) - before.get("onboard", 0) == tp, (before, after)
     e.shutdown()
+
+
+def test_scheduler_bench_runs_tiny_and_keeps_the_json_contract(tmp_path):
+    """bench_vllm_scheduler.py (docs/BENCHMARKS.md, vllm_scheduler) at a
+    tiny size: one JSON document, kvtier's connector time beside the
+    per-chunk baseline's from the same invocation, the manager's share of
+    each, one lookup request per prompt against one per chunk per rank.
+    Never a speed."""
+    import json
+    import pathlib
+    import subprocess
+    import sys
+
+    bench = pathlib.Path(__file__).resolve().parent / "bench_vllm_scheduler.py"
+    out = subprocess.run(
+        [sys.executable, str(bench), "--tokens", "256", "--tp", "2", "--rounds", "1", "--json"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    doc = json.loads(out.stdout)
+    assert doc["bench"] == "vllm_scheduler" and doc["tp"] == 2 and doc["chunks"] == 256 // BLOCK_SIZE
+    assert doc["lookup_requests_per_prompt"] == 1
+    assert doc["baseline_lookup_requests_per_prompt"] == doc["chunks"] * 2
+    assert 0 < doc["manager_ms"] <= doc["connector_ms"]
+    assert 0 < doc["baseline_manager_ms"] <= doc["baseline_connector_ms"]
+    assert abs(doc["prompts_per_s_vs_baseline"] - doc["baseline_connector_ms"] / doc["connector_ms"]) < 0.01
