@@ -430,24 +430,18 @@ impl DiskIndex {
             let damaged = !matches!(e, redb::DatabaseError::DatabaseAlreadyOpen);
             (damaged, fail(&e))
         })?;
-        // After a stop that was not clean (a crash, a power cut) redb checks
-        // every page's checksum and its allocator state before anything
-        // reads or writes: a file it opens but cannot walk or extend (the
+        // redb checks every page's checksum and its allocator state before
+        // anything reads or writes: a file it opens but cannot walk or
+        // extend is damaged, set aside and rebuilt from the files (the
         // power-loss mutation check without the index sync made redb panic
-        // later, in a scan and in a commit) is damaged, set aside and
-        // rebuilt from the files. A clean stop skips it (the file was
-        // flushed whole).
-        let clean = path
-            .parent()
-            .is_some_and(|root| root.join(super::recover::CLEAN_MARKER).exists());
-        if !clean {
-            match db.check_integrity() {
-                Ok(true) => {}
-                Ok(false) => {
-                    tracing::warn!(index = %path.display(), "g3: redb repaired the index after an unclean stop")
-                }
-                Err(e) => return Err((true, fail(&e))),
-            }
+        // later, in a scan and in a commit). At every open, not only after
+        // an unclean stop: a clean marker can outlive index pages a disk
+        // never wrote (the same mutation check, a cut inside close). One
+        // sequential read of the index file (about 100 bytes per block).
+        match db.check_integrity() {
+            Ok(true) => {}
+            Ok(false) => tracing::warn!(index = %path.display(), "g3: redb repaired the index"),
+            Err(e) => return Err((true, fail(&e))),
         }
         Self::init(db, path).map_err(|e| (false, e))
     }
@@ -537,8 +531,8 @@ impl DiskIndex {
     /// Runs one redb operation; a panic inside redb (its `unreachable!` on
     /// some damaged pages, which open does not always meet: found by the
     /// power-loss mutation check, in close's scan) is an index error, never
-    /// a daemon that dies. The next open then finds no clean marker and
-    /// scans the whole file, which sets a damaged one aside.
+    /// a daemon that dies. The next open checks the whole file
+    /// (`check_integrity`) and sets a damaged one aside.
     fn guarded<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<T> {
         std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))
             .unwrap_or_else(|_| Err(self.err("redb panicked reading the file (damaged)")))
