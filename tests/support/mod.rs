@@ -115,8 +115,46 @@ impl Daemon {
     }
 
     fn spawn(&mut self) {
-        let child = Command::new(kvtierd_bin())
-            .arg("--socket")
+        // The metrics port is picked free, then bound by the daemon: another
+        // test's process can take it in between (CI saw `metrics.addr:
+        // cannot listen ...: Address already in use` once). A daemon that
+        // exits before it serves is started again on a fresh port, twice at
+        // most; one that fails for another reason fails all three.
+        for attempt in 0..3 {
+            let mut child = self.command().spawn().expect("spawning kvtierd");
+            let t = Instant::now();
+            let within = Duration::from_secs(20);
+            while t.elapsed() < within {
+                if std::os::unix::net::UnixStream::connect(&self.socket).is_ok() {
+                    self.child = Some(child);
+                    return;
+                }
+                if matches!(child.try_wait(), Ok(Some(_))) {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let exited = matches!(child.try_wait(), Ok(Some(_)));
+            if !exited || attempt == 2 {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!(
+                    "kvtierd did not listen on {} within {within:?}{}",
+                    self.socket.display(),
+                    if exited {
+                        " (it exited; its log is above)"
+                    } else {
+                        ""
+                    }
+                );
+            }
+            self.metrics_addr = format!("127.0.0.1:{}", free_port());
+        }
+    }
+
+    fn command(&self) -> Command {
+        let mut c = Command::new(kvtierd_bin());
+        c.arg("--socket")
             .arg(&self.socket)
             .arg("--g3-dir")
             .arg(self.dir.path().join("g3"))
@@ -140,11 +178,8 @@ impl Daemon {
                         .unwrap(),
                 ),
                 None => Stdio::inherit(),
-            })
-            .spawn()
-            .expect("spawning kvtierd");
-        self.child = Some(child);
-        wait_for_socket(&self.socket, Duration::from_secs(20));
+            });
+        c
     }
 
     /// Pid of the daemon.
