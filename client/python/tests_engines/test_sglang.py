@@ -7,6 +7,8 @@ prefix, batch_set_v1 / batch_get_v1 over host page indices."""
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, HiCacheStorageExtraInfo

@@ -671,17 +671,25 @@ impl Conn<'_> {
                         .collect(),
                 }
             }
-            Request::Evict { ns, keys, tier } => Response::Items {
-                status: keys
+            // Last key first: a chain's keys come in chain order, and an
+            // evicted block takes its descendants on G3 along (they could
+            // not be reached), so its children, asked for in the same
+            // request, are evicted before it and answer `ok`, not `absent`.
+            Request::Evict { ns, keys, tier } => {
+                let ns = self.ns_for(&ns);
+                let mut status: Vec<ItemStatus> = keys
                     .iter()
-                    .map(|k| match b.evict_tier(&self.ns_for(&ns), k, tier) {
+                    .rev()
+                    .map(|k| match b.evict_tier(&ns, k, tier) {
                         Ok(super::EvictOutcome::Evicted) => ItemStatus::Ok,
                         Ok(super::EvictOutcome::Absent) => ItemStatus::Absent,
                         Ok(super::EvictOutcome::Busy) => ItemStatus::LimitReached,
                         Err(e) => self.status_of(&e),
                     })
-                    .collect(),
-            },
+                    .collect();
+                status.reverse();
+                Response::Items { status }
+            }
             Request::Stat { ns, keys } => {
                 let mut entries = Vec::with_capacity(keys.len());
                 let ns = self.ns_for(&ns);
