@@ -98,13 +98,14 @@ class PerChunkManager(KvtierOffloadingManager):
         return LookupResult.HIT
 
 
-def timed_connector(e: Engine) -> list[float]:
-    """Wraps the scheduler-side connector's hooks; returns the list each
-    call's seconds are appended to."""
+def timed(obj, names) -> list[float]:
+    """Wraps ``obj``'s methods ``names`` (those it has); returns the list
+    each call's seconds are appended to."""
     spent: list[float] = []
-    conn = e.scheduler.connector
-    for name in HOOKS:
-        real = getattr(conn, name)
+    for name in names:
+        real = getattr(obj, name, None)
+        if real is None:
+            continue
 
         def wrap(*a, _real=real, **kw):
             t0 = time.perf_counter()
@@ -113,8 +114,13 @@ def timed_connector(e: Engine) -> list[float]:
             finally:
                 spent.append(time.perf_counter() - t0)
 
-        setattr(conn, name, wrap)
+        setattr(obj, name, wrap)
     return spent
+
+
+def timed_connector(e: Engine) -> list[float]:
+    """The scheduler-side connector's hooks, timed."""
+    return timed(e.scheduler.connector, HOOKS)
 
 
 # kvtier's OffloadingManager methods (what kvtier adds inside the hooks
@@ -135,24 +141,8 @@ MANAGER_METHODS = (
 
 
 def timed_manager(e: Engine) -> list[float]:
-    """Wraps kvtier's manager methods; returns the list each call's seconds
-    are appended to."""
-    spent: list[float] = []
-    m = e.scheduler.connector.connector_scheduler.manager
-    for name in MANAGER_METHODS:
-        real = getattr(m, name, None)
-        if real is None:
-            continue
-
-        def wrap(*a, _real=real, **kw):
-            t0 = time.perf_counter()
-            try:
-                return _real(*a, **kw)
-            finally:
-                spent.append(time.perf_counter() - t0)
-
-        setattr(m, name, wrap)
-    return spent
+    """kvtier's manager methods, timed."""
+    return timed(e.scheduler.connector.connector_scheduler.manager, MANAGER_METHODS)
 
 
 def engine(tmp: pathlib.Path, socket: str, tp: int, tokens: int, per_chunk: bool) -> Engine:
