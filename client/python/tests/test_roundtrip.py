@@ -115,10 +115,14 @@ def test_pin_unpin_evict_stat_stats_events(client, ns):
     assert client.evict(ns, keys[:1]) == ["limit_reached"]
     assert client.unpin(ns, keys[:1]) == ["ok"]
     assert client.evict(ns, keys[:1]) == ["ok"]
-    # Once seen "absent" under heavy machine load (not reproduced since); the
-    # pinned/unpinned key above is the deterministic part.
+    # Evicting the chain's first block takes its G3 descendants along, so
+    # the second one is already gone from G3 ("absent"), unless it was
+    # not yet linked when the first went ("ok").
     assert client.evict(ns, keys[1:]) in (["ok"], ["absent"])
-    assert client.lookup(ns, keys).prefix_len in (0, 2)  # G4 may still hold them
+    # G3 holds neither now; G4 may hold none, the first, or both (its
+    # write-through runs in the background, one upload at a time).
+    after = client.lookup(ns, keys)
+    assert after.prefix_len <= 2 and all(t == "g4" for t in after.tiers), after
     s = client.stats()
     assert isinstance(s, dict) and "tiers" in s
 
