@@ -440,7 +440,22 @@ impl DiskIndex {
         // sequential read of the index file (about 100 bytes per block).
         match db.check_integrity() {
             Ok(true) => {}
-            Ok(false) => tracing::warn!(index = %path.display(), "g3: redb repaired the index"),
+            // Repaired: redb rolled back what it could not keep, so the
+            // index may lack blocks whose files are whole; without the
+            // clean marker this open walks the files and adopts them.
+            Ok(false) => {
+                tracing::warn!(index = %path.display(), "g3: redb repaired the index; the files are walked");
+                if let Some(root) = path.parent() {
+                    match fs.remove_file(
+                        &root.join(super::recover::CLEAN_MARKER),
+                        super::seam::Unlink::Housekeeping,
+                    ) {
+                        Ok(()) => {}
+                        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                        Err(e) => return Err((false, fail(&e))),
+                    }
+                }
+            }
             Err(e) => return Err((true, fail(&e))),
         }
         Self::init(db, path).map_err(|e| (false, e))
