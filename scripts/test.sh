@@ -7,6 +7,13 @@ cd "$(dirname "$0")/.."
 t0=$SECONDS
 step() { echo "== [$((SECONDS - t0))s] $*"; }
 trap 'echo "== [$((SECONDS - t0))s] done (rc=$?)"' EXIT
+# The disk first: the suite needs about 25 GB (the engines' venv 9.4 GB,
+# the Rust targets, the peers' build, a Debian root for the systemd check);
+# a run that stops on ENOSPC in the middle of a compile says little.
+df -h . /tmp 2>/dev/null || true
+# No incremental compilation: a clean clone builds once, and the incremental
+# caches beside the debug build were gigabytes that no later build reads.
+export CARGO_INCREMENTAL=0
 ./scripts/setup.sh
 # The engines' venv (torch, vLLM, SGLang, LMCache; minutes of downloads on
 # a cold machine) installs in the background, at low priority, while the

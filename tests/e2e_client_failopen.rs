@@ -5,13 +5,16 @@
 
 use kvtier_client::block::HEADER_BYTES;
 use kvtier_client::proto::{self, ItemStatus, OnboardResult, Request, Response};
-use kvtier_client::shm::Region;
 use kvtier_client::{
     BlockHeader, BlockKey, Client, ClientConfig, KvLayout, MissCause, Namespace, Onboarded, Tier,
 };
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixListener;
 use std::time::{Duration, Instant};
+
+#[path = "support/fake_daemon.rs"]
+mod fake_daemon;
+use fake_daemon::hello;
 
 const BLOCK: usize = 8192;
 
@@ -23,23 +26,6 @@ fn ns() -> Namespace {
         "",
     )
     .unwrap()
-}
-
-/// Answers the client's hello on `fd`; the shared region it passed.
-fn hello(fd: i32, fds: &mut Vec<std::os::fd::OwnedFd>) -> Option<Region> {
-    let body = proto::recv_frame(fd, fds).ok()?;
-    let (id, Request::Hello { shm_bytes, .. }) = Request::decode(&body).unwrap() else {
-        panic!("no hello")
-    };
-    let region = Region::adopt(fds.pop().unwrap(), shm_bytes).unwrap();
-    let hello = Response::Hello {
-        version: 1,
-        session_id: 1,
-        keys_max: 4096,
-        lease_ttl_max_ms: 1000,
-    };
-    proto::send_frame(fd, &hello.encode(proto::OP_HELLO, id), &[]).unwrap();
-    Some(region)
 }
 
 /// Serves one connection: hello, then answers every onboard with a block

@@ -14,7 +14,7 @@ mod support;
 
 use kvtier_client::proto::ItemStatus;
 use kvtier_client::{
-    block_path, BlockKey, Client, ClientConfig, Hints, KvLayout, MissCause, Namespace,
+    block_path, BlockKey, Client, ClientConfig, Hints, KvLayout, MissCause, Namespace, NsHandle,
     OffloadOutcome, Onboarded,
 };
 use std::os::unix::fs::FileExt;
@@ -89,6 +89,16 @@ fn assert_served(c: &Client, blocks: &[(BlockKey, Vec<u8>)]) {
         let out = h.onboard_into(&[*key], &mut [&mut buf[..]]);
         assert!(out[0].is_hit(), "{key}: {:?}", out[0]);
         assert!(buf == *p, "{key}: wrong bytes");
+    }
+}
+
+/// Onboarding `key` (over `h`'s client's mode) is a corrupt miss.
+fn assert_corrupt_miss(h: &NsHandle<'_>, key: &BlockKey) {
+    let mut buf = vec![0u8; BLOCK];
+    let out = h.onboard_into(&[*key], &mut [&mut buf[..]]);
+    match &out[0] {
+        Onboarded::Miss(m) => assert_eq!(m.cause, MissCause::Corrupt, "{m:?}"),
+        other => panic!("corrupt bytes served: {other:?}"),
     }
 }
 
@@ -276,12 +286,7 @@ fn a_corrupt_fd_read_is_reported_and_the_block_is_dropped_when_no_good_copy_exis
     corrupt(&d, key, 100);
     let c = client(&d, true);
     let h = c.namespace(&ns());
-    let mut buf = vec![0u8; BLOCK];
-    let out = h.onboard_into(&[*key], &mut [&mut buf[..]]);
-    match &out[0] {
-        Onboarded::Miss(m) => assert_eq!(m.cause, MissCause::Corrupt, "{m:?}"),
-        other => panic!("corrupt bytes served: {other:?}"),
-    }
+    assert_corrupt_miss(&h, key);
     // The client reported it; the daemon verified, quarantined: the block
     // is no longer cached, a re-offload stores it again, and it is served.
     assert_eq!(h.lookup(&[*key]).prefix_len(), 0, "still reported cached");
@@ -336,6 +341,75 @@ fn a_corrupt_fd_read_is_repaired_from_g4_at_once_and_a_false_report_removes_noth
         0
     );
     assert_served(&c, &blocks);
+}
+
+/// What the daemon's stats say this namespace's clients reported corrupt.
+fn reported_corrupt(c: &Client) -> u64 {
+    let id = ns().id().to_hex();
+    c.stats().unwrap()["namespaces"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|n| n["id"] == id.as_str())
+        .map(|n| n["reported_corrupt_blocks"].as_u64().unwrap())
+        .sum()
+}
+
+#[test]
+fn a_corrupt_region_read_is_checked_by_the_client_alone_and_served_from_g4_in_the_same_call() {
+    // The shared-region onboard: the daemon reads G3 straight into the
+    // client's region and checks only the header, so each byte is hashed
+    // once, by the client (issue 31). A payload that fails the client's
+    // check is reported, re-verified, quarantined and repaired from G4 by
+    // the daemon, and the client onboards the repaired copy in the same
+    // call: one call, the right bytes, never a corrupt hit.
+    let d = Daemon::start();
+    let c = client(&d, false);
+    // 80 blocks, 5 MiB: one request, landed by two threads (client.rs,
+    // PARALLEL_LAND_BYTES), one corrupt block in each half.
+    let blocks = offload(&c, 0..80);
+    let bad = [3usize, 70];
+    for &i in &bad {
+        let key = &blocks[i].0;
+        wait_until("the G4 upload", Duration::from_secs(60), || {
+            files_named(&d.dir.path().join("g4"), &key.to_hex()) >= 1
+        });
+        corrupt(&d, key, 4000);
+    }
+    let h = c.namespace(&ns());
+    let keys: Vec<BlockKey> = blocks.iter().map(|(k, _)| *k).collect();
+    let mut bufs: Vec<Vec<u8>> = keys.iter().map(|_| vec![0u8; BLOCK]).collect();
+    let mut views: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
+    let out = h.onboard_into(&keys, &mut views);
+    for (i, ((key, p), o)) in blocks.iter().zip(&out).enumerate() {
+        assert!(o.is_hit(), "block {i} {key}: {o:?}");
+        assert!(bufs[i] == *p, "block {i}: wrong bytes served");
+    }
+    // The client found them (the daemon did not hash the payloads) and
+    // said so; the daemon quarantined its copies.
+    assert_eq!(
+        reported_corrupt(&c),
+        2,
+        "the client's check did not see the corruption"
+    );
+    for &i in &bad {
+        let key = &blocks[i].0;
+        assert!(files_named(&d.dir.path().join("g3/quarantine"), &key.to_hex()) >= 1);
+    }
+    assert_served(&c, &blocks);
+
+    // Without a good copy anywhere: a corrupt miss, reported, and the block
+    // dropped, so it is not served (or reported) again.
+    let d = Daemon::start_with(&["--g4".into(), String::new()], &[]);
+    let c = client(&d, false);
+    let blocks = offload(&c, 0..2);
+    let (key, _) = &blocks[1];
+    corrupt(&d, key, 100);
+    let h = c.namespace(&ns());
+    assert_corrupt_miss(&h, key);
+    assert_eq!(reported_corrupt(&c), 1);
+    assert_eq!(h.lookup(&[*key]).prefix_len(), 0, "still reported cached");
+    assert_served(&c, &blocks[..1]);
 }
 
 /// The longer variant: every round corrupts a different subset (payload

@@ -647,9 +647,13 @@ fn shared_region_pages_are_charged_to_the_client_not_the_daemon() {
         }
     };
     let d = Daemon::start_with(&["--g4".into(), "".into()], &[]);
-    // Seeded by this process (whose own region pages are its own).
+    // Seeded by this process (whose own region pages are its own). 512 MiB
+    // of durable writes: setup, not what is measured, so a deadline a slow
+    // disk meets (the default 2 s was missed in a clean-clone run).
     {
-        let c = Client::with_config(ClientConfig::new(&d.socket));
+        let mut cfg = ClientConfig::new(&d.socket);
+        cfg.timeout_ms = 300_000;
+        let c = Client::with_config(cfg);
         let ns = shm_ns();
         let h = c.namespace(&ns);
         let keys = h.hash_chain(&(0..(16 * SHM_BLOCKS) as u32).collect::<Vec<u32>>());

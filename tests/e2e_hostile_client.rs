@@ -102,12 +102,17 @@ impl Raw {
 /// of the time, so a daemon that copies and hashes at two different moments
 /// can hash good bytes and write bad ones (or read good bytes and verify
 /// bad ones).
+/// Returns once the scribbler has made one pass: on 2 busy cores a thread
+/// started just before a call could otherwise first run after the reply
+/// (a clean-clone run saw a round with no scribble at all).
 fn scribbler(
     region: Arc<Region>,
     stop: Arc<AtomicBool>,
     slots: usize,
 ) -> std::thread::JoinHandle<u64> {
-    std::thread::spawn(move || {
+    let running = Arc::new(AtomicBool::new(false));
+    let up = Arc::clone(&running);
+    let t = std::thread::spawn(move || {
         let mut n = 0u64;
         let mut x = 0x9e37_79b9_7f4a_7c15u64;
         // Bad briefly (long enough to be caught by a copy), good for long
@@ -139,10 +144,16 @@ fn scribbler(
                 }
             }
             n += 1;
+            // Running: one whole scribble done, the next under way.
+            up.store(true, Ordering::Release);
             std::thread::sleep(Duration::from_micros(200 + (x >> 20) % 2500));
         }
         n
-    })
+    });
+    while !running.load(Ordering::Acquire) {
+        std::thread::yield_now();
+    }
+    t
 }
 
 fn good_client(socket: &std::path::Path, direct: bool) -> Client {

@@ -270,17 +270,38 @@ impl BlockHeader {
 
     /// Checks `payload` (exactly `payload_len` bytes) against the checksum.
     pub fn verify_payload(&self, payload: &[u8]) -> Result<()> {
-        if payload.len() as u64 != self.payload_len {
+        self.check_len(payload.len())?;
+        self.check_hash(blake3::hash(payload))
+    }
+
+    /// Copies `src` (exactly `payload_len` bytes) into `dst` (as long) and
+    /// checks the bytes *in `dst`* against the checksum, a piece at a time:
+    /// each piece is hashed right after its copy, while it is still in the
+    /// cache, instead of the whole payload being read back from memory.
+    pub fn copy_verified(&self, src: &[u8], dst: &mut [u8]) -> Result<()> {
+        const PIECE_BYTES: usize = 128 << 10;
+        self.check_len(src.len())?;
+        self.check_len(dst.len())?;
+        let mut h = blake3::Hasher::new();
+        for (s, d) in src.chunks(PIECE_BYTES).zip(dst.chunks_mut(PIECE_BYTES)) {
+            d.copy_from_slice(s);
+            h.update(d);
+        }
+        self.check_hash(h.finalize())
+    }
+
+    fn check_len(&self, len: usize) -> Result<()> {
+        if len as u64 != self.payload_len {
             return Err(Error::format(
                 FormatFault::Truncated,
-                format!(
-                    "payload of {} bytes, header says {}",
-                    payload.len(),
-                    self.payload_len
-                ),
+                format!("payload of {len} bytes, header says {}", self.payload_len),
             ));
         }
-        if blake3::hash(payload).as_bytes() != &self.payload_blake3 {
+        Ok(())
+    }
+
+    fn check_hash(&self, got: blake3::Hash) -> Result<()> {
+        if got.as_bytes() != &self.payload_blake3 {
             return Err(Error::format(
                 FormatFault::PayloadChecksum,
                 format!("payload checksum mismatch for block {}", self.key),

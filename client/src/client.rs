@@ -20,6 +20,11 @@
 //! payload into the caller's buffer, and compares blake3 of the bytes *in
 //! the caller's buffer* with the header's checksum. Bytes that fail are a
 //! `Miss(Corrupt)`, and the caller's buffer content is then unspecified.
+//! This check is the only hash of the payload on the shared-region path
+//! (the daemon checks the header it places there, not the payload), so a
+//! block the daemon served that fails it is reported to the daemon, which
+//! re-verifies, quarantines and repairs its copy, and is onboarded once
+//! more within the same call.
 //!
 //! Bulk bytes go through a sealed shared region (see [`crate::shm`]); the
 //! socket carries only small frames.
@@ -272,6 +277,14 @@ thread_local! {
 /// every restart missed for nothing. A daemon that is there but hung or
 /// refusing (a timeout, an error reply, a protocol failure) would make
 /// every call wait out its deadline or redo the hello: those back off.
+/// What sending a request came to.
+enum Sent {
+    /// Sent, with this request id.
+    Id(u32),
+    /// The daemon had refused the connection (its error frame).
+    Refused(Response),
+}
+
 fn backs_off(e: &Error) -> bool {
     !matches!(e, Error::Unavailable { .. })
 }
@@ -482,13 +495,19 @@ impl Client {
         req: &Request,
         fds: &[i32],
     ) -> Result<(Response, Vec<OwnedFd>)> {
+        match self.send_req(conn, req, fds)? {
+            Sent::Id(id) => self.recv_reply(conn, req.op(), id),
+            Sent::Refused(r) => Ok((r, Vec::new())),
+        }
+    }
+
+    /// Sends one request frame; its id, or the refusal a daemon that
+    /// closed the connection without reading left for us.
+    fn send_req(&self, conn: &mut Conn, req: &Request, fds: &[i32]) -> Result<Sent> {
         let id = conn.next_req;
         conn.next_req = conn.next_req.wrapping_add(1);
         let frame = req.encode(id);
         let op = req.op();
-        let sock = &self.cfg.socket;
-        let tmo = self.cfg.timeout_ms;
-        let name = Request::op_name(op);
         if let Err(e) = proto::send_frame(conn.sock.as_raw_fd(), &frame, fds) {
             // A daemon that refuses a connection (not a tenant, busy)
             // answers one error frame and closes without reading: the
@@ -497,12 +516,27 @@ impl Client {
             if e.kind() == std::io::ErrorKind::BrokenPipe {
                 if let Ok(body) = proto::recv_frame(conn.sock.as_raw_fd(), &mut f) {
                     if let Ok((_, r @ Response::Error { .. })) = Response::decode(&body, op) {
-                        return Ok((r, Vec::new()));
+                        return Ok(Sent::Refused(r));
                     }
                 }
             }
-            return Err(io_to_error(sock, name, tmo, e));
+            return Err(io_to_error(
+                &self.cfg.socket,
+                Request::op_name(op),
+                self.cfg.timeout_ms,
+                e,
+            ));
         }
+        Ok(Sent::Id(id))
+    }
+
+    /// Reads the reply to request `id` (of op `op`), the next frame on
+    /// the connection: the daemon answers a connection's requests in the
+    /// order they came.
+    fn recv_reply(&self, conn: &mut Conn, op: u8, id: u32) -> Result<(Response, Vec<OwnedFd>)> {
+        let sock = &self.cfg.socket;
+        let tmo = self.cfg.timeout_ms;
+        let name = Request::op_name(op);
         let mut got_fds = Vec::new();
         let body = proto::recv_frame(conn.sock.as_raw_fd(), &mut got_fds).map_err(|e| match e {
             proto::RecvError::Closed => Error::Unavailable {
@@ -533,6 +567,20 @@ impl Client {
         Ok((resp, got_fds))
     }
 
+    /// Shortens the connection's socket timeouts to what is left of the
+    /// call's deadline (`op` names a deadline already past).
+    fn fit_timeout(&self, conn: &mut Conn, op: &'static str) -> Result<()> {
+        let t = self.io_timeout(op)?;
+        if t != conn.io_timeout {
+            conn.sock
+                .set_read_timeout(Some(t))
+                .and_then(|()| conn.sock.set_write_timeout(Some(t)))
+                .map_err(|e| io_to_error(&self.cfg.socket, "timeout", self.cfg.timeout_ms, e))?;
+            conn.io_timeout = t;
+        }
+        Ok(())
+    }
+
     /// Runs one request (connecting first if needed); a failure drops the
     /// connection so the next call starts fresh. `f` runs with the region
     /// and the reply while the connection is still held.
@@ -550,11 +598,7 @@ impl Client {
         mut build: impl FnMut(Option<&Region>) -> Result<Request>,
         f: impl FnOnce(Option<&Region>, Response, Vec<OwnedFd>) -> Result<T>,
     ) -> Result<T> {
-        let mut g = self.conn.lock().map_err(|_| poisoned())?;
-        let mut kept = g.is_some();
-        if g.is_none() {
-            *g = Some(self.open()?);
-        }
+        let (mut g, mut kept) = self.connection()?;
         loop {
             let Some(conn) = g.as_mut() else {
                 return Err(poisoned());
@@ -562,22 +606,10 @@ impl Client {
             let req = build(conn.region.as_deref())?;
             // Past the call's deadline nothing is sent, and the connection
             // (idle, in step) stays.
-            let t = self.io_timeout(Request::op_name(req.op()))?;
-            if t != conn.io_timeout {
-                let set = conn
-                    .sock
-                    .set_read_timeout(Some(t))
-                    .and_then(|()| conn.sock.set_write_timeout(Some(t)));
-                if let Err(e) = set {
-                    *g = None;
-                    return Err(io_to_error(
-                        &self.cfg.socket,
-                        "timeout",
-                        self.cfg.timeout_ms,
-                        e,
-                    ));
-                }
-                conn.io_timeout = t;
+            self.io_timeout(Request::op_name(req.op()))?;
+            if let Err(e) = self.fit_timeout(conn, Request::op_name(req.op())) {
+                *g = None;
+                return Err(e);
             }
             match self.exchange(conn, &req, &[]) {
                 Ok((Response::Error { code, message }, _)) => {
@@ -594,15 +626,107 @@ impl Client {
                         *g = Some(self.open()?);
                         continue;
                     }
-                    if backs_off(&e) {
-                        if let Ok(mut lf) = self.last_failure.lock() {
-                            *lf = Some(Instant::now());
-                        }
-                    }
+                    self.note_failure(&e);
                     return Err(e);
                 }
             }
         }
+    }
+
+    /// The connection (opened if there is none), and whether it was kept
+    /// from an earlier call (a daemon restart may have cut it).
+    fn connection(&self) -> Result<(std::sync::MutexGuard<'_, Option<Conn>>, bool)> {
+        let mut g = self.conn.lock().map_err(|_| poisoned())?;
+        let kept = g.is_some();
+        if g.is_none() {
+            *g = Some(self.open()?);
+        }
+        Ok((g, kept))
+    }
+
+    /// Starts the back-off after a failure that calls for one.
+    fn note_failure(&self, e: &Error) {
+        if backs_off(e) {
+            if let Ok(mut lf) = self.last_failure.lock() {
+                *lf = Some(Instant::now());
+            }
+        }
+    }
+
+    /// Runs `count` requests on one connection with two in flight:
+    /// request `i + 1` is sent before reply `i` is read, so the daemon
+    /// works on it (its disk reads) while `f` handles reply `i` (the
+    /// client's copy and check). Request `i + 2` is built only after
+    /// `f(i)` returned, so it may reuse what request `i` used (half of the
+    /// shared region). A connection kept from an earlier call that a
+    /// daemon restart cut is replaced once, as in [`Client::call`], when
+    /// no reply was handled yet. Any error drops the connection (a reply
+    /// may still be in flight); the requests before it were handled.
+    pub(crate) fn call_pipelined(
+        &self,
+        count: usize,
+        mut build: impl FnMut(usize, Option<&Region>) -> Result<Request>,
+        mut f: impl FnMut(usize, Option<&Region>, Response) -> Result<()>,
+    ) -> Result<()> {
+        let (mut g, mut kept) = self.connection()?;
+        loop {
+            let Some(conn) = g.as_mut() else {
+                return Err(poisoned());
+            };
+            let mut done = 0;
+            match self.pipeline(conn, count, &mut build, &mut f, &mut done) {
+                Ok(()) => return Ok(()),
+                Err(e) => {
+                    *g = None;
+                    if kept && done == 0 && matches!(e, Error::Unavailable { .. }) {
+                        kept = false;
+                        *g = Some(self.open()?);
+                        continue;
+                    }
+                    self.note_failure(&e);
+                    return Err(e);
+                }
+            }
+        }
+    }
+
+    fn pipeline(
+        &self,
+        conn: &mut Conn,
+        count: usize,
+        build: &mut impl FnMut(usize, Option<&Region>) -> Result<Request>,
+        f: &mut impl FnMut(usize, Option<&Region>, Response) -> Result<()>,
+        done: &mut usize,
+    ) -> Result<()> {
+        let mut in_flight: std::collections::VecDeque<(u8, u32)> = Default::default();
+        let mut next = 0;
+        while *done < count {
+            while next < count && next < *done + 2 {
+                let req = build(next, conn.region.as_deref())?;
+                self.fit_timeout(conn, Request::op_name(req.op()))?;
+                match self.send_req(conn, &req, &[])? {
+                    Sent::Id(id) => in_flight.push_back((req.op(), id)),
+                    Sent::Refused(Response::Error { code, message }) => {
+                        return Err(Error::Remote { code, message })
+                    }
+                    Sent::Refused(r) => return Err(unexpected(r)),
+                }
+                next += 1;
+            }
+            let Some((op, id)) = in_flight.pop_front() else {
+                return Err(poisoned());
+            };
+            self.fit_timeout(conn, Request::op_name(op))?;
+            match self.recv_reply(conn, op, id)? {
+                // The daemon closes the connection after an error reply.
+                (Response::Error { code, message }, _) => {
+                    return Err(Error::Remote { code, message })
+                }
+                (resp, _) => f(*done, conn.region.as_deref(), resp)?,
+            }
+            *done += 1;
+        }
+        Ok(())
     }
 
     /// Daemon statistics (the JSON document `kvtier stats` prints).
@@ -1114,6 +1238,11 @@ pub(crate) fn slot_bytes(payload_len: u64) -> u64 {
     HEADER_BYTES as u64 + padded_len(payload_len)
 }
 
+/// An shm onboard reply of at least this many payload bytes is landed
+/// (copied and verified) by two threads: at 4 MiB the copy and blake3 take
+/// about a millisecond, well above a scoped thread's start.
+const PARALLEL_LAND_BYTES: u64 = 4 << 20;
+
 /// Where an shm onboard leaves each payload.
 pub(crate) enum Landing<'a, 'b> {
     /// Copied out of the staging area into the caller's buffers, and
@@ -1366,6 +1495,19 @@ impl<'a> NsHandle<'a> {
             }
             return out;
         }
+        // More blocks than the region holds: two requests in flight, each
+        // in half of the region (a block per half at least).
+        if !direct && n > per_batch && per_batch >= 2 {
+            let mut out =
+                self.onboard_shm_pipelined(&keys[..n], &mut bufs[..n], slot, per_batch / 2);
+            for _ in n..keys.len() {
+                out.push(Onboarded::Miss(Miss::new(
+                    MissCause::TooLarge,
+                    "no buffer given for this key",
+                )));
+            }
+            return out;
+        }
         let mut i = 0;
         while i < n {
             let end = (i + per_batch).min(n);
@@ -1428,6 +1570,13 @@ impl<'a> NsHandle<'a> {
     /// is verified (blake3) where it lands. An error (no region, a failed
     /// call, a reply of the wrong length) is the caller's to turn into
     /// misses.
+    ///
+    /// The daemon leaves a payload's checksum to this check (it reads G3
+    /// blocks straight into the region, checking only their headers), so
+    /// a block that the daemon served and that fails here is reported
+    /// (`OP_REPORT_CORRUPT`: the daemon re-verifies its copy, quarantines
+    /// it and repairs it from G4 or a peer) and, where the daemon repaired
+    /// it or found its own copy good, onboarded once more in the same call.
     pub(crate) fn onboard_shm_at(
         &self,
         keys: &[BlockKey],
@@ -1435,72 +1584,291 @@ impl<'a> NsHandle<'a> {
         slot: u64,
         mut landing: Landing<'_, '_>,
     ) -> Result<Vec<Onboarded>> {
-        let pool = match &landing {
+        let all: Vec<usize> = (0..keys.len()).collect();
+        let (mut out, failed) = self.onboard_shm_once(keys, offsets, &all, slot, &mut landing)?;
+        if failed.is_empty() {
+            return Ok(out);
+        }
+        let bad: Vec<BlockKey> = failed.iter().map(|&j| keys[j]).collect();
+        let Ok(status) = self.client.report_corrupt(self.id, &bad) else {
+            return Ok(out);
+        };
+        let again: Vec<usize> = failed
+            .iter()
+            .zip(&status)
+            .filter(|(_, st)| matches!(st, ItemStatus::Repaired | ItemStatus::Ok))
+            .map(|(&j, _)| j)
+            .collect();
+        if again.is_empty() {
+            return Ok(out);
+        }
+        let ks: Vec<BlockKey> = again.iter().map(|&j| keys[j]).collect();
+        let os: Vec<u64> = again.iter().map(|&j| offsets[j]).collect();
+        if let Ok((got, _)) = self.onboard_shm_once(&ks, &os, &again, slot, &mut landing) {
+            for (&j, o) in again.iter().zip(got) {
+                out[j] = o;
+            }
+        }
+        Ok(out)
+    }
+
+    /// One shm onboard request: `keys[i]` lands as item `dest[i]` of
+    /// `landing`. The outcomes, and the items (of `landing`) that the
+    /// daemon served and this client's check refused.
+    fn onboard_shm_once(
+        &self,
+        keys: &[BlockKey],
+        offsets: &[u64],
+        dest: &[usize],
+        slot: u64,
+        landing: &mut Landing<'_, '_>,
+    ) -> Result<(Vec<Onboarded>, Vec<usize>)> {
+        let pool = match &*landing {
             Landing::Pool(p) => Some(*p),
             Landing::Copy(_) => None,
         };
         self.client.call(
-            |region| {
-                let region = region.ok_or_else(|| Error::Protocol {
-                    reason: "client has no shared region".into(),
-                })?;
-                if let Some(p) = pool {
-                    p.check_region(region)?;
-                }
-                // The daemon writes these ranges: their pages must be this
-                // process's (charged to its memory cgroup, see shm.rs); it
-                // refuses ranges with holes. A no-op once populated.
-                for &o in offsets {
-                    region.populate(o, slot as usize);
-                }
-                let items = keys
-                    .iter()
-                    .zip(offsets)
-                    .map(|(k, &o)| OnboardItem {
-                        key: *k,
-                        shm_offset: o,
-                        shm_len: slot,
-                    })
-                    .collect();
-                Ok(Request::Onboard {
-                    ns: self.id,
-                    mode: OnboardMode::Shm,
-                    lease_ttl_ms: 0,
-                    items,
-                })
-            },
-            |region, r, _| {
-                let Response::Onboard { items } = r else {
-                    return Err(unexpected(r));
-                };
-                if items.len() != keys.len() {
-                    return Err(Error::Protocol {
-                        reason: "onboard reply length".into(),
-                    });
-                }
-                let region = region.ok_or_else(poisoned)?;
-                Ok(items
-                    .iter()
-                    .enumerate()
-                    .map(|(j, it)| {
-                        self.land(region, &keys[j], it, offsets[j], j, &mut landing)
-                            .unwrap_or_else(Onboarded::Miss)
-                    })
-                    .collect())
-            },
+            |region| self.shm_request(region, pool, keys, offsets, slot),
+            |region, r, _| self.shm_reply(region, r, keys, offsets, dest, landing),
         )
     }
 
+    /// The onboard request that places `keys[j]` at `offsets[j]` of the
+    /// region (the pool's, when `pool` is given).
+    fn shm_request(
+        &self,
+        region: Option<&Region>,
+        pool: Option<&Pool>,
+        keys: &[BlockKey],
+        offsets: &[u64],
+        slot: u64,
+    ) -> Result<Request> {
+        let region = region.ok_or_else(|| Error::Protocol {
+            reason: "client has no shared region".into(),
+        })?;
+        if let Some(p) = pool {
+            p.check_region(region)?;
+        }
+        // The daemon writes these ranges: their pages must be this
+        // process's (charged to its memory cgroup, see shm.rs); it
+        // refuses ranges with holes. A no-op once populated.
+        for &o in offsets {
+            region.populate(o, slot as usize);
+        }
+        let items = keys
+            .iter()
+            .zip(offsets)
+            .map(|(k, &o)| OnboardItem {
+                key: *k,
+                shm_offset: o,
+                shm_len: slot,
+            })
+            .collect();
+        Ok(Request::Onboard {
+            ns: self.id,
+            mode: OnboardMode::Shm,
+            lease_ttl_ms: 0,
+            items,
+        })
+    }
+
+    /// An shm onboard reply landed: the outcomes, and the items (of
+    /// `landing`) that the daemon served and this client's check refused.
+    fn shm_reply(
+        &self,
+        region: Option<&Region>,
+        r: Response,
+        keys: &[BlockKey],
+        offsets: &[u64],
+        dest: &[usize],
+        landing: &mut Landing<'_, '_>,
+    ) -> Result<(Vec<Onboarded>, Vec<usize>)> {
+        let Response::Onboard { items } = r else {
+            return Err(unexpected(r));
+        };
+        if items.len() != keys.len() {
+            return Err(Error::Protocol {
+                reason: "onboard reply length".into(),
+            });
+        }
+        let region = region.ok_or_else(poisoned)?;
+        let got = self.land_all(region, keys, &items, offsets, dest, landing);
+        let mut failed = Vec::new();
+        let out = got
+            .into_iter()
+            .zip(&items)
+            .zip(dest)
+            .map(|((r, it), &j)| match r {
+                Ok(o) => o,
+                Err(m) => {
+                    if it.status == ItemStatus::Ok && m.cause == MissCause::Corrupt {
+                        failed.push(j);
+                    }
+                    Onboarded::Miss(m)
+                }
+            })
+            .collect();
+        Ok((out, failed))
+    }
+
+    /// Onboards more blocks than the region holds at once into `bufs`:
+    /// requests of `half` blocks each, alternating between the region's
+    /// two halves, two in flight on the connection
+    /// ([`Client::call_pipelined`]), so the daemon reads one half while
+    /// this client copies and checks the other. Blocks this client's check
+    /// refused are reported and, where the daemon repaired them or found
+    /// its copy good, onboarded once more, as [`Self::onboard_shm_at`].
+    fn onboard_shm_pipelined(
+        &self,
+        keys: &[BlockKey],
+        bufs: &mut [&mut [u8]],
+        slot: u64,
+        half: usize,
+    ) -> Vec<Onboarded> {
+        let n = keys.len().min(bufs.len());
+        let half = half.max(1);
+        let count = n.div_ceil(half);
+        let range = |b: usize| b * half..((b + 1) * half).min(n);
+        let offsets = |b: usize| -> Vec<u64> {
+            let base = (b % 2) as u64 * half as u64 * slot;
+            range(b)
+                .map(|j| base + (j - b * half) as u64 * slot)
+                .collect()
+        };
+        let mut out: Vec<Option<Onboarded>> = vec![None; n];
+        let mut failed: Vec<usize> = Vec::new();
+        let res = self.client.call_pipelined(
+            count,
+            |b, region| self.shm_request(region, None, &keys[range(b)], &offsets(b), slot),
+            |b, region, r| {
+                let rg = range(b);
+                let dest: Vec<usize> = (0..rg.len()).collect();
+                let mut landing = Landing::Copy(&mut bufs[rg.clone()]);
+                let (got, bad) = self.shm_reply(
+                    region,
+                    r,
+                    &keys[rg.clone()],
+                    &offsets(b),
+                    &dest,
+                    &mut landing,
+                )?;
+                for (j, o) in got.into_iter().enumerate() {
+                    out[rg.start + j] = Some(o);
+                }
+                failed.extend(bad.into_iter().map(|j| rg.start + j));
+                Ok(())
+            },
+        );
+        let gone = res.err().map(|e| Miss::from_error(&e));
+        let mut out: Vec<Onboarded> = out
+            .into_iter()
+            .map(|o| {
+                o.unwrap_or_else(|| {
+                    Onboarded::Miss(gone.clone().unwrap_or_else(|| {
+                        Miss::new(MissCause::Unavailable, "onboard request not answered")
+                    }))
+                })
+            })
+            .collect();
+        if failed.is_empty() {
+            return out;
+        }
+        let bad: Vec<BlockKey> = failed.iter().map(|&j| keys[j]).collect();
+        let Ok(status) = self.client.report_corrupt(self.id, &bad) else {
+            return out;
+        };
+        for (&j, st) in failed.iter().zip(&status) {
+            if !matches!(st, ItemStatus::Repaired | ItemStatus::Ok) {
+                continue;
+            }
+            let mut one = [&mut *bufs[j]];
+            if let Some(o) = self
+                .onboard_shm_at(&keys[j..=j], &[0], slot, Landing::Copy(&mut one))
+                .ok()
+                .and_then(|mut v| v.pop())
+            {
+                out[j] = o;
+            }
+        }
+        out
+    }
+
+    /// Lands every item of an shm onboard reply (`items[i]` for `keys[i]`
+    /// at `offsets[i]`, into item `dest[i]` of `landing`). A reply of at
+    /// least [`PARALLEL_LAND_BYTES`] is landed by this thread and one
+    /// scoped helper, half the items each: the copy and the blake3 pass
+    /// are the client's whole share of an onboard, and while they run the
+    /// connection, and so the daemon's reads for this client, wait.
+    fn land_all(
+        &self,
+        region: &Region,
+        keys: &[BlockKey],
+        items: &[proto::OnboardResult],
+        offsets: &[u64],
+        dest: &[usize],
+        landing: &mut Landing<'_, '_>,
+    ) -> Vec<std::result::Result<Onboarded, Miss>> {
+        let copy = matches!(landing, Landing::Copy(_));
+        // Each item's destination: its own buffer (copy), or its pool slot.
+        let mut dsts: Vec<Option<&mut [u8]>> = match landing {
+            Landing::Copy(bufs) => {
+                let mut by_dest: Vec<Option<&mut [u8]>> =
+                    bufs.iter_mut().map(|b| Some(&mut **b)).collect();
+                dest.iter()
+                    .map(|&j| by_dest.get_mut(j).and_then(Option::take))
+                    .collect()
+            }
+            Landing::Pool(_) => dest.iter().map(|_| None).collect(),
+        };
+        let one = |i: usize, dst: Option<&mut [u8]>| {
+            self.land(region, &keys[i], &items[i], offsets[i], copy, dst)
+        };
+        let bytes: u64 = items
+            .iter()
+            .filter(|it| it.status == ItemStatus::Ok)
+            .map(|it| it.payload_len)
+            .sum();
+        let n = items.len().min(keys.len()).min(offsets.len());
+        if bytes < PARALLEL_LAND_BYTES || n < 2 {
+            return (0..n).zip(dsts).map(|(i, d)| one(i, d)).collect();
+        }
+        let half = n / 2;
+        let (a, b) = dsts.split_at_mut(half);
+        std::thread::scope(|s| {
+            let helper = s.spawn(|| {
+                (half..n)
+                    .zip(b.iter_mut())
+                    .map(|(i, d)| one(i, d.take()))
+                    .collect::<Vec<_>>()
+            });
+            let mut out: Vec<_> = (0..half)
+                .zip(a.iter_mut())
+                .map(|(i, d)| one(i, d.take()))
+                .collect();
+            match helper.join() {
+                Ok(rest) => out.extend(rest),
+                Err(_) => out.extend((half..n).map(|_| {
+                    Err(Miss::new(
+                        MissCause::Corrupt,
+                        "verification thread panicked",
+                    ))
+                })),
+            }
+            out
+        })
+    }
+
     /// One item of an shm onboard reply: its header checked, its payload
-    /// landed and verified.
+    /// landed and verified: copied into `dst` and checked there (`copy`),
+    /// or checked in its pool slot in the region.
     fn land(
         &self,
         region: &Region,
         key: &BlockKey,
         it: &proto::OnboardResult,
         at: u64,
-        j: usize,
-        landing: &mut Landing<'_, '_>,
+        copy: bool,
+        dst: Option<&mut [u8]>,
     ) -> std::result::Result<Onboarded, Miss> {
         if it.status != ItemStatus::Ok {
             return Err(Miss::from_status(it.status));
@@ -1509,26 +1877,19 @@ impl<'a> NsHandle<'a> {
         if !region.read(at, &mut hb) {
             return Err(Miss::new(MissCause::Corrupt, "offset"));
         }
-        let cap = match landing {
-            Landing::Copy(bufs) => bufs[j].len(),
-            Landing::Pool(_) => self.ns.layout.block_bytes() as usize,
+        let cap = match (&dst, copy) {
+            (Some(d), true) => d.len(),
+            (None, true) => 0,
+            (_, false) => self.ns.layout.block_bytes() as usize,
         };
         let h = self.check_header(&hb, key, it, cap)?;
         let (at, len) = (at + HEADER_BYTES as u64, h.payload_len as usize);
-        let verified = match landing {
-            Landing::Copy(bufs) => {
-                let dst = &mut bufs[j][..len];
-                if !region.read(at, dst) {
-                    return Err(Miss::new(MissCause::TooLarge, "region"));
-                }
-                h.verify_payload(dst)
-            }
-            Landing::Pool(_) => {
-                let Some(dst) = region.slice(at, len) else {
-                    return Err(Miss::new(MissCause::TooLarge, "region"));
-                };
-                h.verify_payload(dst)
-            }
+        let Some(src) = region.slice(at, len) else {
+            return Err(Miss::new(MissCause::TooLarge, "region"));
+        };
+        let verified = match dst {
+            Some(d) if copy => h.copy_verified(src, &mut d[..len]),
+            _ => h.verify_payload(src),
         };
         verified.map_err(|e| Miss::new(MissCause::Corrupt, e.to_string()))?;
         Ok(Onboarded::Hit {

@@ -542,6 +542,19 @@ fn offload_hashes_the_daemons_copy_not_the_clients_region() {
 
 #[test]
 fn onboard_verifies_in_daemon_memory_a_scribbling_client_quarantines_nothing() {
+    scribbling_client_quarantines_nothing(false);
+}
+
+/// The region onboard reads straight into the client's memory and checks
+/// only the header there: what fails that check (here a zeroed header) is
+/// settled by the verifying read in the daemon's own memory, never
+/// quarantined on what the client's memory showed.
+#[test]
+fn a_region_read_checked_in_client_memory_quarantines_nothing_on_what_it_saw_there() {
+    scribbling_client_quarantines_nothing(true);
+}
+
+fn scribbling_client_quarantines_nothing(for_verifier: bool) {
     let dir = tempfile::tempdir().unwrap();
     let engine = Arc::new(ScribbleReadEngine {
         inner: real_engine(),
@@ -568,7 +581,11 @@ fn onboard_verifies_in_daemon_memory_a_scribbling_client_quarantines_nothing() {
     // SAFETY: `region` outlives `dst`; the engine's scribbler writes it
     // as the client would.
     let dst = unsafe { std::slice::from_raw_parts_mut(region.ptr() as *mut u8, len) };
-    let got = s.read_into(&id, &k, dst).unwrap();
+    let got = if for_verifier {
+        s.read_into_for_verifier(&id, &k, dst).unwrap()
+    } else {
+        s.read_into(&id, &k, dst).unwrap()
+    };
     assert!(engine.fired.load(Ordering::Relaxed) > 0, "never scribbled");
     *engine.armed.lock().unwrap() = None;
     assert_eq!(

@@ -591,13 +591,18 @@ fn mutation_check() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(16);
+    // Where the seeds start (another base explores other crash points).
+    let seed0: u64 = std::env::var("KVTIER_MUTATION_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0xbad0);
     let mut report = Vec::new();
     for &site in SyncSite::ALL {
         let mut caught = None;
         let tries = if site.load_bearing() { budget } else { safe };
         for i in 0..tries {
             let sc = SCENARIOS[(i as usize) % SCENARIOS.len()];
-            if let Err(e) = iteration(sc, 0xbad0 + i, Some(site)) {
+            if let Err(e) = iteration(sc, seed0 + i, Some(site)) {
                 caught = Some((i, e));
                 break;
             }

@@ -49,13 +49,10 @@ pub fn kvtierd_bin() -> PathBuf {
     bin("kvtier-daemon", "kvtierd")
 }
 
-/// A free TCP port on 127.0.0.1 (racy, fine for tests).
+/// A free loopback port below the ephemeral range
+/// ([`kvtier_daemon::testkit::port::free_port`]).
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    kvtier_daemon::testkit::port::free_port().unwrap()
 }
 
 /// A running kvtierd.

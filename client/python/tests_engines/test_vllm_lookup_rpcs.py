@@ -153,3 +153,98 @@ def test_scheduler_bench_runs_tiny_and_keeps_the_json_contract(tmp_path):
     assert 0 < doc["manager_ms"] <= doc["connector_ms"]
     assert 0 < doc["baseline_manager_ms"] <= doc["baseline_connector_ms"]
     assert abs(doc["prompts_per_s_vs_baseline"] - doc["baseline_connector_ms"] / doc["connector_ms"]) < 0.01
+    # Where the hooks' time went: the engine's steps, the idle ones (the
+    # workers loading) apart, the workers' read, the bench's own wrappers.
+    assert doc["steps"] >= doc["idle_steps"] >= 0 and doc["steps"] >= 1
+    assert 0 <= doc["idle_connector_ms"] <= doc["connector_ms"]
+    assert doc["load_ms"] > 0 and doc["timing_overhead_ms"] >= 0
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_each_chunk_key_is_converted_once_per_request_and_once_per_rank(tmp_path, g3_daemon, monkeypatch, tp):
+    """The scheduler converts a prompt's chunk keys to kvtier keys once
+    (its lookup, the load's pins and unpins reuse that list; they were
+    converted three times), and each rank's worker once for its load:
+    vLLM asks a 32K-token prompt's 2048 chunks one call at a time."""
+    import kvtier.integrations.vllm as kv
+
+    w = Engine(tmp_path, g3_daemon.socket, tp=tp)
+    w.add("writer", PROMPT)
+    w.run("writer")
+    w.shutdown()
+
+    converted = []
+    real_one = kv.connector_key
+    real_many = getattr(kv, "connector_keys", lambda ks: [real_one(k) for k in ks])
+
+    def one(k):
+        converted.append(1)
+        return real_one(k)
+
+    def many(ks):
+        converted.append(len(ks))
+        return real_many(ks)
+
+    monkeypatch.setattr(kv, "connector_key", one)
+    monkeypatch.setattr(kv, "connector_keys", many, raising=False)
+    e = Engine(tmp_path, g3_daemon.socket, tp=tp)
+    e.add("reader", PROMPT)
+    e.run("reader")
+    e.shutdown()
+    for rank in range(tp):
+        assert e.counters(rank).get("load_blocks") == CHUNKS
+    assert sum(converted) == CHUNKS * (1 + tp), converted
+
+
+def test_lookup_counts_have_one_lookup_per_call(tmp_path, g3_daemon):
+    """The manager folds a step's lookup counts into its counters when
+    vLLM's lock region ends (not two locked updates per call): the
+    totals, and what get_stats reports to vLLM, still count every call
+    by its answer, and a lookup outside a region is counted at once."""
+    from vllm.v1.kv_offload.base import LookupResult
+
+    w = Engine(tmp_path, g3_daemon.socket, tp=2)
+    w.add("writer", PROMPT)
+    w.run("writer")
+    w.shutdown()
+
+    e = Engine(tmp_path, g3_daemon.socket, tp=2)
+    m = e.scheduler.connector.connector_scheduler.manager
+    answers = []
+    real = m.lookup
+
+    def counted(key, ctx):
+        got = real(key, ctx)
+        answers.append(got)
+        return got
+
+    m.lookup = counted
+    e.add("reader", PROMPT)
+    e.run("reader")
+    c = e.counters()
+    hits = answers.count(LookupResult.HIT)
+    assert hits >= CHUNKS, answers
+    assert c.get("lookups") == len(answers), (c, len(answers))
+    assert c.get("lookup_hits") == hits, c
+    assert c.get("lookup_misses", 0) == answers.count(LookupResult.MISS), c
+    # What vLLM's stats carried during the run, and what is left to send.
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+
+    total = OffloadingConnectorStats()
+    for d in e.connector_stats:
+        total.aggregate(OffloadingConnectorStats(data=d))
+    rest = m.get_stats()
+    if rest is not None:
+        total.aggregate(rest)
+    got = total.reduce()
+    assert got["vllm:kv_offload_kvtier_lookups"] == len(answers), got
+    assert got["vllm:kv_offload_kvtier_lookup_hits"] == hits, got
+
+    # Outside vLLM's region (no step to end): in the counters at once.
+    from vllm.v1.kv_offload.base import ReqContext, make_offload_key
+
+    before = m.counters.get("lookups")
+    assert m.lookup(make_offload_key(b"\x01" * 32, 0), ReqContext(req_id="alone")) is LookupResult.MISS
+    assert m.counters.get("lookups") == before + 1
+    assert m.counters.get("lookup_misses") == c.get("lookup_misses", 0) + 1
+    e.shutdown()

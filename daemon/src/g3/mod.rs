@@ -135,7 +135,9 @@ pub struct G3Store {
     fs: Arc<dyn seam::G3Fs>,
     direct_ok: bool,
     mem: RwLock<MemIndex>,
-    policy: Mutex<Box<dyn EvictionPolicy>>,
+    /// Shared with the deferred policy touches of onboard reads
+    /// (access_order.rs), which run after the read that made them.
+    policy: Arc<Mutex<Box<dyn EvictionPolicy>>>,
     disk: DiskIndex,
     pool: BufferPool,
     bounce: BouncePool,
@@ -336,7 +338,7 @@ impl G3Store {
             fs,
             direct_ok,
             mem: RwLock::new(MemIndex::default()),
-            policy: Mutex::new(policy),
+            policy: Arc::new(Mutex::new(policy)),
             disk,
             pool,
             bounce: BouncePool::new(cfg.io_depth),

@@ -8,12 +8,23 @@ use super::verify::{ReadOutcome, Verifier};
 use super::{lock_err, now_s, BlockInfo, G3Event, G3Store, RemoveReason};
 use crate::error::{Error, Result};
 use crate::tier::{Lookup, MissReason};
+use kvtier_client::block::ALIGN_BYTES;
 use kvtier_client::{BlockHeader, BlockKey, NamespaceId};
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+/// Who checks a read block's payload against its blake3.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum PayloadCheck {
+    /// The store, in its own memory, before any byte reaches the caller.
+    Store,
+    /// The reader, on the bytes it received ([`G3Store::read_into_for_verifier`]).
+    Reader,
+}
 
 impl G3Store {
     /// Reads a whole block file into `dst` (`dst.len()` at least the file
@@ -28,6 +39,35 @@ impl G3Store {
         ns: &NamespaceId,
         key: &BlockKey,
         dst: &mut [u8],
+    ) -> Result<Lookup<BlockHeader>> {
+        self.read_into_checked(ns, key, dst, PayloadCheck::Store)
+    }
+
+    /// [`G3Store::read_into`] for a reader that checks the payload against
+    /// the header's blake3 itself, on the bytes it received (a client
+    /// onboarding into its shared region: kvtier-client always does, and
+    /// reports a mismatch with `OP_REPORT_CORRUPT`, which re-verifies and
+    /// quarantines here). The file is read straight into `dst` when `dst`
+    /// suits O_DIRECT (no bounce buffer, no copy) and only its header and
+    /// length are checked here, so each byte is hashed once, by the side
+    /// that uses it. Whatever fails that check is settled by the verifying
+    /// read in the daemon's own memory: `dst` may be memory the client
+    /// writes, so nothing seen there quarantines a block by itself.
+    pub fn read_into_for_verifier(
+        &self,
+        ns: &NamespaceId,
+        key: &BlockKey,
+        dst: &mut [u8],
+    ) -> Result<Lookup<BlockHeader>> {
+        self.read_into_checked(ns, key, dst, PayloadCheck::Reader)
+    }
+
+    fn read_into_checked(
+        &self,
+        ns: &NamespaceId,
+        key: &BlockKey,
+        dst: &mut [u8],
+        check: PayloadCheck,
     ) -> Result<Lookup<BlockHeader>> {
         let found = {
             let mem = self.mem.read().map_err(|_| lock_err("g3 index"))?;
@@ -44,7 +84,15 @@ impl G3Store {
             });
         }
         let dst = &mut dst[..file_len as usize];
-        match self.read_verified(ns, key, file_len, Some(dst))? {
+        let read = match check {
+            PayloadCheck::Reader => self.read_for_verifier(ns, key, file_len, dst)?,
+            PayloadCheck::Store => None,
+        };
+        let read = match read {
+            Some(r) => r,
+            None => self.read_verified(ns, key, file_len, Some(dst))?,
+        };
+        match read {
             ReadOutcome::Ok(h) => {
                 self.counters.hits.fetch_add(1, Ordering::Relaxed);
                 if let Ok(mem) = self.mem.read() {
@@ -54,11 +102,14 @@ impl G3Store {
                     }
                 }
                 // In request order when the server reads a request's
-                // blocks at once (access_order.rs).
-                super::access_order::wait_for_turn();
-                if let Ok(mut p) = self.policy.lock() {
-                    p.on_access(id);
-                }
+                // blocks at once (access_order.rs): deferred until the
+                // earlier reads of the request are done, never waited for.
+                let policy = Arc::clone(&self.policy);
+                super::access_order::touch_in_turn(Box::new(move || {
+                    if let Ok(mut p) = policy.lock() {
+                        p.on_access(id);
+                    }
+                }));
                 Ok(Lookup::Hit(h))
             }
             other => {
@@ -164,6 +215,45 @@ impl G3Store {
         }
         self.bounce.give(own);
         outcome
+    }
+
+    /// The read of [`G3Store::read_into_for_verifier`]: straight into
+    /// `dst` (O_DIRECT where the filesystem takes it and `dst` is aligned
+    /// for it), the header and length checked. `None` when that read did
+    /// not check out: the caller then makes the verifying read, which
+    /// decides in the daemon's own memory.
+    fn read_for_verifier(
+        &self,
+        ns: &NamespaceId,
+        key: &BlockKey,
+        want: u64,
+        dst: &mut [u8],
+    ) -> Result<Option<ReadOutcome>> {
+        let aligned = (dst.as_ptr() as usize).is_multiple_of(ALIGN_BYTES)
+            && dst.len().is_multiple_of(ALIGN_BYTES);
+        let path = self.block_file_path(ns, key);
+        let file = match self.open_block(&path, self.direct_ok && aligned) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Ok(Some(ReadOutcome::Vanished))
+            }
+            Err(e) => return Err(Error::io("opening", &path, e)),
+        };
+        match file.metadata() {
+            Ok(m) if m.len() == want => {}
+            _ => return Ok(None),
+        }
+        let mut v = Verifier::header_only(ns, key, want);
+        match self
+            .engine
+            .read_file(file.as_raw_fd(), dst, &mut |piece| v.feed(piece))
+        {
+            Ok(got) => match v.finish(got as u64) {
+                ok @ ReadOutcome::Ok(_) => Ok(Some(ok)),
+                _ => Ok(None),
+            },
+            Err(_) => Ok(None),
+        }
     }
 
     fn open_block(&self, path: &Path, direct: bool) -> std::io::Result<File> {

@@ -40,6 +40,9 @@ pub(super) struct Verifier<'a> {
     head: Vec<u8>,
     header: Option<BlockHeader>,
     hasher: blake3::Hasher,
+    /// False: the header and length only (the reader checks the payload
+    /// itself, see [`Verifier::header_only`]).
+    payload: bool,
     fault: Option<String>,
 }
 
@@ -53,7 +56,21 @@ impl<'a> Verifier<'a> {
             head: Vec::new(),
             header: None,
             hasher: blake3::Hasher::new(),
+            payload: true,
             fault: None,
+        }
+    }
+
+    /// Checks the header (names this block, describes a file of this
+    /// length) and the length read, not the payload's checksum nor the
+    /// padding: for a reader that verifies the payload bytes it receives
+    /// against the header's blake3 itself (a client onboarding into its
+    /// shared region), so each byte is hashed once, on the side that
+    /// uses it.
+    pub(super) fn header_only(ns: &'a NamespaceId, key: &'a BlockKey, file_len: u64) -> Self {
+        Verifier {
+            payload: false,
+            ..Verifier::new(ns, key, file_len)
         }
     }
 
@@ -94,6 +111,9 @@ impl<'a> Verifier<'a> {
             }
         }
         let Some(h) = &self.header else { return };
+        if !self.payload {
+            return;
+        }
         let pend = HEADER_BYTES as u64 + h.payload_len;
         let end = off + p.len() as u64;
         let a = off.max(HEADER_BYTES as u64);
@@ -116,6 +136,7 @@ impl<'a> Verifier<'a> {
             return ReadOutcome::Corrupt(format!("read {got} bytes of {}", self.file_len));
         }
         match self.header {
+            Some(h) if !self.payload => ReadOutcome::Ok(h),
             Some(h) if self.hasher.finalize().as_bytes() == &h.payload_blake3 => ReadOutcome::Ok(h),
             Some(_) => ReadOutcome::Corrupt("payload checksum mismatch".into()),
             None => ReadOutcome::Corrupt("no header".into()),

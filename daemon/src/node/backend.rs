@@ -67,6 +67,7 @@ impl Node {
         key: &BlockKey,
         dst: &mut [u8],
         promoted: Option<Tier>,
+        reader_verifies: bool,
     ) -> Result<Lookup<(BlockHeader, Tier)>> {
         // A block larger than the caller's buffer is a miss (contract).
         if let Some(info) = self.g3.stat(ns, key) {
@@ -74,7 +75,12 @@ impl Node {
                 return Ok(Lookup::Miss(MissReason::Absent));
             }
         }
-        match self.g3.read_into(ns, key, dst)? {
+        let read = if reader_verifies {
+            self.g3.read_into_for_verifier(ns, key, dst)?
+        } else {
+            self.g3.read_into(ns, key, dst)?
+        };
+        match read {
             Lookup::Hit(h) => {
                 let tier = promoted.unwrap_or(Tier::G3);
                 if tier == Tier::G3 {
@@ -84,6 +90,80 @@ impl Node {
             }
             Lookup::Miss(r) => Ok(Lookup::Miss(r)),
         }
+    }
+
+    /// [`Backend::read_into`] and [`Backend::read_into_for_verifier`]:
+    /// `reader_verifies` lets a G3 read skip the payload checksum (the
+    /// reader checks it, see `G3Store::read_into_for_verifier`); a block
+    /// from a peer or G4 was verified by its fetcher either way.
+    fn read_into_as(
+        &self,
+        ns: &NamespaceId,
+        key: &BlockKey,
+        dst: &mut [u8],
+        reader_verifies: bool,
+    ) -> Result<Lookup<(BlockHeader, Tier)>> {
+        // Background work (promotions, prefetches) yields to onboards,
+        // G3 hits included: they share the disk and the cores.
+        let _busy = self.activity.fetching();
+        // A fetched block is served from the bytes the fetcher verified
+        // while its promotion into G3 runs in the background.
+        let (block, tier) = match self.ensure_available(ns, key, true)? {
+            Lookup::Miss(r) => return Ok(Lookup::Miss(r)),
+            Lookup::Hit(Local::Staged { block, report, .. }) => (block, report),
+            Lookup::Hit(Local::OnG3) => {
+                let promoted = self.take_promoted(ns, key);
+                match promoted {
+                    // Just promoted by a lease: serve the bytes the fetcher
+                    // verified instead of reading the fresh G3 copy back.
+                    Some(Promoted {
+                        tier,
+                        block: Some(block),
+                    }) => (block, tier),
+                    other => {
+                        match self.read_g3(ns, key, dst, other.map(|p| p.tier), reader_verifies) {
+                            // G3 holds it but cannot give it (a failing disk, a
+                            // corrupt copy, now quarantined): another tier's
+                            // verified copy rather than a miss or an error.
+                            Err(e @ (Error::Io { .. } | Error::NoSpace { .. })) => {
+                                tracing::warn!(%ns, %key, error = %e,
+                                "g3 read failed; fetching the block from the peers or G4");
+                                // Not promoted: the disk that failed would take it.
+                                match self.fetch_now(ns, key, false)? {
+                                    Lookup::Hit(Local::Staged { block, report, .. }) => {
+                                        (block, report)
+                                    }
+                                    _ => return Err(e),
+                                }
+                            }
+                            Ok(Lookup::Miss(MissReason::Corrupt)) => {
+                                match self.fetch_now(ns, key, true)? {
+                                    Lookup::Hit(Local::Staged { block, report, .. }) => {
+                                        (block, report)
+                                    }
+                                    _ => return Ok(Lookup::Miss(MissReason::Corrupt)),
+                                }
+                            }
+                            r => return r,
+                        }
+                    }
+                }
+            }
+        };
+        let len = block.payload.len();
+        if dst.len() < HEADER_BYTES + len {
+            return Ok(Lookup::Miss(MissReason::Absent));
+        }
+        block
+            .header
+            .encode_into((&mut dst[..HEADER_BYTES]).try_into().map_err(|_| {
+                Error::InvalidInput {
+                    what: "read buffer",
+                    reason: "shorter than a block header".into(),
+                }
+            })?);
+        dst[HEADER_BYTES..HEADER_BYTES + len].copy_from_slice(&block.payload);
+        Ok(Lookup::Hit((block.header.clone(), tier)))
     }
 }
 
@@ -170,61 +250,16 @@ impl Backend for Node {
         key: &BlockKey,
         dst: &mut [u8],
     ) -> Result<Lookup<(BlockHeader, Tier)>> {
-        // Background work (promotions, prefetches) yields to onboards,
-        // G3 hits included: they share the disk and the cores.
-        let _busy = self.activity.fetching();
-        // A fetched block is served from the bytes the fetcher verified
-        // while its promotion into G3 runs in the background.
-        let (block, tier) = match self.ensure_available(ns, key, true)? {
-            Lookup::Miss(r) => return Ok(Lookup::Miss(r)),
-            Lookup::Hit(Local::Staged { block, report, .. }) => (block, report),
-            Lookup::Hit(Local::OnG3) => {
-                let promoted = self.take_promoted(ns, key);
-                match promoted {
-                    // Just promoted by a lease: serve the bytes the fetcher
-                    // verified instead of reading the fresh G3 copy back.
-                    Some(Promoted {
-                        tier,
-                        block: Some(block),
-                    }) => (block, tier),
-                    other => match self.read_g3(ns, key, dst, other.map(|p| p.tier)) {
-                        // G3 holds it but cannot give it (a failing disk, a
-                        // corrupt copy, now quarantined): another tier's
-                        // verified copy rather than a miss or an error.
-                        Err(e @ (Error::Io { .. } | Error::NoSpace { .. })) => {
-                            tracing::warn!(%ns, %key, error = %e,
-                                "g3 read failed; fetching the block from the peers or G4");
-                            // Not promoted: the disk that failed would take it.
-                            match self.fetch_now(ns, key, false)? {
-                                Lookup::Hit(Local::Staged { block, report, .. }) => (block, report),
-                                _ => return Err(e),
-                            }
-                        }
-                        Ok(Lookup::Miss(MissReason::Corrupt)) => {
-                            match self.fetch_now(ns, key, true)? {
-                                Lookup::Hit(Local::Staged { block, report, .. }) => (block, report),
-                                _ => return Ok(Lookup::Miss(MissReason::Corrupt)),
-                            }
-                        }
-                        r => return r,
-                    },
-                }
-            }
-        };
-        let len = block.payload.len();
-        if dst.len() < HEADER_BYTES + len {
-            return Ok(Lookup::Miss(MissReason::Absent));
-        }
-        block
-            .header
-            .encode_into((&mut dst[..HEADER_BYTES]).try_into().map_err(|_| {
-                Error::InvalidInput {
-                    what: "read buffer",
-                    reason: "shorter than a block header".into(),
-                }
-            })?);
-        dst[HEADER_BYTES..HEADER_BYTES + len].copy_from_slice(&block.payload);
-        Ok(Lookup::Hit((block.header.clone(), tier)))
+        self.read_into_as(ns, key, dst, false)
+    }
+
+    fn read_into_for_verifier(
+        &self,
+        ns: &NamespaceId,
+        key: &BlockKey,
+        dst: &mut [u8],
+    ) -> Result<Lookup<(BlockHeader, Tier)>> {
+        self.read_into_as(ns, key, dst, true)
     }
 
     fn prepare_onboard(&self, ns: &NamespaceId, keys: &[BlockKey]) -> Vec<Option<MissReason>> {

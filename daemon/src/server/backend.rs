@@ -181,6 +181,21 @@ pub trait Backend: Send + Sync + 'static {
         dst: &mut [u8],
     ) -> Result<Lookup<(BlockHeader, Tier)>>;
 
+    /// [`Backend::read_into`] for a reader that checks the payload against
+    /// the header's blake3 itself, on the bytes it received, and reports a
+    /// mismatch (`OP_REPORT_CORRUPT`): a client onboarding into its shared
+    /// region. A backend may then leave the payload checksum to the reader
+    /// (G3 reads straight into `dst`, checking the header and length), so
+    /// each byte is hashed once. Default: the verifying read.
+    fn read_into_for_verifier(
+        &self,
+        ns: &NamespaceId,
+        key: &BlockKey,
+        dst: &mut [u8],
+    ) -> Result<Lookup<(BlockHeader, Tier)>> {
+        self.read_into(ns, key, dst)
+    }
+
     /// The first step of an onboard of several blocks, before they are
     /// leased and read one by one: a backend may bring missing blocks close
     /// concurrently (the node fetches them from peers and G4). Per key,

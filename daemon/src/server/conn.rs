@@ -665,7 +665,7 @@ impl Conn<'_> {
                                 Err(e) => self.status_of(&e),
                             };
                             tracing::warn!(uid = self.who.uid, %ns, key = %k, outcome = ?st,
-                                "a client reported a corrupt block read over a passed fd; re-verified");
+                                "a client reported a corrupt block (read over a passed fd or placed in its region); re-verified");
                             st
                         })
                         .collect(),

@@ -7,8 +7,11 @@
 //!
 //! Only the reads overlap. Leases, limits and the reply stay in request
 //! order in the connection ([`super::conn`]); each read is still one
-//! verifying `read_into` / `open_for_read`, so a corrupt or missing block
-//! is a miss for that item alone and never touches the others' outcomes.
+//! `read_into_for_verifier` / `open_for_read`, so a missing block is a miss
+//! for that item alone and never touches the others' outcomes. Both leave
+//! the payload's checksum to the client, which verifies every byte it
+//! receives and reports a mismatch (kvtier-client's onboard; the daemon
+//! re-verifies the report in its own memory before it quarantines).
 //! Bounded pooled helper threads (crate::workers, started once and kept,
 //! not per request) rather than a batched io_uring submission: the
 //! read path behind `Backend` (G3, a peer, G4, a staged fetch) stays the one
@@ -75,7 +78,7 @@ pub(super) type Got = Result<Lookup<(BlockHeader, Tier, u64, Option<std::fs::Fil
 
 fn read_one(b: &dyn Backend, ns: &NamespaceId, job: ReadJob<'_>) -> Got {
     match job {
-        ReadJob::Shm { key, dst } => b.read_into(ns, &key, dst).map(|l| match l {
+        ReadJob::Shm { key, dst } => b.read_into_for_verifier(ns, &key, dst).map(|l| match l {
             Lookup::Hit((h, t)) => Lookup::Hit((h, t, 0, None)),
             Lookup::Miss(x) => Lookup::Miss(x),
         }),

@@ -3,6 +3,7 @@
 //! wrapper that counts and injects faults ([`FaultStore`]). Not a public API.
 
 pub mod fault_proxy;
+pub mod port;
 pub mod s3;
 
 use async_trait::async_trait;

@@ -4,7 +4,6 @@
 //! exercised. Killed on drop; restartable on the same directory and ports.
 
 use crate::g4::G4Config;
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -258,15 +257,12 @@ impl Drop for S3Server {
     }
 }
 
-/// Ten distinct ports free now on loopback (each listener is held until
-/// all are chosen so they differ).
+/// Ten distinct ports free now on loopback, below the ephemeral range
+/// (see [`super::port::free_port`]).
 fn free_ports() -> std::io::Result<[u16; 10]> {
     let mut ports = [0u16; 10];
-    let mut held = Vec::new();
     for p in ports.iter_mut() {
-        let l = TcpListener::bind("127.0.0.1:0")?;
-        *p = l.local_addr()?.port();
-        held.push(l);
+        *p = super::port::free_port()?;
     }
     Ok(ports)
 }

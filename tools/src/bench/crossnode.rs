@@ -86,9 +86,7 @@ impl Drop for Node {
 }
 
 pub(super) fn free_port() -> Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
+    Ok(kvtier_daemon::testkit::port::free_port()?)
 }
 
 pub(super) fn start_node(config: &str, name: &str) -> Result<Node> {

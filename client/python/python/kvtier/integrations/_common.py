@@ -52,6 +52,14 @@ class Counters:
         with self._lock:
             self._values[name] = self._values.get(name, 0) + n
 
+    def add_many(self, counts: Mapping[str, int]) -> None:
+        """Several counters under one lock acquisition (a hot path folds its
+        counts and adds them at once)."""
+        with self._lock:
+            for name, n in counts.items():
+                if n:
+                    self._values[name] = self._values.get(name, 0) + n
+
     def get(self, name: str) -> int:
         with self._lock:
             return self._values.get(name, 0)
@@ -100,6 +108,17 @@ def connector_key(key: bytes | str) -> bytes:
     if len(raw) > KEY_BYTES_MAX:
         return hashlib.blake2b(raw, digest_size=32).digest()
     return raw
+
+
+def connector_keys(keys: Sequence[bytes | str]) -> list[bytes]:
+    """:func:`connector_key` of each key; keys that are all non-empty bytes
+    of at most ``KEY_BYTES_MAX`` (vLLM's offload keys) are their own
+    kvtier keys and are checked without a Python step per key."""
+    if keys and set(map(type, keys)) == {bytes}:
+        lens = set(map(len, keys))
+        if min(lens) > 0 and max(lens) <= KEY_BYTES_MAX:
+            return list(keys)  # type: ignore[arg-type]
+    return [connector_key(k) for k in keys]
 
 
 def setting(extra: Optional[Mapping[str, Any]], name: str, default: Any = None) -> Any:
@@ -378,6 +397,11 @@ class Prefetcher:
         keys below G3 not yet in flight."""
         out = [False] * len(keys)
         if not self.enabled:
+            return out
+        if not self._pending and tiers.count("g3") + tiers.count(None) == len(tiers):
+            # Every key on G3 and nothing in flight (a cached prompt's
+            # common case): nothing to track or ask, without a Python step
+            # per key (a 32K-token prompt is 2048 keys per rank).
             return out
         now = time.monotonic()
         ask: list[int] = []

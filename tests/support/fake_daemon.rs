@@ -1,0 +1,25 @@
+//! The daemon side of a connection's hello, for tests that play kvtierd
+//! in process on a real socket (the client against a fake daemon).
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+
+use kvtier_client::proto::{self, Request, Response};
+use kvtier_client::shm::Region;
+use std::os::fd::OwnedFd;
+
+/// Answers the client's hello on `fd`; the shared region it passed (None
+/// when the client went away first).
+pub fn hello(fd: i32, fds: &mut Vec<OwnedFd>) -> Option<Region> {
+    let body = proto::recv_frame(fd, fds).ok()?;
+    let (id, Request::Hello { shm_bytes, .. }) = Request::decode(&body).unwrap() else {
+        panic!("no hello")
+    };
+    let region = Region::adopt(fds.pop().unwrap(), shm_bytes).unwrap();
+    let hello = Response::Hello {
+        version: 1,
+        session_id: 1,
+        keys_max: 4096,
+        lease_ttl_max_ms: 1000,
+    };
+    proto::send_frame(fd, &hello.encode(proto::OP_HELLO, id), &[]).unwrap();
+    Some(region)
+}
