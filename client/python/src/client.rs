@@ -238,6 +238,20 @@ impl Client {
         self.cfg.timeout_ms
     }
 
+    /// The bytes of the shared region blocks move through.
+    #[getter]
+    fn region_bytes(&self) -> u64 {
+        self.cfg.region_bytes
+    }
+
+    /// Whether G3 blocks are read by this process over file descriptors
+    /// the daemon passes (straight into the caller's buffers) rather than
+    /// through the shared region.
+    #[getter]
+    fn direct_read(&self) -> bool {
+        self.cfg.direct_read
+    }
+
     /// close(): drops the connection and the shared region (a Pool already
     /// handed out stays mapped while its views live). Every later call
     /// raises kvtier.ClosedError; closing twice is fine. Also the end of a

@@ -80,3 +80,37 @@ def test_bench_finds_the_workspace_build_from_any_directory_of_the_checkout(tmp_
     )
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads(r.stdout)["python_onboard_gbps"] > 0
+
+
+def test_bench_runs_outside_any_checkout_with_the_binaries_on_path(tmp_path):
+    """`python -m kvtier.bench` from a directory that is no checkout, the
+    package copied as pip installs it: kvtierd and kvtier from $PATH; with
+    neither there, a one-line error that says what to pass, no traceback."""
+    import os
+    import pathlib
+    import shutil
+
+    import kvtier
+
+    site = tmp_path / "site"
+    shutil.copytree(pathlib.Path(kvtier.__file__).parent, site / "kvtier", symlinks=False)
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    daemon_bin = pathlib.Path(kvtierd_bin()).resolve()
+    for name in ("kvtierd", "kvtier"):
+        (bindir / name).symlink_to(daemon_bin.parent / name)
+    away = tmp_path / "elsewhere"
+    away.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "CARGO_TARGET_DIR"}
+    args = [sys.executable, "-m", "kvtier.bench", "--json", "--block-size", "64KiB", "--blocks", "2",
+            "--depth", "1", "--rounds", "1", "--warmup", "0"]
+    env.update(PYTHONPATH=str(site), PATH=f"{bindir}:/usr/bin:/bin")
+    r = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=away, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(r.stdout)
+    assert doc["python_onboard_gbps"] > 0
+    assert "note" not in doc, doc.get("note")  # the CLI baselines ran: kvtier was found on $PATH
+    env.update(PATH="/usr/bin:/bin")
+    r = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=away, env=env)
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr and "--kvtierd" in r.stderr, r.stderr[-2000:]

@@ -38,6 +38,16 @@ class Client:
         return self.sync.timeout_ms
 
     @property
+    def region_bytes(self) -> int:
+        """The bytes of the shared region blocks move through."""
+        return self.sync.region_bytes
+
+    @property
+    def direct_read(self) -> bool:
+        """Whether G3 blocks are read over passed file descriptors."""
+        return self.sync.direct_read
+
+    @property
     def closed(self) -> bool:
         """Whether close() was called."""
         return self.sync.closed

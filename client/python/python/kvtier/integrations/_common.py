@@ -138,7 +138,10 @@ def make_client(extra: Optional[Mapping[str, Any]], region_bytes: Optional[int] 
     daemon's default path), ``kvtier_timeout_ms`` (default 2000) and
     ``kvtier_region_bytes`` (the shared region blocks move through: one
     onboard carries as many blocks as fit; default ``region_bytes``, else
-    the client's 64 MiB)."""
+    the client's 64 MiB) and ``kvtier_direct_read`` (default false: G3
+    blocks are read by this process over file descriptors the daemon
+    passes, straight into the engine's buffers, instead of through the
+    shared region; the client verifies every byte either way)."""
     timeout_ms = int(setting(extra, "timeout_ms", 2000))
     if timeout_ms <= 0:
         raise KvtierConfigError(f"kvtier_timeout_ms must be positive, got {timeout_ms}")
@@ -148,6 +151,9 @@ def make_client(extra: Optional[Mapping[str, Any]], region_bytes: Optional[int] 
         kw["region_bytes"] = _bounded_int(region, "kvtier_region_bytes", 1 << 40)
         if kw["region_bytes"] == 0:
             raise KvtierConfigError("kvtier_region_bytes must be positive")
+    direct = setting(extra, "direct_read")
+    if direct is not None:
+        kw["direct_read"] = _flag(direct, "kvtier_direct_read")
     return kvtier.Client(socket=setting(extra, "socket"), timeout_ms=timeout_ms, **kw)
 
 

@@ -87,6 +87,7 @@ def _manager(args, disk_dir: str):
             "kvtier_socket": args.socket,
             "kvtier_timeout_ms": 60_000,
             "kvtier_model": "lmcache-bench",
+            "kvtier_direct_read": args.direct_read,
         },
     )
     metadata = LMCacheMetadata(
@@ -215,6 +216,7 @@ def run(args) -> dict[str, Any]:
         "rounds": args.rounds,
         "cold": cold,
         "disk_dir": args.dir,
+        "direct_read": args.direct_read,
     }
     for op in ("put", "get"):
         k, base = gbps(f"{KVTIER}_{op}_s"), gbps(f"{LOCAL_DISK}_{op}_s")
@@ -237,6 +239,8 @@ def main(argv=None) -> None:
     p.add_argument("--cold", action=argparse.BooleanOptionalAction, default=True,
                    help="drop the page cache before the reads (needs root; the JSON says whether it was)")
     p.add_argument("--deadline-s", type=float, default=600.0)
+    p.add_argument("--direct-read", action="store_true",
+                   help="kvtier_direct_read: G3 reads over passed fds into LMCache's buffers")
     p.add_argument("--json", action="store_true", help="one JSON document on stdout")
     args = p.parse_args(argv)
     if not args.socket:
