@@ -105,8 +105,19 @@ class Daemon:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait()
 
-    def restart(self) -> None:
-        self.kill9()
+    def stop(self) -> None:
+        """A clean stop (SIGTERM, as systemd stops it)."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(timeout=60)
+
+    def restart(self, clean: bool = False) -> None:
+        """kill -9 (or, with ``clean``, a clean stop) and start again on
+        the same data."""
+        if clean:
+            self.stop()
+        else:
+            self.kill9()
         self.start()
 
     def close(self) -> None:

@@ -37,7 +37,7 @@ def store_prompt(tmp_path, socket) -> None:
 
 def corrupt_every_block_file(d) -> int:
     n = 0
-    for p in (d.dir / "g3").rglob("*"):
+    for p in (d.dir / "g3" / "blocks").rglob("*"):
         if p.is_file() and p.stat().st_size > 4096:
             with open(p, "r+b") as f:
                 f.seek(4096 + 17)  # inside the payload, after the header page
@@ -61,22 +61,29 @@ def test_a_stored_prefix_is_loaded_not_recomputed(tmp_path, g3_daemon):
     e.shutdown()
 
 
-@pytest.mark.parametrize("restart", [False, True], ids=["in-place", "after-restart"])
+@pytest.mark.parametrize("restart", [None, "clean", "kill9"], ids=["in-place", "after-restart", "after-kill9"])
 def test_corrupt_blocks_are_recomputed_and_the_engine_goes_on(tmp_path, g3_daemon, restart):
     store_prompt(tmp_path, g3_daemon.socket)
     assert corrupt_every_block_file(g3_daemon) >= CACHED // BLOCK_SIZE
     if restart:
-        g3_daemon.restart()
+        g3_daemon.restart(clean=restart == "clean")
     e = Engine(tmp_path, g3_daemon.socket)
     e.add("reader", PROMPT)
     e.run("reader")
     c = e.counters()
-    # The scheduler's lookup said HIT (a restarted kvtierd trusts its index
-    # and verifies payloads on read: its scrub's first pass is an hour
-    # away), the load came back corrupt and was reported; the scheduler
-    # recomputed the whole prompt.
-    assert c.get("lookup_hits", 0) >= 1 and c.get("load_failures", 0) >= 1, c
-    assert c.get("load_errors_reported", 0) >= 1, c
+    quarantined = [p for p in (g3_daemon.dir / "g3" / "quarantine").glob("*") if p.is_file()]
+    if restart == "kill9" and c.get("lookup_hits", 0) == 0:
+        # After an unclean stop kvtierd verifies, at open, what it cannot
+        # trust: the corrupt copies are quarantined before any lookup.
+        assert len(quarantined) >= CACHED // BLOCK_SIZE, (c, quarantined)
+    else:
+        # The scheduler's lookup said HIT (after a clean restart kvtierd
+        # trusts its index and verifies payloads on read; its scrub's first
+        # pass is an hour away), the load came back corrupt and was
+        # reported; the scheduler recomputed the whole prompt.
+        assert c.get("lookup_hits", 0) >= 1 and c.get("load_failures", 0) >= 1, c
+        assert c.get("load_errors_reported", 0) >= 1, c
+        assert quarantined, "the reported corrupt copies were not quarantined"
     assert c.get("load_blocks", 0) == 0, c
     assert e.finished["reader"]
     assert e.computed["reader"] == len(PROMPT)
