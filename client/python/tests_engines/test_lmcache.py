@@ -337,6 +337,48 @@ def test_a_retrieve_is_one_onboard_with_the_reads_together(daemon, tmp_path):
         e.close()
 
 
+def test_kvtier_transfers_are_in_lmcache_stats(daemon, tmp_path):
+    """LMCache's own stats (LMCStatsMonitor, which its remote backends feed
+    and its stats logger exports as lmcache:num_remote_*, and
+    lmcache:remote_time_to_get/put) carry kvtier's transfers: a store is
+    one write request with the chunks' bytes, a retrieve one read request;
+    a retrieve that loads nothing (the daemon gone) reads no bytes."""
+    from lmcache.observability import LMCStatsMonitor
+
+    n = 4 * CHUNK
+    e = Engine(daemon.socket, tmp_path, n)
+    try:
+        stats = LMCStatsMonitor.GetOrCreate()
+
+        def figures():
+            return (
+                stats.interval_remote_write_requests, stats.interval_remote_write_bytes,
+                len(stats.interval_remote_time_to_put), stats.interval_remote_read_requests,
+                stats.interval_remote_read_bytes, len(stats.interval_remote_time_to_get),
+            )
+
+        tokens = torch.arange(n) + 300
+        random_kv(e, 3)
+        w0, wb0, wt0, r0, rb0, rt0 = figures()
+        e.engine.store(tokens)
+        e.forget_cpu_copies()
+        hit, mask = serve(e, tokens, "req")
+        assert hit == n and mask.all()
+        w, wb, wt, r, rb, rt = figures()
+        nbytes = 4 * e.kvtier.chunk_bytes
+        assert (w - w0, wb - wb0, wt - wt0) == (1, nbytes, 1)
+        assert (r - r0, rb - rb0, rt - rt0) == (1, nbytes, 1)
+
+        e.forget_cpu_copies()
+        assert e.engine.lookup(tokens, lookup_id="req-2", pin=True) == n
+        daemon.kill9()
+        assert not e.engine.retrieve(tokens, req_id="req-2").any()
+        e.engine.lookup_unpin("req-2")
+        assert figures()[3:5] == (r, rb)
+    finally:
+        e.close()
+
+
 def test_bench_runs_tiny_and_keeps_the_json_contract(daemon, tmp_path):
     """``python -m kvtier.integrations.lmcache_bench`` (kvtier beside
     LMCache's local_disk through LMCache's StorageManager) at a tiny size,
