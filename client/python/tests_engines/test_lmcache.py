@@ -1,16 +1,22 @@
-"""kvtier's LMCache storage plugin through LMCache 0.5.6's own classes: the
+"""kvtier's LMCache plugin through LMCache 0.5.6's own classes: the
 plugin is loaded by LMCache's storage_plugin_launcher from the config's
 module path and class name, with a real LocalCPUBackend allocating the
 memory objects (on a host-memory allocator, as LMCache's CPU tests use),
 and called as LMCache's storage manager calls a backend: batched_contains
-for the prefix, batched_submit_put_task, get_blocking."""
+for the prefix, batched_submit_put_task, get_blocking. The engine tests
+run LMCache's real engine instead: an ``LMCacheEngine`` built on CPU (its
+standalone mode's mock GPU connector, here with the KV in host memory)
+from the documented YAML config, whose ``post_init`` builds the real
+``StorageManager`` with kvtier as its plugin backend; a store, then a
+lookup and a retrieve of the same tokens, as LMCache's vLLM adapter runs
+them."""
 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import OrderedDict
 
+import pytest
 import torch
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.config import LMCacheEngineConfig
@@ -62,6 +68,114 @@ def filled(cpu, metadata, seed: int):
     return obj
 
 
+# docs/OPERATIONS.md's LMCache config (the file LMCACHE_CONFIG_FILE names),
+# at a test's size.
+LMCACHE_YAML = """\
+chunk_size: {chunk}
+local_cpu: true
+max_local_cpu_size: 0.05
+storage_plugins: ["kvtier"]
+extra_config:
+  storage_plugin.kvtier.module_path: kvtier.integrations.lmcache
+  storage_plugin.kvtier.class_name: KvtierStorageBackend
+  kvtier_socket: {socket}
+  kvtier_timeout_ms: 1000
+"""
+
+
+class Engine:
+    """A real LMCacheEngine on CPU over kvtierd: the config read from the
+    documented YAML, ``post_init`` building LMCache's StorageManager (its
+    LocalCPUBackend and the kvtier plugin, through the plugin launcher),
+    and LMCache's mock GPU connector (its standalone mode's) with the
+    engine's KV in host memory (``kv``, [K/V, layers, tokens, hidden]):
+    a store copies the tokens' KV out of it, a retrieve copies what it
+    loaded back into it, so a test sees exactly which tokens LMCache
+    loaded and with which bytes."""
+
+    def __init__(self, socket: str, cfg_dir, tokens: int) -> None:
+        import multiprocessing
+        import os
+
+        from lmcache.v1.cache_engine import LMCacheEngine
+        from lmcache.v1.gpu_connector import MockGPUConnector
+        from lmcache.v1.token_database import ChunkedTokenDatabase
+
+        os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")  # no usage report from a test
+
+        class HostKV(MockGPUConnector):
+            def __init__(self) -> None:
+                super().__init__(SHAPE)
+                layers, kv, _, heads, dim = SHAPE
+                self.kv = torch.zeros((kv, layers, tokens, heads * dim), dtype=torch.bfloat16)
+
+            def batched_from_gpu(self, memory_objs, starts, ends, **kwargs):
+                for o, s, e in zip(memory_objs, starts, ends):
+                    o.tensor.copy_(self.kv[:, :, s:e])
+
+            def batched_to_gpu(self, memory_objs, starts, ends, **kwargs):
+                for o, s, e in zip(memory_objs, starts, ends):
+                    self.kv[:, :, s:e].copy_(o.tensor)
+
+        path = cfg_dir / "lmcache.yaml"
+        path.write_text(LMCACHE_YAML.format(chunk=CHUNK, socket=socket))
+        config = LMCacheEngineConfig.from_file(str(path))
+        metadata = LMCacheMetadata(
+            model_name="test/mistral", world_size=1, local_world_size=1, worker_id=0,
+            local_worker_id=0, kv_dtype=torch.bfloat16, kv_shape=SHAPE, chunk_size=CHUNK,
+        )
+        self.gpu = HostKV()
+        # LMCacheEngine sets the whole process's multiprocessing start
+        # method to spawn; the other tests of this process keep theirs.
+        method = multiprocessing.get_start_method(allow_none=True)
+        try:
+            self.engine = LMCacheEngine(
+                config, metadata, ChunkedTokenDatabase(config, metadata), self.gpu,
+                lambda tensor, rank: None, lambda obj, rank: obj,
+            )
+        finally:
+            multiprocessing.set_start_method(method, force=True)
+        self.engine.post_init()
+        self.manager = self.engine.storage_manager
+        assert list(self.manager.storage_backends) == ["LocalCPUBackend", "kvtier"]
+        self.kvtier = self.manager.storage_backends["kvtier"]
+        assert isinstance(self.kvtier, KvtierStorageBackend)
+
+    def forget_cpu_copies(self) -> None:
+        """Empties LMCache's CPU cache (as a restarted engine's is, or one
+        that evicted the chunks): a store keeps its chunks there too, and a
+        lookup or retrieve would find them there without asking kvtier."""
+        self.engine.clear(locations=["LocalCPUBackend"])
+        assert not self.manager.storage_backends["LocalCPUBackend"].get_keys()
+
+    def keys(self, tokens):
+        return [k for _, _, k in self.engine.token_database.process_tokens(tokens=tokens)]
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def corrupt_every_block_file(d) -> int:
+    """Flips one payload byte of every block file in the daemon's G3 (not
+    its index: the blocks are what goes bad here)."""
+    n = 0
+    for p in (d.dir / "g3" / "blocks").rglob("*"):
+        if p.is_file() and p.stat().st_size > 4096:
+            with open(p, "r+b") as f:
+                f.seek(4096 + 17)  # inside the payload, after the header page
+                b = f.read(1)
+                f.seek(4096 + 17)
+                f.write(bytes([b[0] ^ 0xFF]))
+            n += 1
+    return n
+
+
+def random_kv(e: Engine, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    e.gpu.kv.copy_(torch.randn(e.gpu.kv.shape, generator=g).to(torch.bfloat16))
+    return e.gpu.kv.clone()
+
+
 def test_put_contains_get_round_trip(daemon):
     b, cpu, md = setup(daemon.socket)
     assert isinstance(b, KvtierStorageBackend)
@@ -98,50 +212,10 @@ def test_dead_daemon_is_a_miss(daemon):
     assert b.batched_contains(ks) == 1
 
 
-def test_storage_manager_recomputes_chunks_that_fail_after_contains():
-    """LMCache's StorageManager.batched_get (what the cache engine's
-    retrieve calls after the lookup's batched_contains) over the plugin:
-    chunks that are contained but come back corrupt, or whose daemon died
-    between the two, are None (LMCache recomputes from the first), never
-    an exception; nothing is written back to the CPU cache."""
-    from types import SimpleNamespace
-
-    from conftest import Daemon
-    from lmcache.v1.storage_backend.storage_manager import StorageManager
-    from test_sglang import corrupt_g3
-
-    for fault in ("corrupt", "killed"):
-        d = Daemon(g4=False)  # no S3 copy to repair a corrupt chunk from
-        try:
-            backend, cpu, metadata = setup(d.socket)
-            keys = [key(1000 + i) for i in range(3)]
-            objs = [filled(cpu, metadata, 50 + i) for i in range(3)]
-            backend.batched_submit_put_task(keys, objs)
-            deadline = time.monotonic() + 30
-            while backend.batched_contains(keys) != 3:
-                assert time.monotonic() < deadline, "chunks never stored"
-            if fault == "corrupt":
-                assert corrupt_g3(d) >= 3
-            else:
-                d.kill9()
-            manager = SimpleNamespace(
-                get_active_storage_backends=lambda location: [("kvtier", backend)],
-                storage_backends={"kvtier": backend},
-            )
-            got = StorageManager.batched_get(manager, keys)
-            assert got == [None, None, None], (fault, got)
-            c = backend.counters.snapshot()
-            assert c.get("load_blocks", 0) == 0, (fault, c)
-        finally:
-            d.close()
-
-
 def test_a_bad_kvtier_setting_refuses_to_start(daemon):
     """LMCache's plugin launcher logs and swallows every Exception from a
     plugin (the engine then runs without kvtier): a bad kvtier setting
     must stop the start-up instead, as it does under vLLM and SGLang."""
-    import pytest
-
     from kvtier.integrations.lmcache import KvtierStartupError
 
     for bad in ({"kvtier_priority": 999}, {"kvtier_timeout_ms": "soon"}, {"kvtier_expected_reuse": -1}):
@@ -149,49 +223,160 @@ def test_a_bad_kvtier_setting_refuses_to_start(daemon):
             setup(daemon.socket, **bad)
 
 
-def test_batched_get_is_one_onboard_with_the_reads_together(daemon):
-    """LMCache's StorageManager.batched_get (a retrieve's read of the
-    chunks its lookup found) over the plugin: one onboard request for the
-    whole batch (the daemon reads its chunks together), counted by the
-    daemon itself; the chunks come back exact, and the daemon's
-    per-namespace figures carry LMCache's engine and model."""
-    from types import SimpleNamespace
+def serve(e: Engine, tokens, req: str):
+    """LMCache's steps for a request, as its vLLM adapter runs them: the
+    scheduler's lookup (pinning what it found under the request's id),
+    then the worker's retrieve (reading those chunks from the location
+    the lookup found them in, without asking again) into the engine's KV,
+    then the unpin. The lookup's hit tokens and the retrieve's mask."""
+    hit = e.engine.lookup(tokens, lookup_id=req, pin=True)
+    mask = e.engine.retrieve(tokens, req_id=req)
+    e.engine.lookup_unpin(req)
+    return hit, mask
 
-    from lmcache.v1.storage_backend.storage_manager import StorageManager
 
-    backend, cpu, metadata = setup(daemon.socket)
-    keys = [key(2000 + i) for i in range(8)]
-    objs = [filled(cpu, metadata, 80 + i) for i in range(8)]
-    want = [o.tensor.view(torch.uint8).clone() for o in objs]
-    before = daemon.metric("kvtier_requests_total", op="offload")
-    backend.batched_submit_put_task(keys, objs)
-    assert daemon.metric("kvtier_requests_total", op="offload") - before == 1  # the put too
-    assert backend.batched_contains(keys) == 8
-    manager = SimpleNamespace(
-        get_active_storage_backends=lambda location: [("kvtier", backend)],
-        storage_backends={"kvtier": backend},
-    )
-    before = daemon.metric("kvtier_requests_total", op="onboard")
-    got = StorageManager.batched_get(manager, keys)
-    assert daemon.metric("kvtier_requests_total", op="onboard") - before == 1
-    assert all(g is not None for g in got)
-    for g, w in zip(got, want):
-        assert torch.equal(g.tensor.view(torch.uint8), w)
-        g.ref_count_down()
-    # A missing chunk in the middle: the ones before it still load, in the
-    # same single request.
-    before = daemon.metric("kvtier_requests_total", op="onboard")
-    got = backend.batched_get_blocking([keys[0], key(9999), keys[1]])
-    assert daemon.metric("kvtier_requests_total", op="onboard") - before == 1
-    assert got[0] is not None and got[1] is None and got[2] is not None
-    for g in (got[0], got[2]):
-        g.ref_count_down()
-    ns = backend._namespace(keys[0])
-    labels = {"namespace": ns.id, "engine": "lmcache"}
-    assert daemon.metric("kvtier_client_onboard_blocks_total", result="hit", **labels) == 10
-    assert daemon.metric("kvtier_client_onboard_blocks_total", result="miss", **labels) == 1
-    assert daemon.metric("kvtier_client_offload_bytes_total", **labels) == 8 * backend.chunk_bytes
-    assert daemon.metric("kvtier_client_lookup_blocks_total", result="hit", **labels) == 8
+@pytest.mark.parametrize("fault", ["corrupt", "corrupt_restart", "killed"])
+def test_lmcache_engine_recomputes_chunks_kvtier_cannot_load(fault):
+    """LMCache's engine stores a prompt's chunks in kvtier; the lookup of
+    the same prompt finds every one, then, before the retrieve reads them,
+    every block file is corrupt ("corrupt"; the same and kvtierd restarted
+    on its data dir: "corrupt_restart"), or kvtierd is killed ("killed").
+    The retrieve's mask loads none of the tokens (LMCache recomputes them),
+    nothing raises and not a byte reaches the engine's KV; the same prompt
+    served again (after the restart, or with the daemon still dead) loads
+    nothing either; and the engine carries on: the recomputed KV, stored
+    again, is loaded by the next request byte for byte."""
+    from conftest import Daemon
+
+    n = 3 * CHUNK
+    d = Daemon(g4=False)  # no S3 copy to repair a corrupt chunk from
+    e = None
+    try:
+        e = Engine(d.socket, d.dir, n)
+        tokens = torch.arange(n) + 7
+        want = random_kv(e, 1)
+        e.engine.store(tokens)
+        assert e.kvtier.counters.get("store_blocks") == 3
+        e.forget_cpu_copies()
+        assert e.engine.lookup(tokens, lookup_id="req-1", pin=True) == n
+        if fault in ("corrupt", "corrupt_restart"):
+            assert corrupt_every_block_file(d) == 3
+        if fault == "corrupt_restart":
+            d.restart()
+        if fault == "killed":
+            d.kill9()
+        e.gpu.kv.zero_()
+        mask = e.engine.retrieve(tokens, req_id="req-1")
+        e.engine.lookup_unpin("req-1")
+        assert mask.shape == (n,) and not mask.any(), (fault, mask)
+        assert not e.gpu.kv.any()  # not one corrupt byte loaded
+        c = e.kvtier.counters.snapshot()
+        assert c.get("load_blocks", 0) == 0 and c["load_failures"] == 3, c
+
+        # The same prompt again. (A restarted kvtierd may already have
+        # checked and dropped the corrupt files: then the lookup misses.)
+        hit, mask = serve(e, tokens, "req-2")
+        assert not mask.any() and not e.gpu.kv.any(), (fault, hit)
+        assert e.kvtier.counters.get("load_blocks") == 0
+
+        # The engine recomputed the KV (here: the same bytes) and goes on.
+        if fault == "killed":
+            d.start()
+        e.gpu.kv.copy_(want)
+        e.engine.store(tokens)
+        e.forget_cpu_copies()
+        e.gpu.kv.zero_()
+        hit, mask = serve(e, tokens, "req-3")
+        assert hit == n and mask.all() and torch.equal(e.gpu.kv, want), fault
+    finally:
+        if e is not None:
+            e.close()
+        d.close()
+
+
+def test_a_retrieve_is_one_onboard_with_the_reads_together(daemon, tmp_path):
+    """LMCache's engine over the plugin: a store is one offload request,
+    and the retrieve of the 8 chunks its lookup found (StorageManager's
+    batched_get) one onboard request (the daemon reads the chunks
+    together), both counted by the daemon itself; the KV comes back exact,
+    and the daemon's per-namespace figures carry LMCache's engine and
+    model."""
+    n = 8 * CHUNK
+    e = Engine(daemon.socket, tmp_path, n)
+    try:
+        tokens = torch.arange(n) + 5000
+        want = random_kv(e, 2)
+        before = daemon.metric("kvtier_requests_total", op="offload")
+        e.engine.store(tokens)
+        assert daemon.metric("kvtier_requests_total", op="offload") - before == 1
+        e.forget_cpu_copies()
+        e.gpu.kv.zero_()
+        before = daemon.metric("kvtier_requests_total", op="onboard")
+        hit, mask = serve(e, tokens, "req")
+        assert daemon.metric("kvtier_requests_total", op="onboard") - before == 1
+        assert hit == n and mask.all() and torch.equal(e.gpu.kv, want)
+        # A chunk never stored in the middle of StorageManager's batch: the
+        # others still load, in the same single request.
+        keys = e.keys(tokens)
+        absent = e.keys(torch.arange(CHUNK) + 99_000)[0]
+        e.forget_cpu_copies()
+        before = daemon.metric("kvtier_requests_total", op="onboard")
+        got = e.manager.batched_get([keys[0], absent, keys[1]], location="kvtier")
+        assert daemon.metric("kvtier_requests_total", op="onboard") - before == 1
+        assert got[0] is not None and got[1] is None and got[2] is not None
+        for g in (got[0], got[2]):
+            g.ref_count_down()
+        ns = e.kvtier._namespace(keys[0])
+        labels = {"namespace": ns.id, "engine": "lmcache"}
+        chunk_bytes = e.kvtier.chunk_bytes
+        assert daemon.metric("kvtier_client_onboard_blocks_total", result="hit", **labels) == 10
+        assert daemon.metric("kvtier_client_onboard_blocks_total", result="miss", **labels) == 1
+        assert daemon.metric("kvtier_client_offload_bytes_total", **labels) == 8 * chunk_bytes
+        assert daemon.metric("kvtier_client_lookup_blocks_total", result="hit", **labels) == 8
+    finally:
+        e.close()
+
+
+def test_kvtier_transfers_are_in_lmcache_stats(daemon, tmp_path):
+    """LMCache's own stats (LMCStatsMonitor, which its remote backends feed
+    and its stats logger exports as lmcache:num_remote_*, and
+    lmcache:remote_time_to_get/put) carry kvtier's transfers: a store is
+    one write request with the chunks' bytes, a retrieve one read request;
+    a retrieve that loads nothing (the daemon gone) reads no bytes."""
+    from lmcache.observability import LMCStatsMonitor
+
+    n = 4 * CHUNK
+    e = Engine(daemon.socket, tmp_path, n)
+    try:
+        stats = LMCStatsMonitor.GetOrCreate()
+
+        def figures():
+            return (
+                stats.interval_remote_write_requests, stats.interval_remote_write_bytes,
+                len(stats.interval_remote_time_to_put), stats.interval_remote_read_requests,
+                stats.interval_remote_read_bytes, len(stats.interval_remote_time_to_get),
+            )
+
+        tokens = torch.arange(n) + 300
+        random_kv(e, 3)
+        w0, wb0, wt0, r0, rb0, rt0 = figures()
+        e.engine.store(tokens)
+        e.forget_cpu_copies()
+        hit, mask = serve(e, tokens, "req")
+        assert hit == n and mask.all()
+        w, wb, wt, r, rb, rt = figures()
+        nbytes = 4 * e.kvtier.chunk_bytes
+        assert (w - w0, wb - wb0, wt - wt0) == (1, nbytes, 1)
+        assert (r - r0, rb - rb0, rt - rt0) == (1, nbytes, 1)
+
+        e.forget_cpu_copies()
+        assert e.engine.lookup(tokens, lookup_id="req-2", pin=True) == n
+        daemon.kill9()
+        assert not e.engine.retrieve(tokens, req_id="req-2").any()
+        e.engine.lookup_unpin("req-2")
+        assert figures()[3:5] == (r, rb)
+    finally:
+        e.close()
 
 
 def test_bench_runs_tiny_and_keeps_the_json_contract(daemon, tmp_path):

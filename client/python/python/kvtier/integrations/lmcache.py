@@ -33,6 +33,12 @@ Fail open: ``contains`` answers False and ``get_blocking`` None for a
 miss, a timeout or a dead daemon; LMCache recomputes. Puts that fail are
 counted and dropped.
 
+Stats: besides ``counters``, each offload and onboard goes into LMCache's
+``LMCStatsMonitor`` as its remote backends' transfers do (a write or read
+request with its bytes, and its time), so LMCache's own
+``lmcache:num_remote_{read,write}_{requests,bytes}`` and
+``lmcache:remote_time_to_{get,put}`` show kvtier's traffic.
+
 Hints (docs/OPERATIONS.md, "Engines"): LMCache 0.5.6 gives a storage plugin
 ``CacheEngineKey``s, whose ``request_configs`` carry the request's
 ``lmcache.*`` settings (from vLLM's ``kv_transfer_params``); not the
@@ -55,10 +61,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from concurrent.futures import Future
 from typing import Any, Callable, List, Optional, Sequence
 
 import torch
+from lmcache.observability import LMCStatsMonitor
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
@@ -318,11 +326,15 @@ class KvtierStorageBackend(StoragePluginInterface):
         try:
             cks = [chunk_key(k) for k, _ in run]
             hints = [self._hints(k).with_reuse(self.reuse.others(ck)) for (k, _), ck in zip(run, cks)]
+            t0 = time.perf_counter()
             results = offload_grouped(self.client, ns, cks, [self._buf(o) for _, o in run], hints)
+            took = time.perf_counter() - t0
         except Exception as e:
             self.counters.add("store_failures", len(run))
             self.fail.error("put", e)
             return
+        stored = sum(r.status in ("stored", "stored_unpinned") for r in results)
+        self._lmcache_stats("put", stored * self.chunk_bytes, took)
         for (key, _), res in zip(run, results):
             if res.status in ("stored", "stored_unpinned"):
                 if res.status == "stored_unpinned":
@@ -392,13 +404,16 @@ class KvtierStorageBackend(StoragePluginInterface):
         goes to ``out[at + i]``, each miss's memory object is freed."""
         cks = [chunk_key(k) for k in keys]
         try:
+            t0 = time.perf_counter()
             res = self.client.onboard_into(ns, cks, [self._buf(o) for o in objs])
+            took = time.perf_counter() - t0
         except Exception as e:
             for obj in objs:
                 obj.ref_count_down()
             self.counters.add("load_failures", len(objs))
             self.fail.error("get", e)
             return
+        self._lmcache_stats("get", sum(int(r.nbytes) for r in res if r.ok), took)
         for i, (ck, obj, r) in enumerate(zip(cks, objs, res)):
             self.prefetcher.loaded(ns, ck, r.tier if r.ok else None)
             if not r.ok:
@@ -411,6 +426,28 @@ class KvtierStorageBackend(StoragePluginInterface):
             self.counters.add(f"load_blocks_{r.tier}")
             self.counters.add("load_bytes", r.nbytes)
             out[at + i] = obj
+
+    def _lmcache_stats(self, op: str, nbytes: int, seconds: float) -> None:
+        """One kvtier request that completed, in LMCache's own stats
+        (``LMCStatsMonitor``, which LMCache's remote backends feed and its
+        stats logger exports): its time in ``lmcache:remote_time_to_get`` /
+        ``_put`` (ms), and, when it moved chunks, one request and their
+        bytes in ``lmcache:num_remote_read_*`` / ``num_remote_write_*``.
+        Never an error to the engine."""
+        try:
+            # Looked up per call: LMCache replaces the singleton when an
+            # engine is destroyed and another built.
+            stats = LMCStatsMonitor.GetOrCreate()
+            if op == "get":
+                stats.update_interval_remote_time_to_get(seconds * 1000)
+                if nbytes:
+                    stats.update_interval_remote_read_metrics(nbytes)
+            else:
+                stats.update_interval_remote_time_to_put(seconds * 1000)
+                if nbytes:
+                    stats.update_interval_remote_write_metrics(nbytes)
+        except Exception as e:
+            self.fail.error("LMCache stats", e)
 
     async def batched_get_non_blocking(
         self, lookup_id: str, keys: list[CacheEngineKey], transfer_spec: Any = None
