@@ -300,6 +300,51 @@ fn a_corrupt_fd_read_is_reported_and_the_block_is_dropped_when_no_good_copy_exis
 }
 
 #[test]
+fn fd_reads_of_a_large_batch_verify_every_block_in_its_own_buffer() {
+    // 80 blocks, 5 MiB over passed fds: read by two threads, half the
+    // blocks each (client.rs, onboard_direct); one corrupt block in each
+    // half, no G4 to repair from. Each outcome and each buffer belongs to
+    // its own key: the corrupt two are misses (reported, then dropped),
+    // every other block's bytes are its own.
+    let d = Daemon::start_with(&["--g4".into(), String::new()], &[]);
+    let blocks = offload(&client(&d, false), 0..80);
+    let bad = [5usize, 61];
+    for &i in &bad {
+        corrupt(&d, &blocks[i].0, 3000);
+    }
+    let c = client(&d, true);
+    let h = c.namespace(&ns());
+    let keys: Vec<BlockKey> = blocks.iter().map(|(k, _)| *k).collect();
+    let mut bufs: Vec<Vec<u8>> = keys.iter().map(|_| vec![0u8; BLOCK]).collect();
+    let mut views: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
+    let out = h.onboard_into(&keys, &mut views);
+    assert_eq!(out.len(), keys.len());
+    for (i, ((key, p), o)) in blocks.iter().zip(&out).enumerate() {
+        if bad.contains(&i) {
+            match o {
+                Onboarded::Miss(m) => assert_eq!(m.cause, MissCause::Corrupt, "block {i}: {m:?}"),
+                other => panic!("block {i} {key}: corrupt bytes served: {other:?}"),
+            }
+        } else {
+            assert!(o.is_hit(), "block {i} {key}: {o:?}");
+            assert!(bufs[i] == *p, "block {i}: another block's bytes");
+        }
+    }
+    assert_eq!(
+        reported_corrupt(&c),
+        2,
+        "the corrupt blocks were not both reported"
+    );
+    for &i in &bad {
+        assert_eq!(
+            h.lookup(&[blocks[i].0]).prefix_len(),
+            0,
+            "block {i} still reported cached"
+        );
+    }
+}
+
+#[test]
 fn a_corrupt_fd_read_is_repaired_from_g4_at_once_and_a_false_report_removes_nothing() {
     // The default G4: file://<dir>/g4.
     let d = Daemon::start();

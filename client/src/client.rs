@@ -1901,31 +1901,81 @@ impl<'a> NsHandle<'a> {
     fn onboard_direct(&self, keys: &[BlockKey], bufs: &mut [&mut [u8]]) -> Vec<Onboarded> {
         let caps: Vec<usize> = bufs.iter().map(|b| b.len()).collect();
         let d = self.open_direct(keys, &caps);
+        // Each item read from its file into its buffer and verified there;
+        // Err(true) marks a corrupt copy, to be reported.
+        let one = |j: usize, buf: &mut [u8]| -> std::result::Result<Onboarded, (Miss, bool)> {
+            let b = d.items[j].as_ref().map_err(|m| (m.clone(), false))?;
+            let dst = &mut buf[..b.header.payload_len as usize];
+            d.file(b)
+                .read_exact_at(dst, b.payload_offset)
+                .map_err(|e| (Miss::new(MissCause::Storage, e.to_string()), false))?;
+            b.header
+                .verify_payload(dst)
+                .map(|()| b.hit())
+                .map_err(|e| (Miss::new(MissCause::Corrupt, e.to_string()), true))
+        };
+        let n = d.items.len().min(bufs.len());
+        let bytes: u64 = d
+            .items
+            .iter()
+            .filter_map(|it| it.as_ref().ok())
+            .map(|b| b.header.payload_len)
+            .sum();
+        let results: Vec<_> = if bytes < PARALLEL_LAND_BYTES || n < 2 {
+            bufs.iter_mut()
+                .take(n)
+                .enumerate()
+                .map(|(j, b)| one(j, b))
+                .collect()
+        } else {
+            // Two readers, half the blocks each: one thread's blake3 pass
+            // runs while the other's read waits on the disk, and the disk
+            // sees two reads at once (as the shm path lands with two).
+            let half = n / 2;
+            let (a, b) = bufs[..n].split_at_mut(half);
+            std::thread::scope(|s| {
+                let helper = s.spawn(|| {
+                    b.iter_mut()
+                        .enumerate()
+                        .map(|(j, buf)| one(half + j, buf))
+                        .collect::<Vec<_>>()
+                });
+                let mut out: Vec<_> = a
+                    .iter_mut()
+                    .enumerate()
+                    .map(|(j, buf)| one(j, buf))
+                    .collect();
+                match helper.join() {
+                    Ok(rest) => out.extend(rest),
+                    Err(_) => out.extend((half..n).map(|_| {
+                        Err((
+                            Miss::new(MissCause::Storage, "reader thread panicked"),
+                            false,
+                        ))
+                    })),
+                }
+                out
+            })
+        };
         let mut corrupt = Vec::new();
         let mut out = Vec::with_capacity(keys.len());
-        for (j, it) in d.items.iter().enumerate() {
-            let b = match it {
-                Ok(b) => b,
-                Err(m) => {
-                    out.push(Onboarded::Miss(m.clone()));
-                    continue;
-                }
-            };
-            let dst = &mut bufs[j][..b.header.payload_len as usize];
-            if let Err(e) = d.file(b).read_exact_at(dst, b.payload_offset) {
-                out.push(Onboarded::Miss(Miss::new(
-                    MissCause::Storage,
-                    e.to_string(),
-                )));
-                continue;
-            }
-            out.push(match b.header.verify_payload(dst) {
-                Ok(()) => b.hit(),
-                Err(e) => {
-                    corrupt.push(keys[j]);
-                    Onboarded::Miss(Miss::new(MissCause::Corrupt, e.to_string()))
+        for (j, r) in results.into_iter().enumerate() {
+            out.push(match r {
+                Ok(hit) => hit,
+                Err((m, bad)) => {
+                    if bad {
+                        corrupt.push(keys[j]);
+                    }
+                    Onboarded::Miss(m)
                 }
             });
+        }
+        // Items past the buffers given (none when called by onboard_into).
+        for it in d.items.iter().skip(n) {
+            out.push(Onboarded::Miss(match it {
+                Err(m) => m.clone(),
+                Ok(_) => Miss::new(MissCause::TooLarge, "no buffer given for this key"),
+            }));
         }
         self.finish_direct(d, &corrupt);
         out

@@ -239,8 +239,9 @@ def main(argv=None) -> None:
     p.add_argument("--cold", action=argparse.BooleanOptionalAction, default=True,
                    help="drop the page cache before the reads (needs root; the JSON says whether it was)")
     p.add_argument("--deadline-s", type=float, default=600.0)
-    p.add_argument("--direct-read", action="store_true",
-                   help="kvtier_direct_read: G3 reads over passed fds into LMCache's buffers")
+    p.add_argument("--direct-read", action=argparse.BooleanOptionalAction, default=True,
+                   help="kvtier_direct_read (the plugin's default): G3 reads over passed fds into "
+                        "LMCache's buffers; --no-direct-read: through the shared region")
     p.add_argument("--json", action="store_true", help="one JSON document on stdout")
     args = p.parse_args(argv)
     if not args.socket:
