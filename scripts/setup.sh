@@ -12,6 +12,10 @@ command -v getfattr >/dev/null 2>&1 || need+=(attr)
 # A C++ compiler: tests/dynamo-oracle builds libzmq (the `zmq` crate Dynamo's
 # listener uses vendors it).
 command -v g++ >/dev/null 2>&1 || need+=(g++)
+# OpenSSL's headers: SGLang builds its HiCache page hash (a C++ extension
+# linked with -lcrypto) on first use, which tests_engines/test_sglang.py's
+# controller tests do.
+[ -e /usr/include/openssl/sha.h ] || need+=(libssl-dev)
 # ip and tc (iproute2): the cluster test's network namespaces, veths,
 # bridge and bandwidth limit (tests/e2e_cluster.rs).
 command -v ip >/dev/null 2>&1 || need+=(iproute2)

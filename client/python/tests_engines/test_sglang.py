@@ -3,19 +3,38 @@ SGLang's StorageBackendFactory as a ``dynamic`` backend from the module path
 and class name, registered on SGLang's real MHA / MLA host pools (CPU
 tensors, as SGLang's own storage backend unit tests build them), and called
 as HiCacheController calls it with ``interface_v1``: batch_exists for the
-prefix, batch_set_v1 / batch_get_v1 over host page indices."""
+prefix, batch_set_v1 / batch_get_v1 over host page indices. The fault tests
+(issue 32) run it under SGLang's own HiCache controller, built on CPU as
+its scheduler builds it, whose threads store, query and load."""
 
 from __future__ import annotations
 
 import ctypes
+import logging
+import os
+import signal
+import sys
+import threading
 
 import pytest
 import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, HiCacheStorageExtraInfo
+from conftest import Daemon
+from sglang.srt.managers.cache_controller import HiCacheController
+from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, HiCacheStorageExtraInfo, PoolName
+from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import (
+    HybridCacheController,
+    PrefetchOperation,
+)
+from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import build_pool_entry
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+from sglang.srt.mem_cache.pool_host.group import HostPoolGroup
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+from sglang.srt.mem_cache.utils import get_storage_hash_str
+from sglang.srt.runtime_context import get_parallel
 
 from kvtier.integrations.sglang import KvtierHiCacheStorage
 
@@ -40,8 +59,13 @@ def storage_config(socket: str, mla: bool = False, tp_rank: int = 0, tp_size: in
     )
 
 
-def mha_host(layout: str) -> MHATokenToKVPoolHost:
-    kv = MHATokenToKVPool(SIZE, PAGE, torch.float16, 2, 32, LAYERS, "cpu", False)
+def mha_device_pool() -> MHATokenToKVPool:
+    return MHATokenToKVPool(SIZE, PAGE, torch.float16, 2, 32, LAYERS, "cpu", False)
+
+
+def mha_host(layout: str, kv: MHATokenToKVPool | None = None) -> MHATokenToKVPoolHost:
+    if kv is None:
+        kv = mha_device_pool()
     return MHATokenToKVPoolHost(
         kv.get_device_pool_infos()[0].buffer_info, 2, 0, PAGE, layout, pin_memory=False,
         device_capacity_tokens=kv.size if kv.host_capacity_tokens is None else kv.host_capacity_tokens,
@@ -122,8 +146,6 @@ def test_set_exists_get_round_trip(daemon, kind):
 
 
 def test_clear_evicts_the_pages_it_stored():
-    from conftest import Daemon
-
     d = Daemon(g4=False)  # no S3 copy to find after the eviction
     try:
         host = mha_host("page_first")
@@ -197,9 +219,12 @@ def test_dead_daemon_means_recompute(daemon):
 
 
 def corrupt_g3(d) -> int:
-    """Flips one payload byte of every block file under the daemon's G3."""
+    """Flips one payload byte of every block file under the daemon's G3
+    (``g3/blocks``: not its index, which is another fault)."""
     n = 0
-    for p in (d.dir / "g3").rglob("*"):
+    blocks = d.dir / "g3" / "blocks"
+    assert blocks.is_dir()
+    for p in blocks.rglob("*"):
         if p.is_file() and p.stat().st_size > 4096:
             with open(p, "r+b") as f:
                 f.seek(4096 + 17)
@@ -210,37 +235,320 @@ def corrupt_g3(d) -> int:
     return n
 
 
-@pytest.mark.parametrize("fault", ["corrupt", "killed"])
-def test_controller_recomputes_pages_that_fail_after_exists(fault):
-    """HiCacheController's own zero-copy get (``_page_get_zero_copy``, what
-    its prefetch thread runs after ``batch_exists``): pages that exist but
-    come back corrupt, or whose daemon died between the two, end the hit
-    there (a recompute), and SGLang goes on."""
-    from types import SimpleNamespace
+# -- SGLang's own HiCache controller --------------------------------------
+#
+# The tests below run kvtier under the controller SGLang 0.5.23's scheduler
+# builds for a plain MHA model with --enable-hierarchical-cache
+# --hicache-storage-backend dynamic (hybrid_pool_assembler's
+# _PlainKvStrategy -> build_kv_only_stack): a HybridCacheController, which
+# is a HiCacheController, over a HostPoolGroup holding the KV host pool.
+# Its own threads do the storage I/O; SGLang's code, not the test, decides
+# how much of a prompt is loaded and how much is recomputed.
 
-    from conftest import Daemon
-    from sglang.srt.managers.cache_controller import HiCacheController
+PROMPT = [1000 + i for i in range(6 * PAGE)]  # six pages
+PROMPT_PAGES = len(PROMPT) // PAGE
 
-    d = Daemon(g4=False)  # no S3 copy to repair a corrupt page from
+
+@pytest.fixture(scope="module")
+def sglang_page_hash():
+    """SGLang's page hash (get_storage_hash_str, what the controller's hit
+    query keys pages by) is a C++ extension SGLang builds on first use
+    with torch's cpp_extension, which runs ``ninja`` from PATH: the
+    engines' venv has it in its bin directory, not on a bare PATH. Built
+    once per machine (~/.cache/torch_extensions)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PATH", os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+        get_storage_hash_str([1] * PAGE, None, page_size=PAGE)
+        yield
+
+
+class Engine:
+    """One SGLang server's HiCache, as its scheduler builds it, on CPU.
+
+    The controller is constructed for real: it creates kvtier's backend
+    itself (StorageBackendFactory, ``dynamic``) from the extra config a
+    server gets from --hicache-storage-backend-extra-config, registers
+    the host pool on it, picks the zero-copy get/set for ``interface_v1``
+    and starts its prefetch, prefetch-I/O, prefetch-sync and backup
+    threads. Nothing in SGLang is patched: without CUDA, SGLang's device
+    module is torch.cpu, whose Stream and Event the controller uses as
+    they are. The TP/PP/DCP widths a launched server publishes are given
+    for the construction with get_parallel().override (one rank).
+
+    The test plays only the scheduler's radix cache between the
+    controller's queues (UnifiedRadixCache._drain_storage_control_queues_impl
+    in SGLang 0.5.23): see :meth:`prefetch`."""
+
+    def __init__(self, socket: str):
+        self.kv = mha_device_pool()
+        self.host = mha_host("page_first", self.kv)
+        allocator = PagedTokenToKVPoolAllocator(SIZE, PAGE, torch.float16, "cpu", self.kv, need_sort=False)
+        group = HostPoolGroup([
+            build_pool_entry(
+                name=PoolName.KV, host_pool=self.host, device_pool=self.kv,
+                layer_mapping={i: i for i in range(LAYERS)}, transfer_layer_id_max=LAYERS,
+                is_anchor=True,
+            )
+        ])
+        extra = dict(storage_config(socket).extra_config)
+        with get_parallel().override(
+            tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_dcp_rank=0, attn_dcp_size=1
+        ):
+            self.cc = HybridCacheController(
+                allocator, group, PAGE, None, load_cache_event=threading.Event(),
+                storage_backend="dynamic", prefetch_threshold=PAGE, model_name="test/qwen",
+                storage_backend_extra_config=extra, transfer_layer_id_max=LAYERS,
+            )
+        assert isinstance(self.cc, HiCacheController)
+        self.backend = self.cc.storage_backend
+        assert isinstance(self.backend, KvtierHiCacheStorage)
+        assert self.cc.page_get_func == self.cc._page_get_zero_copy  # interface_v1
+
+    def store(self, tokens: list[int], pages: list[bytes], first_page: int = 0) -> None:
+        """SGLang's write-through to storage of pages already in the host
+        pool: ``write_storage``, then its backup thread (``_page_backup``:
+        ``batch_set_v1``) until the backup ack. ``pages`` are the KV of
+        ``tokens``' pages from ``first_page`` on."""
+        idx = self.host.alloc(len(pages) * PAGE)
+        assert idx is not None
+        write_pages(self.host, idx, pages)
+        hashes = get_storage_hash_str(tokens, None, page_size=PAGE)
+        op_id = self.cc.write_storage(
+            idx, tokens[first_page * PAGE : (first_page + len(pages)) * PAGE],
+            hash_value=hashes[first_page : first_page + len(pages)],
+        )
+        done = self.cc.ack_backup_queue.get(timeout=20)
+        assert done.id == op_id and done.completed_tokens == len(pages) * PAGE
+
+    def prefetch(self, rid: str, tokens: list[int], before_get=None) -> PrefetchOperation:
+        """One request's prefetch from storage through the controller's
+        own path: ``prefetch`` queues it; its prefetch thread runs the hit
+        query (``_storage_hit_query``: kvtier's ``batch_exists``) and posts
+        the verdict on ``prefetch_hit_queue``. Here the test does what the
+        radix cache does with a verdict at or over the threshold: host
+        pages for the hit from the controller's ``allocate_storage_hit``,
+        the operation to ``prefetch_buffer``. The prefetch-I/O thread
+        (``_page_transfer``: ``_page_get_zero_copy``, kvtier's
+        ``batch_get_v1``) ends the prefix at the first page that did not
+        load, and its acks, through the sync thread, set
+        ``completed_tokens``: all SGLang inserts into its tree; it
+        recomputes the rest of the prompt. ``before_get`` runs between
+        the hit query and the get."""
+        op = self.cc.prefetch(CacheRequestHandle(rid, 0), tokens)
+        assert self.cc.prefetch_hit_queue.get(timeout=20) is op
+        if op.storage_hit_count < self.cc.prefetch_threshold:
+            return op  # the radix cache revokes it: nothing to load
+        idx, n = self.cc.allocate_storage_hit(
+            op, op.storage_hit_count, allow_partial=True,
+            min_tokens=self.cc.prefetch_threshold, evict_host=lambda need: 0,
+        )
+        assert idx is not None and n == op.storage_hit_count
+        op.hash_value = op.hash_value[: n // PAGE]
+        op.host_indices = idx
+        if before_get is not None:
+            before_get()
+        self.cc.prefetch_buffer.put(op)
+        while True:
+            ack = self.cc.ack_prefetch_queue.get(timeout=20)
+            assert ack.operation is op
+            if ack.completed_tokens is not None:
+                assert ack.completed_tokens >= op.completed_tokens
+                op.completed_tokens = ack.completed_tokens
+            if ack.completed_req:
+                return op
+
+    def loaded(self, op: PrefetchOperation) -> list[bytes]:
+        """The bytes of the pages the prefetch completed, in the host pool."""
+        pages = op.completed_tokens // PAGE
+        return page_bytes_at(self.host, op.host_indices[: pages * PAGE]) if pages else []
+
+    def alive(self) -> bool:
+        threads = (self.cc.prefetch_thread, self.cc.prefetch_io_aux_thread,
+                   self.cc.prefetch_sync_thread, self.cc.backup_thread)
+        return all(t.is_alive() for t in threads)
+
+    def close(self) -> None:
+        self.cc.detach_storage_backend()
+
+
+def page_bytes_at(host, idx: torch.Tensor) -> list[bytes]:
+    ptrs, sizes = host.get_page_buffer_meta(idx)
+    n = len(idx) // PAGE
+    per = len(ptrs) // n
+    return [
+        b"".join(ctypes.string_at(int(ptrs[j]), int(sizes[j])) for j in range(i * per, (i + 1) * per))
+        for i in range(n)
+    ]
+
+
+def write_pages(host, idx: torch.Tensor, pages: list[bytes]) -> None:
+    ptrs, sizes = host.get_page_buffer_meta(idx)
+    per = len(ptrs) // len(pages)
+    for i, data in enumerate(pages):
+        off = 0
+        for j in range(i * per, (i + 1) * per):
+            ctypes.memmove(int(ptrs[j]), data[off : off + int(sizes[j])], int(sizes[j]))
+            off += int(sizes[j])
+        assert off == len(data)
+
+
+def prompt_kv(engine: Engine, seed: int) -> list[bytes]:
+    """The KV pages of PROMPT (any bytes: kvtier moves them as they are),
+    the same on every engine for a seed, as a recompute gives them."""
+    nbytes = engine.backend.ns.block_bytes
+    g = torch.Generator().manual_seed(seed)
+    return [
+        bytes(torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g).numpy())
+        for _ in range(PROMPT_PAGES)
+    ]
+
+
+@pytest.fixture
+def engines(sglang_page_hash):
+    started: list[Engine] = []
+
+    def start(socket: str) -> Engine:
+        e = Engine(socket)
+        started.append(e)
+        return e
+
+    yield start
+    for e in started:
+        e.close()
+
+
+def sglang_errors(caplog) -> list[str]:
+    """What SGLang logged at ERROR: the controller catches an exception
+    from the storage backend (``batch_exists`` in the prefetch thread,
+    ``batch_get_v1`` in ``_page_transfer``) and logs it with
+    logger.exception, so a connector that raised shows here."""
+    return [r.getMessage() for r in caplog.records
+            if r.name.startswith("sglang") and r.levelno >= logging.ERROR]
+
+
+def test_sglang_controller_loads_a_stored_prompt_instead_of_recomputing(engines, caplog):
+    d = Daemon(g4=False)
     try:
-        host = mha_host("page_first")
-        fill_random(host, 7)
-        b = backend(storage_config(d.socket), host)
-        assert b.batch_set_v1(KEYS[:3], indices([1, 2, 3])) == [True] * 3
-        assert b.batch_exists(KEYS[:3]) == 3  # the controller's prefetch query
-        if fault == "corrupt":
-            assert corrupt_g3(d) >= 3
-        else:
-            d.kill9()
-        controller = SimpleNamespace(storage_backend=b)
-        op = SimpleNamespace(request_id="r1")
-        hits = HiCacheController._page_get_zero_copy(
-            controller, op, KEYS[:3], indices([4, 5, 6]), HiCacheStorageExtraInfo(prefix_keys=[]))
-        assert hits == 0
-        c = b.counters.snapshot()
-        assert c["load_failures"] == 3 and c.get("load_blocks", 0) == 0, c
+        writer = engines(d.socket)
+        kv = prompt_kv(writer, 1)
+        writer.store(PROMPT, kv)
+        reader = engines(d.socket)  # another server (or this one restarted): an empty host pool
+        op = reader.prefetch("r1", PROMPT)
+        assert op.storage_hit_count == len(PROMPT)
+        assert op.completed_tokens == len(PROMPT)  # nothing to recompute
+        assert reader.loaded(op) == kv
+        assert reader.backend.counters.snapshot()["load_blocks"] == PROMPT_PAGES
+        assert not sglang_errors(caplog)
     finally:
         d.close()
+
+
+def stop_cleanly(d) -> None:
+    """Stops kvtierd as a service manager does (SIGTERM: it shuts down
+    cleanly and trusts its index at the next start)."""
+    d.proc.send_signal(signal.SIGTERM)
+    assert d.proc.wait(timeout=20) == 0
+
+
+FAULTS = ["corrupt", "corrupt-then-restart", "corrupt-then-crash-restart", "killed-after-hit-query"]
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_sglang_controller_recomputes_pages_that_fail_after_its_hit_query(engines, caplog, fault):
+    """Issue 32 under SGLang's own controller: a prompt stored, then every
+    block file corrupted (kvtierd running, restarted cleanly, or killed and
+    started again on the same data), or kvtierd killed between the
+    controller's hit query and its get. The request goes on: the
+    controller completes none of the prompt's pages (SGLang recomputes it
+    all), nothing raises into it, its threads live on; the recomputed KV
+    it writes through again is what the next server loads."""
+    d = Daemon(g4=False)  # no G4: a corrupt G3 copy has nowhere to be repaired from
+    try:
+        writer = engines(d.socket)
+        kv = prompt_kv(writer, 2)
+        writer.store(PROMPT, kv)
+        before_get = None
+        if fault.startswith("corrupt"):
+            assert corrupt_g3(d) == PROMPT_PAGES
+        if fault == "corrupt-then-restart":
+            stop_cleanly(d)
+            d.start()
+        if fault == "corrupt-then-crash-restart":
+            d.restart()
+        if fault == "killed-after-hit-query":
+            before_get = d.kill9
+        reader = engines(d.socket)
+        op = reader.prefetch("r1", PROMPT, before_get)
+        assert op.completed_tokens == 0, "a page that did not load was completed"
+        assert not sglang_errors(caplog)
+        c = reader.backend.counters.snapshot()
+        if fault == "corrupt-then-crash-restart" and op.storage_hit_count == 0:
+            # After a crash kvtierd verifies what it adopts at start and
+            # may already have quarantined the bad files: a miss, no get.
+            assert c.get("loads", 0) == 0, c
+        else:
+            # kvtier said every page was there: the fault is after that,
+            # and the get the controller ran failed every page.
+            assert op.storage_hit_count == len(PROMPT)
+            assert c["load_failures"] == PROMPT_PAGES, c
+        assert c.get("load_blocks", 0) == 0, c
+        assert reader.alive()
+        if fault == "killed-after-hit-query":
+            d.start()
+        # SGLang recomputed the prompt and writes it through to storage;
+        # the next server loads it, byte for byte.
+        reader.store(PROMPT, kv)
+        nxt = engines(d.socket)
+        op = nxt.prefetch("r2", PROMPT)
+        assert op.completed_tokens == len(PROMPT)
+        assert nxt.loaded(op) == kv
+        assert not sglang_errors(caplog)
+    finally:
+        d.close()
+
+
+def test_sglang_controller_keeps_the_pages_before_the_first_corrupt_one(engines, caplog):
+    """The prompt's last three pages stored, every block file corrupted,
+    then its first three stored: kvtier's hit query finds all six, and the
+    controller completes the first three and stops before the corrupt
+    ones (SGLang recomputes from there)."""
+    d = Daemon(g4=False)
+    try:
+        writer = engines(d.socket)
+        kv = prompt_kv(writer, 3)
+        writer.store(PROMPT, kv[3:], first_page=3)
+        assert corrupt_g3(d) == 3
+        writer.store(PROMPT, kv[:3])
+        reader = engines(d.socket)
+        op = reader.prefetch("r1", PROMPT)
+        assert op.storage_hit_count == len(PROMPT)
+        assert op.completed_tokens == 3 * PAGE
+        assert reader.loaded(op) == kv[:3]
+        assert not sglang_errors(caplog)
+    finally:
+        d.close()
+
+
+def test_a_page_over_kvtiers_block_limit_is_refused_at_registration(daemon, monkeypatch):
+    """SGLang's page (``--page-size`` tokens of every layer's K and V) is
+    one kvtier block: a host pool whose page is over kvtier's block limit
+    is refused when SGLang registers it, with a kvtier.Error that says to
+    lower --page-size, not at the first store. The limit (1 GiB) is
+    lowered here to a real MHA host pool's page: a page over the real one
+    would need over a GiB of host memory."""
+    import kvtier
+
+    assert kvtier.BLOCK_BYTES_MAX == 1 << 30  # docs/OPERATIONS.md: "at most 1 GiB"
+    host = mha_host("page_first")
+    _, sizes = host.get_page_buffer_meta(indices([0]))
+    page = int(sum(sizes))
+    cfg = storage_config(daemon.socket)
+    monkeypatch.setattr(kvtier, "BLOCK_BYTES_MAX", page)
+    assert backend(cfg, host).ns.block_bytes == page  # at the limit: accepted
+    monkeypatch.setattr(kvtier, "BLOCK_BYTES_MAX", page - 1)
+    b = StorageBackendFactory.create_backend("dynamic", cfg, host)
+    with pytest.raises(kvtier.Error, match=f"one HiCache page is {page} bytes.*lower --page-size"):
+        b.register_mem_pool_host(host)
 
 
 def test_generic_batch_get_is_one_onboard(daemon):
