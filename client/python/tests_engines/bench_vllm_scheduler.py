@@ -214,10 +214,14 @@ def timed_loads(e: Engine) -> list[tuple[float, float]]:
     return spans
 
 
+# Connector settings from the command line (--direct-read).
+EXTRA: dict = {}
+
+
 def engine(tmp: pathlib.Path, socket: str, tp: int, tokens: int, per_chunk: bool) -> Engine:
     blocks = tokens // BLOCK_SIZE + 16
     e = Engine(tmp, socket, tp=tp, num_blocks=blocks, max_model_len=tokens + 64,
-               kvtier_timeout_ms=60_000, kvtier_prefetch=False)
+               kvtier_timeout_ms=60_000, kvtier_prefetch=False, **EXTRA)
     if per_chunk:
         cs = e.scheduler.connector.connector_scheduler
         m = cs.manager
@@ -300,7 +304,11 @@ def main() -> int:
     ap.add_argument("--tp", type=int, default=8, help="tensor-parallel ranks")
     ap.add_argument("--rounds", type=int, default=5, help="rounds of each (interleaved)")
     ap.add_argument("--json", action="store_true", help="one JSON document on stdout")
+    ap.add_argument("--direct-read", action=argparse.BooleanOptionalAction, default=True,
+                    help="kvtier_direct_read (the connector's default): the workers read G3 blocks "
+                         "over passed fds; --no-direct-read: through the shared region")
     args = ap.parse_args()
+    EXTRA["kvtier_direct_read"] = args.direct_read
     if args.tokens < 2 * BLOCK_SIZE or args.tp < 1 or args.rounds < 1:
         ap.error("--tokens >= 32, --tp >= 1, --rounds >= 1")
     logging.disable(logging.WARNING)
@@ -344,6 +352,7 @@ def main() -> int:
         "vllm": "0.33.0",
         "tokens": args.tokens,
         "tp": args.tp,
+        "direct_read": args.direct_read,
         "chunks": chunks,
         "rounds": args.rounds,
         "connector_ms": round(ms, 3),
