@@ -125,6 +125,35 @@ class Daemon:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+def flip_on_disk(daemon: "Daemon", key: bytes, at: int) -> None:
+    """Flips the payload byte ``at`` of ``key``'s G3 file (corruption at
+    rest, under the daemon's feet)."""
+    (path,) = list(daemon.dir.glob(f"g3/**/{key.hex()}"))
+    with open(path, "r+b") as f:
+        f.seek(4096 + at)  # the payload starts after the header page
+        b = f.read(1)
+        f.seek(4096 + at)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def corrupt_every_block_file(daemon: "Daemon") -> int:
+    """Flips one payload byte of every block file under the daemon's G3
+    (``g3/blocks``: not its index, which is another fault); returns how
+    many."""
+    n = 0
+    blocks = daemon.dir / "g3" / "blocks"
+    assert blocks.is_dir()
+    for p in blocks.rglob("*"):
+        if p.is_file() and p.stat().st_size > 4096:
+            with open(p, "r+b") as f:
+                f.seek(4096 + 17)
+                b = f.read(1)
+                f.seek(4096 + 17)
+                f.write(bytes([b[0] ^ 0xFF]))
+            n += 1
+    return n
+
+
 @pytest.fixture
 def daemon():
     d = Daemon()

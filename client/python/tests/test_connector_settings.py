@@ -6,17 +6,8 @@ import numpy as np
 import pytest
 
 import kvtier
-from conftest import Daemon
+from conftest import Daemon, flip_on_disk
 from kvtier.integrations._common import KvtierConfigError, make_client
-
-
-def flip_on_disk(daemon, key: bytes, at: int) -> None:
-    (path,) = list(daemon.dir.glob(f"g3/**/{key.hex()}"))
-    with open(path, "r+b") as f:
-        f.seek(4096 + at)
-        b = f.read(1)
-        f.seek(4096 + at)
-        f.write(bytes([b[0] ^ 0xFF]))
 
 
 def test_each_setting_reaches_the_client(daemon):

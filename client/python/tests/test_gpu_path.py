@@ -11,7 +11,7 @@ import pytest
 
 import kvtier
 
-from conftest import BLOCK
+from conftest import BLOCK, flip_on_disk
 
 ENV = "KVTIER_PY_HOST_VIA_GDS"
 
@@ -19,15 +19,6 @@ ENV = "KVTIER_PY_HOST_VIA_GDS"
 def segments(buf):
     """A block as three uneven segments (per-layer views, say)."""
     return [buf[:1000], buf[1000 : 1000 + 8192], buf[1000 + 8192 :]]
-
-
-def flip_on_disk(daemon, key: bytes, at: int) -> None:
-    (path,) = list(daemon.dir.glob(f"g3/**/{key.hex()}"))
-    with open(path, "r+b") as f:
-        f.seek(4096 + at)
-        b = f.read(2)
-        f.seek(4096 + at)
-        f.write(bytes(x ^ 0xFF for x in b))
 
 
 def test_device_path_round_trips_segmented_blocks_and_says_its_route(daemon, client, ns, monkeypatch):

@@ -155,21 +155,6 @@ class Engine:
         self.engine.close()
 
 
-def corrupt_every_block_file(d) -> int:
-    """Flips one payload byte of every block file in the daemon's G3 (not
-    its index: the blocks are what goes bad here)."""
-    n = 0
-    for p in (d.dir / "g3" / "blocks").rglob("*"):
-        if p.is_file() and p.stat().st_size > 4096:
-            with open(p, "r+b") as f:
-                f.seek(4096 + 17)  # inside the payload, after the header page
-                b = f.read(1)
-                f.seek(4096 + 17)
-                f.write(bytes([b[0] ^ 0xFF]))
-            n += 1
-    return n
-
-
 def random_kv(e: Engine, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     e.gpu.kv.copy_(torch.randn(e.gpu.kv.shape, generator=g).to(torch.bfloat16))
@@ -246,7 +231,7 @@ def test_lmcache_engine_recomputes_chunks_kvtier_cannot_load(fault):
     served again (after the restart, or with the daemon still dead) loads
     nothing either; and the engine carries on: the recomputed KV, stored
     again, is loaded by the next request byte for byte."""
-    from conftest import Daemon
+    from conftest import Daemon, support
 
     n = 3 * CHUNK
     d = Daemon(g4=False)  # no S3 copy to repair a corrupt chunk from
@@ -260,7 +245,7 @@ def test_lmcache_engine_recomputes_chunks_kvtier_cannot_load(fault):
         e.forget_cpu_copies()
         assert e.engine.lookup(tokens, lookup_id="req-1", pin=True) == n
         if fault in ("corrupt", "corrupt_restart"):
-            assert corrupt_every_block_file(d) == 3
+            assert support.corrupt_every_block_file(d) == 3
         if fault == "corrupt_restart":
             d.restart()
         if fault == "killed":

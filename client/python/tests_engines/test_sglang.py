@@ -18,7 +18,7 @@ import threading
 
 import pytest
 import torch
-from conftest import Daemon
+from conftest import Daemon, support
 from sglang.srt.managers.cache_controller import HiCacheController
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
@@ -216,23 +216,6 @@ def test_dead_daemon_means_recompute(daemon):
     assert c["load_failures"] == 2 and c["store_failures"] == 2
     daemon.start()
     assert b.batch_exists(KEYS[:2]) == 2
-
-
-def corrupt_g3(d) -> int:
-    """Flips one payload byte of every block file under the daemon's G3
-    (``g3/blocks``: not its index, which is another fault)."""
-    n = 0
-    blocks = d.dir / "g3" / "blocks"
-    assert blocks.is_dir()
-    for p in blocks.rglob("*"):
-        if p.is_file() and p.stat().st_size > 4096:
-            with open(p, "r+b") as f:
-                f.seek(4096 + 17)
-                b = f.read(1)
-                f.seek(4096 + 17)
-                f.write(bytes([b[0] ^ 0xFF]))
-            n += 1
-    return n
 
 
 # -- SGLang's own HiCache controller --------------------------------------
@@ -469,7 +452,7 @@ def test_sglang_controller_recomputes_pages_that_fail_after_its_hit_query(engine
         writer.store(PROMPT, kv)
         before_get = None
         if fault.startswith("corrupt"):
-            assert corrupt_g3(d) == PROMPT_PAGES
+            assert support.corrupt_every_block_file(d) == PROMPT_PAGES
         if fault == "corrupt-then-restart":
             stop_cleanly(d)
             d.start()
@@ -517,7 +500,7 @@ def test_sglang_controller_keeps_the_pages_before_the_first_corrupt_one(engines,
         writer = engines(d.socket)
         kv = prompt_kv(writer, 3)
         writer.store(PROMPT, kv[3:], first_page=3)
-        assert corrupt_g3(d) == 3
+        assert support.corrupt_every_block_file(d) == 3
         writer.store(PROMPT, kv[:3])
         reader = engines(d.socket)
         op = reader.prefetch("r1", PROMPT)

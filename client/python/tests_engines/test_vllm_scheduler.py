@@ -35,19 +35,6 @@ def store_prompt(tmp_path, socket) -> None:
     e.shutdown()
 
 
-def corrupt_every_block_file(d) -> int:
-    n = 0
-    for p in (d.dir / "g3" / "blocks").rglob("*"):
-        if p.is_file() and p.stat().st_size > 4096:
-            with open(p, "r+b") as f:
-                f.seek(4096 + 17)  # inside the payload, after the header page
-                b = f.read(1)
-                f.seek(4096 + 17)
-                f.write(bytes([b[0] ^ 0xFF]))
-            n += 1
-    return n
-
-
 def test_a_stored_prefix_is_loaded_not_recomputed(tmp_path, g3_daemon):
     store_prompt(tmp_path, g3_daemon.socket)
     e = Engine(tmp_path, g3_daemon.socket)
@@ -68,7 +55,7 @@ def test_a_stored_prefix_is_loaded_not_recomputed(tmp_path, g3_daemon):
 @pytest.mark.parametrize("restart", [None, "clean", "kill9"], ids=["in-place", "after-restart", "after-kill9"])
 def test_corrupt_blocks_are_recomputed_and_the_engine_goes_on(tmp_path, g3_daemon, restart):
     store_prompt(tmp_path, g3_daemon.socket)
-    assert corrupt_every_block_file(g3_daemon) >= CACHED // BLOCK_SIZE
+    assert support.corrupt_every_block_file(g3_daemon) >= CACHED // BLOCK_SIZE
     if restart:
         g3_daemon.restart(clean=restart == "clean")
     e = Engine(tmp_path, g3_daemon.socket)
