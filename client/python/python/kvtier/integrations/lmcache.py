@@ -179,8 +179,8 @@ class KvtierStorageBackend(StoragePluginInterface):
         # memory this process owns, so each chunk is read from its file
         # straight into its memory object (two readers per batch, each
         # byte hashed once, here) instead of landing in the shared region
-        # and being copied out: 1.08-1.27x of LMCache's local_disk on get
-        # against 0.55-0.63x through the region (BENCHMARKS.md, lmcache).
+        # and being copied out: 1.01-1.27x of LMCache's local_disk on get
+        # against 0.55-0.89x through the region (BENCHMARKS.md, lmcache).
         # kvtier_direct_read: false turns it off.
         self.client = make_client({"kvtier_direct_read": True, **self.extra}, region_bytes=region)
         self.hints = base_hints(self.extra)
