@@ -1512,7 +1512,9 @@ impl<'a> NsHandle<'a> {
         while i < n {
             let end = (i + per_batch).min(n);
             let res = if direct {
-                self.onboard_direct(&keys[i..end], &mut bufs[i..end])
+                let mut res = self.onboard_direct(&keys[i..end], &mut bufs[i..end]);
+                self.retry_in_region(&keys[i..end], &mut bufs[i..end], &mut res, slot, region_len);
+                res
             } else {
                 self.onboard_shm(&keys[i..end], &mut bufs[i..end], slot)
             };
@@ -1896,6 +1898,52 @@ impl<'a> NsHandle<'a> {
             tier: it.tier,
             payload_len: h.payload_len,
         })
+    }
+
+    /// The blocks an fd onboard missed for a storage failure (the G3 copy
+    /// could not be opened or read, or a block fetched from a peer or G4
+    /// could not be written to G3 to be passed as a file) are asked for
+    /// once more through the shared region, where the daemon serves
+    /// another tier's verified copy instead: a failing or full G3 costs
+    /// the fd path no hit the region path would give.
+    fn retry_in_region(
+        &self,
+        keys: &[BlockKey],
+        bufs: &mut [&mut [u8]],
+        res: &mut [Onboarded],
+        slot: u64,
+        region_len: u64,
+    ) {
+        let retry: Vec<usize> = res
+            .iter()
+            .enumerate()
+            .filter(|(_, o)| {
+                matches!(o, Onboarded::Miss(m) if matches!(m.cause, MissCause::Storage | MissCause::NoSpace))
+            })
+            .map(|(j, _)| j)
+            .collect();
+        let per_batch = ((region_len / slot.max(1)) as usize).min(KEYS_MAX);
+        if retry.is_empty() || per_batch == 0 {
+            return;
+        }
+        for part in retry.chunks(per_batch) {
+            let ks: Vec<BlockKey> = part.iter().map(|&j| keys[j]).collect();
+            let mut by_index: Vec<Option<&mut [u8]>> =
+                bufs.iter_mut().map(|b| Some(&mut **b)).collect();
+            let mut bs: Vec<&mut [u8]> = part
+                .iter()
+                .filter_map(|&j| by_index.get_mut(j).and_then(Option::take))
+                .collect();
+            if bs.len() != ks.len() {
+                return;
+            }
+            for (&j, o) in part.iter().zip(self.onboard_shm(&ks, &mut bs, slot)) {
+                // A second miss keeps the first one's cause (what failed).
+                if o.is_hit() {
+                    res[j] = o;
+                }
+            }
+        }
     }
 
     fn onboard_direct(&self, keys: &[BlockKey], bufs: &mut [&mut [u8]]) -> Vec<Onboarded> {
