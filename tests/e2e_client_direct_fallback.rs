@@ -9,31 +9,13 @@
 
 #[path = "support/fake_daemon.rs"]
 mod fake_daemon;
-use fake_daemon::hello;
+use fake_daemon::{hello, key_u64, ns, BLOCK};
 
 use kvtier_client::block::HEADER_BYTES;
 use kvtier_client::proto::{self, ItemStatus, OnboardMode, OnboardResult, Request, Response};
-use kvtier_client::{
-    BlockHeader, BlockKey, Client, ClientConfig, KvLayout, MissCause, Namespace, Onboarded,
-};
+use kvtier_client::{BlockHeader, BlockKey, Client, ClientConfig, MissCause, Onboarded};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixListener;
-
-const BLOCK: usize = 8192;
-
-fn ns() -> Namespace {
-    Namespace::new(
-        "m",
-        KvLayout::with_block_bytes(BLOCK as u64).unwrap(),
-        "",
-        "",
-    )
-    .unwrap()
-}
-
-fn key_u64(k: &BlockKey) -> u64 {
-    u64::from_be_bytes(k.as_bytes()[..8].try_into().unwrap())
-}
 
 fn payload(key: u64) -> Vec<u8> {
     (0..BLOCK).map(|i| (key as usize * 17 + i) as u8).collect()

@@ -14,19 +14,7 @@ use std::time::{Duration, Instant};
 
 #[path = "support/fake_daemon.rs"]
 mod fake_daemon;
-use fake_daemon::hello;
-
-const BLOCK: usize = 8192;
-
-fn ns() -> Namespace {
-    Namespace::new(
-        "m",
-        KvLayout::with_block_bytes(BLOCK as u64).unwrap(),
-        "",
-        "",
-    )
-    .unwrap()
-}
+use fake_daemon::{hello, ns, BLOCK};
 
 /// Serves one connection: hello, then answers every onboard with a block
 /// whose payload is altered after its header was sealed (`corrupt`), or

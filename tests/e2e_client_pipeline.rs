@@ -8,32 +8,17 @@
 
 use kvtier_client::block::HEADER_BYTES;
 use kvtier_client::proto::{self, ItemStatus, OnboardResult, Request, Response};
-use kvtier_client::{BlockHeader, BlockKey, Client, ClientConfig, KvLayout, Namespace, Onboarded};
+use kvtier_client::{BlockHeader, BlockKey, Client, ClientConfig, Onboarded};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixListener;
 
 #[path = "support/fake_daemon.rs"]
 mod fake_daemon;
-use fake_daemon::hello;
+use fake_daemon::{hello, key_u64, ns, BLOCK};
 
-const BLOCK: usize = 8192;
 const BLOCKS: u64 = 200;
 /// The key whose first serving is corrupt (in the third request).
 const BAD: u64 = 130;
-
-fn ns() -> Namespace {
-    Namespace::new(
-        "m",
-        KvLayout::with_block_bytes(BLOCK as u64).unwrap(),
-        "",
-        "",
-    )
-    .unwrap()
-}
-
-fn key_u64(k: &BlockKey) -> u64 {
-    u64::from_be_bytes(k.as_bytes()[..8].try_into().unwrap())
-}
 
 fn payload(key: u64) -> Vec<u8> {
     (0..BLOCK).map(|i| (key as usize * 31 + i) as u8).collect()

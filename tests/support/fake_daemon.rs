@@ -4,7 +4,27 @@
 
 use kvtier_client::proto::{self, Request, Response};
 use kvtier_client::shm::Region;
+use kvtier_client::{BlockKey, KvLayout, Namespace};
 use std::os::fd::OwnedFd;
+
+/// The block size of the fake daemons' namespace.
+pub const BLOCK: usize = 8192;
+
+/// The namespace the fake daemons serve (8 KiB blocks).
+pub fn ns() -> Namespace {
+    Namespace::new(
+        "m",
+        KvLayout::with_block_bytes(BLOCK as u64).unwrap(),
+        "",
+        "",
+    )
+    .unwrap()
+}
+
+/// A key made with `BlockKey::from_u64`, back as its number.
+pub fn key_u64(k: &BlockKey) -> u64 {
+    u64::from_be_bytes(k.as_bytes()[..8].try_into().unwrap())
+}
 
 /// Answers the client's hello on `fd`; the shared region it passed (None
 /// when the client went away first).
