@@ -133,12 +133,30 @@ impl Run {
         let mut cfg = common::cfg(&self.root(), kvtier_daemon::g3::engine::EngineKind::Uring);
         let file_len = 4096 + self.sc.payload_bytes.div_ceil(4096) * 4096;
         cfg.capacity_bytes = capacity_blocks * file_len;
-        G3Store::open_with_fs(
-            cfg,
-            Box::new(Lru::new()),
-            self.rig.engine(),
-            self.rig.fs.clone(),
-        )
+        // The store closed just before holds no lock, but its lock file's
+        // open file description can outlive it for a moment: a process
+        // another test of this binary spawns at that instant (fusermount3,
+        // the S3 server) holds a copy of every fd until its exec closes the
+        // O_CLOEXEC ones, and flock belongs to the description (CI met
+        // "in use by another kvtierd (pid <this test>)" at a clean reopen).
+        // The lock is taken before anything under the root is touched, so a
+        // refused open changed nothing and is tried again.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            match G3Store::open_with_fs(
+                cfg.clone(),
+                Box::new(Lru::new()),
+                self.rig.engine(),
+                self.rig.fs.clone(),
+            ) {
+                Err(kvtier_daemon::error::Error::InUse { .. })
+                    if std::time::Instant::now() < deadline =>
+                {
+                    std::thread::sleep(std::time::Duration::from_millis(20));
+                }
+                r => return r,
+            }
+        }
     }
 
     fn open(&self) -> kvtier_daemon::error::Result<Arc<G3Store>> {
