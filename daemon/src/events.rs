@@ -170,6 +170,15 @@ impl EventBus {
     /// Publishes an event to every subscriber without blocking.
     pub fn publish(&self, namespace: NamespaceId, storage_tier: StorageTier, data: KvEventData) {
         let dynamo_worker = self.stamp(&namespace, &data);
+        // The id is taken under the lock that orders the sends: two
+        // publishers that took ids outside it could send them crossed, and
+        // a subscriber (Dynamo's router, vLLM's decoder) sees ids go back.
+        // A poisoned list is still a valid list of senders.
+        let mut subs = self
+            .inner
+            .subs
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let ev = Arc::new(KvEvent {
             event_id: self.inner.next_id.fetch_add(1, Ordering::Relaxed) + 1,
             namespace,
@@ -178,16 +187,14 @@ impl EventBus {
             dynamo_worker,
         });
         self.inner.published.fetch_add(1, Ordering::Relaxed);
-        if let Ok(mut subs) = self.inner.subs.lock() {
-            subs.retain(|s| match s.tx.try_send(ev.clone()) {
-                Ok(()) => true,
-                Err(TrySendError::Full(_)) => {
-                    s.dropped.fetch_add(1, Ordering::Relaxed);
-                    true
-                }
-                Err(TrySendError::Disconnected(_)) => false,
-            });
-        }
+        subs.retain(|s| match s.tx.try_send(ev.clone()) {
+            Ok(()) => true,
+            Err(TrySendError::Full(_)) => {
+                s.dropped.fetch_add(1, Ordering::Relaxed);
+                true
+            }
+            Err(TrySendError::Disconnected(_)) => false,
+        });
     }
 
     /// A new subscription, or `None` when [`SUBSCRIBERS_MAX`] are attached.
@@ -281,5 +288,31 @@ mod tests {
         let s2 = later.subscribe().unwrap();
         later.publish(other, StorageTier::Disk, KvEventData::Cleared);
         assert!(s2.rx.try_recv().unwrap().event_id > got[3].event_id);
+    }
+
+    #[test]
+    fn concurrent_publishers_reach_a_subscriber_with_increasing_ids() {
+        // Ids taken outside the send order reached subscribers crossed (the
+        // Dynamo oracle's router met an id below the one before it).
+        let bus = EventBus::new();
+        let s = bus.subscribe().unwrap();
+        let per_thread = QUEUE_DEPTH / 8;
+        std::thread::scope(|sc| {
+            for t in 0..4u8 {
+                let bus = &bus;
+                sc.spawn(move || {
+                    for _ in 0..per_thread {
+                        bus.publish(
+                            NamespaceId([t; 16]),
+                            StorageTier::Disk,
+                            KvEventData::Cleared,
+                        );
+                    }
+                });
+            }
+        });
+        let got: Vec<u64> = s.rx.try_iter().map(|e| e.event_id).collect();
+        assert_eq!(got.len(), 4 * per_thread);
+        assert!(got.windows(2).all(|w| w[1] > w[0]), "ids went back");
     }
 }
