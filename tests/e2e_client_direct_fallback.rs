@@ -9,10 +9,10 @@
 
 #[path = "support/fake_daemon.rs"]
 mod fake_daemon;
-use fake_daemon::{hello, key_u64, ns, BLOCK};
+use fake_daemon::{hello, key_u64, ns, onboard_result, BLOCK};
 
 use kvtier_client::block::HEADER_BYTES;
-use kvtier_client::proto::{self, ItemStatus, OnboardMode, OnboardResult, Request, Response};
+use kvtier_client::proto::{self, ItemStatus, OnboardMode, Request, Response};
 use kvtier_client::{BlockHeader, BlockKey, Client, ClientConfig, MissCause, Onboarded};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixListener;
@@ -64,15 +64,7 @@ fn fake_daemon(l: UnixListener) -> Vec<(bool, Vec<u64>)> {
                     region.write(it.shm_offset + HEADER_BYTES as u64, &payload(k));
                     ItemStatus::Ok
                 };
-                OnboardResult {
-                    status,
-                    tier: kvtier_client::Tier::G4,
-                    lease_id: 0,
-                    payload_len: h.payload_len,
-                    payload_blake3: h.payload_blake3,
-                    fd_index: u32::MAX,
-                    file_offset: 0,
-                }
+                onboard_result(status, kvtier_client::Tier::G4, &h)
             })
             .collect();
         let r = Response::Onboard { items: out };

@@ -7,14 +7,14 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use kvtier_client::block::HEADER_BYTES;
-use kvtier_client::proto::{self, ItemStatus, OnboardResult, Request, Response};
+use kvtier_client::proto::{self, ItemStatus, Request, Response};
 use kvtier_client::{BlockHeader, BlockKey, Client, ClientConfig, Onboarded};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixListener;
 
 #[path = "support/fake_daemon.rs"]
 mod fake_daemon;
-use fake_daemon::{hello, key_u64, ns, BLOCK};
+use fake_daemon::{hello, key_u64, ns, onboard_result, BLOCK};
 
 const BLOCKS: u64 = 200;
 /// The key whose first serving is corrupt (in the third request).
@@ -100,15 +100,7 @@ fn fake_daemon(l: UnixListener) -> Seen {
                     .map(|it| {
                         let k = key_u64(&it.key);
                         let h = BlockHeader::for_payload(&ns(), it.key, &payload(k), 1);
-                        OnboardResult {
-                            status: ItemStatus::Ok,
-                            tier: kvtier_client::Tier::G3,
-                            lease_id: 0,
-                            payload_len: h.payload_len,
-                            payload_blake3: h.payload_blake3,
-                            fd_index: u32::MAX,
-                            file_offset: 0,
-                        }
+                        onboard_result(ItemStatus::Ok, kvtier_client::Tier::G3, &h)
                     })
                     .collect();
                 // Hold the reply until the next request is here (a client

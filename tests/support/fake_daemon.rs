@@ -3,8 +3,9 @@
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
 use kvtier_client::proto::{self, Request, Response};
+use kvtier_client::proto::{ItemStatus, OnboardResult};
 use kvtier_client::shm::Region;
-use kvtier_client::{BlockKey, KvLayout, Namespace};
+use kvtier_client::{BlockHeader, BlockKey, KvLayout, Namespace, Tier};
 use std::os::fd::OwnedFd;
 
 /// The block size of the fake daemons' namespace.
@@ -42,4 +43,17 @@ pub fn hello(fd: i32, fds: &mut Vec<OwnedFd>) -> Option<Region> {
     };
     proto::send_frame(fd, &hello.encode(proto::OP_HELLO, id), &[]).unwrap();
     Some(region)
+}
+
+/// An shm onboard item's answer for the block of header `h`.
+pub fn onboard_result(status: ItemStatus, tier: Tier, h: &BlockHeader) -> OnboardResult {
+    OnboardResult {
+        status,
+        tier,
+        lease_id: 0,
+        payload_len: h.payload_len,
+        payload_blake3: h.payload_blake3,
+        fd_index: u32::MAX,
+        file_offset: 0,
+    }
 }
