@@ -17,7 +17,7 @@ end), for several ways of making a block file durable:
              (an evicted block's file): open, overwrite in place, fdatasync,
              rename into place, directory fsync per group
   recycled_ack  what G3's recycled write waits for before its ack
-             (daemon/src/g3/recycle.rs): open an existing file, overwrite
+             (daemon/src/tiers/g3/recycle.rs): open an existing file, overwrite
              (O_DSYNC at <= 1 MiB, else fdatasync), rename; no directory
              fsync
   recycled_ack_fdatasync  recycled_ack with fdatasync instead of O_DSYNC at

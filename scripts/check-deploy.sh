@@ -37,6 +37,19 @@ fi
 check "container build file (hadolint)" $venv/bin/hadolint deploy/container/Dockerfile
 check "kubernetes manifest (schema)" $venv/bin/kubernetes-validate --strict deploy/kubernetes/kvtierd-daemonset.yaml
 
+# kvtierd carries no test or bench scaffolding: the daemon library compiles
+# it only under cfg(test) and its `testkit`/`bench` features, and nothing in
+# kvtierd may call it (this build is the test build, where cargo turned the
+# features on for the test crates: the linker must still find none of it).
+scaffolding() {
+  local hits
+  hits=$(nm -C "$kvtierd" 2>/dev/null | grep -E 'kvtier_daemon::(testkit|tiers::g3::(fault|powerloss)|tiers::policy::(replay|synth|belady|trace)|tiers::peer::bench)::' | head -5)
+  [ -z "$hits" ] || { echo "kvtierd links test or bench scaffolding:"; echo "$hits"; return 1; }
+  # The check can see symbols at all (a stripped binary would pass anything).
+  nm -C "$kvtierd" 2>/dev/null | grep -q 'kvtier_daemon::tiers::g3::' || { echo "no kvtier_daemon symbols in $kvtierd"; return 1; }
+}
+check "kvtierd carries no test or bench scaffolding (nm)" scaffolding
+
 # The configs shipped inside the artefacts must be valid kvtierd configs.
 check "container kvtierd.toml" "$kvtierd" --check-config --config deploy/container/kvtierd.toml
 $venv/bin/python - "$tmp/cm.toml" <<'PY'

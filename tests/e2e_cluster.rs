@@ -261,7 +261,7 @@ impl Node {
                     );
                     Some(*tier)
                 }
-                Onboarded::Miss(_) => None,
+                _ => None,
             })
             .collect()
     }
@@ -531,7 +531,7 @@ fn cluster_in_network_namespaces() {
                         assert!(bufs[i] == data[i], "block {i} has WRONG BYTES");
                         Some(*tier)
                     }
-                    Onboarded::Miss(_) => None,
+                    _ => None,
                 })
                 .collect();
             (tiers, t.elapsed())

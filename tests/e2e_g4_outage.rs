@@ -14,10 +14,10 @@
 mod support;
 
 use kvtier_client::{BlockKey, Client, ClientConfig, Hints, KvLayout, Namespace, OffloadOutcome};
-use kvtier_daemon::g4::G4Store;
+use kvtier_daemon::base::tier::BlockTier;
 use kvtier_daemon::testkit::fault_proxy::{Fault, FaultProxy, FaultRule};
 use kvtier_daemon::testkit::s3::{S3Server, ACCESS_KEY_ID};
-use kvtier_daemon::tier::BlockTier;
+use kvtier_daemon::tiers::g4::G4Store;
 use std::path::Path;
 use std::time::{Duration, Instant};
 use support::{metric, Daemon};

@@ -335,7 +335,7 @@ fn ten_thousand_metrics_connections_keep_fds_bounded_and_fd_exhaustion_does_not_
     );
     let pid = d.pid();
     let before = fd_count(pid);
-    let bound = before + kvtier_daemon::metrics::METRICS_CONNECTIONS_MAX + 16;
+    let bound = before + kvtier_daemon::edges::metrics::METRICS_CONNECTIONS_MAX + 16;
 
     // A trickler on the metrics port, cut at its header deadline (5 s)
     // while the flood runs.
@@ -348,7 +348,7 @@ fn ten_thousand_metrics_connections_keep_fds_bounded_and_fd_exhaustion_does_not_
     // accept, none is lost to a full backlog). The daemon closes every one
     // past its cap at once, and its fd table never grows past the cap.
     let metrics: std::net::SocketAddr = d.metrics_addr.parse().unwrap();
-    let cap = kvtier_daemon::metrics::METRICS_CONNECTIONS_MAX;
+    let cap = kvtier_daemon::edges::metrics::METRICS_CONNECTIONS_MAX;
     let mut held = Vec::with_capacity(FLOOD_CONNECTIONS);
     let mut open: Vec<usize> = Vec::new();
     let mut max_fds = before;

@@ -80,6 +80,7 @@ fn onboard_verified(d: &Daemon, keys: &[BlockKey], data: &[Vec<u8>]) -> Vec<Tier
                 tiers.push(*tier);
             }
             Onboarded::Miss(m) => panic!("block {i} missed: {m:?}"),
+            other => panic!("block {i}: {other:?}"),
         }
     }
     tiers

@@ -39,6 +39,7 @@ impl Marker {
                 // SAFETY: dup of a live fd; the new fd is ours alone.
                 let fd = unsafe { libc::dup(self.file.as_raw_fd()) };
                 assert!(fd >= 0, "dup: {}", std::io::Error::last_os_error());
+                // SAFETY: `fd` is a fresh dup (checked above), owned by nobody else.
                 unsafe { OwnedFd::from_raw_fd(fd) }
             })
             .collect()
@@ -642,7 +643,7 @@ fn peer_daemon() -> (Daemon, tempfile::TempDir, String, String, Vec<u8>) {
         matches!(out[0], kvtier_client::OffloadOutcome::Stored),
         "{out:?}"
     );
-    let path = kvtier_daemon::peer::wire::block_url_path(&ns.id(), &keys[0]);
+    let path = kvtier_daemon::tiers::peer::wire::block_url_path(&ns.id(), &keys[0]);
     let file = std::fs::read(
         d.dir
             .path()
@@ -655,7 +656,7 @@ fn peer_daemon() -> (Daemon, tempfile::TempDir, String, String, Vec<u8>) {
 
 /// One signed GET of `path` as bytes on the wire.
 fn signed_request(addr: &str, path: &str) -> Vec<u8> {
-    let key = kvtier_daemon::peer::auth::PeerKey::from_secret(PEER_SECRET).unwrap();
+    let key = kvtier_daemon::tiers::peer::auth::PeerKey::from_secret(PEER_SECRET).unwrap();
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()

@@ -621,7 +621,7 @@ fn a_stalled_events_follower_gets_lagged_and_is_never_dropped() {
     // More than the bus queues for one subscriber (4096) plus what its
     // socket holds: the socket fills, the daemon waits on it, the bus
     // drops the rest.
-    let flood = kvtier_daemon::events::QUEUE_DEPTH + 1024;
+    let flood = kvtier_daemon::base::events::QUEUE_DEPTH + 1024;
     offload_tiny(&d.socket, 10_000_000, flood);
     // Stalled for 10x the write timeout with the socket full.
     std::thread::sleep(std::time::Duration::from_secs(3));

@@ -96,7 +96,8 @@ impl ClientConfig {
     }
 }
 
-/// Why a data-path call missed.
+/// Why a data-path call missed. More variants may come: match with a `_` arm.
+#[non_exhaustive]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MissCause {
     /// Not stored.
@@ -115,6 +116,23 @@ pub enum MissCause {
     Storage,
     /// The caller's buffer or the shared region is too small for the block.
     TooLarge,
+}
+
+impl MissCause {
+    /// The cause's stable name (`absent`, `no_space`, ...), as the Python
+    /// package and the tools print it.
+    pub fn name(self) -> &'static str {
+        match self {
+            MissCause::Absent => "absent",
+            MissCause::Corrupt => "corrupt",
+            MissCause::Unavailable => "unavailable",
+            MissCause::Timeout => "timeout",
+            MissCause::Refused => "refused",
+            MissCause::NoSpace => "no_space",
+            MissCause::Storage => "storage",
+            MissCause::TooLarge => "too_large",
+        }
+    }
 }
 
 /// A miss, with what caused it.
@@ -186,7 +204,8 @@ pub struct OffloadBlock<'a> {
     pub hints: Hints,
 }
 
-/// Outcome of offloading one block.
+/// Outcome of offloading one block. More variants may come: match with a `_` arm.
+#[non_exhaustive]
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum OffloadOutcome {
     /// Stored and durable.
@@ -222,7 +241,8 @@ impl OffloadOutcome {
     }
 }
 
-/// Outcome of onboarding one block.
+/// Outcome of onboarding one block. More variants may come: match with a `_` arm.
+#[non_exhaustive]
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Onboarded {
     /// The verified payload is in the caller's buffer.

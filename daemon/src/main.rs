@@ -5,14 +5,16 @@
 
 use anyhow::{Context, Result};
 use clap::Parser;
-use kvtier_daemon::config::{parse_size, Config};
-use kvtier_daemon::events::EventBus;
-use kvtier_daemon::g3::G3Config;
-use kvtier_daemon::metrics::Metrics;
+use kvtier_daemon::app::config::Config;
+use kvtier_daemon::base::backend::Backend;
+use kvtier_daemon::base::events::EventBus;
+use kvtier_daemon::base::units::parse_size;
+use kvtier_daemon::edges::metrics::Metrics;
+use kvtier_daemon::edges::server::{Server, ServerLimits, SocketOptions};
 use kvtier_daemon::node::{Node, NodeConfig, PeerSetup};
-use kvtier_daemon::peer::PeerInfo;
-use kvtier_daemon::policy::G4Admission;
-use kvtier_daemon::server::{Backend, Server, ServerLimits, SocketOptions};
+use kvtier_daemon::tiers::g3::G3Config;
+use kvtier_daemon::tiers::peer::PeerInfo;
+use kvtier_daemon::tiers::policy::G4Admission;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -77,7 +79,10 @@ struct Args {
 
 fn main() {
     if let Err(e) = run() {
-        eprintln!("kvtierd: {}", kvtier_daemon::error::cause_chain(e.as_ref()));
+        eprintln!(
+            "kvtierd: {}",
+            kvtier_daemon::base::error::cause_chain(e.as_ref())
+        );
         std::process::exit(2);
     }
 }
@@ -85,7 +90,7 @@ fn main() {
 fn run() -> Result<()> {
     // Before anything is created: blocks, the index and a file:// G4 are
     // tenants' prompts, readable by the daemon's user only (at_rest.rs).
-    kvtier_daemon::at_rest::set_private_umask();
+    kvtier_daemon::app::at_rest::set_private_umask();
     let args = Args::parse();
     if args.print_default_config {
         print!("{}", Config::default_toml());
@@ -175,7 +180,7 @@ fn run() -> Result<()> {
     {
         private.push(PathBuf::from(dir));
     }
-    kvtier_daemon::at_rest::tighten_and_log(&private)?;
+    kvtier_daemon::app::at_rest::tighten_and_log(&private)?;
     std::fs::create_dir_all(&cfg.g3.dir)
         .with_context(|| format!("config: `g3.dir`: cannot create {}", cfg.g3.dir.display()))?;
     let node = Node::open(node_config(&cfg)?)?;
@@ -243,14 +248,14 @@ fn run() -> Result<()> {
     // address taken) must not leave the bound socket file behind.
     let mut socket_guard = SocketGuard(Some(cfg.server.socket.clone()));
     // ---- [[tenants]] / [access] (docs/OPERATIONS.md, "Security") ----
-    let policy = std::sync::Arc::new(kvtier_daemon::access::Policy::from_config(
+    let policy = std::sync::Arc::new(kvtier_daemon::edges::access::Policy::from_config(
         &cfg.tenants,
         &cfg.access,
     )?);
     let mut server = server;
     server.set_access(
         policy.clone(),
-        kvtier_daemon::access::uid_limits(&cfg, kvtier_daemon::events::SUBSCRIBERS_MAX),
+        kvtier_daemon::app::config::uid_limits(&cfg, kvtier_daemon::base::events::SUBSCRIBERS_MAX),
     )?;
     tracing::info!(policy = ?policy, "access");
     // ---- end [[tenants]] ----
@@ -271,12 +276,12 @@ fn run() -> Result<()> {
                 .with_label_values(&["mount_import"])
                 .inc();
         });
-        let hooks = kvtier_daemon::mount::MountHooks {
+        let hooks = kvtier_daemon::edges::mount::MountHooks {
             fetch: Some(node.fetch_hook()),
             import: Some(node.import_hook(on_imported)),
             evict: Some(node.evict_hook()),
         };
-        let m = kvtier_daemon::mount::start_with_hooks(
+        let m = kvtier_daemon::edges::mount::start_with_hooks(
             &cfg.mount,
             node.g3().clone(),
             hooks,
@@ -295,17 +300,17 @@ fn run() -> Result<()> {
     // ---- [events.zmq] (docs/OPERATIONS.md) ----
     let _zmq = if cfg.events.zmq.enabled() {
         let z = &cfg.events.zmq;
-        let mut published = kvtier_daemon::zmq::Published::default();
+        let mut published = kvtier_daemon::edges::zmq::Published::default();
         for n in &z.namespaces {
             published.insert(
                 kvtier_client::NamespaceId::from_hex(&n.id)?,
-                kvtier_daemon::zmq::PublishedNs {
+                kvtier_daemon::edges::zmq::PublishedNs {
                     salt: n.salt.clone(),
                     lora_name: n.lora_name.clone(),
                 },
             );
         }
-        let opts = kvtier_daemon::zmq::ZmqOptions {
+        let opts = kvtier_daemon::edges::zmq::ZmqOptions {
             endpoint: z.endpoint.clone(),
             replay_endpoint: Some(z.replay_endpoint.clone()).filter(|e| !e.is_empty()),
             topic: z.topic.clone(),
@@ -317,10 +322,11 @@ fn run() -> Result<()> {
             published,
         };
         let n = node.clone();
-        let holdings: kvtier_daemon::zmq::Holdings =
+        let holdings: kvtier_daemon::edges::zmq::Holdings =
             Arc::new(move |ns: &kvtier_client::NamespaceId, limit| n.g3_headers(ns, limit));
-        let p = kvtier_daemon::zmq::ZmqPublisher::start(opts, &zmq_bus, holdings, rt.handle())
-            .context("starting the ZMQ event publisher ([events.zmq])")?;
+        let p =
+            kvtier_daemon::edges::zmq::ZmqPublisher::start(opts, &zmq_bus, holdings, rt.handle())
+                .context("starting the ZMQ event publisher ([events.zmq])")?;
         metrics.set_zmq_stats(p.stats());
         Some(p)
     } else {
@@ -328,7 +334,7 @@ fn run() -> Result<()> {
     };
     // ---- end [events.zmq] ----
     if let Some(listener) = metrics_listener {
-        rt.spawn(kvtier_daemon::metrics::serve(
+        rt.spawn(kvtier_daemon::edges::metrics::serve(
             listener,
             metrics,
             backend.clone(),
@@ -400,7 +406,7 @@ fn node_id_or_hostname(cfg: &Config) -> String {
         None => std::fs::read_to_string("/proc/sys/kernel/hostname")
             .map(|h| h.trim().to_string())
             .ok()
-            .filter(|h| kvtier_daemon::peer::validate_node_id(h).is_ok())
+            .filter(|h| kvtier_daemon::tiers::peer::validate_node_id(h).is_ok())
             .unwrap_or_else(|| "kvtier-node".into()),
     }
 }

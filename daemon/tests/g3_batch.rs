@@ -8,12 +8,12 @@
 mod common;
 
 use kvtier_client::{BlockHeader, BlockKey};
-use kvtier_daemon::conformance::{block, namespace};
-use kvtier_daemon::g3::engine::EngineKind;
-use kvtier_daemon::g3::index::digest;
-use kvtier_daemon::g3::{G3Event, G3Store, PutItem, PutMeta};
-use kvtier_daemon::policy::{BlockMeta, EvictionPolicy, Lru};
-use kvtier_daemon::tier::{BlockTier, PutOutcome};
+use kvtier_daemon::base::tier::{BlockTier, PutOutcome};
+use kvtier_daemon::testkit::conformance::{block, namespace};
+use kvtier_daemon::tiers::g3::engine::EngineKind;
+use kvtier_daemon::tiers::g3::index::digest;
+use kvtier_daemon::tiers::g3::{G3Event, G3Store, PutItem, PutMeta};
+use kvtier_daemon::tiers::policy::{BlockMeta, EvictionPolicy, Lru};
 use kvtier_daemon::Error;
 use std::sync::{Arc, Mutex};
 

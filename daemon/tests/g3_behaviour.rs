@@ -7,12 +7,12 @@
 mod common;
 
 use kvtier_client::block::encode_block;
-use kvtier_daemon::conformance::{block, namespace, Damage};
-use kvtier_daemon::g3::engine::{EngineKind, PreadEngine, UringEngine};
-use kvtier_daemon::g3::fault::{FaultEngine, FaultPlan};
-use kvtier_daemon::g3::{G3Event, G3Store, PutMeta, RemoveReason};
-use kvtier_daemon::policy::Lru;
-use kvtier_daemon::tier::{BlockTier, Lookup, MissReason, PutOutcome};
+use kvtier_daemon::base::tier::{BlockTier, Lookup, MissReason, PutOutcome};
+use kvtier_daemon::testkit::conformance::{block, namespace, Damage};
+use kvtier_daemon::tiers::g3::engine::{EngineKind, PreadEngine, UringEngine};
+use kvtier_daemon::tiers::g3::fault::{FaultEngine, FaultPlan};
+use kvtier_daemon::tiers::g3::{G3Event, G3Store, PutMeta, RemoveReason};
+use kvtier_daemon::tiers::policy::Lru;
 use kvtier_daemon::Error;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -108,7 +108,7 @@ fn fsync_failure_refuses_writes_until_restart() {
     // The fault targets fdatasync, which O_DSYNC (Auto for small files)
     // would skip.
     let mut c = common::cfg(dir.path(), EngineKind::Auto);
-    c.sync_mode = kvtier_daemon::g3::SyncMode::Fdatasync;
+    c.sync_mode = kvtier_daemon::tiers::g3::SyncMode::Fdatasync;
     let s = G3Store::open_with_engine(c, Box::new(Lru::new()), fe).unwrap();
     let ns = namespace(8192, "fsync").unwrap();
     let mut blocks = (0..5).map(|i| block(&ns, i));
@@ -254,7 +254,7 @@ fn clean_restart_trusts_the_index_and_crash_restart_walks() {
     s.put(&ns.id(), &h0, &p0).unwrap();
     s.close().unwrap();
     drop(s);
-    let marker = dir.path().join(kvtier_daemon::g3::CLEAN_MARKER);
+    let marker = dir.path().join(kvtier_daemon::tiers::g3::CLEAN_MARKER);
     assert!(marker.exists());
     // A valid block file added behind the store's back while it is down.
     let (k1, h1, p1) = block(&ns, 1);
@@ -358,7 +358,7 @@ fn recovery_adopts_drops_and_cleans() {
     s.close().unwrap();
     drop(s);
     // Without the clean marker the open walks, as after a crash.
-    std::fs::remove_file(dir.path().join(kvtier_daemon::g3::CLEAN_MARKER)).unwrap();
+    std::fs::remove_file(dir.path().join(kvtier_daemon::tiers::g3::CLEAN_MARKER)).unwrap();
     // Gone behind the index's back.
     std::fs::remove_file(
         dir.path()
@@ -636,7 +636,7 @@ fn evictions_past_the_unsettled_bound_settle_the_pool_at_once() {
         c.recycle_unsettled_bytes_max = 2 * file_len;
         c
     };
-    let s = G3Store::open(cfg(), Box::new(kvtier_daemon::policy::Lru::new())).unwrap();
+    let s = G3Store::open(cfg(), Box::new(kvtier_daemon::tiers::policy::Lru::new())).unwrap();
     for seed in 0..5 {
         let (_, h, p) = block(&ns, seed);
         assert_eq!(s.put(&ns.id(), &h, &p).unwrap(), PutOutcome::Stored);
@@ -648,7 +648,7 @@ fn evictions_past_the_unsettled_bound_settle_the_pool_at_once() {
     }
     assert_eq!(s.recycle_counts().files, 5);
     drop(s); // a crash: no close
-    let s = G3Store::open(cfg(), Box::new(kvtier_daemon::policy::Lru::new())).unwrap();
+    let s = G3Store::open(cfg(), Box::new(kvtier_daemon::tiers::policy::Lru::new())).unwrap();
     let back: Vec<u64> = (0..5)
         .filter(|&seed| s.stat(&ns.id(), &block(&ns, seed).0).is_some())
         .collect();
@@ -683,7 +683,7 @@ fn the_recycle_pool_is_bounded_and_zero_turns_it_off() {
         let mut c = common::cfg(dir.path(), EngineKind::Auto);
         c.recycle_pool_bytes = bound_files * file_len;
         c.recycle_pool_files_max = files_max;
-        let s = G3Store::open(c, Box::new(kvtier_daemon::policy::Lru::new())).unwrap();
+        let s = G3Store::open(c, Box::new(kvtier_daemon::tiers::policy::Lru::new())).unwrap();
         // All puts first: a put after an eviction would reuse its file.
         for seed in 0..4 {
             let (_, h, p) = block(&ns, seed);

@@ -12,12 +12,12 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
 use kvtier_client::{BlockHeader, BlockKey, Hints, Namespace, NamespaceId};
-use kvtier_daemon::conformance::{block, namespace};
-use kvtier_daemon::error::Error;
-use kvtier_daemon::g3::engine::EngineKind;
-use kvtier_daemon::g3::{G3Config, G3Event, G3Store, PutItem, PutMeta, RemoveReason};
-use kvtier_daemon::policy::{DefaultPolicy, EvictionPolicy, Lru};
-use kvtier_daemon::tier::PutOutcome;
+use kvtier_daemon::base::error::Error;
+use kvtier_daemon::base::tier::PutOutcome;
+use kvtier_daemon::testkit::conformance::{block, namespace};
+use kvtier_daemon::tiers::g3::engine::EngineKind;
+use kvtier_daemon::tiers::g3::{G3Config, G3Event, G3Store, PutItem, PutMeta, RemoveReason};
+use kvtier_daemon::tiers::policy::{DefaultPolicy, EvictionPolicy, Lru};
 use proptest::prelude::*;
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
@@ -512,7 +512,7 @@ fn reopen_after_drop(s: Arc<G3Store>) {
     let index = s.config().root.join("index.redb");
     drop(s);
     let until = std::time::Instant::now() + std::time::Duration::from_secs(60);
-    while kvtier_daemon::g3::index::DiskIndex::open(&index).is_err() {
+    while kvtier_daemon::tiers::g3::index::DiskIndex::open(&index).is_err() {
         assert!(
             std::time::Instant::now() < until,
             "the store was never dropped"

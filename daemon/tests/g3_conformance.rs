@@ -6,11 +6,11 @@
 mod common;
 
 use kvtier_client::{BlockKey, NamespaceId};
-use kvtier_daemon::conformance::{run_all, Caps, Damage};
-use kvtier_daemon::g3::engine::{EngineKind, IoEngine, PreadEngine, UringEngine};
-use kvtier_daemon::g3::fault::{FaultEngine, FaultPlan};
-use kvtier_daemon::g3::G3Store;
-use kvtier_daemon::policy::Lru;
+use kvtier_daemon::testkit::conformance::{run_all, Caps, Damage};
+use kvtier_daemon::tiers::g3::engine::{EngineKind, IoEngine, PreadEngine, UringEngine};
+use kvtier_daemon::tiers::g3::fault::{FaultEngine, FaultPlan};
+use kvtier_daemon::tiers::g3::G3Store;
+use kvtier_daemon::tiers::policy::Lru;
 use std::sync::Arc;
 
 fn suite(store: &G3Store, block_bytes: u64) {
@@ -71,7 +71,7 @@ fn conformance_through_fault_wrapper() {
 fn conformance_odsync() {
     let dir = tempfile::tempdir().unwrap();
     let mut c = common::cfg(dir.path(), EngineKind::Auto);
-    c.sync_mode = kvtier_daemon::g3::SyncMode::ODsync;
+    c.sync_mode = kvtier_daemon::tiers::g3::SyncMode::ODsync;
     let s = G3Store::open(c, Box::new(Lru::new())).unwrap();
     suite(&s, 65536 + 32);
 }

@@ -12,10 +12,10 @@
 #[path = "g3_support/mod.rs"]
 mod common;
 
-use kvtier_daemon::conformance::{block, namespace};
-use kvtier_daemon::g3::engine::EngineKind;
-use kvtier_daemon::g3::{PutItem, PutMeta};
-use kvtier_daemon::tier::{BlockTier, Lookup};
+use kvtier_daemon::base::tier::{BlockTier, Lookup};
+use kvtier_daemon::testkit::conformance::{block, namespace};
+use kvtier_daemon::tiers::g3::engine::EngineKind;
+use kvtier_daemon::tiers::g3::{PutItem, PutMeta};
 use rand::{Rng, SeedableRng};
 use std::collections::HashSet;
 use std::io::{BufRead, BufReader, Write};

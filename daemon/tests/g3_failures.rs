@@ -8,13 +8,13 @@
 #[path = "g3_support/mod.rs"]
 mod common;
 
-use kvtier_daemon::conformance::{block, namespace};
-use kvtier_daemon::g3::engine::EngineKind;
-use kvtier_daemon::g3::{PutItem, PutMeta};
-use kvtier_daemon::tier::{Lookup, PutOutcome};
+use kvtier_daemon::base::tier::{Lookup, PutOutcome};
+use kvtier_daemon::testkit::conformance::{block, namespace};
+use kvtier_daemon::tiers::g3::engine::EngineKind;
+use kvtier_daemon::tiers::g3::{PutItem, PutMeta};
 
 fn read_hits(
-    s: &kvtier_daemon::g3::G3Store,
+    s: &kvtier_daemon::tiers::g3::G3Store,
     ns: &kvtier_client::NamespaceId,
     key: &kvtier_client::BlockKey,
     len: u64,
@@ -129,7 +129,7 @@ fn a_damaged_index_header_is_rebuilt_from_the_files() {
         let ns = namespace(65536, "damaged-index").unwrap();
         let stored = store_some(dir.path(), "damaged-index");
         if !clean {
-            std::fs::remove_file(dir.path().join(kvtier_daemon::g3::CLEAN_MARKER)).unwrap();
+            std::fs::remove_file(dir.path().join(kvtier_daemon::tiers::g3::CLEAN_MARKER)).unwrap();
         }
         let mut f = std::fs::OpenOptions::new()
             .write(true)
@@ -173,7 +173,7 @@ fn an_index_damaged_past_its_header_is_rebuilt_after_an_unclean_stop() {
     let dir = tempfile::tempdir().unwrap();
     let ns = namespace(65536, "damaged-pages").unwrap();
     let stored = store_some(dir.path(), "damaged-pages");
-    std::fs::remove_file(dir.path().join(kvtier_daemon::g3::CLEAN_MARKER)).unwrap();
+    std::fs::remove_file(dir.path().join(kvtier_daemon::tiers::g3::CLEAN_MARKER)).unwrap();
     let f = std::fs::OpenOptions::new()
         .write(true)
         .open(dir.path().join("index.redb"))
@@ -209,7 +209,7 @@ fn stray_and_unreadable_entries_under_blocks_are_set_aside_not_fatal() {
     let dir = tempfile::tempdir().unwrap();
     let ns = namespace(65536, "stray").unwrap();
     let stored = store_some(dir.path(), "stray");
-    std::fs::remove_file(dir.path().join(kvtier_daemon::g3::CLEAN_MARKER)).unwrap();
+    std::fs::remove_file(dir.path().join(kvtier_daemon::tiers::g3::CLEAN_MARKER)).unwrap();
     let blocks = dir.path().join("blocks");
     let nsd = blocks.join(ns.id().to_hex());
     let shard = std::fs::read_dir(&nsd)
@@ -247,15 +247,18 @@ fn stray_and_unreadable_entries_under_blocks_are_set_aside_not_fatal() {
 
 #[test]
 fn quarantine_is_bounded_and_counts_against_capacity() {
-    use kvtier_daemon::conformance::Damage;
+    use kvtier_daemon::testkit::conformance::Damage;
     let dir = tempfile::tempdir().unwrap();
     let mut c = common::cfg(dir.path(), EngineKind::Auto);
     c.capacity_bytes = 1 << 20;
     c.pinned_budget_bytes = 0;
     c.quarantine_max_bytes = 256 << 10;
     c.quarantine_max_files = 3;
-    let s =
-        kvtier_daemon::g3::G3Store::open(c, Box::new(kvtier_daemon::policy::Lru::new())).unwrap();
+    let s = kvtier_daemon::tiers::g3::G3Store::open(
+        c,
+        Box::new(kvtier_daemon::tiers::policy::Lru::new()),
+    )
+    .unwrap();
     let ns = namespace(65536, "qbound").unwrap();
     let id = ns.id();
     // Six corrupt blocks read: at most 3 files (and 256 KiB) stay.
@@ -293,8 +296,11 @@ fn quarantine_is_bounded_and_counts_against_capacity() {
     c.capacity_bytes = 1 << 20;
     c.quarantine_max_bytes = 128 << 10;
     c.quarantine_max_files = 3;
-    let s =
-        kvtier_daemon::g3::G3Store::open(c, Box::new(kvtier_daemon::policy::Lru::new())).unwrap();
+    let s = kvtier_daemon::tiers::g3::G3Store::open(
+        c,
+        Box::new(kvtier_daemon::tiers::policy::Lru::new()),
+    )
+    .unwrap();
     assert!(s.stats().quarantine_bytes <= 128 << 10);
     assert!(s.stats().quarantine_bytes > 0);
 }
@@ -310,9 +316,11 @@ fn quarantine_is_bounded_and_counts_against_capacity() {
 // version (tests/e2e_hostile_client.rs) races a real client and can pass
 // on broken code; these cannot.
 
-use kvtier_daemon::g3::engine::{AlignedBuf, FillFn, IoEngine, PreadEngine, ReadyFn, UringEngine};
-use kvtier_daemon::g3::seam::{G3Fs, RealFs, SyncSite, Unlink};
-use kvtier_daemon::tier::MissReason;
+use kvtier_daemon::base::tier::MissReason;
+use kvtier_daemon::tiers::g3::engine::{
+    AlignedBuf, FillFn, IoEngine, PreadEngine, ReadyFn, UringEngine,
+};
+use kvtier_daemon::tiers::g3::seam::{G3Fs, RealFs, SyncSite, Unlink};
 use std::io;
 use std::os::fd::RawFd;
 use std::path::Path;
@@ -397,7 +405,7 @@ impl G3Fs for CopyWindowFs {
     fn index_backend(
         &self,
         path: &Path,
-    ) -> io::Result<Option<kvtier_daemon::g3::powerloss::IndexFile>> {
+    ) -> io::Result<Option<kvtier_daemon::tiers::g3::powerloss::IndexFile>> {
         RealFs.index_backend(path)
     }
     fn payload_copied(&self, _file_off: u64) {
@@ -464,9 +472,9 @@ fn real_engine() -> Arc<dyn IoEngine> {
 fn offload_hashes_the_daemons_copy_not_the_clients_region() {
     let dir = tempfile::tempdir().unwrap();
     let fs = Arc::new(CopyWindowFs::default());
-    let s = kvtier_daemon::g3::G3Store::open_with_fs(
+    let s = kvtier_daemon::tiers::g3::G3Store::open_with_fs(
         common::cfg(dir.path(), EngineKind::Auto),
-        Box::new(kvtier_daemon::policy::Lru::new()),
+        Box::new(kvtier_daemon::tiers::policy::Lru::new()),
         real_engine(),
         fs.clone(),
     )
@@ -561,9 +569,9 @@ fn scribbling_client_quarantines_nothing(for_verifier: bool) {
         armed: Mutex::new(None),
         fired: AtomicU64::new(0),
     });
-    let s = kvtier_daemon::g3::G3Store::open_with_engine(
+    let s = kvtier_daemon::tiers::g3::G3Store::open_with_engine(
         common::cfg(dir.path(), EngineKind::Auto),
-        Box::new(kvtier_daemon::policy::Lru::new()),
+        Box::new(kvtier_daemon::tiers::policy::Lru::new()),
         engine.clone(),
     )
     .unwrap();

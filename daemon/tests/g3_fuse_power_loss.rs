@@ -27,11 +27,11 @@ mod node_promotion;
 
 use faultfs::Rig;
 use kvtier_client::{BlockHeader, BlockKey, Namespace};
-use kvtier_daemon::conformance::{block, namespace};
-use kvtier_daemon::g3::seam::SyncSite;
-use kvtier_daemon::g3::{G3Store, PutItem, PutMeta};
-use kvtier_daemon::policy::Lru;
-use kvtier_daemon::tier::Lookup;
+use kvtier_daemon::base::tier::Lookup;
+use kvtier_daemon::testkit::conformance::{block, namespace};
+use kvtier_daemon::tiers::g3::seam::SyncSite;
+use kvtier_daemon::tiers::g3::{G3Store, PutItem, PutMeta};
+use kvtier_daemon::tiers::policy::Lru;
 use rand::{Rng, SeedableRng};
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
@@ -129,8 +129,11 @@ impl Run {
         self.rig.mnt().join("g3")
     }
 
-    fn open_with(&self, capacity_blocks: u64) -> kvtier_daemon::error::Result<Arc<G3Store>> {
-        let mut cfg = common::cfg(&self.root(), kvtier_daemon::g3::engine::EngineKind::Uring);
+    fn open_with(&self, capacity_blocks: u64) -> kvtier_daemon::base::error::Result<Arc<G3Store>> {
+        let mut cfg = common::cfg(
+            &self.root(),
+            kvtier_daemon::tiers::g3::engine::EngineKind::Uring,
+        );
         let file_len = 4096 + self.sc.payload_bytes.div_ceil(4096) * 4096;
         cfg.capacity_bytes = capacity_blocks * file_len;
         // The store closed just before holds no lock, but its lock file's
@@ -149,7 +152,7 @@ impl Run {
                 self.rig.engine(),
                 self.rig.fs.clone(),
             ) {
-                Err(kvtier_daemon::error::Error::InUse { .. })
+                Err(kvtier_daemon::base::error::Error::InUse { .. })
                     if std::time::Instant::now() < deadline =>
                 {
                     std::thread::sleep(std::time::Duration::from_millis(20));
@@ -159,11 +162,11 @@ impl Run {
         }
     }
 
-    fn open(&self) -> kvtier_daemon::error::Result<Arc<G3Store>> {
+    fn open(&self) -> kvtier_daemon::base::error::Result<Arc<G3Store>> {
         self.open_with(self.sc.capacity_blocks)
     }
 
-    fn open_roomy(&self) -> kvtier_daemon::error::Result<Arc<G3Store>> {
+    fn open_roomy(&self) -> kvtier_daemon::base::error::Result<Arc<G3Store>> {
         self.open_with(10_000)
     }
 

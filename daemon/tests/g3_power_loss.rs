@@ -40,13 +40,13 @@ mod sim;
 mod acked;
 
 use kvtier_client::{BlockHeader, BlockKey, Namespace, NamespaceId};
-use kvtier_daemon::conformance::{block, namespace};
-use kvtier_daemon::g3::engine::{IoEngine, PreadEngine, UringEngine};
-use kvtier_daemon::g3::powerloss::PowerLossFs;
-use kvtier_daemon::g3::seam::SyncSite;
-use kvtier_daemon::g3::{G3Store, PutItem, PutMeta, SyncMode};
-use kvtier_daemon::policy::Lru;
-use kvtier_daemon::tier::Lookup;
+use kvtier_daemon::base::tier::Lookup;
+use kvtier_daemon::testkit::conformance::{block, namespace};
+use kvtier_daemon::tiers::g3::engine::{IoEngine, PreadEngine, UringEngine};
+use kvtier_daemon::tiers::g3::powerloss::PowerLossFs;
+use kvtier_daemon::tiers::g3::seam::SyncSite;
+use kvtier_daemon::tiers::g3::{G3Store, PutItem, PutMeta, SyncMode};
+use kvtier_daemon::tiers::policy::Lru;
 use rand::{Rng, SeedableRng};
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -214,18 +214,21 @@ impl Run {
         self.dir.path().join("root")
     }
 
-    fn open(&self) -> kvtier_daemon::error::Result<Arc<G3Store>> {
+    fn open(&self) -> kvtier_daemon::base::error::Result<Arc<G3Store>> {
         self.open_with(self.sc.capacity_blocks)
     }
 
     /// Opens for the checks: capacity for everything, so that no eviction
     /// races the checks.
-    fn open_roomy(&self) -> kvtier_daemon::error::Result<Arc<G3Store>> {
+    fn open_roomy(&self) -> kvtier_daemon::base::error::Result<Arc<G3Store>> {
         self.open_with(10_000)
     }
 
-    fn open_with(&self, capacity_blocks: u64) -> kvtier_daemon::error::Result<Arc<G3Store>> {
-        let mut cfg = common::cfg(&self.root(), kvtier_daemon::g3::engine::EngineKind::Auto);
+    fn open_with(&self, capacity_blocks: u64) -> kvtier_daemon::base::error::Result<Arc<G3Store>> {
+        let mut cfg = common::cfg(
+            &self.root(),
+            kvtier_daemon::tiers::g3::engine::EngineKind::Auto,
+        );
         let file_len = 4096 + self.sc.payload_bytes.div_ceil(4096) * 4096;
         cfg.capacity_bytes = capacity_blocks * file_len;
         cfg.sync_mode = self.sc.sync;
@@ -628,12 +631,12 @@ struct GateFs {
     open: Arc<(Mutex<bool>, std::sync::Condvar)>,
 }
 
-impl kvtier_daemon::g3::seam::G3Fs for GateFs {
+impl kvtier_daemon::tiers::g3::seam::G3Fs for GateFs {
     fn create_new(&self, p: &Path, flags: i32) -> std::io::Result<std::fs::File> {
-        kvtier_daemon::g3::seam::RealFs.create_new(p, flags)
+        kvtier_daemon::tiers::g3::seam::RealFs.create_new(p, flags)
     }
     fn write_synced(&self, p: &Path, b: &[u8], s: SyncSite) -> std::io::Result<()> {
-        kvtier_daemon::g3::seam::RealFs.write_synced(p, b, s)
+        kvtier_daemon::tiers::g3::seam::RealFs.write_synced(p, b, s)
     }
     fn sync_dir(&self, d: &Path, s: SyncSite) -> std::io::Result<()> {
         if s == SyncSite::CommitDirFsync
@@ -645,31 +648,35 @@ impl kvtier_daemon::g3::seam::G3Fs for GateFs {
                 .wait_timeout_while(g, std::time::Duration::from_secs(2), |open| !*open)
                 .unwrap();
         }
-        kvtier_daemon::g3::seam::RealFs.sync_dir(d, s)
+        kvtier_daemon::tiers::g3::seam::RealFs.sync_dir(d, s)
     }
     fn rename(&self, a: &Path, b: &Path) -> std::io::Result<()> {
-        kvtier_daemon::g3::seam::RealFs.rename(a, b)
+        kvtier_daemon::tiers::g3::seam::RealFs.rename(a, b)
     }
     fn rename_noreplace(&self, a: &Path, b: &Path) -> std::io::Result<()> {
-        kvtier_daemon::g3::seam::RealFs.rename_noreplace(a, b)
+        kvtier_daemon::tiers::g3::seam::RealFs.rename_noreplace(a, b)
     }
-    fn remove_file(&self, p: &Path, w: kvtier_daemon::g3::seam::Unlink) -> std::io::Result<()> {
-        kvtier_daemon::g3::seam::RealFs.remove_file(p, w)
+    fn remove_file(
+        &self,
+        p: &Path,
+        w: kvtier_daemon::tiers::g3::seam::Unlink,
+    ) -> std::io::Result<()> {
+        kvtier_daemon::tiers::g3::seam::RealFs.remove_file(p, w)
     }
     fn create_dir(&self, p: &Path) -> std::io::Result<()> {
-        kvtier_daemon::g3::seam::RealFs.create_dir(p)
+        kvtier_daemon::tiers::g3::seam::RealFs.create_dir(p)
     }
     fn create_dir_all(&self, p: &Path) -> std::io::Result<()> {
-        kvtier_daemon::g3::seam::RealFs.create_dir_all(p)
+        kvtier_daemon::tiers::g3::seam::RealFs.create_dir_all(p)
     }
     fn remove_dir_all(&self, p: &Path) -> std::io::Result<()> {
-        kvtier_daemon::g3::seam::RealFs.remove_dir_all(p)
+        kvtier_daemon::tiers::g3::seam::RealFs.remove_dir_all(p)
     }
     fn index_backend(
         &self,
         p: &Path,
-    ) -> std::io::Result<Option<kvtier_daemon::g3::powerloss::IndexFile>> {
-        kvtier_daemon::g3::seam::RealFs.index_backend(p)
+    ) -> std::io::Result<Option<kvtier_daemon::tiers::g3::powerloss::IndexFile>> {
+        kvtier_daemon::tiers::g3::seam::RealFs.index_backend(p)
     }
 }
 
@@ -685,7 +692,10 @@ fn same_key_put_is_not_acked_for_a_block_whose_commit_failed() {
         first: std::sync::atomic::AtomicBool::new(true),
         open: Arc::clone(&open),
     });
-    let cfg = common::cfg(dir.path(), kvtier_daemon::g3::engine::EngineKind::Pread);
+    let cfg = common::cfg(
+        dir.path(),
+        kvtier_daemon::tiers::g3::engine::EngineKind::Pread,
+    );
     let s = G3Store::open_with_fs(cfg, Box::new(Lru::new()), Arc::new(PreadEngine), fs).unwrap();
     s.fault_fail_index_commits(1);
     let ns = namespace(8192, "same-key").unwrap();

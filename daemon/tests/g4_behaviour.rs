@@ -4,10 +4,10 @@
 //! mid-upload.
 
 use kvtier_client::{encode_block, BlockKey, Hints, NamespaceId};
-use kvtier_daemon::conformance::{block, namespace};
-use kvtier_daemon::g4::{EnqueueOutcome, G4Config, G4Store, UploadOutcome};
+use kvtier_daemon::base::tier::{BlockTier, Lookup, MissReason, PutOutcome};
+use kvtier_daemon::testkit::conformance::{block, namespace};
 use kvtier_daemon::testkit::{s3::S3Server, FaultStore};
-use kvtier_daemon::tier::{BlockTier, Lookup, MissReason, PutOutcome};
+use kvtier_daemon::tiers::g4::{EnqueueOutcome, G4Config, G4Store, UploadOutcome};
 use object_store::memory::InMemory;
 use object_store::path::Path;
 use std::collections::HashMap;
@@ -37,7 +37,7 @@ fn g3_with(
     (files, keys)
 }
 
-fn source(files: &Files) -> Arc<dyn kvtier_daemon::g4::BlockSource> {
+fn source(files: &Files) -> Arc<dyn kvtier_daemon::tiers::g4::BlockSource> {
     let f = files.clone();
     Arc::new(move |ns: &NamespaceId, k: &BlockKey| f.lock().unwrap().get(&(*ns, *k)).cloned())
 }

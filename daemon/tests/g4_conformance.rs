@@ -3,9 +3,9 @@
 //! S3 server (SeaweedFS), with corruption done by rewriting the object.
 
 use kvtier_client::{BlockKey, NamespaceId};
-use kvtier_daemon::conformance::{run_all, Caps, Damage};
-use kvtier_daemon::g4::{G4Config, G4Store};
+use kvtier_daemon::testkit::conformance::{run_all, Caps, Damage};
 use kvtier_daemon::testkit::s3::S3Server;
+use kvtier_daemon::tiers::g4::{G4Config, G4Store};
 use object_store::{ObjectStoreExt, PutPayload};
 
 /// Damages the stored object by rewriting it through the raw store.

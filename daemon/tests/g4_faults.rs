@@ -8,11 +8,11 @@
 //! `KVTIER_FAULT_LONG=1` (scripts/fault-suite.sh) repeats the matrix with
 //! more rounds and larger blocks.
 
-use kvtier_daemon::conformance::{block, namespace};
-use kvtier_daemon::g4::{BreakerState, G4Config, G4Credentials, G4Store};
+use kvtier_daemon::base::tier::{BlockTier, Lookup, MissReason};
+use kvtier_daemon::testkit::conformance::{block, namespace};
 use kvtier_daemon::testkit::fault_proxy::{Fault, FaultProxy, FaultRule, SilentEndpoint};
 use kvtier_daemon::testkit::s3::S3Server;
-use kvtier_daemon::tier::{BlockTier, Lookup, MissReason};
+use kvtier_daemon::tiers::g4::{BreakerState, G4Config, G4Credentials, G4Store};
 use std::sync::atomic::Ordering::SeqCst;
 use std::time::{Duration, Instant};
 

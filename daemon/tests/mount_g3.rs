@@ -3,12 +3,12 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use kvtier_client::{encode_block, BlockHeader, BlockKey, KvLayout, Namespace};
-use kvtier_daemon::config::{MountSection, PassthroughMode};
-use kvtier_daemon::g3::{G3Config, G3Store, PutMeta};
-use kvtier_daemon::g4::{G4Config, G4Store};
-use kvtier_daemon::mount::{start, FetchHook, MountHandle};
-use kvtier_daemon::policy::Lru;
-use kvtier_daemon::tier::{BlockTier, Lookup};
+use kvtier_daemon::base::tier::{BlockTier, Lookup};
+use kvtier_daemon::edges::mount::{start, FetchHook, MountHandle};
+use kvtier_daemon::edges::mount::{MountSection, PassthroughMode};
+use kvtier_daemon::tiers::g3::{G3Config, G3Store, PutMeta};
+use kvtier_daemon::tiers::g4::{G4Config, G4Store};
+use kvtier_daemon::tiers::policy::Lru;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;

@@ -8,10 +8,10 @@
 mod common;
 
 use kvtier_client::{BlockHeader, BlockKey, Hints, KvLayout, Namespace};
-use kvtier_daemon::g3::G3Config;
+use kvtier_daemon::base::backend::{Backend, OffloadBlock};
+use kvtier_daemon::base::tier::PutOutcome;
 use kvtier_daemon::node::{Node, NodeConfig};
-use kvtier_daemon::server::{Backend, OffloadBlock};
-use kvtier_daemon::tier::PutOutcome;
+use kvtier_daemon::tiers::g3::G3Config;
 
 const BLOCK: u64 = 256 << 10;
 

@@ -17,15 +17,16 @@ use kvtier_client::{
     BlockHeader, BlockKey, Client, ClientConfig, Hints, KvLayout, MissCause, Namespace,
     NamespaceId, Onboarded, Tier,
 };
-use kvtier_daemon::events::EventBus;
-use kvtier_daemon::g3::G3Config;
-use kvtier_daemon::metrics::Metrics;
-use kvtier_daemon::node::{Node, NodeConfig};
-use kvtier_daemon::server::{
-    Backend, BackendStats, EvictOutcome, LeaseId, MemBackend, MemLimits, OffloadBlock, ReadFile,
-    Server, ServerLimits, SocketOptions,
+use kvtier_daemon::base::backend::{
+    Backend, BackendStats, EvictOutcome, LeaseId, OffloadBlock, ReadFile,
 };
-use kvtier_daemon::tier::{Lookup, MissReason, PutOutcome};
+use kvtier_daemon::base::events::EventBus;
+use kvtier_daemon::base::tier::{Lookup, MissReason, PutOutcome};
+use kvtier_daemon::edges::metrics::Metrics;
+use kvtier_daemon::edges::server::{Server, ServerLimits, SocketOptions};
+use kvtier_daemon::node::{Node, NodeConfig};
+use kvtier_daemon::testkit::mem_backend::{MemBackend, MemLimits};
+use kvtier_daemon::tiers::g3::G3Config;
 use kvtier_daemon::Error;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};

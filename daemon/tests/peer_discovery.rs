@@ -3,8 +3,8 @@
 //! store and against a real S3 server (SeaweedFS, `weed mini`).
 
 use kvtier_client::{encode_block, BlockHeader, BlockKey, KvLayout, Namespace};
-use kvtier_daemon::peer::discovery::{self, heartbeat_path, Heartbeat};
-use kvtier_daemon::peer::{
+use kvtier_daemon::tiers::peer::discovery::{self, heartbeat_path, Heartbeat};
+use kvtier_daemon::tiers::peer::{
     unix_ms_now, DirSource, HeartbeatTask, PeerClient, PeerClientConfig, PeerLookup, PeerServer,
     PeerServerConfig, PeerSet, PeerSetConfig,
 };

@@ -3,9 +3,9 @@
 
 use kvtier_client::block::HEADER_BYTES;
 use kvtier_client::{encode_block, BlockHeader, BlockKey, KvLayout, Namespace, NamespaceId};
-use kvtier_daemon::peer::auth::PeerKey;
-use kvtier_daemon::peer::wire::block_url_path;
-use kvtier_daemon::peer::{
+use kvtier_daemon::tiers::peer::auth::PeerKey;
+use kvtier_daemon::tiers::peer::wire::block_url_path;
+use kvtier_daemon::tiers::peer::{
     placement, unix_ms_now, DirSource, PeerClient, PeerClientConfig, PeerFetch, PeerInfo,
     PeerLookup, PeerMiss, PeerServer, PeerServerConfig, PeerSet, PeerSetConfig, PeerSource,
 };
@@ -526,7 +526,7 @@ async fn transfer_limit_answers_503_at_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bench_helpers_measure_both_paths() {
     let dir = tempfile::tempdir().unwrap();
-    let r = kvtier_daemon::peer::bench::loopback_compare(dir.path(), 4, 256 << 10, 2)
+    let r = kvtier_daemon::tiers::peer::bench::loopback_compare(dir.path(), 4, 256 << 10, 2)
         .await
         .unwrap();
     assert_eq!(r.rounds, 2);
@@ -563,7 +563,7 @@ async fn server_binds_loopback_by_default_and_checks_config() {
 async fn loopback_figures() {
     let dir = tempfile::tempdir().unwrap();
     let n: usize = std::env::var("PEER_BENCH_BLOCKS").map_or(64, |v| v.parse().unwrap());
-    let r = kvtier_daemon::peer::bench::loopback_compare(dir.path(), n, 2 << 20, 7)
+    let r = kvtier_daemon::tiers::peer::bench::loopback_compare(dir.path(), n, 2 << 20, 7)
         .await
         .unwrap();
     println!(
@@ -613,14 +613,14 @@ async fn idle_connections_closed_by_the_server_are_replaced() {
 
 mod fall_through {
     use kvtier_client::{AlignedBuf, BlockHeader, BlockKey, Hints, KvLayout, Namespace, Tier};
-    use kvtier_daemon::g3::G3Config;
-    use kvtier_daemon::g4::{G4Config, G4Store};
+    use kvtier_daemon::base::backend::Backend;
+    use kvtier_daemon::base::tier::{BlockTier, Lookup};
     use kvtier_daemon::node::{Node, NodeConfig, PeerSetup};
-    use kvtier_daemon::peer::{PeerConfig, PeerInfo};
-    use kvtier_daemon::server::Backend;
     use kvtier_daemon::testkit::fault_proxy::{Fault, FaultProxy, FaultRule};
     use kvtier_daemon::testkit::s3::S3Server;
-    use kvtier_daemon::tier::{BlockTier, Lookup};
+    use kvtier_daemon::tiers::g3::G3Config;
+    use kvtier_daemon::tiers::g4::{G4Config, G4Store};
+    use kvtier_daemon::tiers::peer::{PeerConfig, PeerInfo};
     use std::sync::atomic::Ordering::SeqCst;
     use std::time::{Duration, Instant};
 
@@ -1012,22 +1012,22 @@ mod fall_through {
             // A block B holds itself: the mount must keep serving it.
             b.offload(&id, &hl, &pl, None, Hints::default()).unwrap();
             let mnt = db.path().join("mnt");
-            let section = kvtier_daemon::config::MountSection {
+            let section = kvtier_daemon::edges::mount::MountSection {
                 dir: mnt.clone(),
-                passthrough: kvtier_daemon::config::PassthroughMode::Off,
+                passthrough: kvtier_daemon::edges::mount::PassthroughMode::Off,
                 verify_on_open: true,
                 ..Default::default()
             };
-            let hooks = kvtier_daemon::mount::MountHooks {
+            let hooks = kvtier_daemon::edges::mount::MountHooks {
                 fetch: Some(b.fetch_hook()),
                 import: Some(b.import_hook(std::sync::Arc::new(|_: &BlockHeader| {}))),
                 evict: Some(b.evict_hook()),
             };
-            let mount = kvtier_daemon::mount::start_with_hooks(
+            let mount = kvtier_daemon::edges::mount::start_with_hooks(
                 &section,
                 b.g3().clone(),
                 hooks,
-                std::sync::Arc::new(kvtier_daemon::access::Policy::open()),
+                std::sync::Arc::new(kvtier_daemon::edges::access::Policy::open()),
             )
             .unwrap();
             let path = |k: &BlockKey| mnt.join(kvtier_client::block_path(&id, k));

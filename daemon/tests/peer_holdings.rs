@@ -7,12 +7,12 @@
 //! has is confirmed by one probe round and reported nowhere.
 
 use kvtier_client::{AlignedBuf, BlockHeader, BlockKey, Hints, KvLayout, Namespace, Tier};
-use kvtier_daemon::g3::G3Config;
+use kvtier_daemon::base::backend::Backend;
+use kvtier_daemon::base::tier::{Lookup, MissReason};
 use kvtier_daemon::node::{Node, NodeConfig, PeerSetup};
-use kvtier_daemon::peer::holdings::HoldingsDigest;
-use kvtier_daemon::peer::{PeerClient, PeerClientConfig, PeerConfig, PeerInfo, PeerMiss};
-use kvtier_daemon::server::Backend;
-use kvtier_daemon::tier::{Lookup, MissReason};
+use kvtier_daemon::tiers::g3::G3Config;
+use kvtier_daemon::tiers::peer::holdings::HoldingsDigest;
+use kvtier_daemon::tiers::peer::{PeerClient, PeerClientConfig, PeerConfig, PeerInfo, PeerMiss};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -55,7 +55,7 @@ fn open(id: &str, peers: Vec<PeerInfo>, dir: &std::path::Path) -> Arc<Node> {
     Node::open(c).unwrap()
 }
 
-fn peer_figures(n: &Node) -> kvtier_daemon::peer::PeerMetricsSnapshot {
+fn peer_figures(n: &Node) -> kvtier_daemon::tiers::peer::PeerMetricsSnapshot {
     n.figures().peer.unwrap()
 }
 

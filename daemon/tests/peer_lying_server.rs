@@ -9,7 +9,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use kvtier_client::{BlockKey, KvLayout, Namespace};
-use kvtier_daemon::peer::{PeerClient, PeerClientConfig};
+use kvtier_daemon::tiers::peer::{PeerClient, PeerClientConfig};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -104,7 +104,7 @@ async fn impostor(file: Vec<u8>, proof: Option<&'static str>) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_that_cannot_prove_the_secret_is_not_believed() {
     use kvtier_client::{encode_block, BlockHeader};
-    use kvtier_daemon::peer::PeerFetch;
+    use kvtier_daemon::tiers::peer::PeerFetch;
     let ns = Namespace::new("m", KvLayout::with_block_bytes(4096).unwrap(), "", "t").unwrap();
     let key = BlockKey::from_u64(9);
     let payload = vec![0x5a; 4096];
@@ -144,8 +144,8 @@ async fn closed_within(s: &mut tokio::net::TcpStream, within: Duration) -> bool 
 async fn listener_under_test(
     header_read_timeout_ms: u64,
     connections_max: usize,
-) -> (kvtier_daemon::peer::PeerServer, tempfile::TempDir) {
-    use kvtier_daemon::peer::{DirSource, PeerServer, PeerServerConfig};
+) -> (kvtier_daemon::tiers::peer::PeerServer, tempfile::TempDir) {
+    use kvtier_daemon::tiers::peer::{DirSource, PeerServer, PeerServerConfig};
     let dir = tempfile::tempdir().unwrap();
     let mut cfg = PeerServerConfig::new(vec![7u8; 32]);
     cfg.header_read_timeout_ms = header_read_timeout_ms;
@@ -204,7 +204,7 @@ async fn the_peer_listener_closes_connections_past_its_cap_and_serves_again_afte
     // Four peers that proved the secret (a signed request each, answered,
     // kept alive) hold every slot; silent connections would not: they are
     // evicted for newcomers (tests/e2e_security.rs).
-    let key = kvtier_daemon::peer::auth::PeerKey::from_secret(&[7u8; 32]).unwrap();
+    let key = kvtier_daemon::tiers::peer::auth::PeerKey::from_secret(&[7u8; 32]).unwrap();
     let mut held = Vec::new();
     for _ in 0..4 {
         let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();

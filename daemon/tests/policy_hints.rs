@@ -3,9 +3,9 @@
 //! pressure from a tier that evicts whatever the policy names.
 
 use kvtier_client::Hints;
-use kvtier_daemon::policy::replay::{replay, PolicyKind, PolicyTarget};
-use kvtier_daemon::policy::trace::{Request, Trace};
-use kvtier_daemon::policy::{BlockMeta, DefaultPolicy, EvictionPolicy};
+use kvtier_daemon::tiers::policy::replay::{replay, PolicyKind, PolicyTarget};
+use kvtier_daemon::tiers::policy::trace::{Request, Trace};
+use kvtier_daemon::tiers::policy::{BlockMeta, DefaultPolicy, EvictionPolicy};
 use std::collections::{HashMap, HashSet};
 
 /// A tier of `capacity` blocks that evicts the policy's victims and checks

@@ -2,8 +2,8 @@
 //! Replay-level checks: LRU is exact, the default policy beats it on the
 //! real trace and on a synthetic agent-shaped one.
 
-use kvtier_daemon::policy::replay::{capacity_for_fraction, replay_dry, PolicyKind};
-use kvtier_daemon::policy::trace::{Request, RequestHints, Trace};
+use kvtier_daemon::tiers::policy::replay::{capacity_for_fraction, replay_dry, PolicyKind};
+use kvtier_daemon::tiers::policy::trace::{Request, RequestHints, Trace};
 use std::collections::VecDeque;
 use std::path::PathBuf;
 
@@ -265,7 +265,7 @@ fn default_beats_lru_on_mooncake_trace() {
 fn default_not_worse_than_lru_on_held_out_shapes() {
     // The held-out suite's shapes on their evaluation seeds (policy/synth.rs),
     // small: the full suite is `kvtier bench replay --suite`.
-    use kvtier_daemon::policy::synth::{Shape, EVAL_SEEDS};
+    use kvtier_daemon::tiers::policy::synth::{Shape, EVAL_SEEDS};
     for shape in Shape::ALL {
         let hinted = shape.generate(EVAL_SEEDS[0], 2000);
         // With the engine hints the shape carries, and without them.

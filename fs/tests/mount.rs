@@ -28,6 +28,7 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
 
 /// True (after printing SKIP) where a real mount is impossible.
 fn skip(test: &str) -> bool {
+    // SAFETY: geteuid has no preconditions.
     let root = unsafe { libc::geteuid() } == 0;
     let dev = Path::new("/dev/fuse").exists();
     if !root || !dev {
@@ -169,6 +170,7 @@ fn errno_of(r: std::io::Result<impl Sized>) -> i32 {
 /// of an import surface here.
 fn close_errno(f: File) -> i32 {
     let fd = f.into_raw_fd();
+    // SAFETY: `fd` came from into_raw_fd and is closed once, here.
     if unsafe { libc::close(fd) } == 0 {
         0
     } else {
@@ -348,6 +350,7 @@ fn xattrs_with_getfattr_and_setfattr() {
     let set = |name: &str, v: &[u8]| -> i32 {
         let c = CString::new(ps).unwrap();
         let n = CString::new(name).unwrap();
+        // SAFETY: `c` and `n` are NUL-terminated; `v` is valid for `v.len()` bytes.
         let rc = unsafe { libc::setxattr(c.as_ptr(), n.as_ptr(), v.as_ptr().cast(), v.len(), 0) };
         if rc == 0 {
             0
@@ -362,6 +365,7 @@ fn xattrs_with_getfattr_and_setfattr() {
         let c = CString::new(ps).unwrap();
         let n = CString::new(name).unwrap();
         let mut buf = [0u8; 256];
+        // SAFETY: `c` and `n` are NUL-terminated; `buf` holds the 256 bytes passed.
         let rc = unsafe { libc::getxattr(c.as_ptr(), n.as_ptr(), buf.as_mut_ptr().cast(), 256) };
         if rc >= 0 {
             0
@@ -493,12 +497,14 @@ fn every_refusal_has_its_errno_and_leaves_nothing_visible() {
         libc::EEXIST
     );
     let c = CString::new(pa.as_os_str().as_bytes()).unwrap();
+    // SAFETY: `c` is a NUL-terminated path.
     assert_eq!(unsafe { libc::truncate(c.as_ptr(), 0) }, -1);
     assert_eq!(
         std::io::Error::last_os_error().raw_os_error(),
         Some(libc::EPERM),
         "truncate"
     );
+    // SAFETY: `c` is a NUL-terminated path.
     assert_eq!(unsafe { libc::chmod(c.as_ptr(), 0o777) }, -1);
     assert_eq!(
         std::io::Error::last_os_error().raw_os_error(),
@@ -834,6 +840,7 @@ fn random_reads(passthrough: Passthrough) {
     // mmap of the whole file.
     for (j, f) in handles.iter().enumerate() {
         let len = files[j].len();
+        // SAFETY: a fresh shared read-only mapping of an open file; checked below.
         let p = unsafe {
             use std::os::unix::io::AsRawFd;
             libc::mmap(
@@ -851,8 +858,10 @@ fn random_reads(passthrough: Passthrough) {
             "mmap: {}",
             std::io::Error::last_os_error()
         );
+        // SAFETY: `p` maps `len` readable bytes until the munmap below.
         let s = unsafe { std::slice::from_raw_parts(p as *const u8, len) };
         assert!(s == files[j].as_slice(), "mmap bytes of block {j}");
+        // SAFETY: `p` and `len` are the mapping made above, unmapped once.
         unsafe { libc::munmap(p, len) };
     }
 }

@@ -55,7 +55,10 @@ fn main() {
     let asked = std::env::args_os().any(|a| a == "--backtrace");
     std::env::set_var("RUST_LIB_BACKTRACE", if asked { "1" } else { "0" });
     if let Err(e) = run() {
-        eprintln!("kvtier: {}", kvtier_daemon::error::cause_chain(e.as_ref()));
+        eprintln!(
+            "kvtier: {}",
+            kvtier_daemon::base::error::cause_chain(e.as_ref())
+        );
         if asked {
             eprintln!("\n{}", e.backtrace());
         }

@@ -33,7 +33,7 @@ impl SocketArg {
         self.socket
             .clone()
             .or_else(|| std::env::var_os("KVTIER_SOCKET").map(PathBuf::from))
-            .unwrap_or_else(|| kvtier_daemon::config::default_data_dir().join("kvtierd.sock"))
+            .unwrap_or_else(|| kvtier_daemon::app::config::default_data_dir().join("kvtierd.sock"))
     }
     pub(crate) fn client(&self) -> Result<Client> {
         let p = self.path();

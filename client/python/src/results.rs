@@ -5,16 +5,7 @@ use kvtier_client::{LookupResult, Miss, MissCause, OffloadOutcome, Onboarded};
 use pyo3::prelude::*;
 
 pub(crate) fn cause_name(c: MissCause) -> &'static str {
-    match c {
-        MissCause::Absent => "absent",
-        MissCause::Corrupt => "corrupt",
-        MissCause::Unavailable => "unavailable",
-        MissCause::Timeout => "timeout",
-        MissCause::Refused => "refused",
-        MissCause::NoSpace => "no_space",
-        MissCause::Storage => "storage",
-        MissCause::TooLarge => "too_large",
-    }
+    c.name()
 }
 
 /// The outcome of one block of an offload or onboard. True when it
@@ -53,6 +44,18 @@ impl BlockResult {
             route: None,
         }
     }
+    /// An outcome this binding does not know: never counted as a success.
+    fn unknown(detail: String) -> Self {
+        BlockResult {
+            ok: false,
+            status: "miss",
+            tier: None,
+            nbytes: 0,
+            reason: Some("storage"),
+            detail,
+            route: None,
+        }
+    }
     pub(crate) fn onboarded(o: &Onboarded) -> Self {
         match o {
             Onboarded::Hit { tier, payload_len } => BlockResult {
@@ -65,6 +68,9 @@ impl BlockResult {
                 route: None,
             },
             Onboarded::Miss(m) => Self::miss(m),
+            // An outcome newer than this binding: not a hit, so a miss
+            // the engine recomputes.
+            other => Self::unknown(format!("{other:?}")),
         }
     }
     /// With the route of a device onboard's hit (and why a direct read
@@ -94,6 +100,7 @@ impl BlockResult {
             OffloadOutcome::StoredUnpinned => ok("stored_unpinned"),
             OffloadOutcome::AlreadyPresent => ok("already_present"),
             OffloadOutcome::Failed(m) => Self::miss(m),
+            other => Self::unknown(format!("{other:?}")),
         }
     }
 }

@@ -2,20 +2,20 @@
 
 use super::fetch::Local;
 use super::{Node, Promoted};
-use crate::error::{Error, Result};
-use crate::events::EventBus;
-use crate::g3::{LeaseId as G3Lease, PutItem, PutMeta};
-use crate::policy::admission::AdmissionEvent;
-use crate::server::backend::{
+use crate::base::backend::{
     Backend, BackendStats, EvictOutcome, LeaseId, OffloadBlock, PrefetchCaller, ReadFile, TierStats,
 };
-use crate::tier::{Lookup, MissReason, PutOutcome};
+use crate::base::error::{Error, Result};
+use crate::base::events::EventBus;
+use crate::base::tier::{Lookup, MissReason, PutOutcome};
+use crate::tiers::g3::{LeaseId as G3Lease, PutItem, PutMeta};
+use crate::tiers::policy::admission::AdmissionEvent;
 use kvtier_client::block::HEADER_BYTES;
 use kvtier_client::proto::{BlockStat, ListEntry};
 use kvtier_client::{BlockHeader, BlockKey, Hints, NamespaceId, Tier};
 use std::time::{Duration, Instant};
 
-fn stat_of(info: &crate::g3::BlockInfo) -> BlockStat {
+fn stat_of(info: &crate::tiers::g3::BlockInfo) -> BlockStat {
     BlockStat {
         tier: Tier::G3,
         payload_len: info.payload_len,
@@ -43,7 +43,7 @@ impl Node {
 
     /// A G3 hit: feeds admission (after-first-reuse uploads on a hit).
     fn on_g3_hit(&self, ns: &NamespaceId, key: &BlockKey) {
-        if self.g4.is_none() || self.admission == crate::policy::G4Admission::All {
+        if self.g4.is_none() || self.admission == crate::tiers::policy::G4Admission::All {
             return;
         }
         if let Some(info) = self.g3.stat(ns, key) {
@@ -291,7 +291,7 @@ impl Backend for Node {
                 if !repaired
                     && matches!(
                         self.verify_repair(ns, key, true)?,
-                        crate::server::backend::VerifyOutcome::Repaired(_)
+                        crate::base::backend::VerifyOutcome::Repaired(_)
                     )
                 {
                     continue;
@@ -437,7 +437,7 @@ impl Backend for Node {
         ns: &NamespaceId,
         key: &BlockKey,
         repair: bool,
-    ) -> Result<crate::server::backend::VerifyOutcome> {
+    ) -> Result<crate::base::backend::VerifyOutcome> {
         self.verify_repair(ns, key, repair)
     }
 

@@ -19,8 +19,8 @@
 //! stops the queueing, the next scan goes on).
 
 use super::Node;
-use crate::g4::{BreakerState, EnqueueOutcome, G4Store};
-use crate::policy::admission::AdmissionEvent;
+use crate::tiers::g4::{BreakerState, EnqueueOutcome, G4Store};
+use crate::tiers::policy::admission::AdmissionEvent;
 use kvtier_client::{BlockKey, Hints};
 use std::sync::mpsc::{sync_channel, RecvTimeoutError, SyncSender};
 use std::sync::{Arc, Weak};
@@ -166,7 +166,7 @@ pub(super) fn spawn(node: &Arc<Node>) {
             let mut woken = true;
             loop {
                 if !wait.is_zero() {
-                    match rx.recv_timeout(crate::g4::jittered(wait)) {
+                    match rx.recv_timeout(crate::tiers::g4::jittered(wait)) {
                         Ok(()) => woken = true,
                         Err(RecvTimeoutError::Timeout) => {}
                         Err(RecvTimeoutError::Disconnected) => return,

@@ -11,7 +11,7 @@
 
 use super::events::{self, Slot};
 use super::g4_order::{PARKED_MAX, PARKED_MS};
-use crate::g3::G3Store;
+use crate::tiers::g3::G3Store;
 use kvtier_client::{BlockHeader, BlockKey, NamespaceId};
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};

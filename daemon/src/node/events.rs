@@ -4,8 +4,8 @@
 //! parent) come from its header, so a promotion, an upload or a start-up
 //! announces them as the first store did.
 
-use crate::events::{stored_block, EventBus};
-use crate::g3::{EventSink, G3Event};
+use crate::base::events::{stored_block, EventBus};
+use crate::tiers::g3::{EventSink, G3Event};
 use kvtier_client::events::{KvEventData, StorageTier};
 use kvtier_client::{BlockHeader, BlockKey, NamespaceId};
 use std::sync::{Arc, RwLock};

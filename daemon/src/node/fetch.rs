@@ -15,10 +15,10 @@
 
 use super::promote::{Activity, Staged};
 use super::Node;
-use crate::error::Result;
-use crate::g4::G4Store;
-use crate::peer::{PeerLookup, PeerSet};
-use crate::tier::{Block, Lookup, MissReason};
+use crate::base::error::Result;
+use crate::base::tier::{Block, Lookup, MissReason};
+use crate::tiers::g4::G4Store;
+use crate::tiers::peer::{PeerLookup, PeerSet};
 use kvtier_client::{BlockKey, NamespaceId, Tier};
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -84,10 +84,10 @@ pub(super) async fn fetch_remote(
                 };
             }
             PeerLookup::Miss { attempts } => {
-                if attempts
-                    .iter()
-                    .any(|a| a.miss.is_some_and(|m| m != crate::peer::PeerMiss::Absent))
-                {
+                if attempts.iter().any(|a| {
+                    a.miss
+                        .is_some_and(|m| m != crate::tiers::peer::PeerMiss::Absent)
+                }) {
                     reason = MissReason::Unavailable;
                 }
             }

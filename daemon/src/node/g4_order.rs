@@ -15,7 +15,7 @@
 //! must not hold its children back for ever).
 
 use super::events::{self, Slot};
-use crate::g3::G3Store;
+use crate::tiers::g3::G3Store;
 use kvtier_client::{BlockHeader, BlockKey, NamespaceId};
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex};

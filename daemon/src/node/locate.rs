@@ -22,8 +22,8 @@
 //! the deadline), so misses during an outage are not counted as absent.
 
 use super::Node;
-use crate::error::Result;
-use crate::tier::MissReason;
+use crate::base::error::Result;
+use crate::base::tier::MissReason;
 use kvtier_client::{BlockKey, NamespaceId, Tier};
 use std::time::Instant;
 

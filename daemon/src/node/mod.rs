@@ -1,8 +1,8 @@
 //! `Node`: the store behind kvtierd's server. G3 (local NVMe) first, then
-//! peers, then G4 (the shared object store), as one [`crate::server::Backend`].
+//! peers, then G4 (the shared object store), as one [`crate::base::backend::Backend`].
 //!
 //! Roles, one file each:
-//! - `backend`: the [`crate::server::Backend`] implementation (the server's
+//! - `backend`: the [`crate::base::backend::Backend`] implementation (the server's
 //!   view: lookup, offload, onboard, leases, pins, stats).
 //! - `fetch`: the onboard fall-through (peer, then G4), verified on
 //!   arrival; a batched onboard fetches its missing blocks concurrently.
@@ -58,12 +58,12 @@ mod scrub;
 pub use backlog::age_seconds as g4_backlog_age_seconds;
 mod uplink;
 
-use crate::error::{Error, Result};
-use crate::events::EventBus;
-use crate::g3::{G3Config, G3Store};
-use crate::g4::{G4Config, G4StatsSnapshot, G4Store};
-use crate::peer::{HeartbeatTask, PeerMetricsSnapshot, PeerServer, PeerSet};
-use crate::policy::G4Admission;
+use crate::base::error::{Error, Result};
+use crate::base::events::EventBus;
+use crate::tiers::g3::{G3Config, G3Store};
+use crate::tiers::g4::{G4Config, G4StatsSnapshot, G4Store};
+use crate::tiers::peer::{HeartbeatTask, PeerMetricsSnapshot, PeerServer, PeerSet};
+use crate::tiers::policy::G4Admission;
 use kvtier_client::{BlockKey, NamespaceId, Tier};
 use std::collections::HashMap;
 use std::future::Future;
@@ -92,7 +92,7 @@ type PromotedMemo = HashMap<(NamespaceId, BlockKey), Promoted>;
 #[derive(Clone)]
 struct Promoted {
     tier: Tier,
-    block: Option<Arc<crate::tier::Block>>,
+    block: Option<Arc<crate::base::tier::Block>>,
 }
 
 /// Everything a [`Node`] is built from.
@@ -167,7 +167,7 @@ pub struct PeerServedFigures {
     pub holdings_served: u64,
 }
 
-/// Node-level figures beyond [`crate::server::BackendStats`] (G4 queue,
+/// Node-level figures beyond [`crate::base::backend::BackendStats`] (G4 queue,
 /// peers, promotions), read at scrape time.
 #[derive(Debug, Clone, Default)]
 pub struct NodeFigures {
@@ -247,7 +247,7 @@ impl Node {
     /// Opens G3 (recovery included), G4 and peers as configured, starts the
     /// G4 uploader, the peer server and heartbeats.
     pub fn open(cfg: NodeConfig) -> Result<Arc<Node>> {
-        let policy = crate::policy::by_name(&cfg.policy).ok_or_else(|| Error::Config {
+        let policy = crate::tiers::policy::by_name(&cfg.policy).ok_or_else(|| Error::Config {
             key: "g3.policy".into(),
             problem: format!("unknown policy {:?} (default | lru)", cfg.policy),
         })?;
@@ -298,7 +298,7 @@ impl Node {
             // Every non-ephemeral block is owed an upload: eviction takes
             // uploaded ones first and counts the others (reclaimer.rs).
             // Under `after-first-reuse` most blocks are never owed one.
-            g3.set_prefer_uploaded(cfg.admission == crate::policy::G4Admission::All);
+            g3.set_prefer_uploaded(cfg.admission == crate::tiers::policy::G4Admission::All);
         }
         let mut node_id = String::from("local");
         let mut peer_fanout = 1;
@@ -378,7 +378,7 @@ impl Node {
         &self,
         ns: &NamespaceId,
         parent: Option<BlockKey>,
-        earlier: &[crate::server::OffloadBlock<'_>],
+        earlier: &[crate::base::backend::OffloadBlock<'_>],
     ) -> Option<BlockKey> {
         let p = parent?;
         if !self.remote() || self.on_g3(ns, &p) || earlier.iter().any(|b| b.header.key == p) {
@@ -400,8 +400,8 @@ impl Node {
     pub(crate) fn put_evicting_on_enospc(
         &self,
         ns: &NamespaceId,
-        items: &[crate::g3::PutItem<'_>],
-    ) -> Vec<Result<crate::tier::PutOutcome>> {
+        items: &[crate::tiers::g3::PutItem<'_>],
+    ) -> Vec<Result<crate::base::tier::PutOutcome>> {
         let mut out = self.g3.put_blocks(ns, items);
         let failed: Vec<usize> = (0..out.len())
             .filter(|&i| matches!(out[i], Err(Error::NoSpace { .. })))
@@ -425,7 +425,7 @@ impl Node {
         if evicted == 0 {
             return out;
         }
-        let again: Vec<crate::g3::PutItem<'_>> = failed.iter().map(|&i| items[i]).collect();
+        let again: Vec<crate::tiers::g3::PutItem<'_>> = failed.iter().map(|&i| items[i]).collect();
         for (j, r) in self.g3.put_blocks(ns, &again).into_iter().enumerate() {
             out[failed[j]] = r;
         }
@@ -510,7 +510,7 @@ impl Node {
 
     /// Hands every G3 event (stored, removed) to `sink` too, on the thread
     /// that caused it (keep it short). For the mount's event log.
-    pub fn add_g3_listener(&self, sink: crate::g3::EventSink) {
+    pub fn add_g3_listener(&self, sink: crate::tiers::g3::EventSink) {
         if let Ok(mut l) = self.listeners.write() {
             l.push(sink);
         }
@@ -519,12 +519,12 @@ impl Node {
     /// The mount's fall-through: brings a block G3 lacks in from a peer or
     /// G4 (verified, promoted). `Ok(true)` when it is on G3 now. Blocks for
     /// up to the fetch deadline; call from plain threads (FUSE's).
-    pub fn fetch_hook(self: &Arc<Self>) -> crate::mount::FetchHook {
+    pub fn fetch_hook(self: &Arc<Self>) -> crate::base::backend::FetchHook {
         let node = Arc::clone(self);
         Arc::new(move |ns: &NamespaceId, key: &BlockKey| {
             Ok(matches!(
                 node.ensure_local(ns, key)?,
-                crate::tier::Lookup::Hit(_)
+                crate::base::tier::Lookup::Hit(_)
             ))
         })
     }
@@ -536,7 +536,7 @@ impl Node {
     pub fn import_hook(
         self: &Arc<Self>,
         on_stored: Arc<dyn Fn(&kvtier_client::BlockHeader) + Send + Sync>,
-    ) -> crate::mount::ImportHook {
+    ) -> crate::base::backend::ImportHook {
         let node = Arc::clone(self);
         Arc::new(
             move |ns: &NamespaceId, header: &kvtier_client::BlockHeader, payload: &[u8]| {
@@ -550,7 +550,7 @@ impl Node {
                     .and_then(|d| d.parent)
                     .map(BlockKey::from_u64)
                     .filter(|p| node.on_g3(ns, p));
-                let out = crate::server::Backend::offload(
+                let out = crate::base::backend::Backend::offload(
                     node.as_ref(),
                     ns,
                     header,
@@ -568,7 +568,7 @@ impl Node {
 
     /// The mount's `rm` and `user.kvtier.evict`: the node's evict across
     /// tiers (see `remove`).
-    pub fn evict_hook(self: &Arc<Self>) -> crate::mount::EvictHook {
+    pub fn evict_hook(self: &Arc<Self>) -> crate::base::backend::EvictHook {
         let node = Arc::clone(self);
         Arc::new(move |ns: &NamespaceId, key: &BlockKey, tier| node.evict_tiers(ns, key, tier))
     }
@@ -607,7 +607,12 @@ impl Node {
         run_on(&self.handle, fut)
     }
 
-    fn remember_promoted(&self, ns: &NamespaceId, block: Arc<crate::tier::Block>, tier: Tier) {
+    fn remember_promoted(
+        &self,
+        ns: &NamespaceId,
+        block: Arc<crate::base::tier::Block>,
+        tier: Tier,
+    ) {
         if let Ok(mut g) = self.promoted.lock() {
             let (m, bytes) = &mut *g;
             let len = block.payload.len() as u64;

@@ -1,11 +1,11 @@
 //! Starting the peer subsystem: the server that streams this node's G3
 //! block files, the peer set that fetches from others, and heartbeats in G4.
 
-use crate::error::{Error, Result};
-use crate::g3::G3Store;
-use crate::peer::holdings::HoldingsDigest;
-use crate::peer::{HeartbeatTask, PeerClient, PeerConfig, PeerServer, PeerSet, PeerSource};
-use crate::tier::Lookup;
+use crate::base::error::{Error, Result};
+use crate::base::tier::Lookup;
+use crate::tiers::g3::G3Store;
+use crate::tiers::peer::holdings::HoldingsDigest;
+use crate::tiers::peer::{HeartbeatTask, PeerClient, PeerConfig, PeerServer, PeerSet, PeerSource};
 use kvtier_client::{BlockKey, NamespaceId};
 use object_store::path::Path;
 use object_store::ObjectStore;
@@ -83,7 +83,8 @@ impl PeerSource for G3Source {
         }
         // Sized from the block count now; blocks stored while the walk runs
         // are in the next digest (a peer's probe or fetch finds them).
-        let mut d = HoldingsDigest::with_capacity(st.blocks, bytes_max, crate::peer::unix_ms_now());
+        let mut d =
+            HoldingsDigest::with_capacity(st.blocks, bytes_max, crate::tiers::peer::unix_ms_now());
         for ns in self.g3.namespaces() {
             let mut after: Option<BlockKey> = None;
             loop {

@@ -26,7 +26,7 @@
 use super::fetch::{fetch_remote, Fetched};
 use super::promote::Activity;
 use super::Node;
-use crate::server::PrefetchCaller;
+use crate::base::backend::PrefetchCaller;
 use kvtier_client::proto::ItemStatus;
 use kvtier_client::{BlockKey, NamespaceId};
 use std::collections::{HashMap, HashSet, VecDeque};

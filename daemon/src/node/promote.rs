@@ -18,9 +18,9 @@
 //! copy and not kept.
 
 use super::events;
-use crate::error::Result;
-use crate::g3::{G3Store, PutMeta};
-use crate::tier::Block;
+use crate::base::error::Result;
+use crate::base::tier::Block;
+use crate::tiers::g3::{G3Store, PutMeta};
 use kvtier_client::{BlockKey, Hints, NamespaceId, Tier};
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -331,7 +331,7 @@ impl Staging {
             let h = std::thread::Builder::new()
                 .name(format!("kvtier-promote-{i}"))
                 .spawn(move || s.worker())
-                .map_err(|e| crate::error::Error::io("starting a promotion worker", "", e))?;
+                .map_err(|e| crate::base::error::Error::io("starting a promotion worker", "", e))?;
             workers.push(h);
         }
         Ok(Staging {

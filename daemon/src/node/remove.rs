@@ -8,8 +8,8 @@
 //! reaches (its disk and the shared store).
 
 use super::Node;
-use crate::error::Result;
-use crate::server::backend::{Backend, EvictOutcome};
+use crate::base::backend::{Backend, EvictOutcome};
+use crate::base::error::Result;
 use kvtier_client::proto::EvictTier;
 use kvtier_client::{BlockKey, NamespaceId};
 

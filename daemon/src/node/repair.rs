@@ -6,9 +6,9 @@
 //! written into G3), so the next onboard is a G3 hit on good bytes.
 
 use super::Node;
-use crate::error::Result;
-use crate::server::backend::VerifyOutcome;
-use crate::tier::{Lookup, MissReason};
+use crate::base::backend::VerifyOutcome;
+use crate::base::error::Result;
+use crate::base::tier::{Lookup, MissReason};
 use kvtier_client::{BlockKey, NamespaceId};
 
 impl Node {

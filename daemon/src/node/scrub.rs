@@ -16,7 +16,7 @@
 //! `pause_ms + capacity / bytes_per_s`.
 
 use super::Node;
-use crate::server::backend::VerifyOutcome;
+use crate::base::backend::VerifyOutcome;
 use kvtier_client::{BlockKey, NamespaceId};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, Weak};

@@ -2,9 +2,9 @@
 //! loopback. The cross-process suites are in tests/e2e_node.rs.
 
 use super::*;
-use crate::peer::PeerInfo;
-use crate::server::backend::{Backend, EvictOutcome};
-use crate::tier::Lookup;
+use crate::base::backend::{Backend, EvictOutcome};
+use crate::base::tier::Lookup;
+use crate::tiers::peer::PeerInfo;
 use kvtier_client::events::{KvEvent, KvEventData, StorageTier};
 use kvtier_client::{BlockHeader, Hints, KvLayout, Namespace};
 
@@ -59,7 +59,7 @@ const SECRET: &[u8] = b"unit-peer-secret-0123456789";
 
 fn peer_setup(id: &str, peers: Vec<PeerInfo>) -> PeerSetup {
     PeerSetup {
-        cfg: crate::peer::PeerConfig {
+        cfg: crate::tiers::peer::PeerConfig {
             enabled: true,
             bind: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
             peers,
@@ -229,7 +229,7 @@ fn peers_found_through_g4_heartbeats() {
         let mut c = NodeConfig::new(G3Config::new(dir.join("g3"), 64 << 20));
         c.g4 = Some(G4Config::new(url.clone()));
         c.peer = Some(PeerSetup {
-            cfg: crate::peer::PeerConfig {
+            cfg: crate::tiers::peer::PeerConfig {
                 enabled: true,
                 bind: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
                 discovery: true,

@@ -3,8 +3,8 @@
 //! `memory://` G4.
 
 use super::*;
-use crate::server::backend::{Backend, EvictOutcome, VerifyOutcome};
-use crate::tier::Lookup;
+use crate::base::backend::{Backend, EvictOutcome, VerifyOutcome};
+use crate::base::tier::Lookup;
 use kvtier_client::events::{KvEvent, KvEventData, StorageTier};
 use kvtier_client::proto::EvictTier;
 use kvtier_client::{BlockHeader, Hints, KvLayout, Namespace};

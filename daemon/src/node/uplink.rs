@@ -19,15 +19,16 @@
 
 use super::events::{self, Slot};
 use super::Node;
-use crate::error::Result;
-use crate::g3::G3Store;
-use crate::g4::{EnqueueOutcome, G4Store, UploadOutcome};
-use crate::policy::admission::AdmissionEvent;
+use crate::base::error::Result;
+use crate::tiers::g3::G3Store;
+use crate::tiers::g4::{EnqueueOutcome, G4Store, UploadOutcome};
+use crate::tiers::policy::admission::AdmissionEvent;
 use kvtier_client::{BlockHeader, BlockKey, Hints, NamespaceId};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-static GAVE_UP_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new(10_000);
+static GAVE_UP_LOG: crate::base::log_limit::LogLimit =
+    crate::base::log_limit::LogLimit::new(10_000);
 
 /// Starts G4's upload workers over `g3`; the orderer of their External
 /// events is returned (offloads tell it their parents).
@@ -61,7 +62,7 @@ pub(super) fn start(
         let info = src.stat(ns, key)?;
         let mut buf = vec![0u8; info.file_len as usize];
         match src.read_into(ns, key, &mut buf) {
-            Ok(crate::tier::Lookup::Hit(_)) => Some(buf),
+            Ok(crate::base::tier::Lookup::Hit(_)) => Some(buf),
             _ => None,
         }
     };

@@ -1,8 +1,14 @@
 //! Test support shared by this crate's tests, the facade's end-to-end
-//! suites and the benchmarks: a real S3 server ([`s3`]) and an object-store
-//! wrapper that counts and injects faults ([`FaultStore`]). Not a public API.
+//! suites and the benchmarks: a real S3 server ([`s3`]), an object-store
+//! wrapper that counts and injects faults ([`FaultStore`]), the tier
+//! conformance suite ([`conformance`]) and an in-memory backend
+//! ([`mem_backend`]). Compiled only for tests and with the `testkit`
+//! feature (the facade's and tools' tests, `kvtier bench`); never in
+//! `kvtierd`. Not a public API.
 
+pub mod conformance;
 pub mod fault_proxy;
+pub mod mem_backend;
 pub mod port;
 pub mod s3;
 

@@ -3,7 +3,7 @@
 //! bound to 127.0.0.1 on free ports, with access keys so authentication is
 //! exercised. Killed on drop; restartable on the same directory and ports.
 
-use crate::g4::G4Config;
+use crate::tiers::g4::G4Config;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};

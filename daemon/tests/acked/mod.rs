@@ -33,16 +33,16 @@ use super::{
 use kvtier_client::{
     BlockKey, Client, ClientConfig, Hints, Namespace, OffloadBlock, OffloadOutcome, Onboarded,
 };
-use kvtier_daemon::conformance::{block, namespace};
-use kvtier_daemon::events::EventBus;
-use kvtier_daemon::g3::engine::EngineKind;
-use kvtier_daemon::g3::powerloss::PowerLossFs;
-use kvtier_daemon::g3::seam::SyncSite;
-use kvtier_daemon::g3::{G3Store, SyncMode};
-use kvtier_daemon::metrics::Metrics;
+use kvtier_daemon::base::events::EventBus;
+use kvtier_daemon::edges::metrics::Metrics;
+use kvtier_daemon::edges::server::{Server, ServerLimits, ShutdownHandle, SocketOptions};
 use kvtier_daemon::node::{Node, NodeConfig};
-use kvtier_daemon::policy::Lru;
-use kvtier_daemon::server::{Server, ServerLimits, ShutdownHandle, SocketOptions};
+use kvtier_daemon::testkit::conformance::{block, namespace};
+use kvtier_daemon::tiers::g3::engine::EngineKind;
+use kvtier_daemon::tiers::g3::powerloss::PowerLossFs;
+use kvtier_daemon::tiers::g3::seam::SyncSite;
+use kvtier_daemon::tiers::g3::{G3Store, SyncMode};
+use kvtier_daemon::tiers::policy::Lru;
 use rand::{Rng, SeedableRng};
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -128,7 +128,7 @@ struct Run {
 struct Served {
     node: Arc<Node>,
     stop: ShutdownHandle,
-    serving: std::thread::JoinHandle<kvtier_daemon::error::Result<()>>,
+    serving: std::thread::JoinHandle<kvtier_daemon::base::error::Result<()>>,
     g3: Weak<G3Store>,
 }
 

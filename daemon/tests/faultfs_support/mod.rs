@@ -6,9 +6,9 @@
 //! only pass calls through, so G3 runs its production path).
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs, dead_code)]
 
-use kvtier_daemon::g3::engine::{AlignedBuf, FillFn, IoEngine, ReadyFn, UringEngine};
-use kvtier_daemon::g3::powerloss::IndexFile;
-use kvtier_daemon::g3::seam::{G3Fs, RealFs, SyncSite, Unlink};
+use kvtier_daemon::tiers::g3::engine::{AlignedBuf, FillFn, IoEngine, ReadyFn, UringEngine};
+use kvtier_daemon::tiers::g3::powerloss::IndexFile;
+use kvtier_daemon::tiers::g3::seam::{G3Fs, RealFs, SyncSite, Unlink};
 use kvtier_fs::faultfs::{CutReport, FaultFs, FaultMount};
 use std::io::{self, Write};
 use std::os::fd::RawFd;

@@ -22,14 +22,14 @@
 
 use super::faultfs::{self, Rig};
 use kvtier_client::{AlignedBuf, BlockHeader, BlockKey, Namespace, Tier};
-use kvtier_daemon::conformance::{block, namespace};
-use kvtier_daemon::g3::G3Config;
-use kvtier_daemon::g4::G4Store;
+use kvtier_daemon::base::backend::Backend;
+use kvtier_daemon::base::tier::{BlockTier, Lookup};
 use kvtier_daemon::node::{Node, NodeConfig, PeerSetup};
-use kvtier_daemon::peer::{PeerConfig, PeerInfo};
-use kvtier_daemon::server::Backend;
+use kvtier_daemon::testkit::conformance::{block, namespace};
 use kvtier_daemon::testkit::s3::S3Server;
-use kvtier_daemon::tier::{BlockTier, Lookup};
+use kvtier_daemon::tiers::g3::G3Config;
+use kvtier_daemon::tiers::g4::G4Store;
+use kvtier_daemon::tiers::peer::{PeerConfig, PeerInfo};
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use std::collections::HashSet;

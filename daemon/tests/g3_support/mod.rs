@@ -3,10 +3,10 @@
 #![allow(dead_code)]
 
 use kvtier_client::{BlockKey, NamespaceId};
-use kvtier_daemon::conformance::Damage;
-use kvtier_daemon::g3::engine::EngineKind;
-use kvtier_daemon::g3::{G3Config, G3Store};
-use kvtier_daemon::policy::Lru;
+use kvtier_daemon::testkit::conformance::Damage;
+use kvtier_daemon::tiers::g3::engine::EngineKind;
+use kvtier_daemon::tiers::g3::{G3Config, G3Store};
+use kvtier_daemon::tiers::policy::Lru;
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::sync::Arc;
 

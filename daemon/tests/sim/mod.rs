@@ -45,13 +45,13 @@ use bytes::Bytes;
 use futures::stream::BoxStream;
 use futures::StreamExt;
 use kvtier_client::{decode_block, encode_block, BlockHeader, BlockKey, Hints, Namespace};
-use kvtier_daemon::conformance::{block, namespace};
-use kvtier_daemon::g3::engine::PreadEngine;
-use kvtier_daemon::g3::powerloss::PowerLossFs;
-use kvtier_daemon::g3::{G3Event, G3Store, PutMeta};
-use kvtier_daemon::g4::{G4Config, G4Store};
-use kvtier_daemon::policy::Lru;
-use kvtier_daemon::tier::{BlockTier, Lookup};
+use kvtier_daemon::base::tier::{BlockTier, Lookup};
+use kvtier_daemon::testkit::conformance::{block, namespace};
+use kvtier_daemon::tiers::g3::engine::PreadEngine;
+use kvtier_daemon::tiers::g3::powerloss::PowerLossFs;
+use kvtier_daemon::tiers::g3::{G3Event, G3Store, PutMeta};
+use kvtier_daemon::tiers::g4::{G4Config, G4Store};
+use kvtier_daemon::tiers::policy::Lru;
 use object_store::memory::InMemory;
 use object_store::path::Path as OsPath;
 use object_store::{
@@ -289,7 +289,7 @@ impl Sim {
     /// left (evictions whose unlinks were not yet durable come back), so
     /// that the background reclaimer, which would evict at a wall-clock
     /// moment, never runs: the path stays a function of the seed.
-    fn reopen_g3(&self) -> kvtier_daemon::error::Result<Arc<G3Store>> {
+    fn reopen_g3(&self) -> kvtier_daemon::base::error::Result<Arc<G3Store>> {
         let files = walk_files(&self.dir.path().join("root/blocks"));
         open_g3(&self.dir, &self.fs, CAPACITY_BLOCKS.max(files))
     }
@@ -312,7 +312,7 @@ impl Sim {
                     self.note(&key, format!("s{} removed {reason:?}", self.session));
                     self.live.remove(&key);
                     self.acked.remove(&key);
-                    if reason == kvtier_daemon::g3::RemoveReason::Evicted {
+                    if reason == kvtier_daemon::tiers::g3::RemoveReason::Evicted {
                         self.fig.evictions += 1;
                     }
                 }
@@ -553,8 +553,8 @@ fn open_g3(
     dir: &tempfile::TempDir,
     fs: &Arc<PowerLossFs>,
     capacity_blocks: u64,
-) -> kvtier_daemon::error::Result<Arc<G3Store>> {
-    let mut cfg = kvtier_daemon::g3::G3Config::new(dir.path().join("root"), 0);
+) -> kvtier_daemon::base::error::Result<Arc<G3Store>> {
+    let mut cfg = kvtier_daemon::tiers::g3::G3Config::new(dir.path().join("root"), 0);
     let file_len = 4096 + PAYLOAD_BYTES;
     cfg.capacity_bytes = capacity_blocks * file_len;
     cfg.high_watermark = 1.0;
@@ -562,7 +562,7 @@ fn open_g3(
     cfg.io_depth = 1;
     cfg.buffer_pool_bytes = 4 << 20;
     cfg.pinned_budget_bytes = 0;
-    cfg.engine = kvtier_daemon::g3::engine::EngineKind::Pread;
+    cfg.engine = kvtier_daemon::tiers::g3::engine::EngineKind::Pread;
     G3Store::open_with_fs(
         cfg,
         Box::new(Lru::new()),
@@ -573,9 +573,9 @@ fn open_g3(
 
 /// One seed; `Err` names the seed, the step and the broken invariant.
 pub fn run_seed(seed: u64, handle: &tokio::runtime::Handle) -> Result<SimFigures, String> {
-    kvtier_daemon::g3::set_sim_clock_s(Some(1_700_000_000));
+    kvtier_daemon::tiers::g3::set_sim_clock_s(Some(1_700_000_000));
     let r = run_seed_inner(seed, handle);
-    kvtier_daemon::g3::set_sim_clock_s(None);
+    kvtier_daemon::tiers::g3::set_sim_clock_s(None);
     r
 }
 
@@ -586,7 +586,7 @@ fn run_seed_inner(seed: u64, handle: &tokio::runtime::Handle) -> Result<SimFigur
     // `KVTIER_SIM_SKIP=<sync site>` removes one durability call (to show
     // the simulation notices, as the power-loss mutation check does).
     fs.set_skip(std::env::var("KVTIER_SIM_SKIP").ok().and_then(|n| {
-        kvtier_daemon::g3::seam::SyncSite::ALL
+        kvtier_daemon::tiers::g3::seam::SyncSite::ALL
             .iter()
             .copied()
             .find(|s| s.name() == n)
@@ -644,7 +644,7 @@ fn run_seed_inner(seed: u64, handle: &tokio::runtime::Handle) -> Result<SimFigur
     sim.attach();
     for step in 0..STEPS {
         // Simulated time: one second per step.
-        kvtier_daemon::g3::set_sim_clock_s(Some(1_700_000_000 + step as u32));
+        kvtier_daemon::tiers::g3::set_sim_clock_s(Some(1_700_000_000 + step as u32));
         sim.fig.steps += 1;
         let key = keys[rng.random_range(0..keys.len())];
         let id = sim.ns.id();

@@ -167,8 +167,9 @@ impl RawFile {
 
 /// CPU seconds (user + system, every thread) this process used so far.
 pub fn process_cpu_s() -> f64 {
-    // SAFETY: clock_gettime writes one timespec into `ts`.
+    // SAFETY: timespec is plain old data; all zeroes is a valid value.
     let mut ts: libc::timespec = unsafe { std::mem::zeroed() };
+    // SAFETY: clock_gettime writes one timespec into `ts`.
     if unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut ts) } != 0 {
         return 0.0;
     }
@@ -204,7 +205,7 @@ pub fn gbps(bytes: usize, secs: f64) -> f64 {
 }
 
 /// Sizes on the command line read as in the daemon's config.
-pub use kvtier_daemon::config::parse_size;
+pub use kvtier_daemon::base::units::parse_size;
 
 /// A seeded Fisher-Yates permutation of 0..n, for random read order.
 pub fn shuffled(n: usize, seed: u64) -> Vec<usize> {

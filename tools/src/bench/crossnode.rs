@@ -366,7 +366,7 @@ pub fn run(a: CrossnodeArgs) -> Result<()> {
     };
     for _ in 0..a.rounds {
         prep()?;
-        let r = kvtier_daemon::peer::bench::raw_tcp_transfer(&files, 1 << 20)?;
+        let r = kvtier_daemon::tiers::peer::bench::raw_tcp_transfer(&files, 1 << 20)?;
         raw.push(r.bytes as f64 / r.seconds / 1e9);
 
         evict(&nb)?;
@@ -415,14 +415,16 @@ pub fn run(a: CrossnodeArgs) -> Result<()> {
             .worker_threads(2)
             .enable_all()
             .build()?;
-        let pc = kvtier_daemon::peer::PeerClient::new(kvtier_daemon::peer::PeerClientConfig::new(
-            std::fs::read_to_string(&secret)?.trim().as_bytes().to_vec(),
-        ))?;
+        let pc = kvtier_daemon::tiers::peer::PeerClient::new(
+            kvtier_daemon::tiers::peer::PeerClientConfig::new(
+                std::fs::read_to_string(&secret)?.trim().as_bytes().to_vec(),
+            ),
+        )?;
         for f in &files {
             std::hint::black_box(std::fs::read(f)?);
         }
         let ids: Vec<_> = keys.iter().map(|k| (ns.id(), *k)).collect();
-        rt.block_on(kvtier_daemon::peer::bench::breakdown(
+        rt.block_on(kvtier_daemon::tiers::peer::bench::breakdown(
             &pc,
             &format!("127.0.0.1:{pa}"),
             &ids,

@@ -6,16 +6,16 @@
 //! baseline.
 //!
 //! The store and the mount run in this process through the library
-//! (`G3Store` + `kvtier_daemon::mount::start`), the same code `kvtierd
+//! (`G3Store` + `kvtier_daemon::edges::mount::start`), the same code `kvtierd
 //! --mount` runs; the JSON says so under `daemon`.
 
 use super::common::{compare, drop_page_cache, emit, gbps, median, parse_size};
 use anyhow::{Context, Result};
 use clap::Args;
 use kvtier_client::{block_path, BlockHeader, BlockKey, KvLayout, Namespace};
-use kvtier_daemon::config::{MountSection, PassthroughMode};
-use kvtier_daemon::g3::{G3Config, G3Store, PutMeta};
-use kvtier_daemon::policy::Lru;
+use kvtier_daemon::edges::mount::{MountSection, PassthroughMode};
+use kvtier_daemon::tiers::g3::{G3Config, G3Store, PutMeta};
+use kvtier_daemon::tiers::policy::Lru;
 use serde_json::{json, Map, Value};
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -88,7 +88,7 @@ fn run_variant(
         verify_on_open: v.verify_on_open,
         ..MountSection::default()
     };
-    let handle = kvtier_daemon::mount::start(&section, g3.clone(), None)
+    let handle = kvtier_daemon::edges::mount::start(&section, g3.clone(), None)
         .with_context(|| format!("mounting at {}", mnt.display()))?;
     let passthrough_active = handle.passthrough_active();
     let through: Vec<PathBuf> = rels.iter().map(|r| mnt.join(r)).collect();
@@ -197,7 +197,7 @@ pub fn run(a: FsArgs) -> Result<()> {
     g3.close()?;
     let report = json!({
         "bench": "fs",
-        "daemon": "library: G3Store + kvtier_daemon::mount::start in this process (the code kvtierd --mount runs)",
+        "daemon": "library: G3Store + kvtier_daemon::edges::mount::start in this process (the code kvtierd --mount runs)",
         "dir": a.dir.display().to_string(),
         "block_size_bytes": a.block_size,
         "file_bytes": file_bytes,

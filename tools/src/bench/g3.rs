@@ -9,11 +9,11 @@ use super::common::{
 use anyhow::{Context, Result};
 use clap::Args;
 use kvtier_client::{BlockHeader, BlockKey, KvLayout, Namespace};
-use kvtier_daemon::g3::engine::{AlignedBuf, EngineKind};
-use kvtier_daemon::g3::index::{digest, Entry, MemIndex};
-use kvtier_daemon::g3::{G3Config, G3Store, PutMeta, SyncMode};
-use kvtier_daemon::policy::{BlockMeta, EvictionPolicy, Lru};
-use kvtier_daemon::tier::Lookup;
+use kvtier_daemon::base::tier::Lookup;
+use kvtier_daemon::tiers::g3::engine::{AlignedBuf, EngineKind};
+use kvtier_daemon::tiers::g3::index::{digest, Entry, MemIndex};
+use kvtier_daemon::tiers::g3::{G3Config, G3Store, PutMeta, SyncMode};
+use kvtier_daemon::tiers::policy::{BlockMeta, EvictionPolicy, Lru};
 use serde_json::{json, Map, Value};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
@@ -338,7 +338,7 @@ fn lookup_report(n: usize) -> Value {
     for (i, &start) in starts.iter().enumerate() {
         chain.clear();
         chain.extend((start..start + 64).map(key_of));
-        let digs = kvtier_daemon::g3::G3Store::chain_digests(&ns, &chain);
+        let digs = kvtier_daemon::tiers::g3::G3Store::chain_digests(&ns, &chain);
         // The name digests alone (what the lookup adds to the probes).
         let t = Instant::now();
         let mut ids = [(0u64, 0u64); 64];
@@ -602,7 +602,7 @@ fn pool_restart_report(
 /// directly, and the open that trusts the marker is timed (it reads only
 /// the index, so the files' absence does not change what is measured).
 fn clean_restart_report(tmp: &Path, n: usize, depth: usize, engine: EngineKind) -> Result<Value> {
-    use kvtier_daemon::g3::index::{DiskIndex, Record};
+    use kvtier_daemon::tiers::g3::index::{DiskIndex, Record};
     let root = tmp.join("clean-restart");
     let _ = std::fs::remove_dir_all(&root);
     let store = open_store(&root, depth, engine, SyncMode::Auto)?;
@@ -641,7 +641,7 @@ fn clean_restart_report(tmp: &Path, n: usize, depth: usize, engine: EngineKind) 
     let fill_s = t.elapsed().as_secs_f64();
     // The snapshot written by the empty store's close is for 0 blocks:
     // without it the clean open loads the records from redb.
-    std::fs::remove_file(root.join(kvtier_daemon::g3::SNAPSHOT_FILE))?;
+    std::fs::remove_file(root.join(kvtier_daemon::tiers::g3::SNAPSHOT_FILE))?;
     drop_page_cache();
     let t = Instant::now();
     let store = open_store(&root, depth, engine, SyncMode::Auto)?;

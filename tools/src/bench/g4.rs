@@ -8,9 +8,9 @@
 
 use super::common::{compare, emit, median};
 use anyhow::{Context, Result};
-use kvtier_daemon::conformance::{block, namespace};
-use kvtier_daemon::g4::{G4Config, G4Store};
+use kvtier_daemon::testkit::conformance::{block, namespace};
 use kvtier_daemon::testkit::s3::S3Server;
+use kvtier_daemon::tiers::g4::{G4Config, G4Store};
 use object_store::path::Path;
 use object_store::{ObjectStoreExt, PutPayload};
 use serde_json::{json, Map, Value};

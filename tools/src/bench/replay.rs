@@ -9,12 +9,12 @@ use super::replay_daemon::{self, DaemonReplayConfig};
 use super::replay_suite::{self, SeedSet};
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use kvtier_daemon::policy::admission::G4Admission;
-use kvtier_daemon::policy::replay::{
+use kvtier_daemon::tiers::policy::admission::G4Admission;
+use kvtier_daemon::tiers::policy::replay::{
     capacity_for_fraction, measure_admission, replay_dry, replay_two_tier, PolicyKind, ReplayStats,
     TtftModel, TwoTierTtft,
 };
-use kvtier_daemon::policy::trace::Trace;
+use kvtier_daemon::tiers::policy::trace::Trace;
 use serde_json::{json, Map, Value};
 use std::path::PathBuf;
 use std::time::Instant;

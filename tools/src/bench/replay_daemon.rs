@@ -50,10 +50,12 @@ use kvtier_client::{
     BlockKey, Client, ClientConfig, Hints, KvLayout, Namespace, NsHandle, OffloadBlock,
     OffloadOutcome, Onboarded, Tier,
 };
-use kvtier_daemon::error::Error as DaemonError;
-use kvtier_daemon::g3::G3Store;
-use kvtier_daemon::policy::replay::{replay, replay_kvtierd, PolicyKind, ReplayTarget, TtftModel};
-use kvtier_daemon::policy::trace::{RequestHints, Trace};
+use kvtier_daemon::base::error::Error as DaemonError;
+use kvtier_daemon::tiers::g3::G3Store;
+use kvtier_daemon::tiers::policy::replay::{
+    replay, replay_kvtierd, PolicyKind, ReplayTarget, TtftModel,
+};
+use kvtier_daemon::tiers::policy::trace::{RequestHints, Trace};
 use serde_json::{json, Map, Value};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -338,7 +340,7 @@ impl ReplayTarget for DaemonTarget<'_> {
         format!("kvtierd at {}", self.client.config().socket.display())
     }
 
-    fn lookup(&mut self, ids: &[u64]) -> kvtier_daemon::error::Result<usize> {
+    fn lookup(&mut self, ids: &[u64]) -> kvtier_daemon::base::error::Result<usize> {
         let keys: Vec<BlockKey> = ids.iter().map(|&i| key_of(i)).collect();
         let t = Instant::now();
         let r = self.h.lookup(&keys);
@@ -387,7 +389,8 @@ impl ReplayTarget for DaemonTarget<'_> {
                         }
                         self.m.verified_blocks += 1;
                     }
-                    Onboarded::Miss(_) => {
+                    // A miss, or an outcome this tool does not know yet.
+                    _ => {
                         self.m.onboard_misses += 1;
                         hits = hits.min(i);
                     }
@@ -401,7 +404,7 @@ impl ReplayTarget for DaemonTarget<'_> {
         Ok(hits)
     }
 
-    fn store(&mut self, ids: &[u64], from: usize) -> kvtier_daemon::error::Result<()> {
+    fn store(&mut self, ids: &[u64], from: usize) -> kvtier_daemon::base::error::Result<()> {
         self.store_with_hints(ids, from, None)
     }
 
@@ -412,7 +415,7 @@ impl ReplayTarget for DaemonTarget<'_> {
         ids: &[u64],
         from: usize,
         hints: Option<RequestHints>,
-    ) -> kvtier_daemon::error::Result<()> {
+    ) -> kvtier_daemon::base::error::Result<()> {
         if from >= ids.len() {
             return Ok(());
         }
@@ -448,6 +451,12 @@ impl ReplayTarget for DaemonTarget<'_> {
                             ids[start + j],
                             m.cause,
                             m.detail
+                        )))
+                    }
+                    other => {
+                        return Err(target_err(format!(
+                            "offload of trace block {}: unexpected outcome {other:?}",
+                            ids[start + j]
                         )))
                     }
                 }

@@ -1,5 +1,5 @@
 //! `kvtier bench replay --suite`: the default policy on the held-out
-//! traces (daemon/src/policy/synth.rs, evaluation seeds unless `--seeds
+//! traces (daemon/src/tiers/policy/synth.rs, evaluation seeds unless `--seeds
 //! tune`) and on a real trace when `--trace` is given, per capacity: LRU
 //! (the baseline), default, Belady (the bound), and the share of the
 //! LRU-Belady gap the default closes; for traces that carry engine hints
@@ -8,9 +8,9 @@
 //! with them (`hit_ratio_hinted`, `gap_closed_hinted`).
 
 use anyhow::{bail, Result};
-use kvtier_daemon::policy::replay::{capacity_for_fraction, replay_dry, PolicyKind};
-use kvtier_daemon::policy::synth::{Shape, EVAL_SEEDS, TUNE_SEEDS};
-use kvtier_daemon::policy::trace::Trace;
+use kvtier_daemon::tiers::policy::replay::{capacity_for_fraction, replay_dry, PolicyKind};
+use kvtier_daemon::tiers::policy::synth::{Shape, EVAL_SEEDS, TUNE_SEEDS};
+use kvtier_daemon::tiers::policy::trace::Trace;
 use serde_json::{json, Value};
 
 /// Capacities of the suite, as fractions of each trace's distinct blocks.

@@ -1,0 +1,229 @@
+//! Taking a block out of the tier: `delete_block` (on request) and
+//! `remove_block` (eviction too) unlink the file; `forget` drops it from
+//! memory, policy and redb, refusing to touch a colliding name, and takes
+//! the descendants that the removal left unreachable along (chains.rs).
+
+use super::index::digest;
+use super::{lock_err, G3Event, G3Store, RemoveReason};
+use crate::base::error::{Error, Result};
+use kvtier_client::{BlockKey, NamespaceId};
+
+impl G3Store {
+    /// Deletes a block (leases and pins do not protect against this);
+    /// `false` when absent.
+    pub fn delete_block(&self, ns: &NamespaceId, key: &BlockKey) -> Result<bool> {
+        self.remove_block(ns, key, RemoveReason::Deleted, false)
+    }
+
+    /// Evicts a block on request (leases and pins do not protect against
+    /// this either): [`G3Store::delete_block`] (the same `Deleted` event,
+    /// as before), but its file may be kept in the recycle pool for a
+    /// later offload of the same size to overwrite (recycle.rs); `false`
+    /// when absent.
+    pub fn evict_block(&self, ns: &NamespaceId, key: &BlockKey) -> Result<bool> {
+        self.remove_block(ns, key, RemoveReason::Deleted, true)
+    }
+
+    /// `retire`: the file may go to the recycle pool rather than be
+    /// unlinked (not when the room is needed now: pooled bytes count
+    /// against capacity, so retiring frees nothing).
+    pub(super) fn remove_block(
+        &self,
+        ns: &NamespaceId,
+        key: &BlockKey,
+        reason: RemoveReason,
+        retire: bool,
+    ) -> Result<bool> {
+        self.remove_block_as(ns, key, Some(reason), retire)
+    }
+
+    /// [`G3Store::remove_block`]; `reason` `None`: no `Removed` event (a
+    /// block never announced as stored, `take_back`).
+    fn remove_block_as(
+        &self,
+        ns: &NamespaceId,
+        key: &BlockKey,
+        reason: Option<RemoveReason>,
+        retire: bool,
+    ) -> Result<bool> {
+        let (id, check) = digest(ns, key);
+        let present = self
+            .mem
+            .read()
+            .map_err(|_| lock_err("g3 index"))?
+            .map
+            .get(&id)
+            .is_some_and(|e| e.check == check);
+        if !present {
+            return Ok(false);
+        }
+        let path = self.block_file_path(ns, key);
+        let removed = if retire {
+            let len = self
+                .mem
+                .read()
+                .map_err(|_| lock_err("g3 index"))?
+                .map
+                .get(&id)
+                .map(super::index::Entry::file_len)
+                .unwrap_or(0);
+            self.retire_or_unlink(&path, len)
+        } else {
+            match self.fs.remove_file(&path, super::seam::Unlink::Block) {
+                Ok(()) => Ok(true),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+                Err(e) => Err(e),
+            }
+        };
+        let unlinked = match removed {
+            Ok(true) => {
+                self.note_removal(&path);
+                true
+            }
+            Ok(false) => false,
+            Err(e) => return Err(Error::io("removing", &path, e)),
+        };
+        if self.forget(ns, key, id)? {
+            if let Some(reason) = reason {
+                self.emit(G3Event::Removed {
+                    ns: *ns,
+                    key: *key,
+                    reason,
+                });
+            }
+            return Ok(true);
+        }
+        // A reader (the uploader, an onboard) that opened the file just
+        // after our unlink found it gone and dropped the entry (with its
+        // own Removed event) first: the block is still ours to report
+        // removed, not absent.
+        Ok(unlinked)
+    }
+
+    /// Remembers the directory of an unlinked block file (see
+    /// `unsynced_removals`).
+    pub(super) fn note_removal(&self, path: &std::path::Path) {
+        if let (Some(d), Ok(mut set)) = (path.parent(), self.unsynced_removals.lock()) {
+            set.insert(d.to_path_buf());
+        }
+    }
+
+    /// Remembers a directory whose entries changed without an fsync (a
+    /// recycled write's rename, recycle.rs): made durable with the
+    /// removals at close.
+    pub(super) fn note_unsynced_dir(&self, dir: &std::path::Path) {
+        if let Ok(mut set) = self.unsynced_removals.lock() {
+            set.insert(dir.to_path_buf());
+        }
+    }
+
+    /// Makes every unlink so far durable (close, before the marker).
+    pub(super) fn sync_removals(&self) -> Result<()> {
+        let mut dirs: Vec<std::path::PathBuf> = self
+            .unsynced_removals
+            .lock()
+            .map_err(|_| lock_err("g3 removals"))?
+            .drain()
+            .collect();
+        // `recycle/` last: its fsync makes the removal of names recycled
+        // writes renamed into `blocks/` durable, which must not come before
+        // their new names (recycle.rs).
+        dirs.sort_by_key(|d| *d == self.recycle_dir);
+        for d in dirs {
+            match self
+                .fs
+                .sync_dir(&d, super::seam::SyncSite::CloseRemovalsFsync)
+            {
+                Ok(()) => {}
+                // A shard directory removed behind our back: nothing to sync.
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(Error::io("flushing directory", &d, e)),
+            }
+        }
+        Ok(())
+    }
+
+    /// Removes the held descendants of a block that left (a forced
+    /// removal: delete, `kvtier evict`, corruption, a vanished file;
+    /// eviction takes only leaves): no lookup can reach them any more, so
+    /// they would only take room. Children before their parents, each with
+    /// its `Removed` event. Leases and pins do not keep them (as for the
+    /// removal itself).
+    fn remove_descendants(&self, id: u64) {
+        let ids = match self.mem.read() {
+            Ok(m) => m.chains.descendants(id, m.map.len()),
+            Err(_) => return,
+        };
+        self.remove_unreachable(&ids);
+    }
+
+    /// Removes blocks that no lookup can reach (their parent is gone), and
+    /// their descendants, each with its `Removed` event.
+    pub(super) fn remove_unreachable(&self, ids: &[u64]) {
+        for &id in ids {
+            let Ok(Some(rec)) = self.disk.get(id) else {
+                continue;
+            };
+            match self.remove_block(&rec.ns, &rec.key, RemoveReason::Deleted, false) {
+                Ok(true) => {
+                    self.counters
+                        .unreachable_removed
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::warn!(key = %rec.key, error = %e, "g3: cannot remove a block whose parent is gone");
+                }
+            }
+        }
+    }
+
+    /// Takes back blocks of a batch that were written but found unreachable
+    /// when published (an earlier block of their chain failed, or their
+    /// parent was removed by force meanwhile): answered `ParentAbsent` and
+    /// never announced, so no `Removed` event either. `ids` in batch order
+    /// (a parent before its child): taken last first, so none goes as
+    /// another's descendant (which would announce it).
+    pub(super) fn take_back(&self, ids: &[u64]) {
+        for &id in ids.iter().rev() {
+            let Ok(Some(rec)) = self.disk.get(id) else {
+                continue;
+            };
+            if let Err(e) = self.remove_block_as(&rec.ns, &rec.key, None, false) {
+                tracing::warn!(key = %rec.key, error = %e, "g3: cannot take back a block whose parent is gone");
+            }
+        }
+    }
+
+    /// Drops a block from memory, policy and redb (not the file), and its
+    /// descendants with it (`remove_descendants`).
+    pub(super) fn forget(&self, ns: &NamespaceId, key: &BlockKey, id: u64) -> Result<bool> {
+        let forgotten = self.forget_one(ns, key, id)?;
+        if forgotten {
+            self.remove_descendants(id);
+        }
+        Ok(forgotten)
+    }
+
+    fn forget_one(&self, ns: &NamespaceId, key: &BlockKey, id: u64) -> Result<bool> {
+        let (_, check) = digest(ns, key);
+        // Another name whose digest collides keeps its entry (read before
+        // the lock: no I/O under it).
+        if matches!(self.disk.get(id), Ok(Some(r)) if r.ns != *ns || r.key != *key) {
+            return Ok(false);
+        }
+        let removed = {
+            let mut mem = self.mem.write().map_err(|_| lock_err("g3 index"))?;
+            if mem.map.get(&id).is_none_or(|e| e.check != check) {
+                return Ok(false);
+            }
+            let e = mem.remove(ns, id);
+            if let Ok(mut p) = self.policy.lock() {
+                p.on_remove(id);
+            }
+            e.is_some()
+        };
+        self.disk.remove(&[id])?;
+        Ok(removed)
+    }
+}
