@@ -90,6 +90,13 @@ fi
 KVTIER_BIN_DIR="$PWD/target/debug" "${peers_cargo[@]}" test --manifest-path tools/peers/Cargo.toml
 step "bench table at a tiny size (scripts/bench-table.sh --tiny: io, the group flush variant, g3; JSON contract, 0 lost)"
 ./scripts/bench-table.sh --tiny --bin target/debug --out target/bench-table-tiny --only io,io_flush,g3
+# kvtierd as it ships: the daemon built alone, without the testkit/bench
+# features the test crates turned on above (cargo unifies features within
+# one run). Fails if product code needs test or bench scaffolding; the
+# deployment checks below, the systemd boot and the Python suites then run
+# this very binary.
+step "kvtierd as shipped (cargo build -p kvtier-daemon --bin kvtierd: no testkit/bench features)"
+cargo build -p kvtier-daemon --bin kvtierd
 step "deployment artefacts (systemd unit, container build file, Kubernetes manifest)"
 ./scripts/check-deploy.sh target/debug/kvtierd
 step "the systemd unit under a booted systemd (Debian in systemd-nspawn; the first run builds its root file system, about a minute)"

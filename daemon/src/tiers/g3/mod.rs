@@ -257,8 +257,8 @@ impl G3Store {
     }
 
     /// Like [`G3Store::open_with_engine`] over a given filesystem seam (a
-    /// [`powerloss::PowerLossFs`] in the crash harness; its
-    /// [`powerloss::PowerLossFs::engine`] wraps `engine`).
+    /// `powerloss::PowerLossFs` in the crash harness; its
+    /// `PowerLossFs::engine` wraps `engine`).
     pub fn open_with_fs(
         cfg: G3Config,
         policy: Box<dyn EvictionPolicy>,

@@ -475,7 +475,7 @@ impl G3Fs for PowerLossFs {
         true
     }
 
-    fn index_backend(&self, path: &Path) -> io::Result<Option<IndexFile>> {
+    fn index_backend(&self, path: &Path) -> io::Result<Option<super::seam::IndexBackend>> {
         let mut st = self.op()?;
         let exists = path.exists();
         let file = OpenOptions::new()
@@ -491,11 +491,11 @@ impl G3Fs for PowerLossFs {
             self.created(&mut st, path, ino)?;
         }
         drop(st);
-        Ok(Some(IndexFile {
+        Ok(Some(super::seam::IndexBackend(Box::new(IndexFile {
             fs: Arc::clone(&self.shared),
             file,
             ino,
-        }))
+        }))))
     }
 }
 

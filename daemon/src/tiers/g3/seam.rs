@@ -1,7 +1,7 @@
 //! The filesystem seam: every G3 operation that changes what is on disk
 //! (create, rename, unlink, mkdir, file and directory syncs, the index
 //! file) goes through one [`G3Fs`], so that a crash-simulating
-//! implementation ([`super::powerloss::PowerLossFs`]) can decide what a
+//! implementation (the crash harness's `powerloss::PowerLossFs`) can decide what a
 //! power cut keeps. Block data moves through the [`super::engine::IoEngine`]
 //! as before; the simulator wraps that too. Production uses [`RealFs`]:
 //! the same std::fs and libc calls as before the seam, one dynamic call
@@ -169,7 +169,7 @@ pub trait G3Fs: Send + Sync + std::fmt::Debug {
     fn remove_dir_all(&self, path: &Path) -> io::Result<()>;
     /// The storage behind `index.redb`: `None` lets redb open the file
     /// itself (production).
-    fn index_backend(&self, path: &Path) -> io::Result<Option<super::powerloss::IndexFile>>;
+    fn index_backend(&self, path: &Path) -> io::Result<Option<IndexBackend>>;
     /// Opens an existing file for writing in place (`O_WRONLY` plus
     /// `custom_flags`, no create, no truncate): a recycled block file.
     fn open_existing(&self, path: &Path, custom_flags: i32) -> io::Result<File> {
@@ -256,7 +256,44 @@ impl G3Fs for RealFs {
         std::fs::remove_dir_all(path)
     }
 
-    fn index_backend(&self, _path: &Path) -> io::Result<Option<super::powerloss::IndexFile>> {
+    fn index_backend(&self, _path: &Path) -> io::Result<Option<IndexBackend>> {
         Ok(None)
+    }
+}
+
+/// Storage for `index.redb` other than the file redb opens itself: the
+/// crash harness's simulated file. A box, so that the seam names no test
+/// type (the harness is compiled only for tests).
+pub struct IndexBackend(pub Box<dyn redb::StorageBackend>);
+
+impl std::fmt::Debug for IndexBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl redb::StorageBackend for IndexBackend {
+    fn len(&self) -> io::Result<u64> {
+        self.0.len()
+    }
+
+    fn read(&self, offset: u64, out: &mut [u8]) -> io::Result<()> {
+        self.0.read(offset, out)
+    }
+
+    fn set_len(&self, len: u64) -> io::Result<()> {
+        self.0.set_len(len)
+    }
+
+    fn sync_data(&self) -> io::Result<()> {
+        self.0.sync_data()
+    }
+
+    fn write(&self, offset: u64, data: &[u8]) -> io::Result<()> {
+        self.0.write(offset, data)
+    }
+
+    fn close(&self) -> io::Result<()> {
+        self.0.close()
     }
 }
