@@ -405,7 +405,7 @@ impl G3Fs for CopyWindowFs {
     fn index_backend(
         &self,
         path: &Path,
-    ) -> io::Result<Option<kvtier_daemon::tiers::g3::powerloss::IndexFile>> {
+    ) -> io::Result<Option<kvtier_daemon::tiers::g3::seam::IndexBackend>> {
         RealFs.index_backend(path)
     }
     fn payload_copied(&self, _file_off: u64) {

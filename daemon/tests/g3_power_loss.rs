@@ -675,7 +675,7 @@ impl kvtier_daemon::tiers::g3::seam::G3Fs for GateFs {
     fn index_backend(
         &self,
         p: &Path,
-    ) -> std::io::Result<Option<kvtier_daemon::tiers::g3::powerloss::IndexFile>> {
+    ) -> std::io::Result<Option<kvtier_daemon::tiers::g3::seam::IndexBackend>> {
         kvtier_daemon::tiers::g3::seam::RealFs.index_backend(p)
     }
 }

@@ -7,7 +7,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs, dead_code)]
 
 use kvtier_daemon::tiers::g3::engine::{AlignedBuf, FillFn, IoEngine, ReadyFn, UringEngine};
-use kvtier_daemon::tiers::g3::powerloss::IndexFile;
+use kvtier_daemon::tiers::g3::seam::IndexBackend;
 use kvtier_daemon::tiers::g3::seam::{G3Fs, RealFs, SyncSite, Unlink};
 use kvtier_fs::faultfs::{CutReport, FaultFs, FaultMount};
 use std::io::{self, Write};
@@ -107,7 +107,7 @@ impl G3Fs for SkipFs {
     fn remove_dir_all(&self, path: &Path) -> io::Result<()> {
         RealFs.remove_dir_all(path)
     }
-    fn index_backend(&self, path: &Path) -> io::Result<Option<IndexFile>> {
+    fn index_backend(&self, path: &Path) -> io::Result<Option<IndexBackend>> {
         // redb's own file backend, as in production (its sync cannot be
         // removed from here; `index.sync` is not load-bearing anyway).
         RealFs.index_backend(path)
