@@ -438,7 +438,11 @@ fn node_config(cfg: &Config) -> Result<NodeConfig> {
         pause_ms: cfg.g3.scrub_pause_ms,
     };
     n.policy = cfg.g3.policy.clone();
-    n.g4 = cfg.g4.to_g4_config(&cfg.g3.dir);
+    n.g4 = cfg.g4.to_g4_config(&cfg.g3.dir).map(|mut g| {
+        // The bucket's lifecycle views are named by node (one per node).
+        g.node_id = Some(node_id_or_hostname(cfg));
+        g
+    });
     n.admission = cfg
         .g4
         .admission

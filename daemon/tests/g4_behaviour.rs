@@ -355,6 +355,9 @@ fn s3_killed_mid_upload_loses_nothing_and_multipart_works() {
         retry_backoff_ms: 100,
         retry_backoff_max_ms: 500,
         request_timeout_ms: 3_000,
+        // Its lifecycle view (no capacity) expires soon after it is
+        // dropped, so the sweep at the end is agreed.
+        lifecycle_refresh_ms: 100,
         ..server.g4_config("cluster")
     };
     let g4 = G4Store::open(cfg).unwrap();
@@ -395,7 +398,14 @@ fn s3_killed_mid_upload_loses_nothing_and_multipart_works() {
     );
     assert_eq!(safe.lock().unwrap().len(), keys.len());
     // Another node (a fresh store, separate caches) reads every block back.
-    let other = G4Store::open(server.g4_config("cluster")).unwrap();
+    // Another node, with the lifecycle of the sweep at the end (the bucket
+    // is swept only by agreement); its own sweeper never runs here.
+    let other = G4Store::open(G4Config {
+        capacity_bytes: Some(0),
+        sweep_interval_ms: 3_600_000,
+        ..server.g4_config("cluster")
+    })
+    .unwrap();
     for k in &keys {
         let b = other
             .fetch(&ns.id(), k, Duration::from_secs(10))
@@ -412,6 +422,7 @@ fn s3_killed_mid_upload_loses_nothing_and_multipart_works() {
     let cfg = G4Config {
         multipart_threshold_bytes: 6 << 20,
         multipart_part_bytes: 5 << 20,
+        lifecycle_refresh_ms: 100,
         ..server.g4_config("cluster")
     };
     let mp = G4Store::open(cfg).unwrap();
@@ -438,7 +449,10 @@ fn s3_killed_mid_upload_loses_nothing_and_multipart_works() {
         .hit()
         .unwrap();
     assert_eq!(hdr, bh);
-    // The sweeper's listing and batched delete on the real server.
+    // The sweeper's listing and batched delete on the real server, once
+    // the nodes without a lifecycle have stopped and their views expired.
+    drop((g4, mp));
+    std::thread::sleep(Duration::from_millis(400));
     let cfg = G4Config {
         capacity_bytes: Some(0),
         sweep_min_age_ms: 0,
@@ -535,4 +549,74 @@ fn g4_count_follows_evicts_and_sweeps() {
     assert_eq!((rep.listed, rep.deleted), (4, 0));
     assert_eq!(g4.count().unwrap().blocks, 4);
     assert_eq!(g4.stats().deleted_blocks, 4);
+}
+
+/// Issue 42: two nodes share one bucket (a real S3 server); only node A
+/// sets a capacity. A's sweep must not delete B's blocks (B agreed to no
+/// deletions), says why in /healthz and its metrics, and sweeps again
+/// once B's config agrees.
+#[test]
+fn one_nodes_lifecycle_never_deletes_another_nodes_blocks() {
+    let Some(server) = S3Server::start("kvtier-lifecycle").unwrap() else {
+        eprintln!("SKIP: .venv/bin/weed not installed (run scripts/setup.sh)");
+        return;
+    };
+    let ns = namespace(4096, "lifecycle").unwrap();
+    let node = |id: &str, capacity: Option<u64>| {
+        G4Store::open(G4Config {
+            capacity_bytes: capacity,
+            sweep_min_age_ms: 0,
+            sweep_interval_ms: 3_600_000,
+            lifecycle_refresh_ms: 60_000,
+            node_id: Some(id.into()),
+            ..server.g4_config("cluster")
+        })
+        .unwrap()
+    };
+    let b = node("node-b", None);
+    let mut keys = Vec::new();
+    for s in 0..8 {
+        let (k, h, p) = block(&ns, s);
+        b.put(&ns.id(), &h, &p).unwrap();
+        keys.push(k);
+    }
+    let a = node("node-a", Some(8192));
+    // Both views are in the bucket (each node writes its own at open).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while a.lifecycle_views().map_or(0, |v| v.len()) < 2 {
+        assert!(Instant::now() < deadline, "lifecycle views not written");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let rep = a.sweep_once().unwrap();
+    assert_eq!(rep.deleted, 0, "node A deleted node B's blocks: {rep:?}");
+    assert_eq!(rep.refused, 7, "{rep:?}");
+    for k in &keys {
+        assert!(
+            b.fetch(&ns.id(), k, Duration::from_secs(5)).hit().is_some(),
+            "node B lost {k:?} to node A's lifecycle"
+        );
+    }
+    let health = a.health().join("\n");
+    assert!(
+        health.contains("lifecycle not agreed") && health.contains("node-b"),
+        "{health}"
+    );
+    assert_eq!(a.stats().lifecycle_conflict, 1);
+    assert_eq!(a.stats().lifecycle_conflicts, 1);
+    // B restarts with the same lifecycle: agreed, A sweeps to capacity.
+    drop(b);
+    let b = node("node-b", Some(8192));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let rep = a.sweep_once().unwrap();
+        if rep.deleted > 0 {
+            assert_eq!((rep.deleted, rep.refused), (7, 0), "{rep:?}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "never agreed: {rep:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(a.health().is_empty(), "{:?}", a.health());
+    assert_eq!(a.stats().lifecycle_conflict, 0);
+    drop(b);
 }

@@ -67,6 +67,7 @@ const SCRAPED_COUNTERS: &[(&str, &str, &[&str])] = &[
     ("kvtier_g4_sweeps_total", "G4 sweeper runs", &[]),
     ("kvtier_g4_swept_blocks_total", "G4 objects deleted by the sweeper (capacity, TTL)", &[]),
     ("kvtier_g4_swept_bytes_total", "G4 bytes deleted by the sweeper", &[]),
+    ("kvtier_g4_lifecycle_conflicts_total", "G4 sweeps that deleted nothing because another node's lifecycle view disagreed", &[]),
     ("kvtier_g4_breaker_opened_total", "Times the G4 circuit breaker opened", &[]),
     ("kvtier_g4_breaker_rejected_total", "G4 calls refused by the open breaker (no request sent)", &[]),
     ("kvtier_g4_probes_total", "Active G4 probes sent while the breaker was open or the start-up check failing", &[]),
@@ -132,6 +133,7 @@ const SCRAPED_GAUGES: &[(&str, &str, &[&str])] = &[
     ("kvtier_g4_uploads_in_flight", "G4 uploads in flight", &[]),
     ("kvtier_g4_breaker_open", "1 while the G4 circuit breaker is open (G4 calls refused)", &[]),
     ("kvtier_g4_startup_check", "The G4 start-up check, 1 for its state (passed, failed, not_run)", &["state"]),
+    ("kvtier_g4_lifecycle_conflict", "1 while the last G4 sweep found the bucket's lifecycle not agreed by every node (it deleted nothing)", &[]),
     ("kvtier_g4_listing_truncated", "1 when the last G4 listing stopped at sweep_list_max (kvtier_blocks{tier=\"g4\"} is a floor)", &[]),
     ("kvtier_g4_backlog_blocks", "G3 blocks not yet safe in G4 that admission would upload, at the last backlog scan", &[]),
     ("kvtier_g4_backlog_bytes", "Bytes (block files) of kvtier_g4_backlog_blocks", &[]),
@@ -616,6 +618,7 @@ impl Metrics {
             ("kvtier_g4_sweeps_total", g.sweep_runs),
             ("kvtier_g4_swept_blocks_total", g.sweep_deleted),
             ("kvtier_g4_swept_bytes_total", g.sweep_deleted_bytes),
+            ("kvtier_g4_lifecycle_conflicts_total", g.lifecycle_conflicts),
             ("kvtier_g4_breaker_opened_total", g.breaker_opened),
             ("kvtier_g4_breaker_rejected_total", g.breaker_rejected),
             ("kvtier_g4_probes_total", g.probes),
@@ -631,6 +634,7 @@ impl Metrics {
             self.count(name, &[], x);
         }
         self.gauge("kvtier_g4_listing_truncated", &[], g.listing_truncated);
+        self.gauge("kvtier_g4_lifecycle_conflict", &[], g.lifecycle_conflict);
         self.gauge("kvtier_g4_backlog_blocks", &[], g.backlog_blocks);
         self.gauge("kvtier_g4_backlog_bytes", &[], g.backlog_bytes);
         self.gauge(

@@ -73,6 +73,14 @@ pub struct G4Config {
     pub sweep_min_age_ms: u64,
     /// Most objects one sweep lists (bounds its memory).
     pub sweep_list_max: usize,
+    /// How often this node rewrites its lifecycle view in the bucket
+    /// (`lifecycle/<node-id>.json`, valid for three refreshes). The sweeper
+    /// deletes only while every live view agrees (`lifecycle.rs`).
+    pub lifecycle_refresh_ms: u64,
+    /// This node's id in the bucket's lifecycle views (set by kvtierd from
+    /// `peer.node_id` or the hostname; unset: a random id per process).
+    #[serde(skip)]
+    pub node_id: Option<String>,
     /// Upload jobs waiting at most; more are dropped and counted.
     pub upload_queue_max: usize,
     /// Uploads in flight at most.
@@ -162,6 +170,8 @@ impl Default for G4Config {
             sweep_interval_ms: 60_000,
             sweep_min_age_ms: 60_000,
             sweep_list_max: 1_000_000,
+            lifecycle_refresh_ms: 60_000,
+            node_id: None,
             upload_queue_max: 4096,
             upload_concurrency: 8,
             upload_retries: 12,

@@ -23,6 +23,7 @@ mod census;
 pub mod config;
 mod exists;
 mod fetch;
+pub mod lifecycle;
 mod probe;
 pub mod scrub;
 pub mod stats;
@@ -61,6 +62,13 @@ pub(crate) struct Inner {
     pub(crate) store: Arc<dyn ObjectStore>,
     /// `<prefix>/blocks`.
     pub(crate) blocks_root: Path,
+    /// `<prefix>/lifecycle`: every node's lifecycle view.
+    pub(crate) lifecycle_root: Path,
+    /// This node's id in those views.
+    node_id: String,
+    /// Why the last sweep deleted nothing for want of agreement (`None`:
+    /// agreed, or no sweep yet).
+    pub(crate) lifecycle_conflict: Mutex<Option<String>>,
     pub(crate) cfg: G4Config,
     secrets: Vec<String>,
     pub(crate) stats: G4Stats,
@@ -167,6 +175,12 @@ impl G4Store {
         let inner = Arc::new(Inner {
             store,
             blocks_root: prefix.clone().join("blocks"),
+            lifecycle_root: prefix.clone().join("lifecycle"),
+            node_id: cfg
+                .node_id
+                .clone()
+                .unwrap_or_else(|| format!("node-{:016x}", rand::random::<u64>())),
+            lifecycle_conflict: Mutex::new(None),
             secrets: cfg.secrets(),
             stats: G4Stats::default(),
             exists: Mutex::new(ExistsCache::new(
@@ -197,6 +211,7 @@ impl G4Store {
         if inner.cfg.capacity_bytes.is_some() || inner.cfg.ttl_ms.is_some() {
             sweeper::spawn_background(&inner);
         }
+        lifecycle::spawn_publisher(&inner);
         census::spawn_at_start(&inner);
         probe::spawn(&inner);
         Ok(G4Store {
@@ -243,6 +258,11 @@ impl G4Store {
     /// problem, and an open circuit breaker.
     pub fn health(&self) -> Vec<String> {
         let mut v: Vec<String> = lock(&self.inner.startup_problem).iter().cloned().collect();
+        v.extend(
+            lock(&self.inner.lifecycle_conflict)
+                .iter()
+                .map(|c| format!("G4 lifecycle not agreed: {c}")),
+        );
         match self.inner.breaker.state() {
             BreakerState::Closed => {}
             s => {
@@ -427,6 +447,21 @@ impl G4Store {
         .unwrap_or(false)
     }
 
+    /// The lifecycle views of every node using the bucket that have not
+    /// expired (this node's included; see [`lifecycle`]).
+    pub fn lifecycle_views(&self) -> Result<Vec<lifecycle::LifecycleView>> {
+        let inner = self.inner.clone();
+        self.block_on("lifecycle views", async move {
+            lifecycle::read_live(&inner)
+                .await?
+                .map_err(|why| Error::ObjectStore {
+                    op: "read lifecycle views",
+                    location: inner.lifecycle_root.to_string(),
+                    detail: why,
+                })
+        })
+    }
+
     /// Runs one sweep now (the background sweeper runs the same).
     pub async fn sweep_once_async(&self) -> Result<SweepReport> {
         sweeper::sweep_once(&self.inner).await
@@ -523,6 +558,11 @@ impl Inner {
     }
 
     /// Records the start-up check's outcome (`/healthz`, the gauge).
+    /// This node's id in the bucket's lifecycle views.
+    pub(crate) fn node_id(&self) -> String {
+        self.node_id.clone()
+    }
+
     pub(crate) fn set_startup_problem(&self, problem: Option<String>) {
         self.stats
             .startup_check_ok

@@ -73,6 +73,11 @@ stats! {
     sweep_deleted,
     /// Bytes deleted by the sweeper.
     sweep_deleted_bytes,
+    /// Sweeps that deleted nothing because another node's lifecycle view
+    /// disagreed with this node's.
+    lifecycle_conflicts,
+    /// Gauge: 1 while the last sweep found the lifecycle not agreed.
+    lifecycle_conflict,
     /// Gauge: bytes of blocks in G4 at the last sweep.
     sweep_last_total_bytes,
     /// Gauge: blocks in G4 at the last sweep.

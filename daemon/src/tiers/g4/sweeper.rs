@@ -33,6 +33,9 @@ pub struct SweepReport {
     pub deleted_bytes: u64,
     /// Whether listing stopped at `sweep_list_max`.
     pub truncated: bool,
+    /// Objects the sweep would have deleted but did not: another node's
+    /// lifecycle view disagreed (see `lifecycle.rs`).
+    pub refused: u64,
 }
 
 const DELETE_BATCH: usize = 1000;
@@ -76,6 +79,24 @@ pub(crate) async fn sweep_once(inner: &Inner) -> Result<SweepReport> {
         if expired || over {
             total = total.saturating_sub(m.size);
             victims.push(m);
+        }
+    }
+    // A shared bucket is swept only by agreement: another node whose
+    // lifecycle differs (or who set none) vetoes every deletion.
+    if !victims.is_empty() {
+        match super::lifecycle::check(inner).await? {
+            super::lifecycle::Agreement::Agreed => {
+                *super::lock(&inner.lifecycle_conflict) = None;
+                inner.stats.lifecycle_conflict.store(0, Relaxed);
+            }
+            super::lifecycle::Agreement::Conflict(why) => {
+                tracing::warn!(victims = victims.len(), "G4 sweep deletes nothing: {why}");
+                stats::inc(&inner.stats.lifecycle_conflicts);
+                inner.stats.lifecycle_conflict.store(1, Relaxed);
+                *super::lock(&inner.lifecycle_conflict) = Some(why);
+                rep.refused = victims.len() as u64;
+                victims.clear();
+            }
         }
     }
     for chunk in victims.chunks(DELETE_BATCH) {
