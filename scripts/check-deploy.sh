@@ -43,7 +43,7 @@ check "kubernetes manifest (schema)" $venv/bin/kubernetes-validate --strict depl
 # features on for the test crates: the linker must still find none of it).
 scaffolding() {
   local hits
-  hits=$(nm -C "$kvtierd" 2>/dev/null | grep -E 'kvtier_daemon::(testkit|tiers::g3::(fault|powerloss)|tiers::policy::(replay|synth|belady|trace)|tiers::peer::bench)::' | head -5)
+  hits=$(nm -C "$kvtierd" 2>/dev/null | grep -E 'kvtier_daemon::(testkit|tiers::g3::(fault|powerloss)|tiers::policy::(replay|synth|belady|trace)|tiers::peer::bench)::|kvtier_fs::faultfs::' | head -5)
   [ -z "$hits" ] || { echo "kvtierd links test or bench scaffolding:"; echo "$hits"; return 1; }
   # The check can see symbols at all (a stripped binary would pass anything).
   nm -C "$kvtierd" 2>/dev/null | grep -q 'kvtier_daemon::tiers::g3::' || { echo "no kvtier_daemon symbols in $kvtierd"; return 1; }

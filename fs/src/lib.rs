@@ -10,12 +10,14 @@
 //!
 //! Start with [`KvNamespace`] (what a store implements), [`mount`] (what a
 //! daemon calls) and [`MemNamespace`] (the reference implementation).
-//! Only this crate knows FUSE; it knows nothing of tiers. [`faultfs`] is
-//! test support: a power-cutting FUSE filesystem for crash tests.
+//! Only this crate knows FUSE; it knows nothing of tiers. `faultfs` is
+//! test support (a power-cutting FUSE filesystem for crash tests), built
+//! only for tests and with the `testkit` feature, never into kvtierd.
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used))]
 
 mod adapter;
 pub mod error;
+#[cfg(any(test, feature = "testkit"))]
 pub mod faultfs;
 pub mod memory;
 pub mod mount;
