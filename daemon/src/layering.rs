@@ -157,6 +157,17 @@ fn check(src_dir: &Path) -> std::io::Result<(Vec<Violation>, usize)> {
             .as_deref()
             .is_some_and(|n| n == "tests.rs" || n.starts_with("tests_"));
         let Some((layer, unit)) = unit_of(&rel) else {
+            // Outside the layers: only the crate root, the binary, this
+            // check and the test kit; any other module must join a layer.
+            let top = rel.iter().next().map(|p| p.to_string_lossy().into_owned());
+            let allowed = ["lib.rs", "main.rs", "layering.rs", "testkit"];
+            if !top.as_deref().is_some_and(|t| allowed.contains(&t)) {
+                violations.push(Violation {
+                    file: rel.display().to_string(),
+                    line: 0,
+                    what: format!("a module outside the layers ({})", LAYERS.join(", ")),
+                });
+            }
             continue;
         };
         if is_test_file {
@@ -310,6 +321,18 @@ mod tests {
         assert_eq!(v.len(), 1, "{}", report(&v));
         assert_eq!(v[0].file, "tiers/g3/write.rs");
         assert_eq!(v[0].line, 2);
+    }
+
+    #[test]
+    fn a_module_outside_the_layers_is_found() {
+        let d = tree(&[
+            ("lib.rs", "pub mod base;\npub mod id_floor;\n"),
+            ("base/error.rs", "pub enum Error {}\n"),
+            ("id_floor.rs", "use crate::base::error::Error;\n"),
+        ]);
+        let (v, _) = check(d.path()).unwrap();
+        assert_eq!(v.len(), 1, "{}", report(&v));
+        assert_eq!(v[0].file, "id_floor.rs");
     }
 
     #[test]
