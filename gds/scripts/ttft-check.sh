@@ -73,7 +73,10 @@ if [ -n "$KV_PY_WHY" ]; then
   exit 1
 fi
 echo "ttft: $KV_PY_INFO" >&2
-[ "$route" = two_hop ] && export KVTIER_GDS=off
+case "$route" in
+  two_hop) export KVTIER_GDS=off ;;
+  direct) unset KVTIER_GDS ;;
+esac
 [ "$device" = cpu ] && export KVTIER_PY_HOST_VIA_GDS=1
 rm -rf "$WORK/ttft"
 t0=$SECONDS

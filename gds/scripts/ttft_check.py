@@ -7,10 +7,11 @@ HBM through the same kvtier-gds pipeline (KVTIER_PY_HOST_VIA_GDS=1).
 For each prompt size (`--tokens 8192,32768,131072`, as far as memory
 allows):
 - recompute: one prefill of the whole N-token prompt, then the first token;
-- kvtier: the KV of the first N-1 tokens (offloaded once, after a prefill)
-  is onboarded from kvtierd into the destination, rearranged into the
-  model's cache, and one decode step of the last prompt token gives the
-  first token;
+- kvtier: the KV of the prompt's whole blocks (the first
+  floor((N-1)/B)*B tokens, B tokens per block; offloaded once, after a
+  prefill) is onboarded from kvtierd into the destination, rearranged into
+  the model's cache, and the remaining 1 to B tokens are prefilled on top
+  of it, which gives the first token;
 - baseline: a plain copy of the same bytes into the same destination, from
   pinned host memory on a GPU (the floor any loading path has), from host
   memory on CPU.
@@ -257,7 +258,9 @@ def one_size(a, torch, DynamicCache, model, kvtier, client, dev, n, shape) -> di
     if n_blocks < 1:
         raise CheckFailed(f"{n} tokens is less than one block of {tpb} and a token")
     n_cached = n_blocks * tpb
-    n_prompt = n_cached + 1
+    # The whole prompt; the tokens past the last whole block (1 to tpb) are
+    # prefilled on top of the onboarded KV, as an engine does.
+    n_prompt = n
     g = torch.Generator(device="cpu").manual_seed(n)
     ids = torch.randint(0, model.config.vocab_size, (1, n_prompt), generator=g).to(dev)
     ns = kvtier.Namespace(f"ttft-check/{a.model}", kvtier.Layout(layers, kv_heads, head_dim, "bf16", tpb),
@@ -346,9 +349,9 @@ def one_size(a, torch, DynamicCache, model, kvtier, client, dev, n, shape) -> di
                 k = staging[:, l, 0].permute(1, 0, 2, 3).reshape(1, kv_heads, n_cached, head_dim)
                 v = staging[:, l, 1].permute(1, 0, 2, 3).reshape(1, kv_heads, n_cached, head_dim)
                 cache.update(k.contiguous(), v.contiguous(), l)
-            pos = torch.tensor([[n_cached]], device=dev)
-            logits = model(ids[:, n_cached:], past_key_values=cache, position_ids=pos,
-                           cache_position=pos[0], use_cache=True, logits_to_keep=1).logits[0, -1].float()
+            pos = torch.arange(n_cached, n_prompt, device=dev)
+            logits = model(ids[:, n_cached:], past_key_values=cache, position_ids=pos[None],
+                           cache_position=pos, use_cache=True, logits_to_keep=1).logits[0, -1].float()
             sync()
             t2 = time.perf_counter()
             del cache
@@ -395,7 +398,7 @@ def one_size(a, torch, DynamicCache, model, kvtier, client, dev, n, shape) -> di
     total = n_blocks * block_bytes
     r, k, o, c = (statistics.median(x) for x in (rec, kvt, onb, cpy))
     return {
-        "tokens": n_prompt, "requested_tokens": n, "ok": True, "device": str(dev),
+        "tokens": n_prompt, "tokens_onboarded": n_cached, "ok": True, "device": str(dev),
         "kv_bytes": total, "blocks": n_blocks, "block_bytes": block_bytes, "rounds": a.rounds,
         "ttft_recompute_ms": round(r * 1e3, 3),
         "ttft_kvtier_ms": round(k * 1e3, 3),
