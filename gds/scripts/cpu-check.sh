@@ -22,12 +22,13 @@
 # scripts/test-python.sh built (target/wheels/test-python), and the engines'
 # venv (torch, transformers for CPU; scripts/engines-venv.sh).
 #
-# The size check is of a dev-profile build (what CI has built; a release
-# build here would cost minutes of CI). What it checks is the same folder,
-# files and stripping the GPU run carries; the release folder is smaller
-# still, and --prepare checks the size of what it actually built every time
-# it runs, so the release build for a GPU run is checked too, before any
-# device time is spent.
+# What the size check proves, honestly: it sizes a dev-profile build (what
+# CI has built; a release build would add many minutes to CI), with the
+# same files, the same stripping and the same accounting (the folder plus
+# the checkout's files that travel) as the release folder a GPU run
+# carries. It does not size that release folder: --prepare checks the size
+# of what it actually built every time it runs, so the release build made
+# for a GPU run is checked there, before any device time is spent.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$(pwd)
