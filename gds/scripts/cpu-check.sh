@@ -29,6 +29,8 @@
 # carries. It does not size that release folder: --prepare checks the size
 # of what it actually built every time it runs, so the release build made
 # for a GPU run is checked there, before any device time is spent.
+# Measured once (docs/OPERATIONS.md): dev 44.6 MiB, release 40.1 MiB, both
+# with the checkout.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$(pwd)
