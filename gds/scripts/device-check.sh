@@ -12,6 +12,7 @@
 #       that it and the checkout fit the 64 MiB a GPU run can carry
 #   gds/scripts/device-check.sh --prebuilt [--device cuda|cpu|auto]
 #       on the GPU machine (carry target/device-check; no network): run them
+#   gds/scripts/device-check.sh --size-check  # the size check alone
 #   gds/scripts/device-check.sh             # both, building with --offline
 #
 # --device cuda (default where nvidia-smi lists a GPU): every step must run
