@@ -121,3 +121,9 @@ if ! wait "$engines_venv_pid"; then
   exit 1
 fi
 ./scripts/test-python.sh
+# The GPU run's scripts on CPU (the GPU run itself needs a lent machine; see
+# docs/OPERATIONS.md, "The GPU run"): the carried folder's size with the
+# checkout, a venv-from-venv setup like the GPU machine's, device-check and
+# ttft-check with --device cpu, and negative controls that must fail.
+step "GPU run scripts on CPU (gds/scripts/cpu-check.sh)"
+./gds/scripts/cpu-check.sh

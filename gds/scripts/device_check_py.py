@@ -1,12 +1,17 @@
-"""Python round trip into CUDA device memory (run by device-check.sh on a
-GPU machine): kvtier.Client.onboard_into / offload with torch or cupy
-device tensors against a real kvtierd through kvtier-gds's pipeline (the
-route each result reports: two_hop or direct), verified byte for byte, a
-block corrupted on disk refused on that path, and the
-onboard throughput into device memory beside a plain pinned host-to-device
-copy of the same bytes (the PCIe baseline). Prints one JSON document.
+"""Python round trip into CUDA device memory (run by device-check.sh):
+kvtier.Client.onboard_into / offload with torch device tensors against a
+real kvtierd through kvtier-gds's pipeline (the route each result reports:
+two_hop or direct), verified byte for byte, a block corrupted on disk
+refused on that path, and the onboard throughput into device memory beside
+a plain pinned host-to-device copy of the same bytes (the PCIe baseline).
+Prints one JSON document.
 
-usage: python device_check_py.py KVTIERD WORKDIR [BLOCKS] [BLOCK_BYTES]
+DEVICE cpu (CI): torch CPU tensors take the same pipeline with
+KVTIER_PY_HOST_VIA_GDS=1 (host memory standing in for HBM), and the
+baseline is a plain host copy. DEVICE cuda without torch's CUDA is an
+error, never a skip.
+
+usage: python device_check_py.py KVTIERD WORKDIR [BLOCKS] [BLOCK_BYTES] [DEVICE]
 """
 
 import json
@@ -34,30 +39,17 @@ def start(kvtierd, d):
     raise SystemExit("kvtierd did not start")
 
 
-def lib():
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            return "torch", torch
-    except ImportError:
-        pass
-    try:
-        import cupy
-
-        return "cupy", cupy
-    except ImportError:
-        return None, None
-
-
 def main():
     kvtierd, work = sys.argv[1], sys.argv[2]
     blocks = int(sys.argv[3]) if len(sys.argv) > 3 else 64
     bb = int(sys.argv[4]) if len(sys.argv) > 4 else 2 << 20
-    name, m = lib()
-    if name is None:
-        print(json.dumps({"skip": "neither torch (with CUDA) nor cupy is installed"}))
-        return 0
+    device = sys.argv[5] if len(sys.argv) > 5 else "cuda"
+    import torch as m
+
+    if device == "cuda" and not m.cuda.is_available():
+        raise SystemExit(f"torch {m.__version__}: torch.cuda.is_available() is False")
+    if device == "cpu":
+        os.environ["KVTIER_PY_HOST_VIA_GDS"] = "1"
     os.makedirs(work, exist_ok=True)
     proc, sock = start(kvtierd, work)
     try:
@@ -67,22 +59,13 @@ def main():
         host = [os.urandom(bb) for _ in range(blocks)]
         assert all(c.offload(ns, keys, host)), "offload from host"
 
-        if name == "torch":
-            dev = [m.empty(bb, dtype=m.uint8, device="cuda") for _ in range(blocks)]
-            sync = m.cuda.synchronize
-            to_bytes = lambda t: t.cpu().numpy().tobytes()  # noqa: E731
-            pinned = m.empty(bb, dtype=m.uint8).pin_memory()
+        dev = [m.empty(bb, dtype=m.uint8, device=device) for _ in range(blocks)]
+        sync = m.cuda.synchronize if device == "cuda" else (lambda: None)
+        to_bytes = lambda t: t.cpu().numpy().tobytes()  # noqa: E731
+        pinned = m.empty(bb, dtype=m.uint8, pin_memory=device == "cuda")
 
-            def pinned_copy(dst):
-                dst.copy_(pinned, non_blocking=False)
-        else:
-            dev = [m.empty(bb, dtype=m.uint8) for _ in range(blocks)]
-            sync = m.cuda.runtime.deviceSynchronize
-            to_bytes = lambda t: m.asnumpy(t).tobytes()  # noqa: E731
-            pinned_mem = m.cuda.alloc_pinned_memory(bb)
-
-            def pinned_copy(dst):
-                m.cuda.runtime.memcpy(dst.data.ptr, pinned_mem.ptr, bb, 1)  # cudaMemcpyHostToDevice
+        def pinned_copy(dst):
+            dst.copy_(pinned, non_blocking=False)
 
         # Round trip 1: host -> kvtier -> device, byte for byte, through
         # kvtier-gds's pipeline (the result's route says which way).
@@ -130,7 +113,8 @@ def main():
 
         med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
         print(json.dumps({
-            "library": name,
+            "library": "torch",
+            "device": device,
             "blocks": blocks,
             "block_bytes": bb,
             "roundtrip_device": "ok",
@@ -138,6 +122,7 @@ def main():
             "python_device_fallbacks": fallbacks,
             "corrupt_block_on_device_path": corrupt_miss,
             "python_device_onboard_gbps": med(rounds_on),
+            "baseline": "pinned_h2d" if device == "cuda" else "host_copy",
             "pinned_h2d_gbps": med(rounds_base),
             "python_device_onboard_gbps_vs_baseline": med(rounds_on) / med(rounds_base),
             "python_device_onboard_gbps_rounds": rounds_on,
