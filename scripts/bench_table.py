@@ -258,6 +258,14 @@ def render_compact(recs):
     for r in recs:
         if not compact_keep(r):
             continue
+        if r["figure"].startswith("**"):
+            # A bench that did not run: one row, its reason in the figure
+            # column, no size column of its own.
+            key = (r["bench"], r["variant"], r["clients"], f"{r['figure']} ({r['size']}): {r['note']}")
+            if key not in rows:
+                rows[key] = {}
+                order.append(key)
+            continue
         variant, size, fig = compact_key(r)
         if size not in sizes:
             sizes.append(size)
@@ -282,9 +290,6 @@ def render_compact(recs):
             if r is None:
                 cells.append("")
                 continue
-            if r["figure"].startswith("**"):
-                cells.append(r["note"])
-                continue
             if r["q"] is None:
                 cells.append(r["note"] or "n/a")
                 continue
@@ -305,7 +310,7 @@ def render_compact(recs):
             # Issue 31's form: one target at 64 KiB, another above it.
             (v0, s0), *others = targets.items()
             t = f">= {v0} at {'/'.join(s0)}, else " + ", ".join(f"{v}" for v, _ in others)
-        if targets and any(rows[key][s]["every_run"] for s in rows[key]):
+        if targets and any(r["every_run"] for r in rows[key].values()):
             t += " every run"
         met = "" if not targets else ("yes" if not unmet_at else "no" if not met_at else "at " + ", ".join(met_at))
         out.append("| " + " | ".join(list(key) + cells + [t, met]) + " |")
