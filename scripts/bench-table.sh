@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Runs every kvtier benchmark and regenerates the table that opens
-# docs/BENCHMARKS.md (machine, date and command in it; the history stays
-# below it). Every figure is a ratio to a baseline measured in the same
-# invocation (../shared/BENCH.md); the table gives medians over rounds
-# with the per-round range.
+# docs/BENCHMARKS.md (machine, date and command in it): a compact table
+# (scripts/bench_table.py; at most 40 rows), and every figure of the run
+# with its per-round range in table-full.md beside the JSON. Every figure
+# is a ratio to a baseline measured in the same invocation
+# (../shared/BENCH.md).
 #
 #   scripts/bench-table.sh            # full: 5 rounds, 256 MiB per round
 #   scripts/bench-table.sh --quick    # 5 rounds, 32 MiB per round (~15 min here)

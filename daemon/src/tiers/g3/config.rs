@@ -85,7 +85,7 @@ pub enum SyncMode {
     /// the device (ext4, XFS, btrfs, F2FS; tmpfs keeps nothing anyway);
     /// elsewhere (FUSE, network filesystems) the store runs `Auto`.
     /// Opt-in: measured no faster than `Auto` here (docs/BENCHMARKS.md,
-    /// "Group data flush"), whose concurrent flushes the kernel already
+    /// "Why the unmet targets are unmet"), whose concurrent flushes the kernel already
     /// merges.
     Group,
     /// The default, per block, as measured best (docs/BENCHMARKS.md):

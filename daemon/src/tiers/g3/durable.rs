@@ -280,7 +280,7 @@ impl G3Store {
     /// commit, where one after another each paid a commit or a cache flush
     /// of its own: a request's 8 blocks land in about 8 of the 256 shard
     /// directories, and those sequential fsyncs were the largest cost of
-    /// an offload (docs/BENCHMARKS.md, "Where an offload's time goes").
+    /// an offload (docs/internals/g3.md, "Recycled block files").
     pub(super) fn sync_dirs_at_once<'d>(
         &self,
         dirs: &[&'d Path],

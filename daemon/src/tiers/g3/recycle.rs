@@ -1,7 +1,7 @@
 //! The recycle pool: evicted block files kept in `recycle/` and reused,
 //! overwritten in place, by later offloads of the same file size.
 //!
-//! Why (measured, docs/BENCHMARKS.md "Where an offload's time goes"): a
+//! Why (measured; docs/internals/g3.md, "Recycled block files"): a
 //! fresh block file pays extent allocation (its `fdatasync` is a journal
 //! commit) and, for its rename to be durable, an fsync of its shard
 //! directory (another journal commit) before the ack. A recycled file has

@@ -919,7 +919,7 @@ mod tests {
 
     #[test]
     fn per_block_state_stays_small() {
-        // The memory budget (docs/ARCHITECTURE.md): an entry, a map slot,
+        // The memory budget (docs/internals/policy.md): an entry, a map slot,
         // a candidate-set key and at most two ghost slots per tracked block.
         let entry = std::mem::size_of::<(u64, Entry)>();
         let ghost_slot = std::mem::size_of::<(u32, (u32, u8))>();
