@@ -867,3 +867,158 @@ fn one_tenant_re_leasing_its_blocks_cannot_make_anothers_offloads_fail() {
     );
     drop(held);
 }
+
+// ---- issue #42: hostile ZMTP frames on the ZMQ endpoints -------------
+
+const ZMQ_NS: &str = "0123456789abcdef0123456789abcdef";
+
+/// A ZMTP 3.0 greeting, NULL mechanism, as a client.
+fn zmtp_greeting() -> Vec<u8> {
+    let mut g = vec![0u8; 64];
+    g[0] = 0xff;
+    g[9] = 0x7f;
+    g[10] = 3;
+    g[12..16].copy_from_slice(b"NULL");
+    g
+}
+
+/// A READY command naming `socket_type`.
+fn zmtp_ready(socket_type: &str) -> Vec<u8> {
+    let mut body = b"\x05READY\x0bSocket-Type".to_vec();
+    body.extend_from_slice(&(socket_type.len() as u32).to_be_bytes());
+    body.extend_from_slice(socket_type.as_bytes());
+    let mut f = vec![0x04, body.len() as u8];
+    f.extend(body);
+    f
+}
+
+/// What a hostile peer sends to an endpoint whose peers are `socket_type`:
+/// 73 bytes whose command header announces 64 TiB (the one that aborted
+/// the daemon), a message frame announcing as much after a proper
+/// handshake, and a multipart message of small frames that together pass
+/// the bound.
+fn hostile_zmtp(socket_type: &str) -> Vec<(&'static str, Vec<u8>)> {
+    let huge = (1u64 << 46).to_be_bytes();
+    let mut command = zmtp_greeting();
+    command.push(0x06);
+    command.extend_from_slice(&huge);
+    let mut message = zmtp_greeting();
+    message.extend(zmtp_ready(socket_type));
+    message.push(0x02);
+    message.extend_from_slice(&huge);
+    let mut parts = zmtp_greeting();
+    parts.extend(zmtp_ready(socket_type));
+    for _ in 0..300 {
+        parts.extend_from_slice(&[0x01, 0xff]);
+        parts.extend_from_slice(&[b'x'; 255]);
+    }
+    vec![
+        ("long command", command),
+        ("long message frame", message),
+        ("endless multipart message", parts),
+    ]
+}
+
+/// Sends `bytes` to a `tcp://` or `ipc://` endpoint and says whether the
+/// daemon closed the connection within 10 s (it never half-closes first).
+fn daemon_hangs_up(ep: &str, bytes: &[u8]) -> bool {
+    use std::io::{Read, Write};
+    // The publisher binds after the daemon's socket appears.
+    let t = Instant::now();
+    let mut s: Box<dyn ReadWrite> = loop {
+        let c: std::io::Result<Box<dyn ReadWrite>> = match ep.strip_prefix("ipc://") {
+            Some(p) => UnixStream::connect(p).map(|s| Box::new(s) as _),
+            None => std::net::TcpStream::connect(ep.trim_start_matches("tcp://"))
+                .map(|s| Box::new(s) as _),
+        };
+        match c {
+            Ok(s) => break s,
+            Err(e) => assert!(t.elapsed() < Duration::from_secs(20), "{ep}: {e}"),
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    s.timeout(Duration::from_secs(10));
+    // The daemon may hang up before it has read everything.
+    let _ = s.write_all(bytes);
+    let mut buf = [0u8; 4096];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => return true,
+            Ok(_) => continue,
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return true,
+            Err(_) => return false,
+        }
+    }
+}
+
+trait ReadWrite: std::io::Read + std::io::Write {
+    fn timeout(&self, d: Duration);
+}
+impl ReadWrite for UnixStream {
+    fn timeout(&self, d: Duration) {
+        self.set_read_timeout(Some(d)).unwrap();
+    }
+}
+impl ReadWrite for std::net::TcpStream {
+    fn timeout(&self, d: Duration) {
+        self.set_read_timeout(Some(d)).unwrap();
+    }
+}
+
+/// A real subscriber gets a (heartbeat) batch and a real replay client
+/// its end-of-replay answer.
+fn zmq_endpoints_serve(pub_ep: &str, replay_ep: &str) {
+    use zeromq::{Socket, SocketRecv, SocketSend};
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let mut sub = zeromq::SubSocket::new();
+        sub.connect(pub_ep).await.unwrap();
+        sub.subscribe("").await.unwrap();
+        let m = tokio::time::timeout(Duration::from_secs(10), sub.recv())
+            .await
+            .expect("no batch on the PUB endpoint")
+            .unwrap();
+        assert_eq!(m.len(), 3, "{m:?}");
+        let mut dealer = zeromq::DealerSocket::new();
+        dealer.connect(replay_ep).await.unwrap();
+        let mut ask = zeromq::ZmqMessage::from(Vec::<u8>::new());
+        ask.push_back(u64::MAX.to_be_bytes().to_vec().into());
+        dealer.send(ask).await.unwrap();
+        let m = tokio::time::timeout(Duration::from_secs(10), dealer.recv())
+            .await
+            .expect("no answer on the replay endpoint")
+            .unwrap();
+        assert_eq!(m.get(2).map(|f| f.to_vec()), Some(vec![0xff; 8]), "{m:?}");
+    });
+}
+
+#[test]
+fn hostile_zmtp_frames_on_each_zmq_endpoint_leave_the_daemon_serving() {
+    let ipc = tempfile::tempdir().unwrap();
+    chmod(ipc.path(), 0o755);
+    let ipc_ep = |name: &str| format!("ipc://{}", ipc.path().join(name).display());
+    let tcp_ep = || format!("tcp://127.0.0.1:{}", support::free_port());
+    // Each endpoint kind on each transport: PUB on TCP with replay on
+    // ipc (0666, any local user: the worst group setup), and the reverse.
+    for (pub_ep, replay_ep) in [
+        (tcp_ep(), ipc_ep("replay.ipc")),
+        (ipc_ep("pub.ipc"), tcp_ep()),
+    ] {
+        let (mut d, _c) = open_daemon(&format!(
+            "[events.zmq]\nendpoint = \"{pub_ep}\"\nreplay_endpoint = \"{replay_ep}\"\n\
+             ipc_mode = \"0666\"\nheartbeat_ms = 200\n\
+             [[events.zmq.namespaces]]\nid = \"{ZMQ_NS}\"\n"
+        ));
+        for (ep, peer) in [(&pub_ep, "SUB"), (&replay_ep, "DEALER")] {
+            for (what, bytes) in hostile_zmtp(peer) {
+                let ep2 = ep.clone();
+                let hung_up = as_euid(NOBODY, move || daemon_hangs_up(&ep2, &bytes));
+                assert!(hung_up, "{ep}: {what}: the daemon kept the connection");
+                daemon_serves(&d);
+            }
+        }
+        zmq_endpoints_serve(&pub_ep, &replay_ep);
+        let st = d.term(Duration::from_secs(20)).expect("no exit on SIGTERM");
+        assert!(st.success(), "{st:?}");
+    }
+}

@@ -22,6 +22,20 @@ const BRIDGE_BATCHES_MAX: usize = 1024;
 const ANNOUNCE_EVENTS_PER_BATCH: usize = 256;
 /// vLLM's end-of-replay sequence number (-1 as a signed big-endian u64).
 const END_SEQ: [u8; 8] = [0xff; 8];
+/// The most one peer may send in one message, frame headers included:
+/// subscribers send subscriptions (a topic), replay clients `["", seq]`,
+/// both a READY command with a few properties first. A frame header that
+/// announces more is refused before anything is reserved for it and the
+/// peer is disconnected (zeromq reserves what a header announces: 73 bytes
+/// naming 64 TiB aborted the daemon).
+const INBOUND_MESSAGE_BYTES_MAX: usize = 64 << 10;
+
+/// Options of both sockets.
+fn socket_options() -> zeromq::SocketOptions {
+    let mut o = zeromq::SocketOptions::default();
+    o.max_message_size(INBOUND_MESSAGE_BYTES_MAX);
+    o
+}
 
 static SEND_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new(10_000);
 
@@ -197,7 +211,7 @@ impl ZmqPublisher {
     ) -> Result<Self> {
         // zeromq's sockets spawn their tasks on the current runtime.
         let _rt = rt.enter();
-        let mut pub_sock = zeromq::PubSocket::new();
+        let mut pub_sock = zeromq::PubSocket::with_options(socket_options());
         clear_stale_ipc(&opts.endpoint);
         let bound = rt
             .block_on(pub_sock.bind(&opts.endpoint))
@@ -207,7 +221,7 @@ impl ZmqPublisher {
         let mut router = None;
         let mut replay_endpoint = None;
         if let Some(ep) = &opts.replay_endpoint {
-            let mut r = zeromq::RouterSocket::new();
+            let mut r = zeromq::RouterSocket::with_options(socket_options());
             clear_stale_ipc(ep);
             let b = rt
                 .block_on(r.bind(ep))
