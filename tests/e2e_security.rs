@@ -1022,3 +1022,31 @@ fn hostile_zmtp_frames_on_each_zmq_endpoint_leave_the_daemon_serving() {
         assert!(st.success(), "{st:?}");
     }
 }
+
+// ---- issue #42: signals an operator sends ----------------------------
+
+#[test]
+fn sighup_is_logged_and_the_daemon_keeps_serving() {
+    let logs = tempfile::tempdir().unwrap();
+    let log = logs.path().join("kvtierd.log");
+    let mut d = Daemon::start_logged(&[], &log);
+    let pid = nix::unistd::Pid::from_raw(d.pid());
+    for _ in 0..2 {
+        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGHUP).unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+        daemon_serves(&d);
+    }
+    let t = Instant::now();
+    let said = || {
+        std::fs::read_to_string(&log)
+            .unwrap_or_default()
+            .matches("SIGHUP: ignored")
+            .count()
+    };
+    while said() < 2 && t.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(said(), 2, "{}", std::fs::read_to_string(&log).unwrap());
+    let st = d.term(Duration::from_secs(20)).expect("no exit on SIGTERM");
+    assert!(st.success(), "{st:?}");
+}

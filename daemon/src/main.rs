@@ -1,7 +1,8 @@
 //! kvtierd: the per-node KV block store daemon.
 //!
 //! Configuration: embedded default < `--config FILE` < flags. Runs until
-//! SIGTERM or SIGINT, then drains requests in flight and flushes.
+//! SIGTERM or SIGINT, then drains requests in flight and flushes. SIGHUP
+//! is logged and ignored.
 
 use anyhow::{Context, Result};
 use clap::Parser;
@@ -178,6 +179,15 @@ fn run() -> Result<()> {
     kvtier_daemon::at_rest::tighten_and_log(&private)?;
     std::fs::create_dir_all(&cfg.g3.dir)
         .with_context(|| format!("config: `g3.dir`: cannot create {}", cfg.g3.dir.display()))?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .context("starting the runtime")?;
+    // SIGHUP (an operator's reload habit, a closed terminal) before the
+    // index opens: its default action would end the daemon at once, with
+    // no log line and the socket and mount left stale.
+    ignore_sighup(&rt)?;
     let node = Node::open(node_config(&cfg)?)?;
     let backend: Arc<dyn Backend> = node.clone();
     let metrics = Metrics::new().context("registering metrics")?;
@@ -193,11 +203,6 @@ fn run() -> Result<()> {
     // Signal handlers before the socket exists: a SIGTERM sent as soon as
     // the socket appears (a supervisor, a test) must stop the daemon
     // cleanly, not kill it with the default action while it is mounting.
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .context("starting the runtime")?;
     let (mut term, mut int) = {
         use tokio::signal::unix::{signal, SignalKind};
         let _in_rt = rt.enter();
@@ -363,6 +368,24 @@ fn run() -> Result<()> {
     }
     rt.shutdown_timeout(std::time::Duration::from_secs(1));
     r?;
+    Ok(())
+}
+
+/// Logs each SIGHUP and goes on: kvtierd reloads nothing (every setting
+/// is read at start), so a restart applies a changed config.
+fn ignore_sighup(rt: &tokio::runtime::Runtime) -> Result<()> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut hup = {
+        let _in_rt = rt.enter();
+        signal(SignalKind::hangup()).context("installing the SIGHUP handler")?
+    };
+    rt.spawn(async move {
+        while hup.recv().await.is_some() {
+            tracing::warn!(
+                "SIGHUP: ignored; kvtierd reloads no setting (restart it to apply a changed config)"
+            );
+        }
+    });
     Ok(())
 }
 
