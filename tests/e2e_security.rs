@@ -492,6 +492,84 @@ fn a_socket_directory_another_user_controls_is_refused_and_no_link_is_followed()
     );
 }
 
+/// Starts kvtierd with its socket at `sock`; returns it once it serves.
+fn serving_at(sock: &Path) -> (std::process::Child, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = std::process::Command::new(support::kvtierd_bin())
+        .arg("--socket")
+        .arg(sock)
+        .arg("--g3-dir")
+        .arg(dir.path().join("g3"))
+        .args(["--g3-capacity", "64MiB", "--metrics-addr", "", "--g4", ""])
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let until = Instant::now() + Duration::from_secs(30);
+    while UnixStream::connect(sock).is_err() {
+        assert!(child.try_wait().unwrap().is_none(), "kvtierd exited");
+        assert!(Instant::now() < until, "kvtierd did not serve");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    (child, dir)
+}
+
+/// SIGTERM and the exit status.
+fn term(mut child: std::process::Child) -> std::process::ExitStatus {
+    let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
+    child.wait().unwrap()
+}
+
+#[test]
+fn a_linked_socket_directory_cannot_turn_shutdown_against_another_file() {
+    let base = tempfile::tempdir().unwrap();
+    chmod(base.path(), 0o755);
+    let (a, b) = (base.path().join("a"), base.path().join("b"));
+    for d in [&a, &b] {
+        std::fs::create_dir(d).unwrap();
+        chmod(d, 0o755);
+    }
+    // Root's file where a re-pointed link would lead shutdown's unlink.
+    let victim = b.join("kvtierd.sock");
+    std::fs::write(&victim, b"root's").unwrap();
+
+    // A link another user owns (in a sticky directory, as in /tmp) to
+    // root's directory: refused, whatever it points at now.
+    let sticky = base.path().join("sticky");
+    std::fs::create_dir(&sticky).unwrap();
+    chmod(&sticky, 0o1777);
+    let theirs = sticky.join("run");
+    std::os::unix::fs::symlink(&a, &theirs).unwrap();
+    std::os::unix::fs::lchown(&theirs, Some(NOBODY), Some(NOBODY)).unwrap();
+    let (st, err) = start_refused(&theirs.join("kvtierd.sock"), "").expect("started");
+    assert!(!st.success());
+    assert!(
+        err.contains("symbolic link owned by uid 65534"),
+        "{err}"
+    );
+
+    // Root's own link is followed; re-pointed while the daemon runs, the
+    // shutdown still removes the socket it bound, nothing at the new target.
+    let ours = base.path().join("link");
+    std::os::unix::fs::symlink(&a, &ours).unwrap();
+    let (child, _g3) = serving_at(&ours.join("kvtierd.sock"));
+    std::fs::remove_file(&ours).unwrap();
+    std::os::unix::fs::symlink(&b, &ours).unwrap();
+    assert!(term(child).success());
+    assert_eq!(std::fs::read(&victim).unwrap(), b"root's", "unlinked through the link");
+    assert!(!a.join("kvtierd.sock").exists(), "its own socket left");
+
+    // Its socket replaced by another process's live one: left alone.
+    let sock = a.join("kvtierd.sock");
+    let (child, _g3) = serving_at(&sock);
+    std::fs::rename(&sock, a.join("moved.sock")).unwrap();
+    let other = UnixListener::bind(&sock).unwrap();
+    assert!(term(child).success());
+    assert!(UnixStream::connect(&sock).is_ok(), "another's live socket removed");
+    drop(other);
+}
+
 // ---- L5: connections before their hello ------------------------------
 
 /// Runs `f` on a fresh thread whose effective uid and gid are `uid` (raw

@@ -245,8 +245,7 @@ fn run() -> Result<()> {
         },
     )?;
     // From here a failed start (mount point in use, ZMQ or metrics
-    // address taken) must not leave the bound socket file behind.
-    let mut socket_guard = SocketGuard(Some(cfg.server.socket.clone()));
+    // address taken) drops the server, which removes its socket file.
     // ---- [[tenants]] / [access] (docs/OPERATIONS.md, "Security") ----
     let policy = std::sync::Arc::new(kvtier_daemon::access::Policy::from_config(
         &cfg.tenants,
@@ -357,8 +356,6 @@ fn run() -> Result<()> {
         peer_addr = %node.peer_addr().map(|a| a.to_string()).unwrap_or_default(),
         "kvtierd ready"
     );
-    // The server removes its socket itself when it stops.
-    socket_guard.0 = None;
     let r = server.run();
     let _ = tx.send(true);
     if let Some(m) = mount_handle {
@@ -387,18 +384,6 @@ fn ignore_sighup(rt: &tokio::runtime::Runtime) -> Result<()> {
         }
     });
     Ok(())
-}
-
-/// Removes the socket file on drop while armed (a start that fails after
-/// binding).
-struct SocketGuard(Option<PathBuf>);
-
-impl Drop for SocketGuard {
-    fn drop(&mut self) {
-        if let Some(p) = self.0.take() {
-            let _ = std::fs::remove_file(p);
-        }
-    }
 }
 
 /// `id=host:port,id=host:port`.

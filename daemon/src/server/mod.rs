@@ -118,6 +118,8 @@ impl ShutdownHandle {
 /// A bound server.
 pub struct Server {
     listener: UnixListener,
+    /// Removed when the server stops or is dropped (a failed start).
+    socket_file: bind::SocketFile,
     path: PathBuf,
     shared: Arc<Shared>,
 }
@@ -154,32 +156,11 @@ impl Server {
         limits: ServerLimits,
     ) -> Result<Server> {
         let path = &sock.path;
-        if let Ok(meta) = std::fs::symlink_metadata(path) {
-            use std::os::unix::fs::FileTypeExt;
-            if !meta.file_type().is_socket() {
-                // Never delete what is not ours to delete: a config typo
-                // pointing at a real file must not destroy it.
-                return Err(Error::Config {
-                    key: "server.socket".into(),
-                    problem: format!(
-                        "{} exists and is not a socket; remove it or choose another path",
-                        path.display()
-                    ),
-                });
-            }
-            if UnixStream::connect(path).is_ok() {
-                return Err(Error::Config {
-                    key: "server.socket".into(),
-                    problem: format!("{} is in use by a running daemon", path.display()),
-                });
-            }
-            std::fs::remove_file(path).map_err(|e| Error::io("removing stale socket", path, e))?;
-        }
         let gid = match &sock.group {
             Some(g) => Some(crate::config::socket_gid(g)?),
             None => None,
         };
-        let listener = bind::bind_private(path, sock.mode, gid)?;
+        let (listener, socket_file) = bind::bind_private(path, sock.mode, gid)?;
         backend.attach_events(bus.clone());
         metrics.set_bus(bus.clone());
         let client_stats = Arc::new(clients::ClientStats::new());
@@ -189,6 +170,7 @@ impl Server {
         }
         Ok(Server {
             listener,
+            socket_file,
             path: path.clone(),
             shared: Arc::new(Shared {
                 backend,
@@ -225,7 +207,7 @@ impl Server {
     }
 
     /// Accepts connections until shut down, drains, flushes the backend.
-    pub fn run(self) -> Result<()> {
+    pub fn run(mut self) -> Result<()> {
         let fd = self.listener.as_raw_fd();
         self.listener
             .set_nonblocking(true)
@@ -254,7 +236,7 @@ impl Server {
             }
         }
         tracing::info!("shutting down: no new connections, draining requests in flight");
-        let _ = std::fs::remove_file(&self.path);
+        self.socket_file.remove();
         let deadline = Instant::now() + Duration::from_millis(self.shared.limits.drain_timeout_ms);
         while self.shared.in_flight.load(Ordering::SeqCst) > 0 && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(5));
