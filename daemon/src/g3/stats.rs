@@ -99,6 +99,11 @@ impl G3Store {
             ("recycle_dropped", rc.dropped),
             ("recycle_pool_bytes", rc.bytes),
             ("recycle_pool_files", rc.files),
+            ("disk_full", u64::from(self.disk_full())),
+            (
+                "index_reopens",
+                self.disk.reopens.load(Ordering::Relaxed),
+            ),
         ]
     }
 

@@ -480,6 +480,13 @@ impl Backend for Node {
 
     fn health(&self) -> Vec<String> {
         let mut v: Vec<String> = self.capacity_problem.iter().cloned().collect();
+        if self.g3.disk_full() {
+            v.push(format!(
+                "g3: the filesystem under {} is full (the index's reserve is in use): offloads \
+                 answer no_space until eviction or the operator frees space",
+                self.g3.config().root.display()
+            ));
+        }
         v.extend(self.g4.as_ref().map(|g| g.health()).unwrap_or_default());
         v
     }
