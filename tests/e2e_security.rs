@@ -1128,3 +1128,25 @@ fn sighup_is_logged_and_the_daemon_keeps_serving() {
     let st = d.term(Duration::from_secs(20)).expect("no exit on SIGTERM");
     assert!(st.success(), "{st:?}");
 }
+
+// ---- issue #42: namespaces per uid -----------------------------------
+
+#[test]
+fn one_uid_holds_blocks_in_a_bounded_number_of_namespaces() {
+    let (d, _c) = open_daemon("[access]\nnamespaces_per_uid_max = 3\n");
+    // Each namespace costs directories on the disk: nobody's fourth and
+    // fifth are refused, its first three still take blocks.
+    let mut got = Vec::new();
+    for t in ["ns1", "ns2", "ns3", "ns4", "ns5", "ns1"] {
+        got.extend(offload_as(NOBODY, &d.socket, t, 1));
+    }
+    assert!(
+        got[..3].iter().all(|o| o == "Stored")
+            && got[3..5].iter().all(|o| o.contains("Limit"))
+            && got[5] == "AlreadyPresent",
+        "{got:?}"
+    );
+    // Root is not bounded.
+    assert_eq!(offload_as(0, &d.socket, "ns6", 1), ["Stored"]);
+    daemon_serves(&d);
+}

@@ -72,6 +72,11 @@ pub struct AccessSection {
     /// cache from evicting for the others.
     #[serde(deserialize_with = "crate::config::de_size_opt")]
     pub lease_bytes_per_uid_max: Option<u64>,
+    /// Namespaces holding blocks that one uid (root excepted) may have
+    /// offloaded into (unset without tenants: 1024; with tenants each
+    /// tenant's list bounds them), so that one local user cannot fill the
+    /// disk with namespace directories.
+    pub namespaces_per_uid_max: Option<usize>,
 }
 
 /// What one caller may do.
@@ -252,6 +257,9 @@ impl Policy {
     }
 }
 
+/// Namespaces one uid may hold blocks in, without tenants and unset.
+pub const NAMESPACES_PER_UID_MAX: usize = 1024;
+
 /// The server's per-uid shares from the config. Single-tenant: only what
 /// `[access]` sets (one uid may be every worker). With tenants, unset
 /// shares default to a quarter of each global bound, so three quarters
@@ -276,6 +284,9 @@ pub fn uid_limits(cfg: &crate::config::Config, subscribers_max: usize) -> crate:
         lease_bytes_per_uid_max: a
             .lease_bytes_per_uid_max
             .or(multi.then_some((cfg.g3.capacity / 4).max(1))),
+        namespaces_per_uid_max: a
+            .namespaces_per_uid_max
+            .or((!multi).then_some(NAMESPACES_PER_UID_MAX)),
     }
 }
 

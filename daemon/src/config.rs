@@ -228,6 +228,9 @@ admin_gids = []
 # Bytes of blocks one uid may hold leased (unset with tenants: a quarter of
 # g3.capacity), so re-leasing cannot keep the cache from eviction.
 # lease_bytes_per_uid_max = "1GiB"
+# Namespaces holding blocks one uid (not root) may have offloaded into
+# (unset without tenants: 1024): each costs directories on the disk.
+# namespaces_per_uid_max = 1024
 "#;
 
 /// A size key that may be left out (then the struct default, `None`).

@@ -97,6 +97,7 @@ const SCRAPED_COUNTERS: &[(&str, &str, &[&str])] = &[
     ("kvtier_g3_recycled_writes_total", "G3 offloads that overwrote a pooled (evicted) file in place", &[]),
     ("kvtier_g3_recycle_retired_total", "Evicted G3 block files kept in recycle/ for reuse", &[]),
     ("kvtier_g3_recycle_dropped_total", "Pooled G3 files unlinked (room needed, the bound, a refused lease)", &[]),
+    ("kvtier_g3_empty_dirs_removed_total", "Empty G3 shard and namespace directories removed", &[]),
     ("kvtier_g3_index_reopens_total", "Times G3's index was opened again after an I/O error (a full disk)", &[]),
     // The mount.
     ("kvtier_mount_opens_total", "Opens of block files on the mount, by mode (passthrough, fallback)", &["mode"]),

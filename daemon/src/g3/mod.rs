@@ -152,6 +152,9 @@ pub struct G3Store {
     /// else a file could come back after a power cut that the trusted
     /// index no longer lists.
     unsynced_removals: Mutex<HashSet<PathBuf>>,
+    /// Shard directories a removal may have left empty (remove.rs
+    /// `remove_empty_dirs`).
+    maybe_empty: Mutex<HashSet<PathBuf>>,
     /// Ids a put is writing now (between plan and publish): a name found
     /// in `blocks/` for a claimed id that the index lacks is an orphan.
     writing: Mutex<HashSet<u64>>,
@@ -355,6 +358,7 @@ impl G3Store {
             counters: Counters::default(),
             known_dirs: Mutex::new(HashSet::new()),
             unsynced_removals: Mutex::new(HashSet::new()),
+            maybe_empty: Mutex::new(HashSet::new()),
             writing: Mutex::new(HashSet::new()),
             group: group::GroupCommit::default(),
             flush_window: group::FlushWindow::default(),
@@ -371,6 +375,7 @@ impl G3Store {
         let mut report = store.recover()?;
         report.adopted += store.scan_recycled(report.clean_start)?;
         store.trim_quarantine();
+        store.remove_empty_dirs_at_open();
         report.index_rebuilt = index_rebuilt;
         tracing::info!(
             root = %store.cfg.root.display(),

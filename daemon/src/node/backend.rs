@@ -478,6 +478,10 @@ impl Backend for Node {
         Ok(out)
     }
 
+    fn holds_namespace(&self, ns: &NamespaceId) -> bool {
+        self.g3.holds_namespace(ns)
+    }
+
     fn health(&self) -> Vec<String> {
         let mut v: Vec<String> = self.capacity_problem.iter().cloned().collect();
         if self.g3.disk_full() {

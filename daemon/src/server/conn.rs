@@ -459,6 +459,21 @@ impl Conn<'_> {
                         Vec::new(),
                     );
                 }
+                // Each namespace costs directories on the disk: one uid
+                // holds blocks in a bounded number of them.
+                let backend = &self.sh.backend;
+                if !self
+                    .sh
+                    .quotas
+                    .namespace(self.who.uid, &ns, |n| backend.holds_namespace(n))
+                {
+                    return (
+                        Response::Items {
+                            status: vec![ItemStatus::LimitReached; items.len()],
+                        },
+                        Vec::new(),
+                    );
+                }
                 // Invalid items are answered here; the valid ones go to
                 // the store as one batch, so their durable steps are
                 // shared (one directory fsync and index commit).
