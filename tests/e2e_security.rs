@@ -1129,6 +1129,36 @@ fn sighup_is_logged_and_the_daemon_keeps_serving() {
     assert!(st.success(), "{st:?}");
 }
 
+// ---- issue #42: corrupt reports the daemon's copy contradicts --------
+
+#[test]
+fn corrupt_reports_the_daemons_copy_contradicts_cannot_flood_the_log() {
+    let logs = tempfile::tempdir().unwrap();
+    let log = logs.path().join("kvtierd.log");
+    let d = Daemon::start_logged(&[], &log);
+    let c = Client::with_config(ClientConfig::new(&d.socket));
+    // A decoy namespace: every key absent.
+    let decoy = kvtier_client::NamespaceId([0x42; 16]);
+    let keys: Vec<kvtier_client::BlockKey> = (1..=proto::KEYS_MAX as u64)
+        .map(kvtier_client::BlockKey::from_u64)
+        .collect();
+    let t = Instant::now();
+    for _ in 0..5 {
+        c.report_corrupt(decoy, &keys).unwrap();
+    }
+    let secs = t.elapsed().as_secs();
+    daemon_serves(&d);
+    let lines = std::fs::read_to_string(&log)
+        .unwrap()
+        .matches("reported a corrupt block")
+        .count() as u64;
+    assert!(
+        (1..=secs + 2).contains(&lines),
+        "{lines} lines for {} reports in {secs} s",
+        5 * keys.len()
+    );
+}
+
 // ---- issue #42: namespaces per uid -----------------------------------
 
 #[test]
