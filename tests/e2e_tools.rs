@@ -318,6 +318,18 @@ fn kvtierd_environment_overrides_are_checked() {
         err.contains("KVTIERD_G3_CAPACITY") && err.contains("g3.capacity"),
         "{err}"
     );
+    // RUST_LOG overrides log.level and is held to the same rule: a bare
+    // word is a target name that would silence every line (issue #42).
+    let out = run(&[("RUST_LOG", "loud")]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("RUST_LOG") && err.contains("loud"), "{err}");
+    let out = run(&[("RUST_LOG", "kvtier_daemon=debug,warn")]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let out = run(&[("KVTIERD_G3_CAPACTY", "1GiB")]);
     assert!(out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);

@@ -136,6 +136,15 @@ fn run() -> Result<()> {
         cfg.events.dynamo_worker_id = Some(w);
     }
     cfg.validate()?;
+    // RUST_LOG overrides log.level: held to the same rule (a bare word
+    // such as `loud` is a target name and would silence every line).
+    if let Some(p) = std::env::var("RUST_LOG")
+        .ok()
+        .filter(|v| !v.trim().is_empty())
+        .and_then(|v| kvtier_daemon::config::log_level_problem(&v))
+    {
+        anyhow::bail!("environment: `RUST_LOG` (overrides `log.level`): {p}");
+    }
     if args.check_config {
         for w in &env_report.warnings {
             eprintln!("kvtierd: warning: environment: {w}");
