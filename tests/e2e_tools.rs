@@ -288,6 +288,33 @@ fn kvtierd_check_config_validates_without_starting() {
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("log.format") && err.contains("xml"), "{err}");
+
+    // A G4 secret in a file others can read is refused, as a peer secret
+    // file is (issue #42); owner-only it is accepted.
+    use std::os::unix::fs::PermissionsExt;
+    let secret = dir.path().join("secret.toml");
+    std::fs::write(&secret, "[g4]\nsecret_access_key = \"very-secret\"\n").unwrap();
+    let check = |mode: u32| {
+        std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(mode)).unwrap();
+        Command::new(support::kvtierd_bin())
+            .args(["--check-config", "--config"])
+            .arg(&secret)
+            .output()
+            .unwrap()
+    };
+    let out = check(0o644);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("g4.secret_access_key") && err.contains("chmod 600"),
+        "{err}"
+    );
+    let out = check(0o600);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// `KVTIERD_*` variables reach kvtierd's configuration: a bad value is an
