@@ -16,6 +16,7 @@ pub mod events;
 pub mod g3;
 pub mod g4;
 pub mod http_gate;
+pub mod id_floor;
 pub mod log_limit;
 pub mod metrics;
 pub mod mount;

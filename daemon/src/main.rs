@@ -205,6 +205,11 @@ fn run() -> Result<()> {
         metrics.set_figures(Arc::new(move || n.figures()));
     }
     let bus = EventBus::new();
+    // Event ids and ZMQ sequence numbers never go back across a restart,
+    // even with the clock behind the last run's (id_floor.rs).
+    let (floor, first) =
+        kvtier_daemon::id_floor::IdFloor::open(&cfg.g3.dir.join("event-ids"))?;
+    bus.keep_ids_above(floor, first);
     let worker_id = cfg.events.worker_id(&node_id_or_hostname(&cfg));
     bus.set_dynamo_worker(worker_id);
     tracing::info!(dynamo_worker_id = worker_id, "events: Dynamo worker id");
@@ -328,6 +333,11 @@ fn run() -> Result<()> {
             heartbeat_ms: z.heartbeat_ms,
             ipc_mode: z.ipc_mode_bits()?,
             published,
+            seq_floor: {
+                let (f, first) =
+                    kvtier_daemon::id_floor::IdFloor::open(&cfg.g3.dir.join("zmq-seqs"))?;
+                Some((Arc::new(f), first))
+            },
         };
         let n = node.clone();
         let holdings: kvtier_daemon::zmq::Holdings =

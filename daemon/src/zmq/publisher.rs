@@ -242,16 +242,17 @@ impl ZmqPublisher {
         let (tx, rx) = mpsc::channel(BRIDGE_BATCHES_MAX);
         let stop = Arc::new(AtomicBool::new(false));
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-        let seq0 = std::time::SystemTime::now()
+        let clock = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_micros() as u64)
             .unwrap_or(0);
+        let seq0 = clock.max(opts.seq_floor.as_ref().map_or(0, |(_, first)| *first));
         rt.spawn(live(
             pub_sock,
             rx,
             ring.clone(),
             Bytes::from(opts.topic.clone().into_bytes()),
-            seq0,
+            (seq0, opts.seq_floor.clone().map(|(f, _)| f)),
             opts.dp_rank,
             Some(Duration::from_millis(opts.heartbeat_ms)).filter(|d| !d.is_zero()),
             stats.clone(),
@@ -383,7 +384,7 @@ async fn live(
     mut rx: mpsc::Receiver<Vec<WireEvent>>,
     ring: Arc<Mutex<Ring>>,
     topic: Bytes,
-    seq0: u64,
+    (seq0, floor): (u64, Option<Arc<crate::id_floor::IdFloor>>),
     dp_rank: Option<u32>,
     heartbeat: Option<Duration>,
     stats: Arc<ZmqStats>,
@@ -414,6 +415,9 @@ async fn live(
             payload,
         ];
         seq += 1;
+        if let Some(f) = &floor {
+            f.reach(seq);
+        }
         let Ok(msg) = ZmqMessage::try_from(frames) else {
             continue;
         };
@@ -564,6 +568,7 @@ mod tests {
             heartbeat_ms: 0,
             ipc_mode: 0o600,
             published,
+            seq_floor: None,
         };
         let holdings: Holdings = Arc::new(|_: &NamespaceId, _| Vec::new());
         let stats = Arc::new(ZmqStats::default());
