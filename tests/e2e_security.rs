@@ -1180,3 +1180,121 @@ fn one_uid_holds_blocks_in_a_bounded_number_of_namespaces() {
     assert_eq!(offload_as(0, &d.socket, "ns6", 1), ["Stored"]);
     daemon_serves(&d);
 }
+
+// ---- issue #42: /healthz when peers refuse us ------------------------
+
+#[test]
+fn healthz_is_degraded_while_a_peer_refuses_our_secret() {
+    let (b, _s, b_addr, _path, _) = peer_daemon();
+    let sdir = tempfile::tempdir().unwrap();
+    let secret = sdir.path().join("secret");
+    std::fs::write(&secret, b"not-the-secret-node-b-has-0123456").unwrap();
+    chmod(&secret, 0o600);
+    let a = Daemon::start_with(
+        &[
+            "--peer-listen".into(),
+            format!("127.0.0.1:{}", support::free_port()),
+            "--peer-secret-file".into(),
+            secret.display().to_string(),
+            "--peers".into(),
+            format!("b={b_addr}"),
+            "--g4".into(),
+            String::new(),
+        ],
+        &[],
+    );
+    // A asks B for the block B holds: B refuses A's signature.
+    let ns = kvtier_client::Namespace::new(
+        "peer",
+        kvtier_client::KvLayout::with_block_bytes(4096).unwrap(),
+        "",
+        "t",
+    )
+    .unwrap();
+    let c = Client::with_config(ClientConfig::new(&a.socket));
+    let h = c.namespace(&ns);
+    let keys = h.hash_chain(&(0..16).collect::<Vec<u32>>());
+    let t = Instant::now();
+    let mut body = String::new();
+    while t.elapsed() < Duration::from_secs(20) {
+        let _ = h.lookup(&keys);
+        body = a.http_get("/healthz").1;
+        if body.contains("refuses our requests") {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert!(
+        body.starts_with("degraded") && body.contains(&b_addr) && body.contains("peer.secret"),
+        "{body}"
+    );
+    daemon_serves(&b);
+}
+
+// ---- issue #42: hostile lengths on the HTTP ports --------------------
+
+/// Sends `req` to `addr` and waits (up to 2 s) for the daemon's first
+/// answer or its close.
+fn send_hostile_http(addr: &str, req: &[u8]) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+    let _ = s.write_all(req);
+    let _ = s.read(&mut [0u8; 4096]);
+}
+
+/// The daemon's resident memory, KiB.
+fn rss_kib(pid: i32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches(" kB").trim().parse().ok())
+        .unwrap()
+}
+
+#[test]
+fn hostile_lengths_on_the_peer_and_metrics_ports_leave_the_daemon_serving() {
+    let (d, _s, peer_addr, path, _) = peer_daemon();
+    let before = rss_kib(d.pid());
+    let mut rng = 0x42u64;
+    let mut next = move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    for addr in [d.metrics_addr.clone(), peer_addr.clone()] {
+        for case in 0..12 {
+            let len = match case % 3 {
+                0 => u64::MAX - (next() % 1024),
+                1 => 1 << (30 + next() % 34),
+                _ => next(),
+            };
+            let req = match case % 4 {
+                // A body announced, never sent.
+                0 => format!("POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len}\r\n\r\nab"),
+                // A chunk announced, never sent.
+                1 => format!(
+                    "POST {path} HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n{len:x}\r\nab"
+                ),
+                // A header line longer than any buffer.
+                2 => format!(
+                    "GET {path} HTTP/1.1\r\nHost: x\r\nX-Pad: {}\r\n\r\n",
+                    "a".repeat(1 << 20)
+                ),
+                // A range whose bounds overflow.
+                _ => format!("GET {path} HTTP/1.1\r\nHost: x\r\nRange: bytes={len}-{}\r\n\r\n", len / 2),
+            };
+            let addr2 = addr.clone();
+            as_euid(NOBODY, move || send_hostile_http(&addr2, req.as_bytes()));
+        }
+        let (status, _) = d.http_get("/healthz");
+        assert!(status.contains("200"), "{status}");
+        daemon_serves(&d);
+    }
+    // Nothing announced was allocated (the daemon's own growth aside).
+    let after = rss_kib(d.pid());
+    assert!(after < before + 256 * 1024, "RSS {before} -> {after} KiB");
+    assert_eq!(send_raw(&peer_addr, &signed_request(&peer_addr, &path)).0, 200);
+}

@@ -492,6 +492,14 @@ impl Backend for Node {
             ));
         }
         v.extend(self.g4.as_ref().map(|g| g.health()).unwrap_or_default());
+        if let Some(p) = &self.peers {
+            for (addr, status) in p.client().refusing_peers() {
+                v.push(format!(
+                    "peer {addr} refuses our requests (HTTP {status} without a proof of our \
+                     secret): its peer.secret differs from ours, or the clocks are more than 30 s apart"
+                ));
+            }
+        }
         v
     }
 
