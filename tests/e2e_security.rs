@@ -544,10 +544,7 @@ fn a_linked_socket_directory_cannot_turn_shutdown_against_another_file() {
     std::os::unix::fs::lchown(&theirs, Some(NOBODY), Some(NOBODY)).unwrap();
     let (st, err) = start_refused(&theirs.join("kvtierd.sock"), "").expect("started");
     assert!(!st.success());
-    assert!(
-        err.contains("symbolic link owned by uid 65534"),
-        "{err}"
-    );
+    assert!(err.contains("symbolic link owned by uid 65534"), "{err}");
 
     // Root's own link is followed; re-pointed while the daemon runs, the
     // shutdown still removes the socket it bound, nothing at the new target.
@@ -557,7 +554,11 @@ fn a_linked_socket_directory_cannot_turn_shutdown_against_another_file() {
     std::fs::remove_file(&ours).unwrap();
     std::os::unix::fs::symlink(&b, &ours).unwrap();
     assert!(term(child).success());
-    assert_eq!(std::fs::read(&victim).unwrap(), b"root's", "unlinked through the link");
+    assert_eq!(
+        std::fs::read(&victim).unwrap(),
+        b"root's",
+        "unlinked through the link"
+    );
     assert!(!a.join("kvtierd.sock").exists(), "its own socket left");
 
     // Its socket replaced by another process's live one: left alone.
@@ -566,7 +567,10 @@ fn a_linked_socket_directory_cannot_turn_shutdown_against_another_file() {
     std::fs::rename(&sock, a.join("moved.sock")).unwrap();
     let other = UnixListener::bind(&sock).unwrap();
     assert!(term(child).success());
-    assert!(UnixStream::connect(&sock).is_ok(), "another's live socket removed");
+    assert!(
+        UnixStream::connect(&sock).is_ok(),
+        "another's live socket removed"
+    );
     drop(other);
 }
 
@@ -1296,5 +1300,8 @@ fn hostile_lengths_on_the_peer_and_metrics_ports_leave_the_daemon_serving() {
     // Nothing announced was allocated (the daemon's own growth aside).
     let after = rss_kib(d.pid());
     assert!(after < before + 256 * 1024, "RSS {before} -> {after} KiB");
-    assert_eq!(send_raw(&peer_addr, &signed_request(&peer_addr, &path)).0, 200);
+    assert_eq!(
+        send_raw(&peer_addr, &signed_request(&peer_addr, &path)).0,
+        200
+    );
 }

@@ -207,8 +207,7 @@ fn run() -> Result<()> {
     let bus = EventBus::new();
     // Event ids and ZMQ sequence numbers never go back across a restart,
     // even with the clock behind the last run's (id_floor.rs).
-    let (floor, first) =
-        kvtier_daemon::id_floor::IdFloor::open(&cfg.g3.dir.join("event-ids"))?;
+    let (floor, first) = kvtier_daemon::id_floor::IdFloor::open(&cfg.g3.dir.join("event-ids"))?;
     bus.keep_ids_above(floor, first);
     let worker_id = cfg.events.worker_id(&node_id_or_hostname(&cfg));
     bus.set_dynamo_worker(worker_id);

@@ -895,6 +895,9 @@ mod tests {
                 ("recycle_dropped", 0),
                 ("recycle_pool_bytes", 0),
                 ("recycle_pool_files", 0),
+                ("disk_full", 0),
+                ("empty_dirs_removed", 0),
+                ("index_reopens", 0),
             ],
             ..Default::default()
         }));

@@ -473,7 +473,10 @@ impl IndexReserve {
     /// At open: released when the filesystem has less than twice its size
     /// free (a full disk must not keep the index from opening).
     pub fn release_if_short(&self) {
-        if self.free_bytes().is_some_and(|f| f < self.bytes.saturating_mul(2)) {
+        if self
+            .free_bytes()
+            .is_some_and(|f| f < self.bytes.saturating_mul(2))
+        {
             self.release();
         }
     }
@@ -484,7 +487,10 @@ impl IndexReserve {
         if self.held() {
             return true;
         }
-        if !self.free_bytes().is_some_and(|f| f >= self.bytes.saturating_mul(3)) {
+        if !self
+            .free_bytes()
+            .is_some_and(|f| f >= self.bytes.saturating_mul(3))
+        {
             return false;
         }
         let made = (|| -> std::io::Result<()> {
@@ -495,8 +501,7 @@ impl IndexReserve {
                 .truncate(false)
                 .mode(0o600)
                 .open(&self.path)?;
-            nix::fcntl::posix_fallocate(&f, 0, self.bytes as i64)
-                .map_err(std::io::Error::from)?;
+            nix::fcntl::posix_fallocate(&f, 0, self.bytes as i64).map_err(std::io::Error::from)?;
             f.sync_all()
         })();
         match made {
@@ -743,7 +748,10 @@ impl DiskIndex {
     /// `since_durable` holds. The caller holds `since_durable`.
     fn mend(&self, log: &HashMap<u64, Option<Record>>, now: bool) -> Result<()> {
         let cause = {
-            let mut b = self.broken.lock().map_err(|_| super::lock_err("g3 index"))?;
+            let mut b = self
+                .broken
+                .lock()
+                .map_err(|_| super::lock_err("g3 index"))?;
             let Some((cause, last, full)) = b.as_mut() else {
                 return Ok(());
             };
@@ -785,7 +793,9 @@ impl DiskIndex {
                             n.insert(name_key(&r.ns, &r.key).as_slice(), *id)?;
                         }
                         None => {
-                            if let Some(old) = b.remove(*id)?.and_then(|g| Record::decode(g.value())) {
+                            if let Some(old) =
+                                b.remove(*id)?.and_then(|g| Record::decode(g.value()))
+                            {
                                 n.remove(name_key(&old.ns, &old.key).as_slice())?;
                             }
                         }
@@ -816,16 +826,18 @@ impl DiskIndex {
             .since_durable
             .lock()
             .map_err(|_| super::lock_err("g3 index"))?;
-        let tried = self.mend(&log, false).and_then(|()| match self.write(durability, &f) {
-            Err(e) if self.broken() => {
-                if matches!(e, Error::NoSpace { .. }) && !self.reserve.release() {
-                    return Err(e);
+        let tried = self
+            .mend(&log, false)
+            .and_then(|()| match self.write(durability, &f) {
+                Err(e) if self.broken() => {
+                    if matches!(e, Error::NoSpace { .. }) && !self.reserve.release() {
+                        return Err(e);
+                    }
+                    self.mend(&log, true)?;
+                    self.write(durability, &f)
                 }
-                self.mend(&log, true)?;
-                self.write(durability, &f)
-            }
-            r => r,
-        });
+                r => r,
+            });
         let t = match tried {
             Ok(t) => t,
             Err(e) => {
@@ -839,7 +851,9 @@ impl DiskIndex {
         };
         if matches!(durability, Durability::None) {
             note(&mut log);
-            if log.len() > SINCE_DURABLE_MAX && self.write(Durability::Immediate, |_| Ok(())).is_ok() {
+            if log.len() > SINCE_DURABLE_MAX
+                && self.write(Durability::Immediate, |_| Ok(())).is_ok()
+            {
                 log.clear();
             }
         } else {

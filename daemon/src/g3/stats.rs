@@ -102,14 +102,8 @@ impl G3Store {
             ("recycle_pool_bytes", rc.bytes),
             ("recycle_pool_files", rc.files),
             ("disk_full", u64::from(self.disk_full())),
-            (
-                "empty_dirs_removed",
-                c.dirs_removed.load(Ordering::Relaxed),
-            ),
-            (
-                "index_reopens",
-                self.disk.reopens.load(Ordering::Relaxed),
-            ),
+            ("empty_dirs_removed", c.dirs_removed.load(Ordering::Relaxed)),
+            ("index_reopens", self.disk.reopens.load(Ordering::Relaxed)),
         ]
     }
 
