@@ -487,9 +487,9 @@ impl IndexReserve {
         if self.held() {
             return true;
         }
-        if !self
+        if self
             .free_bytes()
-            .is_some_and(|f| f >= self.bytes.saturating_mul(3))
+            .is_none_or(|f| f < self.bytes.saturating_mul(3))
         {
             return false;
         }
