@@ -950,6 +950,38 @@ fn one_tenant_re_leasing_its_blocks_cannot_make_anothers_offloads_fail() {
     drop(held);
 }
 
+/// Issue #42: shares were per uid, so a tenant with two uids held two
+/// (and starved another tenant's offloads: 24 of 30 `LimitReached`).
+#[test]
+fn a_tenant_with_two_uids_holds_one_share() {
+    const UID_A2: u32 = 61103;
+    let d = Small::start(&format!(
+        "[[tenants]]\nname = \"a\"\nuids = [{UID_A}, {UID_A2}]\nnamespaces = [\"{}\"]\n\n\
+         [[tenants]]\nname = \"b\"\nuids = [{UID_B}]\nnamespaces = [\"{}\"]\n",
+        tenant_ns("a").id().to_hex(),
+        tenant_ns("b").id().to_hex(),
+    ));
+    let a = offload_as(UID_A, &d.socket, "a", 29);
+    assert!(a.iter().all(|o| o == "Stored"), "{a:?}");
+    // Each of A's uids leases all of A's blocks.
+    let held: Vec<_> = [UID_A, UID_A2]
+        .into_iter()
+        .map(|uid| hold_leases_as(uid, &d.socket, "a", 29))
+        .collect();
+    let b = offload_as(UID_B, &d.socket, "b", 20);
+    assert!(b.iter().all(|o| o == "Stored"), "{b:?}");
+    // Both uids together hold the tenant's one share (a quarter of 64 MiB).
+    let leased: usize = held
+        .iter()
+        .map(|(_, st)| st.iter().filter(|s| *s == "Ok").count())
+        .sum();
+    assert!(
+        (1..8).contains(&leased),
+        "tenant A leased {leased} blocks of 2 MiB"
+    );
+    drop(held);
+}
+
 // ---- issue #42: hostile ZMTP frames on the ZMQ endpoints -------------
 
 const ZMQ_NS: &str = "0123456789abcdef0123456789abcdef";

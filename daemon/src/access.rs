@@ -84,7 +84,15 @@ pub struct AccessSection {
 pub struct Grant {
     admin: bool,
     namespaces: BTreeSet<NamespaceId>,
+    /// The caller's tenant (its index in `[[tenants]]`), whose shares it
+    /// draws on.
+    tenant: Option<u32>,
 }
+
+/// Share accounts of tenants: above every uid a system gives out (a
+/// tenant's uids and groups share one account, so two uids do not hold
+/// two shares).
+pub const TENANT_ACCOUNTS_BASE: u32 = 0xffff_0000;
 
 impl Grant {
     /// Everything (single-tenant mode, admins).
@@ -92,7 +100,16 @@ impl Grant {
         Grant {
             admin: true,
             namespaces: BTreeSet::new(),
+            tenant: None,
         }
+    }
+    /// Whose per-uid shares (connections, leases, leased bytes, pins,
+    /// onboards, subscriptions, namespaces) the caller draws on: its
+    /// tenant's, shared by every uid and group of the tenant; an admin's or
+    /// a single-tenant daemon's caller, its own uid's.
+    pub fn account(&self, uid: u32) -> u32 {
+        self.tenant
+            .map_or(uid, |t| TENANT_ACCOUNTS_BASE.saturating_add(t))
     }
     /// Whether the caller may use `ns`.
     pub fn may(&self, ns: &NamespaceId) -> bool {
@@ -213,16 +230,17 @@ impl Policy {
             return Some(Grant::all());
         }
         let mut namespaces = BTreeSet::new();
-        let mut any = false;
-        for t in tenants {
+        let mut tenant = None;
+        for (i, t) in tenants.iter().enumerate() {
             if t.uids.contains(&uid) || t.gids.contains(&gid) {
-                any = true;
+                tenant.get_or_insert(i as u32);
                 namespaces.extend(t.namespaces.iter().copied());
             }
         }
-        any.then_some(Grant {
+        tenant.map(|t| Grant {
             admin: false,
             namespaces,
+            tenant: Some(t),
         })
     }
 

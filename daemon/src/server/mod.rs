@@ -273,15 +273,18 @@ impl Server {
             );
             return;
         };
+        // Shares are its tenant's (every uid of a tenant draws on one), or
+        // its uid's.
+        let account = grant.account(uid);
         // Before the hello nothing is known of the caller but its uid: a
         // uid's unauthenticated connections are few and short-lived.
-        if !self.take_share(&s, uid, quota::Res::Hello, |n| {
+        if !self.take_share(&s, account, quota::Res::Hello, |n| {
             format!("uid {uid} has {n} connections waiting for their hello; send hello first")
         }) {
             return;
         }
-        let hello_taken = conn::HelloSlot::new(self.shared.clone(), uid);
-        if !self.take_share(&s, uid, quota::Res::Conn, |n| {
+        let hello_taken = conn::HelloSlot::new(self.shared.clone(), account);
+        if !self.take_share(&s, account, quota::Res::Conn, |n| {
             format!("uid {uid} holds its share of {n} connections; close some")
         }) {
             return;
@@ -289,7 +292,7 @@ impl Server {
         let n = self.shared.conns.fetch_add(1, Ordering::SeqCst) + 1;
         if n > self.shared.limits.max_connections {
             self.shared.conns.fetch_sub(1, Ordering::SeqCst);
-            self.shared.quotas.give(uid, quota::Res::Conn, 1);
+            self.shared.quotas.give(account, quota::Res::Conn, 1);
             self.shared
                 .metrics
                 .errors
@@ -304,14 +307,23 @@ impl Server {
             .name("kvtier-conn".into())
             .stack_size(512 << 10)
             .spawn(move || {
-                conn::serve(&shared, s, conn::Caller { uid, grant }, hello_taken);
+                conn::serve(
+                    &shared,
+                    s,
+                    conn::Caller {
+                        uid,
+                        account,
+                        grant,
+                    },
+                    hello_taken,
+                );
                 shared.conns.fetch_sub(1, Ordering::SeqCst);
-                shared.quotas.give(uid, quota::Res::Conn, 1);
+                shared.quotas.give(account, quota::Res::Conn, 1);
                 shared.metrics.connections.dec();
             });
         if spawned.is_err() {
             self.shared.conns.fetch_sub(1, Ordering::SeqCst);
-            self.shared.quotas.give(uid, quota::Res::Conn, 1);
+            self.shared.quotas.give(account, quota::Res::Conn, 1);
             self.shared.metrics.connections.dec();
         }
     }
