@@ -804,6 +804,26 @@ fn a_captured_peer_request_replayed_is_refused() {
     assert_eq!(send_raw(&addr, &signed_request(&addr, &path)).0, 200);
 }
 
+/// Issue #42: the memory of accepted signatures did not survive a
+/// restart, so a captured request replayed after one was served again.
+#[test]
+fn a_captured_peer_request_replayed_after_a_restart_is_refused() {
+    let (mut d, _s, addr, path, _) = peer_daemon();
+    let captured = signed_request(&addr, &path);
+    assert_eq!(send_raw(&addr, &captured).0, 200);
+    d.restart();
+    let t = Instant::now();
+    let (status, body) = loop {
+        match std::net::TcpStream::connect(&addr) {
+            Ok(_) => break send_raw(&addr, &captured),
+            Err(e) => assert!(t.elapsed() < Duration::from_secs(20), "{e}"),
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(status, 401, "replay served ({} bytes)", body.len());
+    assert_eq!(send_raw(&addr, &signed_request(&addr, &path)).0, 200);
+}
+
 // ---- M3: leases cannot hold the cache against eviction ----------------
 
 const UID_A: u32 = 61101;
