@@ -34,6 +34,10 @@ if command -v systemd-analyze >/dev/null; then
 else
   echo "skip systemd unit: systemd-analyze not installed (apt-get install systemd)"
 fi
+# Restart=on-failure counts SIGHUP and exit 0 as clean and leaves the node
+# down; the unit restarts on any exit systemd did not ask for.
+check "systemd unit restarts on any unexpected exit (Restart=always)" \
+  grep -qx 'Restart=always' deploy/systemd/kvtierd.service
 check "container build file (hadolint)" $venv/bin/hadolint deploy/container/Dockerfile
 check "kubernetes manifest (schema)" $venv/bin/kubernetes-validate --strict deploy/kubernetes/kvtierd-daemonset.yaml
 

@@ -7,7 +7,7 @@
 #      namespace, and the service shares PID 1's mount namespace;
 #   2. a worker uid in group `kvtier` reaches the socket (a `kvtier stats`
 #      answer); a uid outside the group is refused;
-#   3. a SIGKILL of the daemon is restarted by systemd (Restart=on-failure),
+#   3. a SIGKILL of the daemon is restarted by systemd (Restart=always),
 #      and the new daemon serves and mounts again;
 #   4. `systemctl stop` unmounts and ends the daemon.
 # scripts/unit_sim.py (run by .ci/run through scripts/check-deploy.sh)
@@ -133,7 +133,7 @@ check "/run/kvtier is root:kvtier 0750 (RuntimeDirectory=, Group=)" rundir
 pid0=$(main_pid)
 in_ct sh -c "kill -KILL $pid0"  # the shell's kill: minbase has no procps
 restarted() { p=$(main_pid); [ "$p" != 0 ] && [ "$p" != "$pid0" ] && serving && mounted; }
-check "SIGKILL: systemd restarts kvtierd (Restart=on-failure), serving and mounted again" wait_for 60 restarted
+check "SIGKILL: systemd restarts kvtierd (Restart=always), serving and mounted again" wait_for 60 restarted
 nrestarts() { [ "$(in_ct systemctl show -p NRestarts --value kvtierd)" -ge 1 ]; }
 check "systemd counted the restart (NRestarts >= 1)" nrestarts
 

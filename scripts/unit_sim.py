@@ -23,7 +23,7 @@ environment is reproduced from systemd.exec(5) rather than booted:
     the shell's umask;
   * KillSignal= and TimeoutStopSec= for the stop.
 
-What it does not reproduce: Restart=on-failure (needs a real service
+What it does not reproduce: Restart=always (needs a real service
 manager) and DeviceAllow= (a cgroup device filter; /dev/fuse is allowed).
 
 Usage: unit_sim.py UNIT KVTIERD KVTIER

@@ -328,6 +328,8 @@ impl Cluster {
         ));
         let config = self.cfg_dir.path().join(format!("{role}.toml"));
         std::fs::write(&config, t).unwrap();
+        // It holds the G4 secret: owner only, or kvtierd refuses it.
+        std::fs::set_permissions(&config, std::fs::Permissions::from_mode(0o600)).unwrap();
         let mut n = Node {
             role: role.to_string(),
             netns,

@@ -53,6 +53,9 @@ fn write_config(dir: &Path, s3: &S3Server, endpoint: &str) -> String {
     );
     let p = dir.join("kvtierd.toml");
     std::fs::write(&p, t).unwrap();
+    // It holds the G4 secret: owner only, or kvtierd refuses it.
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
     p.display().to_string()
 }
 

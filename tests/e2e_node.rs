@@ -136,6 +136,8 @@ fn write_config(dir: &Path, s3: &S3Server, peer: Option<(&str, u16, &str, &Path)
     }
     let p = dir.join(format!("kvtierd-{}.toml", peer.map(|p| p.0).unwrap_or("x")));
     std::fs::write(&p, t).unwrap();
+    // It holds the G4 secret: owner only, or kvtierd refuses it.
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
     p.display().to_string()
 }
 

@@ -493,6 +493,88 @@ fn a_socket_directory_another_user_controls_is_refused_and_no_link_is_followed()
     );
 }
 
+/// Starts kvtierd with its socket at `sock`; returns it once it serves.
+fn serving_at(sock: &Path) -> (std::process::Child, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = std::process::Command::new(support::kvtierd_bin())
+        .arg("--socket")
+        .arg(sock)
+        .arg("--g3-dir")
+        .arg(dir.path().join("g3"))
+        .args(["--g3-capacity", "64MiB", "--metrics-addr", "", "--g4", ""])
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let until = Instant::now() + Duration::from_secs(30);
+    while UnixStream::connect(sock).is_err() {
+        assert!(child.try_wait().unwrap().is_none(), "kvtierd exited");
+        assert!(Instant::now() < until, "kvtierd did not serve");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    (child, dir)
+}
+
+/// SIGTERM and the exit status.
+fn term(mut child: std::process::Child) -> std::process::ExitStatus {
+    let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
+    child.wait().unwrap()
+}
+
+#[test]
+fn a_linked_socket_directory_cannot_turn_shutdown_against_another_file() {
+    let base = tempfile::tempdir().unwrap();
+    chmod(base.path(), 0o755);
+    let (a, b) = (base.path().join("a"), base.path().join("b"));
+    for d in [&a, &b] {
+        std::fs::create_dir(d).unwrap();
+        chmod(d, 0o755);
+    }
+    // Root's file where a re-pointed link would lead shutdown's unlink.
+    let victim = b.join("kvtierd.sock");
+    std::fs::write(&victim, b"root's").unwrap();
+
+    // A link another user owns (in a sticky directory, as in /tmp) to
+    // root's directory: refused, whatever it points at now.
+    let sticky = base.path().join("sticky");
+    std::fs::create_dir(&sticky).unwrap();
+    chmod(&sticky, 0o1777);
+    let theirs = sticky.join("run");
+    std::os::unix::fs::symlink(&a, &theirs).unwrap();
+    std::os::unix::fs::lchown(&theirs, Some(NOBODY), Some(NOBODY)).unwrap();
+    let (st, err) = start_refused(&theirs.join("kvtierd.sock"), "").expect("started");
+    assert!(!st.success());
+    assert!(err.contains("symbolic link owned by uid 65534"), "{err}");
+
+    // Root's own link is followed; re-pointed while the daemon runs, the
+    // shutdown still removes the socket it bound, nothing at the new target.
+    let ours = base.path().join("link");
+    std::os::unix::fs::symlink(&a, &ours).unwrap();
+    let (child, _g3) = serving_at(&ours.join("kvtierd.sock"));
+    std::fs::remove_file(&ours).unwrap();
+    std::os::unix::fs::symlink(&b, &ours).unwrap();
+    assert!(term(child).success());
+    assert_eq!(
+        std::fs::read(&victim).unwrap(),
+        b"root's",
+        "unlinked through the link"
+    );
+    assert!(!a.join("kvtierd.sock").exists(), "its own socket left");
+
+    // Its socket replaced by another process's live one: left alone.
+    let sock = a.join("kvtierd.sock");
+    let (child, _g3) = serving_at(&sock);
+    std::fs::rename(&sock, a.join("moved.sock")).unwrap();
+    let other = UnixListener::bind(&sock).unwrap();
+    assert!(term(child).success());
+    assert!(
+        UnixStream::connect(&sock).is_ok(),
+        "another's live socket removed"
+    );
+    drop(other);
+}
+
 // ---- L5: connections before their hello ------------------------------
 
 /// Runs `f` on a fresh thread whose effective uid and gid are `uid` (raw
@@ -723,6 +805,26 @@ fn a_captured_peer_request_replayed_is_refused() {
     assert_eq!(send_raw(&addr, &signed_request(&addr, &path)).0, 200);
 }
 
+/// Issue #42: the memory of accepted signatures did not survive a
+/// restart, so a captured request replayed after one was served again.
+#[test]
+fn a_captured_peer_request_replayed_after_a_restart_is_refused() {
+    let (mut d, _s, addr, path, _) = peer_daemon();
+    let captured = signed_request(&addr, &path);
+    assert_eq!(send_raw(&addr, &captured).0, 200);
+    d.restart();
+    let t = Instant::now();
+    let (status, body) = loop {
+        match std::net::TcpStream::connect(&addr) {
+            Ok(_) => break send_raw(&addr, &captured),
+            Err(e) => assert!(t.elapsed() < Duration::from_secs(20), "{e}"),
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(status, 401, "replay served ({} bytes)", body.len());
+    assert_eq!(send_raw(&addr, &signed_request(&addr, &path)).0, 200);
+}
+
 // ---- M3: leases cannot hold the cache against eviction ----------------
 
 const UID_A: u32 = 61101;
@@ -867,4 +969,392 @@ fn one_tenant_re_leasing_its_blocks_cannot_make_anothers_offloads_fail() {
         "A leased {leased:?} blocks of 2 MiB"
     );
     drop(held);
+}
+
+/// Issue #42: shares were per uid, so a tenant with two uids held two
+/// (and starved another tenant's offloads: 24 of 30 `LimitReached`).
+#[test]
+fn a_tenant_with_two_uids_holds_one_share() {
+    const UID_A2: u32 = 61103;
+    let d = Small::start(&format!(
+        "[[tenants]]\nname = \"a\"\nuids = [{UID_A}, {UID_A2}]\nnamespaces = [\"{}\"]\n\n\
+         [[tenants]]\nname = \"b\"\nuids = [{UID_B}]\nnamespaces = [\"{}\"]\n",
+        tenant_ns("a").id().to_hex(),
+        tenant_ns("b").id().to_hex(),
+    ));
+    let a = offload_as(UID_A, &d.socket, "a", 29);
+    assert!(a.iter().all(|o| o == "Stored"), "{a:?}");
+    // Each of A's uids leases all of A's blocks.
+    let held: Vec<_> = [UID_A, UID_A2]
+        .into_iter()
+        .map(|uid| hold_leases_as(uid, &d.socket, "a", 29))
+        .collect();
+    let b = offload_as(UID_B, &d.socket, "b", 20);
+    assert!(b.iter().all(|o| o == "Stored"), "{b:?}");
+    // Both uids together hold the tenant's one share (a quarter of 64 MiB).
+    let leased: usize = held
+        .iter()
+        .map(|(_, st)| st.iter().filter(|s| *s == "Ok").count())
+        .sum();
+    assert!(
+        (1..8).contains(&leased),
+        "tenant A leased {leased} blocks of 2 MiB"
+    );
+    drop(held);
+}
+
+// ---- issue #42: hostile ZMTP frames on the ZMQ endpoints -------------
+
+const ZMQ_NS: &str = "0123456789abcdef0123456789abcdef";
+
+/// A ZMTP 3.0 greeting, NULL mechanism, as a client.
+fn zmtp_greeting() -> Vec<u8> {
+    let mut g = vec![0u8; 64];
+    g[0] = 0xff;
+    g[9] = 0x7f;
+    g[10] = 3;
+    g[12..16].copy_from_slice(b"NULL");
+    g
+}
+
+/// A READY command naming `socket_type`.
+fn zmtp_ready(socket_type: &str) -> Vec<u8> {
+    let mut body = b"\x05READY\x0bSocket-Type".to_vec();
+    body.extend_from_slice(&(socket_type.len() as u32).to_be_bytes());
+    body.extend_from_slice(socket_type.as_bytes());
+    let mut f = vec![0x04, body.len() as u8];
+    f.extend(body);
+    f
+}
+
+/// What a hostile peer sends to an endpoint whose peers are `socket_type`:
+/// 73 bytes whose command header announces 64 TiB (the one that aborted
+/// the daemon), a message frame announcing as much after a proper
+/// handshake, and a multipart message of small frames that together pass
+/// the bound.
+fn hostile_zmtp(socket_type: &str) -> Vec<(&'static str, Vec<u8>)> {
+    let huge = (1u64 << 46).to_be_bytes();
+    let mut command = zmtp_greeting();
+    command.push(0x06);
+    command.extend_from_slice(&huge);
+    let mut message = zmtp_greeting();
+    message.extend(zmtp_ready(socket_type));
+    message.push(0x02);
+    message.extend_from_slice(&huge);
+    let mut parts = zmtp_greeting();
+    parts.extend(zmtp_ready(socket_type));
+    for _ in 0..300 {
+        parts.extend_from_slice(&[0x01, 0xff]);
+        parts.extend_from_slice(&[b'x'; 255]);
+    }
+    vec![
+        ("long command", command),
+        ("long message frame", message),
+        ("endless multipart message", parts),
+    ]
+}
+
+/// Sends `bytes` to a `tcp://` or `ipc://` endpoint and says whether the
+/// daemon closed the connection within 10 s (it never half-closes first).
+fn daemon_hangs_up(ep: &str, bytes: &[u8]) -> bool {
+    use std::io::{Read, Write};
+    // The publisher binds after the daemon's socket appears.
+    let t = Instant::now();
+    let mut s: Box<dyn ReadWrite> = loop {
+        let c: std::io::Result<Box<dyn ReadWrite>> = match ep.strip_prefix("ipc://") {
+            Some(p) => UnixStream::connect(p).map(|s| Box::new(s) as _),
+            None => std::net::TcpStream::connect(ep.trim_start_matches("tcp://"))
+                .map(|s| Box::new(s) as _),
+        };
+        match c {
+            Ok(s) => break s,
+            Err(e) => assert!(t.elapsed() < Duration::from_secs(20), "{ep}: {e}"),
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    s.timeout(Duration::from_secs(10));
+    // The daemon may hang up before it has read everything.
+    let _ = s.write_all(bytes);
+    let mut buf = [0u8; 4096];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => return true,
+            Ok(_) => continue,
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return true,
+            Err(_) => return false,
+        }
+    }
+}
+
+trait ReadWrite: std::io::Read + std::io::Write {
+    fn timeout(&self, d: Duration);
+}
+impl ReadWrite for UnixStream {
+    fn timeout(&self, d: Duration) {
+        self.set_read_timeout(Some(d)).unwrap();
+    }
+}
+impl ReadWrite for std::net::TcpStream {
+    fn timeout(&self, d: Duration) {
+        self.set_read_timeout(Some(d)).unwrap();
+    }
+}
+
+/// A real subscriber gets a (heartbeat) batch and a real replay client
+/// its end-of-replay answer.
+fn zmq_endpoints_serve(pub_ep: &str, replay_ep: &str) {
+    use zeromq::{Socket, SocketRecv, SocketSend};
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let mut sub = zeromq::SubSocket::new();
+        sub.connect(pub_ep).await.unwrap();
+        sub.subscribe("").await.unwrap();
+        let m = tokio::time::timeout(Duration::from_secs(10), sub.recv())
+            .await
+            .expect("no batch on the PUB endpoint")
+            .unwrap();
+        assert_eq!(m.len(), 3, "{m:?}");
+        let mut dealer = zeromq::DealerSocket::new();
+        dealer.connect(replay_ep).await.unwrap();
+        let mut ask = zeromq::ZmqMessage::from(Vec::<u8>::new());
+        ask.push_back(u64::MAX.to_be_bytes().to_vec().into());
+        dealer.send(ask).await.unwrap();
+        let m = tokio::time::timeout(Duration::from_secs(10), dealer.recv())
+            .await
+            .expect("no answer on the replay endpoint")
+            .unwrap();
+        assert_eq!(m.get(2).map(|f| f.to_vec()), Some(vec![0xff; 8]), "{m:?}");
+    });
+}
+
+#[test]
+fn hostile_zmtp_frames_on_each_zmq_endpoint_leave_the_daemon_serving() {
+    let ipc = tempfile::tempdir().unwrap();
+    chmod(ipc.path(), 0o755);
+    let ipc_ep = |name: &str| format!("ipc://{}", ipc.path().join(name).display());
+    let tcp_ep = || format!("tcp://127.0.0.1:{}", support::free_port());
+    // Each endpoint kind on each transport: PUB on TCP with replay on
+    // ipc (0666, any local user: the worst group setup), and the reverse.
+    for (pub_ep, replay_ep) in [
+        (tcp_ep(), ipc_ep("replay.ipc")),
+        (ipc_ep("pub.ipc"), tcp_ep()),
+    ] {
+        let (mut d, _c) = open_daemon(&format!(
+            "[events.zmq]\nendpoint = \"{pub_ep}\"\nreplay_endpoint = \"{replay_ep}\"\n\
+             ipc_mode = \"0666\"\nheartbeat_ms = 200\n\
+             [[events.zmq.namespaces]]\nid = \"{ZMQ_NS}\"\n"
+        ));
+        for (ep, peer) in [(&pub_ep, "SUB"), (&replay_ep, "DEALER")] {
+            for (what, bytes) in hostile_zmtp(peer) {
+                let ep2 = ep.clone();
+                let hung_up = as_euid(NOBODY, move || daemon_hangs_up(&ep2, &bytes));
+                assert!(hung_up, "{ep}: {what}: the daemon kept the connection");
+                daemon_serves(&d);
+            }
+        }
+        zmq_endpoints_serve(&pub_ep, &replay_ep);
+        let st = d.term(Duration::from_secs(20)).expect("no exit on SIGTERM");
+        assert!(st.success(), "{st:?}");
+    }
+}
+
+// ---- issue #42: signals an operator sends ----------------------------
+
+#[test]
+fn sighup_is_logged_and_the_daemon_keeps_serving() {
+    let logs = tempfile::tempdir().unwrap();
+    let log = logs.path().join("kvtierd.log");
+    let mut d = Daemon::start_logged(&[], &log);
+    let pid = nix::unistd::Pid::from_raw(d.pid());
+    for _ in 0..2 {
+        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGHUP).unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+        daemon_serves(&d);
+    }
+    let t = Instant::now();
+    let said = || {
+        std::fs::read_to_string(&log)
+            .unwrap_or_default()
+            .matches("SIGHUP: ignored")
+            .count()
+    };
+    while said() < 2 && t.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(said(), 2, "{}", std::fs::read_to_string(&log).unwrap());
+    let st = d.term(Duration::from_secs(20)).expect("no exit on SIGTERM");
+    assert!(st.success(), "{st:?}");
+}
+
+// ---- issue #42: corrupt reports the daemon's copy contradicts --------
+
+#[test]
+fn corrupt_reports_the_daemons_copy_contradicts_cannot_flood_the_log() {
+    let logs = tempfile::tempdir().unwrap();
+    let log = logs.path().join("kvtierd.log");
+    let d = Daemon::start_logged(&[], &log);
+    let c = Client::with_config(ClientConfig::new(&d.socket));
+    // A decoy namespace: every key absent.
+    let decoy = kvtier_client::NamespaceId([0x42; 16]);
+    let keys: Vec<kvtier_client::BlockKey> = (1..=proto::KEYS_MAX as u64)
+        .map(kvtier_client::BlockKey::from_u64)
+        .collect();
+    let t = Instant::now();
+    for _ in 0..5 {
+        c.report_corrupt(decoy, &keys).unwrap();
+    }
+    let secs = t.elapsed().as_secs();
+    daemon_serves(&d);
+    let lines = std::fs::read_to_string(&log)
+        .unwrap()
+        .matches("reported a corrupt block")
+        .count() as u64;
+    assert!(
+        (1..=secs + 2).contains(&lines),
+        "{lines} lines for {} reports in {secs} s",
+        5 * keys.len()
+    );
+}
+
+// ---- issue #42: namespaces per uid -----------------------------------
+
+#[test]
+fn one_uid_holds_blocks_in_a_bounded_number_of_namespaces() {
+    let (d, _c) = open_daemon("[access]\nnamespaces_per_uid_max = 3\n");
+    // Each namespace costs directories on the disk: nobody's fourth and
+    // fifth are refused, its first three still take blocks.
+    let mut got = Vec::new();
+    for t in ["ns1", "ns2", "ns3", "ns4", "ns5", "ns1"] {
+        got.extend(offload_as(NOBODY, &d.socket, t, 1));
+    }
+    assert!(
+        got[..3].iter().all(|o| o == "Stored")
+            && got[3..5].iter().all(|o| o.contains("Limit"))
+            && got[5] == "AlreadyPresent",
+        "{got:?}"
+    );
+    // Root is not bounded.
+    assert_eq!(offload_as(0, &d.socket, "ns6", 1), ["Stored"]);
+    daemon_serves(&d);
+}
+
+// ---- issue #42: /healthz when peers refuse us ------------------------
+
+#[test]
+fn healthz_is_degraded_while_a_peer_refuses_our_secret() {
+    let (b, _s, b_addr, _path, _) = peer_daemon();
+    let sdir = tempfile::tempdir().unwrap();
+    let secret = sdir.path().join("secret");
+    std::fs::write(&secret, b"not-the-secret-node-b-has-0123456").unwrap();
+    chmod(&secret, 0o600);
+    let a = Daemon::start_with(
+        &[
+            "--peer-listen".into(),
+            format!("127.0.0.1:{}", support::free_port()),
+            "--peer-secret-file".into(),
+            secret.display().to_string(),
+            "--peers".into(),
+            format!("b={b_addr}"),
+            "--g4".into(),
+            String::new(),
+        ],
+        &[],
+    );
+    // A asks B for the block B holds: B refuses A's signature.
+    let ns = kvtier_client::Namespace::new(
+        "peer",
+        kvtier_client::KvLayout::with_block_bytes(4096).unwrap(),
+        "",
+        "t",
+    )
+    .unwrap();
+    let c = Client::with_config(ClientConfig::new(&a.socket));
+    let h = c.namespace(&ns);
+    let keys = h.hash_chain(&(0..16).collect::<Vec<u32>>());
+    let t = Instant::now();
+    let mut body = String::new();
+    while t.elapsed() < Duration::from_secs(20) {
+        let _ = h.lookup(&keys);
+        body = a.http_get("/healthz").1;
+        if body.contains("refuses our requests") {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert!(
+        body.starts_with("degraded") && body.contains(&b_addr) && body.contains("peer.secret"),
+        "{body}"
+    );
+    daemon_serves(&b);
+}
+
+// ---- issue #42: hostile lengths on the HTTP ports --------------------
+
+/// Sends `req` to `addr` and waits (up to 2 s) for the daemon's first
+/// answer or its close.
+fn send_hostile_http(addr: &str, req: &[u8]) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+    let _ = s.write_all(req);
+    let _ = s.read(&mut [0u8; 4096]);
+}
+
+/// The daemon's resident memory, KiB.
+fn rss_kib(pid: i32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches(" kB").trim().parse().ok())
+        .unwrap()
+}
+
+#[test]
+fn hostile_lengths_on_the_peer_and_metrics_ports_leave_the_daemon_serving() {
+    let (d, _s, peer_addr, path, _) = peer_daemon();
+    let before = rss_kib(d.pid());
+    let mut rng = 0x42u64;
+    let mut next = move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    for addr in [d.metrics_addr.clone(), peer_addr.clone()] {
+        for case in 0..12 {
+            let len = match case % 3 {
+                0 => u64::MAX - (next() % 1024),
+                1 => 1 << (30 + next() % 34),
+                _ => next(),
+            };
+            let req = match case % 4 {
+                // A body announced, never sent.
+                0 => format!("POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len}\r\n\r\nab"),
+                // A chunk announced, never sent.
+                1 => format!(
+                    "POST {path} HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n{len:x}\r\nab"
+                ),
+                // A header line longer than any buffer.
+                2 => format!(
+                    "GET {path} HTTP/1.1\r\nHost: x\r\nX-Pad: {}\r\n\r\n",
+                    "a".repeat(1 << 20)
+                ),
+                // A range whose bounds overflow.
+                _ => format!("GET {path} HTTP/1.1\r\nHost: x\r\nRange: bytes={len}-{}\r\n\r\n", len / 2),
+            };
+            let addr2 = addr.clone();
+            as_euid(NOBODY, move || send_hostile_http(&addr2, req.as_bytes()));
+        }
+        let (status, _) = d.http_get("/healthz");
+        assert!(status.contains("200"), "{status}");
+        daemon_serves(&d);
+    }
+    // Nothing announced was allocated (the daemon's own growth aside).
+    let after = rss_kib(d.pid());
+    assert!(after < before + 256 * 1024, "RSS {before} -> {after} KiB");
+    assert_eq!(
+        send_raw(&peer_addr, &signed_request(&peer_addr, &path)).0,
+        200
+    );
 }

@@ -288,6 +288,33 @@ fn kvtierd_check_config_validates_without_starting() {
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("log.format") && err.contains("xml"), "{err}");
+
+    // A G4 secret in a file others can read is refused, as a peer secret
+    // file is (issue #42); owner-only it is accepted.
+    use std::os::unix::fs::PermissionsExt;
+    let secret = dir.path().join("secret.toml");
+    std::fs::write(&secret, "[g4]\nsecret_access_key = \"very-secret\"\n").unwrap();
+    let check = |mode: u32| {
+        std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(mode)).unwrap();
+        Command::new(support::kvtierd_bin())
+            .args(["--check-config", "--config"])
+            .arg(&secret)
+            .output()
+            .unwrap()
+    };
+    let out = check(0o644);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("g4.secret_access_key") && err.contains("chmod 600"),
+        "{err}"
+    );
+    let out = check(0o600);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// `KVTIERD_*` variables reach kvtierd's configuration: a bad value is an
@@ -317,6 +344,18 @@ fn kvtierd_environment_overrides_are_checked() {
     assert!(
         err.contains("KVTIERD_G3_CAPACITY") && err.contains("g3.capacity"),
         "{err}"
+    );
+    // RUST_LOG overrides log.level and is held to the same rule: a bare
+    // word is a target name that would silence every line (issue #42).
+    let out = run(&[("RUST_LOG", "loud")]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("RUST_LOG") && err.contains("loud"), "{err}");
+    let out = run(&[("RUST_LOG", "kvtier_daemon=debug,warn")]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
     );
     let out = run(&[("KVTIERD_G3_CAPACTY", "1GiB")]);
     assert!(out.status.success());

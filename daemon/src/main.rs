@@ -1,7 +1,8 @@
 //! kvtierd: the per-node KV block store daemon.
 //!
 //! Configuration: embedded default < `--config FILE` < flags. Runs until
-//! SIGTERM or SIGINT, then drains requests in flight and flushes.
+//! SIGTERM or SIGINT, then drains requests in flight and flushes. SIGHUP
+//! is logged and ignored.
 
 use anyhow::{Context, Result};
 use clap::Parser;
@@ -140,6 +141,15 @@ fn run() -> Result<()> {
         cfg.events.dynamo_worker_id = Some(w);
     }
     cfg.validate()?;
+    // RUST_LOG overrides log.level: held to the same rule (a bare word
+    // such as `loud` is a target name and would silence every line).
+    if let Some(p) = std::env::var("RUST_LOG")
+        .ok()
+        .filter(|v| !v.trim().is_empty())
+        .and_then(|v| kvtier_daemon::app::config::log_level_problem(&v))
+    {
+        anyhow::bail!("environment: `RUST_LOG` (overrides `log.level`): {p}");
+    }
     if args.check_config {
         for w in &env_report.warnings {
             eprintln!("kvtierd: warning: environment: {w}");
@@ -183,6 +193,15 @@ fn run() -> Result<()> {
     kvtier_daemon::app::at_rest::tighten_and_log(&private)?;
     std::fs::create_dir_all(&cfg.g3.dir)
         .with_context(|| format!("config: `g3.dir`: cannot create {}", cfg.g3.dir.display()))?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .context("starting the runtime")?;
+    // SIGHUP (an operator's reload habit, a closed terminal) before the
+    // index opens: its default action would end the daemon at once, with
+    // no log line and the socket and mount left stale.
+    ignore_sighup(&rt)?;
     let node = Node::open(node_config(&cfg)?)?;
     let backend: Arc<dyn Backend> = node.clone();
     let metrics = Metrics::new().context("registering metrics")?;
@@ -191,6 +210,11 @@ fn run() -> Result<()> {
         metrics.set_figures(Arc::new(move || n.figures()));
     }
     let bus = EventBus::new();
+    // Event ids and ZMQ sequence numbers never go back across a restart,
+    // even with the clock behind the last run's (id_floor.rs).
+    let (floor, first) =
+        kvtier_daemon::base::id_floor::IdFloor::open(&cfg.g3.dir.join("event-ids"))?;
+    bus.keep_ids_above(floor, first);
     let worker_id = cfg.events.worker_id(&node_id_or_hostname(&cfg));
     bus.set_dynamo_worker(worker_id);
     tracing::info!(dynamo_worker_id = worker_id, "events: Dynamo worker id");
@@ -198,11 +222,6 @@ fn run() -> Result<()> {
     // Signal handlers before the socket exists: a SIGTERM sent as soon as
     // the socket appears (a supervisor, a test) must stop the daemon
     // cleanly, not kill it with the default action while it is mounting.
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .context("starting the runtime")?;
     let (mut term, mut int) = {
         use tokio::signal::unix::{signal, SignalKind};
         let _in_rt = rt.enter();
@@ -245,8 +264,7 @@ fn run() -> Result<()> {
         },
     )?;
     // From here a failed start (mount point in use, ZMQ or metrics
-    // address taken) must not leave the bound socket file behind.
-    let mut socket_guard = SocketGuard(Some(cfg.server.socket.clone()));
+    // address taken) drops the server, which removes its socket file.
     // ---- [[tenants]] / [access] (docs/OPERATIONS.md, "Security") ----
     let policy = std::sync::Arc::new(kvtier_daemon::edges::access::Policy::from_config(
         &cfg.tenants,
@@ -320,6 +338,11 @@ fn run() -> Result<()> {
             heartbeat_ms: z.heartbeat_ms,
             ipc_mode: z.ipc_mode_bits()?,
             published,
+            seq_floor: {
+                let (f, first) =
+                    kvtier_daemon::base::id_floor::IdFloor::open(&cfg.g3.dir.join("zmq-seqs"))?;
+                Some((Arc::new(f), first))
+            },
         };
         let n = node.clone();
         let holdings: kvtier_daemon::edges::zmq::Holdings =
@@ -358,8 +381,6 @@ fn run() -> Result<()> {
         peer_addr = %node.peer_addr().map(|a| a.to_string()).unwrap_or_default(),
         "kvtierd ready"
     );
-    // The server removes its socket itself when it stops.
-    socket_guard.0 = None;
     let r = server.run();
     let _ = tx.send(true);
     if let Some(m) = mount_handle {
@@ -372,16 +393,22 @@ fn run() -> Result<()> {
     Ok(())
 }
 
-/// Removes the socket file on drop while armed (a start that fails after
-/// binding).
-struct SocketGuard(Option<PathBuf>);
-
-impl Drop for SocketGuard {
-    fn drop(&mut self) {
-        if let Some(p) = self.0.take() {
-            let _ = std::fs::remove_file(p);
+/// Logs each SIGHUP and goes on: kvtierd reloads nothing (every setting
+/// is read at start), so a restart applies a changed config.
+fn ignore_sighup(rt: &tokio::runtime::Runtime) -> Result<()> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut hup = {
+        let _in_rt = rt.enter();
+        signal(SignalKind::hangup()).context("installing the SIGHUP handler")?
+    };
+    rt.spawn(async move {
+        while hup.recv().await.is_some() {
+            tracing::warn!(
+                "SIGHUP: ignored; kvtierd reloads no setting (restart it to apply a changed config)"
+            );
         }
-    }
+    });
+    Ok(())
 }
 
 /// `id=host:port,id=host:port`.

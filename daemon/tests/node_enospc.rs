@@ -77,3 +77,124 @@ fn enospc_on_offload_evicts_and_retries_and_the_start_warns() {
         "the newest block is there"
     );
 }
+
+/// Fills the filesystem of `path` to the last byte (the operator's other
+/// files); the file is returned for the operator to delete.
+fn fill(path: &std::path::Path) -> std::path::PathBuf {
+    use std::io::Write;
+    let mut f = std::fs::File::create(path).unwrap();
+    for chunk in [1 << 16, 4096, 1] {
+        let buf = vec![0xa5u8; chunk];
+        while f.write_all(&buf).is_ok() {}
+    }
+    let _ = f.sync_all();
+    path.to_path_buf()
+}
+
+fn small(i: u64) -> (BlockHeader, Vec<u8>) {
+    let payload: Vec<u8> = (0..SMALL).map(|j| (j * 5 + i * 11) as u8).collect();
+    let h = BlockHeader::for_payload(&ns_small(), BlockKey::from_u64(0xf000 + i), &payload, 0);
+    (h, payload)
+}
+
+const SMALL: u64 = 64 << 10;
+
+fn ns_small() -> Namespace {
+    Namespace::new(
+        "enospc-index",
+        KvLayout::with_block_bytes(SMALL).unwrap(),
+        "",
+        "t",
+    )
+    .unwrap()
+}
+
+fn full_said(node: &Node) -> bool {
+    node.health().iter().any(|l| l.contains("is full"))
+}
+
+/// Issue #42: a disk filled by other files (to the last byte) under G3's
+/// index. Offloads are stored (G3 evicts its own blocks) or answered
+/// `NoSpace`, never an index error; health says the disk is full; once
+/// the operator frees space the node serves again with no restart; a
+/// restart finds every block stored; the node starts on a full disk.
+#[test]
+fn a_full_disk_under_the_index_is_a_state_the_node_recovers_from() {
+    let Some(dir) = common::SmallTmpfs::mount("8m", "full_disk_index") else {
+        return;
+    };
+    let cfg = || {
+        let mut g3 = G3Config::new(dir.path().join("g3"), 256 << 20);
+        g3.high_watermark = 0.99;
+        NodeConfig::new(g3)
+    };
+    let id = ns_small().id();
+    let node = Node::open(cfg()).unwrap();
+    for i in 0..16 {
+        let (h, p) = small(i);
+        assert!(matches!(
+            node.offload(&id, &h, &p, None, Hints::default()),
+            Ok(PutOutcome::Stored)
+        ));
+    }
+    let filler = fill(&dir.path().join("filler"));
+    assert!(full_said(&node), "{:?}", node.health());
+    // Writes of the index alone (pins) meet the full disk: redb failed
+    // every later operation ("Previous I/O error occurred").
+    for round in 0..50 {
+        for i in 0..16 {
+            let key = small(i).0.key;
+            node.g3().pin(&id, &key, Some(60_000 + round));
+            node.g3().unpin(&id, &key);
+        }
+    }
+    // redb writes them at the next durable commit (the reclaimer's, every
+    // second).
+    let reopens = || -> u64 {
+        let f: std::collections::HashMap<_, _> = node.g3().recovery_figures().into_iter().collect();
+        f["index_reopens"]
+    };
+    let t = std::time::Instant::now();
+    while reopens() == 0 && t.elapsed() < std::time::Duration::from_secs(10) {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    assert!(reopens() >= 1, "the index never met the full disk");
+    let mut stored = 0;
+    for i in 100..300 {
+        let (h, p) = small(i);
+        match node.offload(&id, &h, &p, None, Hints::default()) {
+            Ok(PutOutcome::Stored) => stored += 1,
+            Err(kvtier_daemon::Error::NoSpace { .. }) => {}
+            r => panic!("offload {i}: {r:?}"),
+        }
+    }
+    assert!(stored > 0);
+
+    // The operator frees space: offloads are stored again, no restart.
+    std::fs::remove_file(&filler).unwrap();
+    for i in 1000..1016 {
+        let (h, p) = small(i);
+        let r = node.offload(&id, &h, &p, None, Hints::default());
+        assert!(matches!(r, Ok(PutOutcome::Stored)), "offload {i}: {r:?}");
+    }
+    let t = std::time::Instant::now();
+    while full_said(&node) && t.elapsed() < std::time::Duration::from_secs(10) {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    assert!(!full_said(&node), "{:?}", node.health());
+    drop(node);
+
+    // A restart finds them all.
+    let node = Node::open(cfg()).unwrap();
+    let keys: Vec<BlockKey> = (1000..1016).map(|i| small(i).0.key).collect();
+    assert_eq!(node.lookup(&id, &keys).unwrap().len(), 16);
+
+    // It starts on a full disk and makes room for an offload.
+    let filler = fill(&dir.path().join("filler"));
+    drop(node);
+    let node = Node::open(cfg()).unwrap();
+    let (h, p) = small(5000);
+    let r = node.offload(&id, &h, &p, None, Hints::default());
+    assert!(matches!(r, Ok(PutOutcome::Stored)), "{r:?}");
+    drop(filler);
+}

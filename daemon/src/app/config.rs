@@ -230,6 +230,9 @@ admin_gids = []
 # Bytes of blocks one uid may hold leased (unset with tenants: a quarter of
 # g3.capacity), so re-leasing cannot keep the cache from eviction.
 # lease_bytes_per_uid_max = "1GiB"
+# Namespaces holding blocks one uid (not root) may have offloaded into
+# (unset without tenants: 1024): each costs directories on the disk.
+# namespaces_per_uid_max = 1024
 "#;
 
 /// `[server]`.
@@ -828,6 +831,9 @@ pub fn uid_limits(cfg: &Config, subscribers_max: usize) -> crate::edges::server:
         lease_bytes_per_uid_max: a
             .lease_bytes_per_uid_max
             .or(multi.then_some((cfg.g3.capacity / 4).max(1))),
+        namespaces_per_uid_max: a
+            .namespaces_per_uid_max
+            .or((!multi).then_some(crate::edges::access::NAMESPACES_PER_UID_MAX)),
     }
 }
 

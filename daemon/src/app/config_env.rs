@@ -161,6 +161,9 @@ impl Config {
         let origin = path.map_or("<no file>".to_string(), |p| p.display().to_string());
         // Typed first: a file's mistakes are reported with its line.
         let from_file = Config::from_toml_named(&text, &origin)?;
+        if let Some(p) = path {
+            secrets_private(p, &from_file)?;
+        }
         if !vars.iter().any(|(k, _)| k.starts_with(ENV_PREFIX)) {
             return Ok((from_file, EnvReport::default()));
         }
@@ -175,6 +178,36 @@ impl Config {
         })?;
         Ok((cfg, report))
     }
+}
+
+/// A config file that holds a G4 secret is held to the peer secret file's
+/// rule: readable by its owner only.
+fn secrets_private(path: &std::path::Path, cfg: &Config) -> Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let g4 = &cfg.g4.store;
+    let key = if g4.secret_access_key.is_some() {
+        "g4.secret_access_key"
+    } else if g4.session_token.is_some() {
+        "g4.session_token"
+    } else {
+        return Ok(());
+    };
+    let mode = std::fs::metadata(path)
+        .map_err(|e| Error::io("reading", path, e))?
+        .permissions()
+        .mode();
+    if mode & 0o077 != 0 {
+        return Err(Error::Config {
+            key: key.into(),
+            problem: format!(
+                "{} holds it and is readable by group or others (mode {:o}); chmod 600 it, \
+                 or give the key through AWS_SECRET_ACCESS_KEY",
+                path.display(),
+                mode & 0o777
+            ),
+        });
+    }
+    Ok(())
 }
 
 #[cfg(test)]

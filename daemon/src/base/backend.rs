@@ -297,6 +297,12 @@ pub trait Backend: Send + Sync + 'static {
     /// Makes everything acknowledged durable (called at shutdown).
     fn flush(&self) -> Result<()>;
 
+    /// Whether the node holds blocks of `ns` (bounds namespaces per uid;
+    /// `true` when unknown).
+    fn holds_namespace(&self, _ns: &NamespaceId) -> bool {
+        true
+    }
+
     /// Why the backend is degraded now, one line per problem (a tier that
     /// failed its start-up check, an open G4 circuit breaker); empty when
     /// healthy. `/healthz` shows it. Degraded is not fatal: the node

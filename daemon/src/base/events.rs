@@ -57,6 +57,8 @@ struct Inner {
     dynamo_namespaces: Mutex<HashSet<NamespaceId>>,
     /// Stored blocks without routing facts (kvtier's form only).
     dynamo_skipped_blocks: AtomicU64,
+    /// Keeps ids above the last run's across restarts (the daemon's).
+    floor: std::sync::OnceLock<crate::base::id_floor::IdFloor>,
 }
 
 /// A cloneable handle to the bus.
@@ -79,6 +81,7 @@ impl Default for EventBus {
                 dynamo_worker: AtomicU64::new(0),
                 dynamo_namespaces: Mutex::new(HashSet::new()),
                 dynamo_skipped_blocks: AtomicU64::new(0),
+                floor: std::sync::OnceLock::new(),
             }),
         }
     }
@@ -167,6 +170,14 @@ impl EventBus {
         }
     }
 
+    /// Keeps event ids above every earlier run's, whatever the clock
+    /// says: ids go on from `first` ([`crate::base::id_floor::IdFloor::open`]),
+    /// and `floor` records how far they went. Before the first publish.
+    pub fn keep_ids_above(&self, floor: crate::base::id_floor::IdFloor, first: u64) {
+        self.inner.next_id.fetch_max(first, Ordering::Relaxed);
+        let _ = self.inner.floor.set(floor);
+    }
+
     /// Publishes an event to every subscriber without blocking.
     pub fn publish(&self, namespace: NamespaceId, storage_tier: StorageTier, data: KvEventData) {
         let dynamo_worker = self.stamp(&namespace, &data);
@@ -179,8 +190,12 @@ impl EventBus {
             .subs
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let event_id = self.inner.next_id.fetch_add(1, Ordering::Relaxed) + 1;
+        if let Some(f) = self.inner.floor.get() {
+            f.reach(event_id);
+        }
         let ev = Arc::new(KvEvent {
-            event_id: self.inner.next_id.fetch_add(1, Ordering::Relaxed) + 1,
+            event_id,
             namespace,
             storage_tier,
             data,

@@ -9,6 +9,7 @@ pub mod backend;
 pub mod error;
 pub mod events;
 pub mod http_gate;
+pub mod id_floor;
 pub mod log_limit;
 pub mod tier;
 pub mod units;

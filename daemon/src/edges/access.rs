@@ -72,6 +72,11 @@ pub struct AccessSection {
     /// cache from evicting for the others.
     #[serde(deserialize_with = "crate::base::units::de_size_opt")]
     pub lease_bytes_per_uid_max: Option<u64>,
+    /// Namespaces holding blocks that one uid (root excepted) may have
+    /// offloaded into (unset without tenants: 1024; with tenants each
+    /// tenant's list bounds them), so that one local user cannot fill the
+    /// disk with namespace directories.
+    pub namespaces_per_uid_max: Option<usize>,
 }
 
 /// What one caller may do.
@@ -79,7 +84,15 @@ pub struct AccessSection {
 pub struct Grant {
     admin: bool,
     namespaces: BTreeSet<NamespaceId>,
+    /// The caller's tenant (its index in `[[tenants]]`), whose shares it
+    /// draws on.
+    tenant: Option<u32>,
 }
+
+/// Share accounts of tenants: above every uid a system gives out (a
+/// tenant's uids and groups share one account, so two uids do not hold
+/// two shares).
+pub const TENANT_ACCOUNTS_BASE: u32 = 0xffff_0000;
 
 impl Grant {
     /// Everything (single-tenant mode, admins).
@@ -87,7 +100,16 @@ impl Grant {
         Grant {
             admin: true,
             namespaces: BTreeSet::new(),
+            tenant: None,
         }
+    }
+    /// Whose per-uid shares (connections, leases, leased bytes, pins,
+    /// onboards, subscriptions, namespaces) the caller draws on: its
+    /// tenant's, shared by every uid and group of the tenant; an admin's or
+    /// a single-tenant daemon's caller, its own uid's.
+    pub fn account(&self, uid: u32) -> u32 {
+        self.tenant
+            .map_or(uid, |t| TENANT_ACCOUNTS_BASE.saturating_add(t))
     }
     /// Whether the caller may use `ns`.
     pub fn may(&self, ns: &NamespaceId) -> bool {
@@ -208,16 +230,17 @@ impl Policy {
             return Some(Grant::all());
         }
         let mut namespaces = BTreeSet::new();
-        let mut any = false;
-        for t in tenants {
+        let mut tenant = None;
+        for (i, t) in tenants.iter().enumerate() {
             if t.uids.contains(&uid) || t.gids.contains(&gid) {
-                any = true;
+                tenant.get_or_insert(i as u32);
                 namespaces.extend(t.namespaces.iter().copied());
             }
         }
-        any.then_some(Grant {
+        tenant.map(|t| Grant {
             admin: false,
             namespaces,
+            tenant: Some(t),
         })
     }
 
@@ -251,6 +274,9 @@ impl Policy {
         NamespaceId(id)
     }
 }
+
+/// Namespaces one uid may hold blocks in, without tenants and unset.
+pub const NAMESPACES_PER_UID_MAX: usize = 1024;
 
 #[cfg(test)]
 mod tests {

@@ -98,6 +98,8 @@ const SCRAPED_COUNTERS: &[(&str, &str, &[&str])] = &[
     ("kvtier_g3_recycled_writes_total", "G3 offloads that overwrote a pooled (evicted) file in place", &[]),
     ("kvtier_g3_recycle_retired_total", "Evicted G3 block files kept in recycle/ for reuse", &[]),
     ("kvtier_g3_recycle_dropped_total", "Pooled G3 files unlinked (room needed, the bound, a refused lease)", &[]),
+    ("kvtier_g3_empty_dirs_removed_total", "Empty G3 shard and namespace directories removed", &[]),
+    ("kvtier_g3_index_reopens_total", "Times G3's index was opened again after an I/O error (a full disk)", &[]),
     // The mount.
     ("kvtier_mount_opens_total", "Opens of block files on the mount, by mode (passthrough, fallback)", &["mode"]),
     ("kvtier_mount_fallback_reads_total", "Read requests on the mount answered by the daemon (not passthrough)", &[]),
@@ -144,6 +146,7 @@ const SCRAPED_GAUGES: &[(&str, &str, &[&str])] = &[
     ("kvtier_g3_index_rebuilt_at_open", "1 when G3's index was rebuilt from the files at this open", &[]),
     ("kvtier_g3_clean_start", "1 when G3 found a clean shutdown at this open", &[]),
     ("kvtier_g3_quarantine_bytes", "Bytes in G3's quarantine/ now", &[]),
+    ("kvtier_g3_disk_full", "1 while the filesystem under G3 is full (the index's reserve in use; offloads answer no_space)", &[]),
     ("kvtier_g3_recycle_pool_bytes", "Bytes of evicted files in G3's recycle/ now (bounded by recycle_max, counted against capacity)", &[]),
     ("kvtier_g3_recycle_pool_files", "Evicted files in G3's recycle/ now", &[]),
     ("kvtier_prefetch_waiting_blocks", "Prefetched blocks waiting for a prefetch thread", &[]),
@@ -526,6 +529,7 @@ impl Metrics {
                     self.gauge("kvtier_g3_recovered_at_open", &["quarantined"], x)
                 }
                 "quarantine_bytes" => self.gauge("kvtier_g3_quarantine_bytes", &[], x),
+                "disk_full" => self.gauge("kvtier_g3_disk_full", &[], x),
                 "recycle_pool_bytes" | "recycle_pool_files" => {
                     self.gauge(&format!("kvtier_g3_{k}"), &[], x)
                 }
@@ -897,6 +901,9 @@ mod tests {
                 ("recycle_dropped", 0),
                 ("recycle_pool_bytes", 0),
                 ("recycle_pool_files", 0),
+                ("disk_full", 0),
+                ("empty_dirs_removed", 0),
+                ("index_reopens", 0),
             ],
             ..Default::default()
         }));

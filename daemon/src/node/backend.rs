@@ -478,9 +478,28 @@ impl Backend for Node {
         Ok(out)
     }
 
+    fn holds_namespace(&self, ns: &NamespaceId) -> bool {
+        self.g3.holds_namespace(ns)
+    }
+
     fn health(&self) -> Vec<String> {
         let mut v: Vec<String> = self.capacity_problem.iter().cloned().collect();
+        if self.g3.disk_full() {
+            v.push(format!(
+                "g3: the filesystem under {} is full (the index's reserve is in use): offloads \
+                 answer no_space until eviction or the operator frees space",
+                self.g3.config().root.display()
+            ));
+        }
         v.extend(self.g4.as_ref().map(|g| g.health()).unwrap_or_default());
+        if let Some(p) = &self.peers {
+            for (addr, status) in p.client().refusing_peers() {
+                v.push(format!(
+                    "peer {addr} refuses our requests (HTTP {status} without a proof of our \
+                     secret): its peer.secret differs from ours, or the clocks are more than 30 s apart"
+                ));
+            }
+        }
         v
     }
 

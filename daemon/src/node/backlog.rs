@@ -5,7 +5,8 @@
 //!
 //! - at start;
 //! - at once when G4 recovers (the breaker closes, or a failed start-up
-//!   check passes: `G4Store::set_on_recovered`);
+//!   check passes: `G4Store::set_on_recovered`), and when it goes down
+//!   (the breaker opens: `G4Store::set_on_outage`);
 //! - while the last scan found a backlog, after `g4.backlog_retry_ms`,
 //!   doubling up to `g4.backlog_scan_interval_ms`, each delay +-20%
 //!   jittered (nodes that lost G4 together do not rescan together);
@@ -145,8 +146,15 @@ pub(super) fn spawn(node: &Arc<Node>) {
     // Wake-ups from G4's recovery hook; one pending is enough.
     let (tx, rx) = sync_channel::<()>(1);
     let hook_tx: SyncSender<()> = tx;
+    let outage_tx = hook_tx.clone();
     g4.set_on_recovered(Arc::new(move || {
         let _ = hook_tx.try_send(());
+    }));
+    // An outage starts a backlog no scan has counted yet: counted at once,
+    // then as a backlog is (`g4.backlog_retry_ms`, doubling), so the
+    // gauges follow the outage instead of reading 0 until the next scan.
+    g4.set_on_outage(Arc::new(move || {
+        let _ = outage_tx.try_send(());
     }));
     let cfg = g4.config().clone();
     let weak: Weak<Node> = Arc::downgrade(node);

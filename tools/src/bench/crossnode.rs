@@ -97,6 +97,8 @@ pub(super) fn start_node(config: &str, name: &str) -> Result<Node> {
     let metrics = format!("127.0.0.1:{}", free_port()?);
     let conf = dir.path().join("kvtierd.toml");
     std::fs::write(&conf, config)?;
+    // It holds the G4 secret: owner only, or kvtierd refuses it.
+    std::fs::set_permissions(&conf, std::fs::Permissions::from_mode(0o600))?;
     let exe = std::env::current_exe()?;
     let local = exe.with_file_name("kvtierd");
     let bin = if local.exists() {

@@ -134,6 +134,8 @@ impl ShutdownHandle {
 /// A bound server.
 pub struct Server {
     listener: UnixListener,
+    /// Removed when the server stops or is dropped (a failed start).
+    socket_file: bind::SocketFile,
     path: PathBuf,
     shared: Arc<Shared>,
 }
@@ -170,32 +172,11 @@ impl Server {
         limits: ServerLimits,
     ) -> Result<Server> {
         let path = &sock.path;
-        if let Ok(meta) = std::fs::symlink_metadata(path) {
-            use std::os::unix::fs::FileTypeExt;
-            if !meta.file_type().is_socket() {
-                // Never delete what is not ours to delete: a config typo
-                // pointing at a real file must not destroy it.
-                return Err(Error::Config {
-                    key: "server.socket".into(),
-                    problem: format!(
-                        "{} exists and is not a socket; remove it or choose another path",
-                        path.display()
-                    ),
-                });
-            }
-            if UnixStream::connect(path).is_ok() {
-                return Err(Error::Config {
-                    key: "server.socket".into(),
-                    problem: format!("{} is in use by a running daemon", path.display()),
-                });
-            }
-            std::fs::remove_file(path).map_err(|e| Error::io("removing stale socket", path, e))?;
-        }
         let gid = match &sock.group {
             Some(g) => Some(socket_gid(g)?),
             None => None,
         };
-        let listener = bind::bind_private(path, sock.mode, gid)?;
+        let (listener, socket_file) = bind::bind_private(path, sock.mode, gid)?;
         backend.attach_events(bus.clone());
         metrics.set_bus(bus.clone());
         let client_stats = Arc::new(clients::ClientStats::new());
@@ -205,6 +186,7 @@ impl Server {
         }
         Ok(Server {
             listener,
+            socket_file,
             path: path.clone(),
             shared: Arc::new(Shared {
                 backend,
@@ -241,7 +223,7 @@ impl Server {
     }
 
     /// Accepts connections until shut down, drains, flushes the backend.
-    pub fn run(self) -> Result<()> {
+    pub fn run(mut self) -> Result<()> {
         let fd = self.listener.as_raw_fd();
         self.listener
             .set_nonblocking(true)
@@ -270,7 +252,7 @@ impl Server {
             }
         }
         tracing::info!("shutting down: no new connections, draining requests in flight");
-        let _ = std::fs::remove_file(&self.path);
+        self.socket_file.remove();
         let deadline = Instant::now() + Duration::from_millis(self.shared.limits.drain_timeout_ms);
         while self.shared.in_flight.load(Ordering::SeqCst) > 0 && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(5));
@@ -307,15 +289,18 @@ impl Server {
             );
             return;
         };
+        // Shares are its tenant's (every uid of a tenant draws on one), or
+        // its uid's.
+        let account = grant.account(uid);
         // Before the hello nothing is known of the caller but its uid: a
         // uid's unauthenticated connections are few and short-lived.
-        if !self.take_share(&s, uid, quota::Res::Hello, |n| {
+        if !self.take_share(&s, account, quota::Res::Hello, |n| {
             format!("uid {uid} has {n} connections waiting for their hello; send hello first")
         }) {
             return;
         }
-        let hello_taken = conn::HelloSlot::new(self.shared.clone(), uid);
-        if !self.take_share(&s, uid, quota::Res::Conn, |n| {
+        let hello_taken = conn::HelloSlot::new(self.shared.clone(), account);
+        if !self.take_share(&s, account, quota::Res::Conn, |n| {
             format!("uid {uid} holds its share of {n} connections; close some")
         }) {
             return;
@@ -323,7 +308,7 @@ impl Server {
         let n = self.shared.conns.fetch_add(1, Ordering::SeqCst) + 1;
         if n > self.shared.limits.max_connections {
             self.shared.conns.fetch_sub(1, Ordering::SeqCst);
-            self.shared.quotas.give(uid, quota::Res::Conn, 1);
+            self.shared.quotas.give(account, quota::Res::Conn, 1);
             self.shared
                 .metrics
                 .errors
@@ -338,14 +323,23 @@ impl Server {
             .name("kvtier-conn".into())
             .stack_size(512 << 10)
             .spawn(move || {
-                conn::serve(&shared, s, conn::Caller { uid, grant }, hello_taken);
+                conn::serve(
+                    &shared,
+                    s,
+                    conn::Caller {
+                        uid,
+                        account,
+                        grant,
+                    },
+                    hello_taken,
+                );
                 shared.conns.fetch_sub(1, Ordering::SeqCst);
-                shared.quotas.give(uid, quota::Res::Conn, 1);
+                shared.quotas.give(account, quota::Res::Conn, 1);
                 shared.metrics.connections.dec();
             });
         if spawned.is_err() {
             self.shared.conns.fetch_sub(1, Ordering::SeqCst);
-            self.shared.quotas.give(uid, quota::Res::Conn, 1);
+            self.shared.quotas.give(account, quota::Res::Conn, 1);
             self.shared.metrics.connections.dec();
         }
     }

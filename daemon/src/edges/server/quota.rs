@@ -28,6 +28,9 @@ pub struct UidLimits {
     pub hellos_per_uid_max: Option<usize>,
     /// Bytes of blocks one uid holds leased.
     pub lease_bytes_per_uid_max: Option<u64>,
+    /// Namespaces holding blocks that one uid (not root) has offloaded
+    /// into.
+    pub namespaces_per_uid_max: Option<usize>,
 }
 
 /// A counted resource.
@@ -47,11 +50,15 @@ struct Use {
     held: [usize; RES_COUNT],
     lease_bytes: u64,
     pins: HashMap<(NamespaceId, BlockKey), Instant>,
+    namespaces: std::collections::HashSet<NamespaceId>,
 }
 
 impl Use {
     fn is_empty(&self) -> bool {
-        self.held == [0; RES_COUNT] && self.lease_bytes == 0 && self.pins.is_empty()
+        self.held == [0; RES_COUNT]
+            && self.lease_bytes == 0
+            && self.pins.is_empty()
+            && self.namespaces.is_empty()
     }
 }
 
@@ -159,6 +166,33 @@ impl Quotas {
             }
         }
         u.pins.insert((*ns, *key), until);
+        true
+    }
+
+    /// Whether `uid` may offload into `ns`: one it offloaded into before,
+    /// or a new one while it has fewer than its share that still hold
+    /// blocks (`held`); records it on `true`. Root is not bounded.
+    pub(crate) fn namespace(
+        &self,
+        uid: u32,
+        ns: &NamespaceId,
+        held: impl Fn(&NamespaceId) -> bool,
+    ) -> bool {
+        let Some(max) = self.limits.namespaces_per_uid_max.filter(|_| uid != 0) else {
+            return true;
+        };
+        let mut m = self.lock();
+        let u = m.entry(uid).or_default();
+        if u.namespaces.contains(ns) {
+            return true;
+        }
+        if u.namespaces.len() >= max {
+            u.namespaces.retain(|n| held(n));
+            if u.namespaces.len() >= max {
+                return false;
+            }
+        }
+        u.namespaces.insert(*ns);
         true
     }
 

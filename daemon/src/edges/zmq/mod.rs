@@ -28,8 +28,9 @@
 //!   (evicted from G3) are not announced again until they are uploaded or
 //!   fetched: after a restart the router under-reports G4, never over.
 //!   Sequence numbers start at the clock (microseconds since the Unix
-//!   epoch), above every earlier run's: a consumer sees a gap, not stale
-//!   numbers, and asks for a replay.
+//!   epoch) or above every earlier run's when the clock is behind
+//!   ([`crate::base::id_floor`]): a consumer sees a gap, not stale numbers, and
+//!   asks for a replay.
 //! - A subscriber connected across a restart reconnects after the
 //!   start-up's batches went out: after `heartbeat_ms` without a batch the
 //!   publisher sends an empty one, whose number shows the gap, so the
@@ -76,6 +77,9 @@ pub struct ZmqOptions {
     pub ipc_mode: u32,
     /// The namespaces covered.
     pub published: Published,
+    /// Keeps sequence numbers above the last run's when the clock is
+    /// behind (`None`: they start at the clock).
+    pub seq_floor: Option<(Arc<crate::base::id_floor::IdFloor>, u64)>,
 }
 
 /// Counters of a publisher (`kvtier_events_zmq_*_total` in /metrics).

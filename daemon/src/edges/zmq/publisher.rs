@@ -22,6 +22,20 @@ const BRIDGE_BATCHES_MAX: usize = 1024;
 const ANNOUNCE_EVENTS_PER_BATCH: usize = 256;
 /// vLLM's end-of-replay sequence number (-1 as a signed big-endian u64).
 const END_SEQ: [u8; 8] = [0xff; 8];
+/// The most one peer may send in one message, frame headers included:
+/// subscribers send subscriptions (a topic), replay clients `["", seq]`,
+/// both a READY command with a few properties first. A frame header that
+/// announces more is refused before anything is reserved for it and the
+/// peer is disconnected (zeromq reserves what a header announces: 73 bytes
+/// naming 64 TiB aborted the daemon).
+const INBOUND_MESSAGE_BYTES_MAX: usize = 64 << 10;
+
+/// Options of both sockets.
+fn socket_options() -> zeromq::SocketOptions {
+    let mut o = zeromq::SocketOptions::default();
+    o.max_message_size(INBOUND_MESSAGE_BYTES_MAX);
+    o
+}
 
 static SEND_LOG: crate::base::log_limit::LogLimit = crate::base::log_limit::LogLimit::new(10_000);
 
@@ -197,7 +211,7 @@ impl ZmqPublisher {
     ) -> Result<Self> {
         // zeromq's sockets spawn their tasks on the current runtime.
         let _rt = rt.enter();
-        let mut pub_sock = zeromq::PubSocket::new();
+        let mut pub_sock = zeromq::PubSocket::with_options(socket_options());
         clear_stale_ipc(&opts.endpoint);
         let bound = rt
             .block_on(pub_sock.bind(&opts.endpoint))
@@ -207,7 +221,7 @@ impl ZmqPublisher {
         let mut router = None;
         let mut replay_endpoint = None;
         if let Some(ep) = &opts.replay_endpoint {
-            let mut r = zeromq::RouterSocket::new();
+            let mut r = zeromq::RouterSocket::with_options(socket_options());
             clear_stale_ipc(ep);
             let b = rt
                 .block_on(r.bind(ep))
@@ -228,16 +242,17 @@ impl ZmqPublisher {
         let (tx, rx) = mpsc::channel(BRIDGE_BATCHES_MAX);
         let stop = Arc::new(AtomicBool::new(false));
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-        let seq0 = std::time::SystemTime::now()
+        let clock = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_micros() as u64)
             .unwrap_or(0);
+        let seq0 = clock.max(opts.seq_floor.as_ref().map_or(0, |(_, first)| *first));
         rt.spawn(live(
             pub_sock,
             rx,
             ring.clone(),
             Bytes::from(opts.topic.clone().into_bytes()),
-            seq0,
+            (seq0, opts.seq_floor.clone().map(|(f, _)| f)),
             opts.dp_rank,
             Some(Duration::from_millis(opts.heartbeat_ms)).filter(|d| !d.is_zero()),
             stats.clone(),
@@ -369,7 +384,7 @@ async fn live(
     mut rx: mpsc::Receiver<Vec<WireEvent>>,
     ring: Arc<Mutex<Ring>>,
     topic: Bytes,
-    seq0: u64,
+    (seq0, floor): (u64, Option<Arc<crate::base::id_floor::IdFloor>>),
     dp_rank: Option<u32>,
     heartbeat: Option<Duration>,
     stats: Arc<ZmqStats>,
@@ -400,6 +415,9 @@ async fn live(
             payload,
         ];
         seq += 1;
+        if let Some(f) = &floor {
+            f.reach(seq);
+        }
         let Ok(msg) = ZmqMessage::try_from(frames) else {
             continue;
         };
@@ -550,6 +568,7 @@ mod tests {
             heartbeat_ms: 0,
             ipc_mode: 0o600,
             published,
+            seq_floor: None,
         };
         let holdings: Holdings = Arc::new(|_: &NamespaceId, _| Vec::new());
         let stats = Arc::new(ZmqStats::default());

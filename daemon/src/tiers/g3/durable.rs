@@ -267,9 +267,10 @@ impl G3Store {
             });
         }
         let recs: Vec<(u64, &Record)> = items.iter().map(|p| (p.id, &p.rec)).collect();
-        self.disk
-            .put(&recs)
-            .map_err(|e| group::Failure::Index(e.to_string()))
+        self.disk.put(&recs).map_err(|e| match e {
+            Error::NoSpace { .. } => group::Failure::IndexNoSpace,
+            e => group::Failure::Index(e.to_string()),
+        })
     }
 
     /// fsyncs every directory of a group, all at once (up to

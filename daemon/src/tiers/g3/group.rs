@@ -40,6 +40,8 @@ pub enum Failure {
     },
     /// The index commit failed (each participant undoes its renames).
     Index(String),
+    /// The index commit met a full filesystem (as [`Failure::Index`]).
+    IndexNoSpace,
     /// A lock was poisoned by a panicking thread.
     Lock,
 }
@@ -58,6 +60,10 @@ impl Failure {
             Failure::Index(d) => Error::Index {
                 path: index_path.to_path_buf(),
                 detail: d.clone(),
+            },
+            Failure::IndexNoSpace => Error::NoSpace {
+                path: index_path.to_path_buf(),
+                op: "committing the index",
             },
             Failure::Lock => super::lock_err("g3 group commit"),
         }

@@ -370,14 +370,156 @@ fn name_key(ns: &NamespaceId, key: &BlockKey) -> Vec<u8> {
 }
 
 /// The persistent side of the index (one redb file).
+///
+/// After an I/O error redb fails every later operation ("Previous I/O error
+/// occurred") until the database is opened again, and a full disk is the
+/// usual cause: the failed write frees [`IndexReserve`]'s space, the
+/// database is opened again, what was committed non-durably since the last
+/// durable commit (lost by the reopen) is written again from
+/// `since_durable`, and the write is tried once more. A write that still
+/// fails is answered [`Error::NoSpace`] on ENOSPC, and the next operation
+/// tries again (at most once a second).
 pub struct DiskIndex {
-    db: Database,
+    /// `None` while a reopen failed.
+    db: std::sync::RwLock<Option<Database>>,
     path: PathBuf,
     dirty: std::sync::atomic::AtomicBool,
     /// Test seam: this many next `put` commits fail (see
     /// `G3Store::fault_fail_index_commits`).
     pub(super) fail_puts: std::sync::atomic::AtomicU64,
+    /// Every record put (`Some`) or removed (`None`) by a commit not yet
+    /// followed by a durable one; its lock orders the writes.
+    since_durable: std::sync::Mutex<HashMap<u64, Option<Record>>>,
+    /// Why the database must be opened again (an I/O error), and when it
+    /// was last tried.
+    /// Whether the cause was a full filesystem.
+    broken: std::sync::Mutex<Option<(String, Option<std::time::Instant>, bool)>>,
+    /// The seam the database was opened through, to open it again.
+    fs: std::sync::RwLock<Option<std::sync::Arc<dyn super::seam::G3Fs>>>,
+    /// Space held for the index (`index.reserve`).
+    pub(super) reserve: IndexReserve,
+    /// Reopens after an I/O error (`kvtier_g3_index_reopens_total`).
+    pub(super) reopens: std::sync::atomic::AtomicU64,
 }
+
+/// Reopens tried at most this often while they fail.
+const REOPEN_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
+/// A durable commit is forced past this many records committed
+/// non-durably (the reclaimer makes one every second anyway).
+const SINCE_DURABLE_MAX: usize = 1 << 16;
+
+/// A file of `index.reserve` beside the index, holding filesystem space
+/// that only the index uses: when a write of the index meets a full disk,
+/// the file is removed, the index opened again and written into the space
+/// it held; it is made again once the filesystem has room for it twice
+/// (the reclaimer, every second). At open a filesystem with less free
+/// space than that removes it first, so that a node starts on a full disk.
+pub struct IndexReserve {
+    path: PathBuf,
+    bytes: u64,
+    /// Whether the file holds its space now.
+    held: std::sync::atomic::AtomicBool,
+}
+
+impl IndexReserve {
+    /// The reserve of the index in `root` for a store of `capacity_bytes`:
+    /// 1/256 of it, between 1 and 16 MiB (about 10,000 to 160,000 index
+    /// records).
+    pub fn new(root: &Path, capacity_bytes: u64) -> Self {
+        let bytes = (capacity_bytes / 256).clamp(1 << 20, 16 << 20);
+        let held = std::fs::metadata(root.join(RESERVE_FILE)).is_ok_and(|m| m.len() >= bytes);
+        IndexReserve {
+            path: root.join(RESERVE_FILE),
+            bytes,
+            held: std::sync::atomic::AtomicBool::new(held),
+        }
+    }
+
+    /// Its size.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// Whether it holds its space now (false: the filesystem was full).
+    pub fn held(&self) -> bool {
+        self.held.load(Ordering::Acquire)
+    }
+
+    /// Frees its space; whether there was any to free.
+    pub fn release(&self) -> bool {
+        let had = self.held.swap(false, Ordering::AcqRel);
+        match std::fs::remove_file(&self.path) {
+            Ok(()) => {
+                tracing::warn!(reserve = %self.path.display(), bytes = self.bytes,
+                    "g3: the filesystem is full; the index's reserve is released for the index");
+                true
+            }
+            Err(_) => had,
+        }
+    }
+
+    /// Bytes the filesystem of the reserve has free.
+    fn free_bytes(&self) -> Option<u64> {
+        let dir = self.path.parent()?;
+        let st = nix::sys::statvfs::statvfs(dir).ok()?;
+        Some(st.blocks_available() as u64 * st.fragment_size() as u64)
+    }
+
+    /// Whether the filesystem has less free than the reserve's size.
+    pub fn short(&self) -> bool {
+        self.free_bytes().is_some_and(|f| f < self.bytes)
+    }
+
+    /// At open: released when the filesystem has less than twice its size
+    /// free (a full disk must not keep the index from opening).
+    pub fn release_if_short(&self) {
+        if self
+            .free_bytes()
+            .is_some_and(|f| f < self.bytes.saturating_mul(2))
+        {
+            self.release();
+        }
+    }
+
+    /// Made (again) when missing and the filesystem has room for it twice
+    /// over; whether it holds its space now.
+    pub fn replenish(&self) -> bool {
+        if self.held() {
+            return true;
+        }
+        if self
+            .free_bytes()
+            .is_none_or(|f| f < self.bytes.saturating_mul(3))
+        {
+            return false;
+        }
+        let made = (|| -> std::io::Result<()> {
+            use std::os::unix::fs::OpenOptionsExt;
+            let f = std::fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .mode(0o600)
+                .open(&self.path)?;
+            nix::fcntl::posix_fallocate(&f, 0, self.bytes as i64).map_err(std::io::Error::from)?;
+            f.sync_all()
+        })();
+        match made {
+            Ok(()) => {
+                self.held.store(true, Ordering::Release);
+                true
+            }
+            Err(e) => {
+                let _ = std::fs::remove_file(&self.path);
+                tracing::debug!(error = %e, "g3: the index's reserve cannot be made yet");
+                false
+            }
+        }
+    }
+}
+
+/// Name of the reserve file under the store's root.
+pub const RESERVE_FILE: &str = "index.reserve";
 
 impl DiskIndex {
     /// Opens or creates the index file (redb repairs after a crash).
@@ -415,6 +557,15 @@ impl DiskIndex {
         fs: &dyn super::seam::G3Fs,
         path: &Path,
     ) -> std::result::Result<Self, (bool, Error)> {
+        let db = Self::open_database(fs, path)?;
+        Self::init(db, path).map_err(|e| (false, e))
+    }
+
+    /// redb's open of the file, checked (see [`DiskIndex::open_or_damaged`]).
+    fn open_database(
+        fs: &dyn super::seam::G3Fs,
+        path: &Path,
+    ) -> std::result::Result<Database, (bool, Error)> {
         let fail = |e: &dyn std::fmt::Display| Error::Index {
             path: path.to_path_buf(),
             detail: e.to_string(),
@@ -458,18 +609,24 @@ impl DiskIndex {
             }
             Err(e) => return Err((true, fail(&e))),
         }
-        Self::init(db, path).map_err(|e| (false, e))
+        Ok(db)
     }
     fn init(db: Database, path: &Path) -> Result<Self> {
         let fail = |e: &dyn std::fmt::Display| Error::Index {
             path: path.to_path_buf(),
             detail: e.to_string(),
         };
+        let root = path.parent().unwrap_or(Path::new("."));
         let me = DiskIndex {
-            db,
+            db: std::sync::RwLock::new(Some(db)),
             path: path.to_path_buf(),
             dirty: std::sync::atomic::AtomicBool::new(false),
             fail_puts: std::sync::atomic::AtomicU64::new(0),
+            since_durable: std::sync::Mutex::new(HashMap::new()),
+            broken: std::sync::Mutex::new(None),
+            fs: std::sync::RwLock::new(None),
+            reserve: IndexReserve::new(root, 0),
+            reopens: std::sync::atomic::AtomicU64::new(0),
         };
         // Non-durable: tables lost to a crash are created again, and the
         // files are the truth anyway; an fsync here costs every open.
@@ -543,6 +700,168 @@ impl DiskIndex {
         }
     }
 
+    /// The seam to open the file through again after an I/O error, and
+    /// the reserve's size from the store's capacity.
+    pub(super) fn attach(&mut self, fs: std::sync::Arc<dyn super::seam::G3Fs>, capacity: u64) {
+        if let Ok(mut f) = self.fs.write() {
+            *f = Some(fs);
+        }
+        let root = self.path.parent().unwrap_or(Path::new("."));
+        self.reserve = IndexReserve::new(root, capacity);
+    }
+
+    /// A redb error as ours; an I/O error (redb fails every later
+    /// operation after one) marks the database for a reopen, and ENOSPC
+    /// becomes [`Error::NoSpace`].
+    fn classify(&self, e: impl Into<redb::Error>) -> Error {
+        match e.into() {
+            redb::Error::Io(io) => {
+                let full = matches!(io.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT));
+                self.mark_broken(&io, full);
+                Error::io("writing the index", &self.path, io)
+            }
+            redb::Error::PreviousIo => {
+                self.mark_broken(&"an earlier I/O error", false);
+                self.err(redb::Error::PreviousIo)
+            }
+            e => self.err(e),
+        }
+    }
+
+    fn mark_broken(&self, cause: &dyn std::fmt::Display, full: bool) {
+        if let Ok(mut b) = self.broken.lock() {
+            if b.is_none() {
+                tracing::error!(index = %self.path.display(), %cause,
+                    "g3: I/O error on the index; it is opened again");
+                *b = Some((cause.to_string(), None, full));
+            }
+        }
+    }
+
+    /// Whether an I/O error broke the database and no reopen mended it.
+    pub fn broken(&self) -> bool {
+        self.broken.lock().map(|b| b.is_some()).unwrap_or(true)
+    }
+
+    /// Opens the database again when an I/O error broke it (at most once
+    /// every [`REOPEN_EVERY`] unless `now`) and writes again what
+    /// `since_durable` holds. The caller holds `since_durable`.
+    fn mend(&self, log: &HashMap<u64, Option<Record>>, now: bool) -> Result<()> {
+        let cause = {
+            let mut b = self
+                .broken
+                .lock()
+                .map_err(|_| super::lock_err("g3 index"))?;
+            let Some((cause, last, full)) = b.as_mut() else {
+                return Ok(());
+            };
+            if !now && last.is_some_and(|t| t.elapsed() < REOPEN_EVERY) {
+                if *full {
+                    return Err(Error::NoSpace {
+                        path: self.path.clone(),
+                        op: "writing the index",
+                    });
+                }
+                return Err(self.err(format!("the index is being opened again after: {cause}")));
+            }
+            *last = Some(std::time::Instant::now());
+            cause.clone()
+        };
+        {
+            let mut db = self.db.write().map_err(|_| super::lock_err("g3 index"))?;
+            // The old handle goes first: it holds redb's lock on the file.
+            *db = None;
+            let fs = self.fs.read().ok().and_then(|f| f.clone());
+            let opened = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match &fs {
+                Some(fs) => Self::open_database(fs.as_ref(), &self.path),
+                None => Self::open_database(&super::seam::RealFs, &self.path),
+            }))
+            .unwrap_or_else(|_| Err((true, self.err("redb panicked reopening the file"))));
+            *db = Some(opened.map_err(|(_, e)| e)?);
+        }
+        if let Ok(mut b) = self.broken.lock() {
+            *b = None;
+        }
+        if !log.is_empty() {
+            self.write(Durability::None, |w| {
+                let mut b = w.open_table(BLOCKS)?;
+                let mut n = w.open_table(NAMES)?;
+                for (id, r) in log {
+                    match r {
+                        Some(r) => {
+                            b.insert(*id, r.encode().as_slice())?;
+                            n.insert(name_key(&r.ns, &r.key).as_slice(), *id)?;
+                        }
+                        None => {
+                            if let Some(old) =
+                                b.remove(*id)?.and_then(|g| Record::decode(g.value()))
+                            {
+                                n.remove(name_key(&old.ns, &old.key).as_slice())?;
+                            }
+                        }
+                    }
+                }
+                Ok(())
+            })?;
+        }
+        self.reopens.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(index = %self.path.display(), %cause, rewritten = log.len(),
+            "g3: the index was opened again after an I/O error");
+        Ok(())
+    }
+
+    /// A write that survives an I/O error: `f` runs on the open database
+    /// (mended first when broken); when it fails with an I/O error, the
+    /// reserve's space is freed on ENOSPC, the database mended and `f`
+    /// tried once more. `note` records what the write changed in
+    /// `since_durable` (a durable write empties it).
+    fn logged_write<T>(
+        &self,
+        durability: Durability,
+        f: impl Fn(&redb::WriteTransaction) -> std::result::Result<T, redb::Error>,
+        note: impl Fn(&mut HashMap<u64, Option<Record>>),
+        undone_on_failure: bool,
+    ) -> Result<T> {
+        let mut log = self
+            .since_durable
+            .lock()
+            .map_err(|_| super::lock_err("g3 index"))?;
+        let tried = self
+            .mend(&log, false)
+            .and_then(|()| match self.write(durability, &f) {
+                Err(e) if self.broken() => {
+                    if matches!(e, Error::NoSpace { .. }) && !self.reserve.release() {
+                        return Err(e);
+                    }
+                    self.mend(&log, true)?;
+                    self.write(durability, &f)
+                }
+                r => r,
+            });
+        let t = match tried {
+            Ok(t) => t,
+            Err(e) => {
+                // A removal the caller keeps (the block is gone from
+                // memory) is written by the next mend.
+                if !undone_on_failure {
+                    note(&mut log);
+                }
+                return Err(e);
+            }
+        };
+        if matches!(durability, Durability::None) {
+            note(&mut log);
+            if log.len() > SINCE_DURABLE_MAX
+                && self.write(Durability::Immediate, |_| Ok(())).is_ok()
+            {
+                log.clear();
+            }
+        } else {
+            log.clear();
+        }
+        Ok(t)
+    }
+
     /// Runs one redb operation; a panic inside redb (its `unreachable!` on
     /// some damaged pages, which open does not always meet: found by the
     /// power-loss mutation check, in close's scan) is an index error, never
@@ -553,6 +872,24 @@ impl DiskIndex {
             .unwrap_or_else(|_| Err(self.err("redb panicked reading the file (damaged)")))
     }
 
+    /// Runs `f` on the open database (a read): mended first when broken.
+    fn read<T>(&self, f: impl FnOnce(&Database) -> Result<T>) -> Result<T> {
+        if self.broken() {
+            let log = self
+                .since_durable
+                .lock()
+                .map_err(|_| super::lock_err("g3 index"))?;
+            self.mend(&log, false)?;
+        }
+        self.guarded(|| {
+            let db = self.db.read().map_err(|_| super::lock_err("g3 index"))?;
+            let db = db
+                .as_ref()
+                .ok_or_else(|| self.err("the index is being opened again"))?;
+            f(db)
+        })
+    }
+
     fn write<T>(
         &self,
         durability: Durability,
@@ -560,16 +897,20 @@ impl DiskIndex {
     ) -> Result<T> {
         self.guarded(|| {
             let lazy = matches!(durability, Durability::None);
-            let mut w = self.db.begin_write().map_err(|e| self.err(e))?;
-            w.set_durability(durability).map_err(|e| self.err(e))?;
+            let db = self.db.read().map_err(|_| super::lock_err("g3 index"))?;
+            let db = db
+                .as_ref()
+                .ok_or_else(|| self.err("the index is being opened again"))?;
+            let mut w = db.begin_write().map_err(|e| self.classify(e))?;
+            w.set_durability(durability).map_err(|e| self.classify(e))?;
             if !lazy {
                 // Durable commits also record redb's allocator state, so that
                 // an open after a crash (or a drop that could not record it)
                 // loads it instead of rebuilding it from the whole file.
                 w.set_quick_repair(true);
             }
-            let t = f(&w).map_err(|e| self.err(e))?;
-            w.commit().map_err(|e| self.err(e))?;
+            let t = f(&w).map_err(|e| self.classify(e))?;
+            w.commit().map_err(|e| self.classify(e))?;
             if lazy {
                 self.dirty.store(true, Ordering::Release);
             }
@@ -587,36 +928,54 @@ impl DiskIndex {
         {
             return Err(self.err("injected commit failure (test fault seam)"));
         }
-        self.write(Durability::None, |w| {
-            let mut b = w.open_table(BLOCKS)?;
-            let mut n = w.open_table(NAMES)?;
-            for (id, r) in recs {
-                b.insert(*id, r.encode().as_slice())?;
-                n.insert(name_key(&r.ns, &r.key).as_slice(), *id)?;
-            }
-            Ok(())
-        })
+        self.logged_write(
+            Durability::None,
+            |w| {
+                let mut b = w.open_table(BLOCKS)?;
+                let mut n = w.open_table(NAMES)?;
+                for (id, r) in recs {
+                    b.insert(*id, r.encode().as_slice())?;
+                    n.insert(name_key(&r.ns, &r.key).as_slice(), *id)?;
+                }
+                Ok(())
+            },
+            |log| {
+                for (id, r) in recs {
+                    log.insert(*id, Some((*r).clone()));
+                }
+            },
+            true,
+        )
     }
 
     /// Removes records (non-durable commit).
     pub fn remove(&self, ids: &[u64]) -> Result<()> {
-        self.write(Durability::None, |w| {
-            let mut b = w.open_table(BLOCKS)?;
-            let mut n = w.open_table(NAMES)?;
-            for id in ids {
-                let old = b.remove(*id)?.and_then(|g| Record::decode(g.value()));
-                if let Some(r) = old {
-                    n.remove(name_key(&r.ns, &r.key).as_slice())?;
+        self.logged_write(
+            Durability::None,
+            |w| {
+                let mut b = w.open_table(BLOCKS)?;
+                let mut n = w.open_table(NAMES)?;
+                for id in ids {
+                    let old = b.remove(*id)?.and_then(|g| Record::decode(g.value()));
+                    if let Some(r) = old {
+                        n.remove(name_key(&r.ns, &r.key).as_slice())?;
+                    }
                 }
-            }
-            Ok(())
-        })
+                Ok(())
+            },
+            |log| {
+                for id in ids {
+                    log.insert(*id, None);
+                }
+            },
+            false,
+        )
     }
 
     /// One record.
     pub fn get(&self, id: u64) -> Result<Option<Record>> {
-        self.guarded(|| {
-            let r = self.db.begin_read().map_err(|e| self.err(e))?;
+        self.read(|db| {
+            let r = db.begin_read().map_err(|e| self.classify(e))?;
             let t = r.open_table(BLOCKS).map_err(|e| self.err(e))?;
             let v = t.get(id).map_err(|e| self.err(e))?;
             Ok(v.and_then(|g| Record::decode(g.value())))
@@ -631,8 +990,8 @@ impl DiskIndex {
 
     /// Visits every record (recovery).
     pub fn for_each(&self, mut f: impl FnMut(u64, Record)) -> Result<()> {
-        self.guarded(|| {
-            let r = self.db.begin_read().map_err(|e| self.err(e))?;
+        self.read(|db| {
+            let r = db.begin_read().map_err(|e| self.classify(e))?;
             let t = r.open_table(BLOCKS).map_err(|e| self.err(e))?;
             for item in t.iter().map_err(|e| self.err(e))? {
                 let (k, v) = item.map_err(|e| self.err(e))?;
@@ -651,8 +1010,8 @@ impl DiskIndex {
         after: Option<&BlockKey>,
         limit: usize,
     ) -> Result<Vec<BlockKey>> {
-        self.guarded(|| {
-            let r = self.db.begin_read().map_err(|e| self.err(e))?;
+        self.read(|db| {
+            let r = db.begin_read().map_err(|e| self.classify(e))?;
             let t = r.open_table(NAMES).map_err(|e| self.err(e))?;
             let start: Vec<u8> = match after {
                 Some(k) => {
@@ -684,8 +1043,8 @@ impl DiskIndex {
     /// the clean-shutdown marker at close, so that a marker is trusted only
     /// beside the index it was written for.
     pub fn generation(&self) -> Result<u64> {
-        self.guarded(|| {
-            let r = self.db.begin_read().map_err(|e| self.err(e))?;
+        self.read(|db| {
+            let r = db.begin_read().map_err(|e| self.classify(e))?;
             let t = r.open_table(META).map_err(|e| self.err(e))?;
             let v = t.get(GENERATION).map_err(|e| self.err(e))?;
             Ok(v.map(|g| g.value()).unwrap_or(0))
@@ -697,22 +1056,29 @@ impl DiskIndex {
     /// cannot make a stale marker valid; `close` makes it durable before
     /// writing the next marker).
     pub fn set_generation(&self, generation: u64) -> Result<()> {
-        self.write(Durability::None, |w| {
-            w.open_table(META)?.insert(GENERATION, generation)?;
-            Ok(())
-        })
+        self.logged_write(
+            Durability::None,
+            |w| {
+                w.open_table(META)?.insert(GENERATION, generation)?;
+                Ok(())
+            },
+            |_| {},
+            true,
+        )
     }
 
     /// Makes every earlier non-durable commit durable.
     pub fn flush(&self) -> Result<()> {
         self.dirty.store(false, Ordering::Release);
-        self.write(Durability::Immediate, |_| Ok(()))
+        self.logged_write(Durability::Immediate, |_| Ok(()), |_| {}, true)
     }
 
-    /// [`DiskIndex::flush`] when something changed since the last one.
+    /// [`DiskIndex::flush`] when something changed since the last one (or
+    /// an I/O error broke the database: it is mended here, off the write
+    /// path).
     pub fn flush_if_dirty(&self) -> Result<()> {
-        if self.dirty.swap(false, Ordering::AcqRel) {
-            return self.write(Durability::Immediate, |_| Ok(()));
+        if self.dirty.swap(false, Ordering::AcqRel) || self.broken() {
+            return self.flush();
         }
         Ok(())
     }

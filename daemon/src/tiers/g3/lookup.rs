@@ -111,6 +111,14 @@ impl G3Store {
         })
     }
 
+    /// Whether `ns` holds at least one block.
+    pub fn holds_namespace(&self, ns: &NamespaceId) -> bool {
+        self.mem
+            .read()
+            .map(|m| m.ns_blocks.contains_key(ns))
+            .unwrap_or(true)
+    }
+
     /// Namespaces that hold at least one block, sorted.
     pub fn namespaces(&self) -> Vec<NamespaceId> {
         let mut v: Vec<NamespaceId> = self

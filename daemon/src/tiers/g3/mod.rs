@@ -154,6 +154,9 @@ pub struct G3Store {
     /// else a file could come back after a power cut that the trusted
     /// index no longer lists.
     unsynced_removals: Mutex<HashSet<PathBuf>>,
+    /// Shard directories a removal may have left empty (remove.rs
+    /// `remove_empty_dirs`).
+    maybe_empty: Mutex<HashSet<PathBuf>>,
     /// Ids a put is writing now (between plan and publish): a name found
     /// in `blocks/` for a claimed id that the index lacks is an orphan.
     writing: Mutex<HashSet<u64>>,
@@ -319,6 +322,9 @@ impl G3Store {
         for d in [&blocks_dir, &tmp_dir, &quarantine_dir, &recycle_dir] {
             walk::check_own_dir(d, root_dev).map_err(|e| Error::io("checking", d, e))?;
         }
+        // A full filesystem gets the index's reserve back before anything
+        // here writes (a node starts on a full disk, index.rs).
+        index::IndexReserve::new(&cfg.root, cfg.capacity_bytes).release_if_short();
         let direct_ok = fsops::probe_direct(fs.as_ref(), &tmp_dir)?;
         let sync_mode = match cfg.sync_mode {
             SyncMode::Group if !fs.syncfs_durable(&tmp_dir, direct_ok) => {
@@ -327,7 +333,8 @@ impl G3Store {
             }
             m => m,
         };
-        let (disk, index_rebuilt) = recover::open_index(fs.as_ref(), &cfg.root)?;
+        let (mut disk, index_rebuilt) = recover::open_index(fs.as_ref(), &cfg.root)?;
+        disk.attach(fs.clone(), cfg.capacity_bytes);
         let pool = BufferPool::new(cfg.buffer_pool_bytes)?;
         let store = Arc::new(G3Store {
             blocks_dir,
@@ -353,6 +360,7 @@ impl G3Store {
             counters: Counters::default(),
             known_dirs: Mutex::new(HashSet::new()),
             unsynced_removals: Mutex::new(HashSet::new()),
+            maybe_empty: Mutex::new(HashSet::new()),
             writing: Mutex::new(HashSet::new()),
             group: group::GroupCommit::default(),
             flush_window: group::FlushWindow::default(),
@@ -369,6 +377,7 @@ impl G3Store {
         let mut report = store.recover()?;
         report.adopted += store.scan_recycled(report.clean_start)?;
         store.trim_quarantine();
+        store.remove_empty_dirs_at_open();
         report.index_rebuilt = index_rebuilt;
         tracing::info!(
             root = %store.cfg.root.display(),
@@ -389,12 +398,22 @@ impl G3Store {
         if let Ok(mut r) = store.recovery.lock() {
             *r = report;
         }
+        store.disk.reserve.replenish();
         let h = reclaimer::spawn(&store);
         if let Ok(mut slot) = store.reclaimer.lock() {
             *slot = h;
         }
         store.maybe_reclaim();
         Ok(store)
+    }
+
+    /// Whether the filesystem under the store is full: less free than the
+    /// index's reserve, or the reserve in use (or an I/O error keeps the
+    /// index from being written).
+    /// Offloads are answered `no_space` until eviction or the operator
+    /// frees room.
+    pub fn disk_full(&self) -> bool {
+        !self.disk.reserve.held() || self.disk.broken() || self.disk.reserve.short()
     }
 
     /// The engine that runs (`io_uring` or `pread`).

@@ -465,6 +465,14 @@ impl G3Fs for PowerLossFs {
         std::fs::remove_dir_all(path)
     }
 
+    /// Only ever an empty directory whose creation was made durable first
+    /// (remove.rs), then the parent's fsync: nothing for a cut to undo
+    /// but an empty directory coming back.
+    fn remove_dir(&self, path: &Path) -> io::Result<()> {
+        let _st = self.op()?;
+        std::fs::remove_dir(path)
+    }
+
     fn owner_lock(&self) -> bool {
         false
     }

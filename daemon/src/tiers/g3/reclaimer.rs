@@ -69,6 +69,9 @@ pub(super) fn spawn(store: &Arc<G3Store>) -> Option<std::thread::JoinHandle<()>>
             }
             // Off the write path: retired files become reusable.
             s.settle_retired();
+            s.remove_empty_dirs();
+            // The index's reserve is made again once there is room.
+            s.disk.reserve.replenish();
             if let Err(e) = s.disk.flush_if_dirty() {
                 tracing::warn!(error = %e, "g3: index flush failed");
             }

@@ -8,6 +8,9 @@ use super::{lock_err, G3Event, G3Store, RemoveReason};
 use crate::base::error::{Error, Result};
 use kvtier_client::{BlockKey, NamespaceId};
 
+/// Empty directories removed at most per reclaimer pass.
+const EMPTY_DIRS_PER_PASS: usize = 64;
+
 impl G3Store {
     /// Deletes a block (leases and pins do not protect against this);
     /// `false` when absent.
@@ -101,10 +104,121 @@ impl G3Store {
     }
 
     /// Remembers the directory of an unlinked block file (see
-    /// `unsynced_removals`).
+    /// `unsynced_removals`), and that it may be empty now.
     pub(super) fn note_removal(&self, path: &std::path::Path) {
         if let (Some(d), Ok(mut set)) = (path.parent(), self.unsynced_removals.lock()) {
             set.insert(d.to_path_buf());
+            if d.starts_with(&self.blocks_dir) {
+                if let Ok(mut e) = self.maybe_empty.lock() {
+                    e.insert(d.to_path_buf());
+                }
+            }
+        }
+    }
+
+    /// At open: every empty shard directory, then every empty namespace
+    /// directory, goes (rmdir fails on one that holds anything). Earlier
+    /// runs' unlinks are durable by now (close, or recovery's walk), so
+    /// one fsync of `blocks/` at the end; an empty directory a power cut
+    /// brings back is removed at the next open.
+    pub(super) fn remove_empty_dirs_at_open(&self) -> u64 {
+        let mut n = 0u64;
+        let Ok(namespaces) = std::fs::read_dir(&self.blocks_dir) else {
+            return 0;
+        };
+        for ns in namespaces.flatten() {
+            if !ns.file_type().is_ok_and(|t| t.is_dir()) {
+                continue;
+            }
+            let ns_dir = ns.path();
+            if let Ok(shards) = std::fs::read_dir(&ns_dir) {
+                for sh in shards.flatten() {
+                    if sh.file_type().is_ok_and(|t| t.is_dir())
+                        && self.fs.remove_dir(&sh.path()).is_ok()
+                    {
+                        n += 1;
+                    }
+                }
+            }
+            if self.fs.remove_dir(&ns_dir).is_ok() {
+                n += 1;
+            }
+        }
+        if n > 0 {
+            let _ = self
+                .fs
+                .sync_dir(&self.blocks_dir, super::seam::SyncSite::NsDirFsync);
+            self.counters
+                .dirs_removed
+                .fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+        }
+        n
+    }
+
+    /// Removes the shard directories removals left empty, and their
+    /// namespace directories once empty too: each is space the filesystem
+    /// keeps (4 KiB on ext4) for nothing, and a namespace per tenant salt
+    /// or adapter leaves two. Under the write gate, so that no put is
+    /// between creating its directory and renaming into it; at most
+    /// [`EMPTY_DIRS_PER_PASS`] directories a pass (the reclaimer's, every
+    /// second). Each removal is made durable as it goes: the shard's
+    /// unlinks first (close's fsync would not find it), its creation in the
+    /// namespace directory, then the removal itself.
+    pub(super) fn remove_empty_dirs(&self) {
+        use super::seam::SyncSite;
+        let dirs: Vec<std::path::PathBuf> = match self.maybe_empty.lock() {
+            Ok(mut e) => {
+                let take: Vec<_> = e.iter().take(EMPTY_DIRS_PER_PASS).cloned().collect();
+                for d in &take {
+                    e.remove(d);
+                }
+                take
+            }
+            Err(_) => return,
+        };
+        if dirs.is_empty() {
+            return;
+        }
+        let Ok(_gate) = self.write_gate.write() else {
+            return;
+        };
+        if self.closed.load(std::sync::atomic::Ordering::Acquire) {
+            return;
+        }
+        for shard in dirs {
+            let Some(ns_dir) = shard.parent().filter(|p| *p != self.blocks_dir) else {
+                continue;
+            };
+            let emptied = self
+                .fs
+                .sync_dir(&shard, SyncSite::CloseRemovalsFsync)
+                .and_then(|()| self.fs.sync_dir(ns_dir, SyncSite::ShardDirFsync))
+                .and_then(|()| self.fs.remove_dir(&shard))
+                .and_then(|()| self.fs.sync_dir(ns_dir, SyncSite::ShardDirFsync));
+            if emptied.is_err() {
+                // Not empty (a block came back), gone, or not removable:
+                // left as it is.
+                continue;
+            }
+            if let Ok(mut k) = self.known_dirs.lock() {
+                k.remove(&shard);
+            }
+            if let Ok(mut u) = self.unsynced_removals.lock() {
+                u.remove(&shard);
+            }
+            self.counters
+                .dirs_removed
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let ns_gone = self
+                .fs
+                .sync_dir(&self.blocks_dir, SyncSite::NsDirFsync)
+                .and_then(|()| self.fs.remove_dir(ns_dir))
+                .and_then(|()| self.fs.sync_dir(&self.blocks_dir, SyncSite::NsDirFsync));
+            if ns_gone.is_ok() {
+                self.counters
+                    .dirs_removed
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
         }
     }
 

@@ -167,6 +167,10 @@ pub trait G3Fs: Send + Sync + std::fmt::Debug {
     fn create_dir_all(&self, path: &Path) -> io::Result<()>;
     /// rm -r (quarantine trimming of set-aside directories).
     fn remove_dir_all(&self, path: &Path) -> io::Result<()>;
+    /// rmdir(2): an empty shard or namespace directory (remove.rs).
+    fn remove_dir(&self, path: &Path) -> io::Result<()> {
+        std::fs::remove_dir(path)
+    }
     /// The storage behind `index.redb`: `None` lets redb open the file
     /// itself (production).
     fn index_backend(&self, path: &Path) -> io::Result<Option<IndexBackend>>;

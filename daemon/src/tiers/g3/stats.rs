@@ -62,6 +62,8 @@ pub(super) struct Counters {
     pub(super) recycle_retired: AtomicU64,
     /// Pooled files unlinked.
     pub(super) recycle_dropped: AtomicU64,
+    /// Empty shard and namespace directories removed (remove.rs).
+    pub(super) dirs_removed: AtomicU64,
     pub(super) seq: AtomicU64,
 }
 
@@ -99,6 +101,9 @@ impl G3Store {
             ("recycle_dropped", rc.dropped),
             ("recycle_pool_bytes", rc.bytes),
             ("recycle_pool_files", rc.files),
+            ("disk_full", u64::from(self.disk_full())),
+            ("empty_dirs_removed", c.dirs_removed.load(Ordering::Relaxed)),
+            ("index_reopens", self.disk.reopens.load(Ordering::Relaxed)),
         ]
     }
 

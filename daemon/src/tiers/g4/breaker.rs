@@ -49,6 +49,8 @@ pub(crate) struct Breaker {
     s: Mutex<State>,
     /// Told when the store answers again (the node re-queues its backlog).
     on_closed: Mutex<Option<OnClosed>>,
+    /// Told when it opens (the node counts its backlog at once).
+    on_opened: Mutex<Option<OnClosed>>,
 }
 
 impl Breaker {
@@ -70,7 +72,13 @@ impl Breaker {
                 until: Instant::now(),
             }),
             on_closed: Mutex::new(None),
+            on_opened: Mutex::new(None),
         }
+    }
+
+    /// Calls `hook` whenever the breaker opens after being closed.
+    pub(crate) fn set_on_opened(&self, hook: OnClosed) {
+        *lock(&self.on_opened) = Some(hook);
     }
 
     /// Calls `hook` whenever the breaker closes after being open.
@@ -124,6 +132,16 @@ impl Breaker {
 
     /// The store failed or did not answer in time.
     pub(crate) fn failure(&self, stats: &G4Stats) {
+        if self.failure_opened(stats) {
+            let hook = lock(&self.on_opened).clone();
+            if let Some(hook) = hook {
+                hook();
+            }
+        }
+    }
+
+    /// [`Breaker::failure`]; whether it opened a closed breaker.
+    fn failure_opened(&self, stats: &G4Stats) -> bool {
         let mut s = lock(&self.s);
         let now = Instant::now();
         match s.state {
@@ -140,16 +158,19 @@ impl Breaker {
                         open_ms = s.open_for.as_millis() as u64,
                         "G4 circuit breaker open: the store keeps failing; G4 reads are misses"
                     );
+                    return true;
                 }
+                false
             }
             BreakerState::HalfOpen => {
                 s.open_for = (s.open_for * 2).min(self.open_max);
                 s.state = BreakerState::Open;
                 s.until = now + s.open_for;
                 stats.breaker_open.store(1, Relaxed);
+                false
             }
             // A call let through before the breaker opened.
-            BreakerState::Open => {}
+            BreakerState::Open => false,
         }
     }
 
@@ -199,6 +220,34 @@ mod tests {
         assert_eq!(b.state(), BreakerState::Closed);
         assert_eq!(st.breaker_open.load(Relaxed), 0);
         assert_eq!(st.breaker_opened.load(Relaxed), 1);
+    }
+
+    /// Issue #42: the backlog gauges read 0 for a minute into an outage;
+    /// the node is now told when the breaker opens (once per outage, not
+    /// again while it stays open) and counts its backlog at once.
+    #[test]
+    fn opening_tells_the_node_once() {
+        let st = G4Stats::default();
+        let b = Breaker::new(
+            2,
+            Duration::from_millis(20),
+            Duration::from_millis(20),
+            Duration::from_secs(1),
+        );
+        let told = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let t = told.clone();
+        b.set_on_opened(std::sync::Arc::new(move || {
+            t.fetch_add(1, Relaxed);
+        }));
+        b.failure(&st);
+        assert_eq!(told.load(Relaxed), 0);
+        b.failure(&st);
+        b.failure(&st);
+        assert_eq!(told.load(Relaxed), 1);
+        std::thread::sleep(Duration::from_millis(30));
+        assert!(b.allow(&st));
+        b.failure(&st);
+        assert_eq!(told.load(Relaxed), 1, "a failed probe is the same outage");
     }
 
     #[test]

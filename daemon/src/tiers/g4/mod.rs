@@ -124,6 +124,12 @@ impl G4Store {
         *lock(&self.inner.recovered) = Some(hook);
     }
 
+    /// Calls `hook` each time G4 goes down (the breaker opens): the node
+    /// counts its backlog at once rather than at its next scan.
+    pub fn set_on_outage(&self, hook: RecoveredHook) {
+        self.inner.breaker.set_on_opened(hook);
+    }
+
     /// Records the backlog of blocks not yet safe in G4, as the node's
     /// last scan found it (exported as `kvtier_g4_backlog_*`).
     pub fn set_backlog(&self, blocks: u64, bytes: u64, oldest_unix_ms: u64) {

@@ -210,7 +210,15 @@ pub struct PeerClient {
     cfg: Arc<PeerClientConfig>,
     metrics: Arc<PeerMetrics>,
     idle: Arc<Mutex<HashMap<String, Vec<Conn>>>>,
+    /// Peers whose last answer refused us (401) or lacked the proof of
+    /// our secret: when, and the status (`/healthz`).
+    refusals: Arc<Mutex<HashMap<String, (std::time::Instant, u16)>>>,
 }
+
+/// Peers with a refusal newer than this are reported by `/healthz`.
+const REFUSAL_REPORTED_FOR: Duration = Duration::from_secs(60);
+/// Peer addresses whose refusals are remembered.
+const REFUSALS_MAX: usize = 256;
 
 impl std::fmt::Debug for PeerClient {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -240,7 +248,41 @@ impl PeerClient {
             cfg: Arc::new(cfg),
             metrics: Arc::new(PeerMetrics::default()),
             idle: Arc::new(Mutex::new(HashMap::new())),
+            refusals: Arc::new(Mutex::new(HashMap::new())),
         })
+    }
+
+    /// Peers that refused us in the last minute (a different
+    /// `peer.secret`, clocks apart) and have not answered since:
+    /// `(address, HTTP status)`, sorted.
+    pub fn refusing_peers(&self) -> Vec<(String, u16)> {
+        let Ok(r) = self.refusals.lock() else {
+            return Vec::new();
+        };
+        let mut v: Vec<(String, u16)> = r
+            .iter()
+            .filter(|(_, (t, _))| t.elapsed() < REFUSAL_REPORTED_FOR)
+            .map(|(a, (_, s))| (a.clone(), *s))
+            .collect();
+        v.sort();
+        v
+    }
+
+    fn note_answer(&self, address: &str, refused: bool, status: u16) {
+        let Ok(mut r) = self.refusals.lock() else {
+            return;
+        };
+        if !refused {
+            r.remove(address);
+            return;
+        }
+        if r.len() >= REFUSALS_MAX && !r.contains_key(address) {
+            r.retain(|_, (t, _)| t.elapsed() < REFUSAL_REPORTED_FOR);
+            if r.len() >= REFUSALS_MAX {
+                return;
+            }
+        }
+        r.insert(address.to_string(), (std::time::Instant::now(), status));
     }
 
     /// Counters.
@@ -630,6 +672,12 @@ impl PeerClient {
         let ok = self
             .key
             .check_proof(proof, nonce, auth, resp.status().as_u16());
+        let status = resp.status();
+        self.note_answer(
+            address,
+            !ok || status == StatusCode::UNAUTHORIZED,
+            status.as_u16(),
+        );
         if !ok {
             crate::warn_limited!(
                 PROOF_WARN,

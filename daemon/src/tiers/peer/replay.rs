@@ -5,7 +5,10 @@
 //! again is refused. Bounded: only requests that passed the signature
 //! check enter (nobody without the secret can fill it), at most
 //! `replay_cache_max` of them; when that many are live, new requests get
-//! 503 until some go stale, never a forgotten signature.
+//! 503 until some go stale, never a forgotten signature. The memory does
+//! not survive a restart, so a request signed before the server started is
+//! refused too (a request captured and replayed across a restart was
+//! served again).
 
 use super::auth::Signed;
 use std::collections::{HashSet, VecDeque};
@@ -32,6 +35,9 @@ struct Inner {
 pub struct ReplayCache {
     max: usize,
     skew_ms: u64,
+    /// Signatures older than this (the server's start) are refused: the
+    /// cache of the run before is gone.
+    not_before_ms: u64,
     inner: Mutex<Inner>,
 }
 
@@ -41,12 +47,23 @@ impl ReplayCache {
         ReplayCache {
             max: max.max(1),
             skew_ms,
+            not_before_ms: 0,
             inner: Mutex::new(Inner::default()),
         }
     }
 
+    /// Refuses every signature timestamped before `unix_ms` (the server's
+    /// start: what it admitted before a restart is forgotten).
+    pub fn not_before(mut self, unix_ms: u64) -> Self {
+        self.not_before_ms = unix_ms;
+        self
+    }
+
     /// Admits `s` (first use) or refuses it.
     pub fn admit(&self, s: &Signed, now_unix_ms: u64) -> Result<(), Refused> {
+        if s.unix_ms < self.not_before_ms {
+            return Err(Refused::Replayed);
+        }
         let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         let Inner { seen, order } = &mut *g;
         while order.front().is_some_and(|(stale, _)| *stale < now_unix_ms) {
@@ -108,5 +125,9 @@ mod tests {
         // Once stale (the timestamp check refuses them anyway) they go.
         assert_eq!(c.admit(&s(3, 11_500), 11_500), Ok(()));
         assert_eq!(c.len(), 1);
+        // A restarted server forgot what it admitted: older signatures go.
+        let c = ReplayCache::new(2, 1000).not_before(11_000);
+        assert_eq!(c.admit(&s(4, 10_900), 11_100), Err(Refused::Replayed));
+        assert_eq!(c.admit(&s(5, 11_000), 11_100), Ok(()));
     }
 }

@@ -231,7 +231,8 @@ impl PeerServer {
         let state = Arc::new(State {
             key,
             transfers: Arc::new(Semaphore::new(cfg.transfers_max)),
-            replay: ReplayCache::new(cfg.replay_cache_max, cfg.clock_skew_ms),
+            replay: ReplayCache::new(cfg.replay_cache_max, cfg.clock_skew_ms)
+                .not_before(unix_ms_now()),
             cfg,
             source,
             metrics: metrics.clone(),
