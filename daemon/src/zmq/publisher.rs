@@ -238,7 +238,7 @@ impl ZmqPublisher {
             ring.clone(),
             Bytes::from(opts.topic.clone().into_bytes()),
             seq0,
-            opts.dp_rank,
+            (opts.dp_rank, opts.media),
             Some(Duration::from_millis(opts.heartbeat_ms)).filter(|d| !d.is_zero()),
             stats.clone(),
             stop_rx.clone(),
@@ -370,7 +370,7 @@ async fn live(
     ring: Arc<Mutex<Ring>>,
     topic: Bytes,
     seq0: u64,
-    dp_rank: Option<u32>,
+    (dp_rank, media): (Option<u32>, wire::Media),
     heartbeat: Option<Duration>,
     stats: Arc<ZmqStats>,
     mut stop: tokio::sync::watch::Receiver<bool>,
@@ -389,7 +389,7 @@ async fn live(
             }
         };
         count_stored(&evs, &stats);
-        let payload = Bytes::from(wire::batch(now_s(), &evs, dp_rank));
+        let payload = Bytes::from(wire::batch(now_s(), &evs, dp_rank, media));
         // Kept before it is sent: a subscriber that misses it can ask.
         if let Ok(mut r) = ring.lock() {
             r.push(seq, payload.clone());
@@ -468,7 +468,12 @@ async fn replay(
                     .unwrap_or_default();
                 numbered_snapshot(snap, start, newest)
                     .into_iter()
-                    .map(|(seq, b)| (seq, Bytes::from(wire::batch(now_s(), &b, opts.dp_rank))))
+                    .map(|(seq, b)| {
+                        (
+                            seq,
+                            Bytes::from(wire::batch(now_s(), &b, opts.dp_rank, opts.media)),
+                        )
+                    })
                     .collect()
             }
             None => kept,
@@ -549,6 +554,7 @@ mod tests {
             dp_rank: None,
             heartbeat_ms: 0,
             ipc_mode: 0o600,
+            media: super::wire::Media::Vllm,
             published,
         };
         let holdings: Holdings = Arc::new(|_: &NamespaceId, _| Vec::new());
