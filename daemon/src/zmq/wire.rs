@@ -305,7 +305,13 @@ mod tests {
             tier: StorageTier::External,
         };
         assert_eq!(
-            decode(&batch(2.5, &[removed.clone()], None, Media::Vllm)).to_string(),
+            decode(&batch(
+                2.5,
+                std::slice::from_ref(&removed),
+                None,
+                Media::Vllm
+            ))
+            .to_string(),
             r#"[2.5, [{"type": "BlockRemoved", "block_hashes": [5], "medium": "STORAGE", "locality": "REMOTE"}], nil]"#
         );
         assert_eq!(
