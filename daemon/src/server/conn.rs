@@ -655,7 +655,7 @@ impl Conn<'_> {
                     status: keys
                         .iter()
                         .map(|k| {
-                            let st = match b.verify(&ns, k, true) {
+                            let st = match b.report_corrupt(&ns, k) {
                                 Ok(super::backend::VerifyOutcome::Ok) => ItemStatus::Ok,
                                 Ok(super::backend::VerifyOutcome::Repaired(_)) => {
                                     ItemStatus::Repaired
