@@ -677,12 +677,14 @@ fn a_stalled_events_follower_gets_lagged_and_is_never_dropped() {
     assert!(f.child.try_wait().unwrap().is_none(), "the follower exited");
 }
 
-/// `kvtier demo | head -1`: the demo dies of SIGPIPE on its second line,
-/// without running any Drop. The kvtierd it started must end with it, not
-/// stay running in the background (issue 30).
+/// `kvtier demo | head -1`: the demo's stdout closes after its first line.
+/// The kvtierd it started must end with it, not stay running in the
+/// background (issue 30), and the temporary directory it made must go too
+/// (issue 43: it died of SIGPIPE without running Drop and left it).
 #[test]
 fn a_demo_killed_by_sigpipe_takes_its_own_daemon_with_it() {
     let home = tempfile::tempdir().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
     // Marks the daemons this demo starts (they inherit the environment).
     let mark = format!("KVTIER_TEST_MARK={}", std::process::id());
     let out = Command::new("sh")
@@ -693,12 +695,25 @@ fn a_demo_killed_by_sigpipe_takes_its_own_daemon_with_it() {
         .env("XDG_RUNTIME_DIR", home.path())
         .env("XDG_STATE_HOME", home.path())
         .env("KVTIER_TEST_MARK", std::process::id().to_string())
+        .env("TMPDIR", tmp.path())
         .output()
         .unwrap();
     assert!(
         String::from_utf8_lossy(&out.stdout).contains("starting one of its own"),
         "{}",
         String::from_utf8_lossy(&out.stdout)
+    );
+    // The shell waited for both ends of the pipe: the demo has exited.
+    let left: Vec<_> = std::fs::read_dir(tmp.path())
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert!(left.is_empty(), "the demo left {left:?} in TMPDIR");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).is_empty(),
+        "a closed pipe is no error to report: {}",
+        String::from_utf8_lossy(&out.stderr)
     );
     let marked = || -> Vec<String> {
         std::fs::read_dir("/proc")

@@ -427,6 +427,13 @@ impl Client {
     /// [`Error::Timeout`] (a data call's parts then miss `Timeout`) without
     /// touching the connection. Nested calls keep the outer deadline.
     pub fn within_deadline<T>(&self, f: impl FnOnce() -> T) -> T {
+        self.within_deadline_since(Instant::now(), f)
+    }
+
+    /// [`Self::within_deadline`] with the deadline `timeout_ms` after
+    /// `start`: a caller that did work of its own for this call first
+    /// (converting a million keys from Python objects) counts it in.
+    pub fn within_deadline_since<T>(&self, start: Instant, f: impl FnOnce() -> T) -> T {
         if CALL_DEADLINE.get().is_some() {
             return f();
         }
@@ -437,7 +444,7 @@ impl Client {
             }
         }
         // An Instant too far ahead to represent is no deadline at all.
-        CALL_DEADLINE.set(Instant::now().checked_add(Duration::from_millis(self.cfg.timeout_ms)));
+        CALL_DEADLINE.set(start.checked_add(Duration::from_millis(self.cfg.timeout_ms)));
         let _reset = Reset;
         f()
     }

@@ -337,6 +337,7 @@ fn run() -> Result<()> {
             dp_rank: z.dp_rank,
             heartbeat_ms: z.heartbeat_ms,
             ipc_mode: z.ipc_mode_bits()?,
+            media: z.media()?,
             published,
             seq_floor: {
                 let (f, first) =

@@ -55,6 +55,19 @@ fn main() {
     let asked = std::env::args_os().any(|a| a == "--backtrace");
     std::env::set_var("RUST_LIB_BACKTRACE", if asked { "1" } else { "0" });
     if let Err(e) = run() {
+        if e.chain().any(|c| {
+            c.downcast_ref::<std::io::Error>()
+                .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+        }) {
+            // Its reader went away (`kvtier demo | head`), after the
+            // demo's cleanup ran: end as a tool in a pipe ends, quietly.
+            // SAFETY: restoring the default disposition and raising it.
+            unsafe {
+                libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+                libc::raise(libc::SIGPIPE);
+            }
+            std::process::exit(141);
+        }
         eprintln!(
             "kvtier: {}",
             kvtier_daemon::base::error::cause_chain(e.as_ref())

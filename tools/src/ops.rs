@@ -642,12 +642,27 @@ fn nix_pid(id: u32) -> libc::pid_t {
     id as libc::pid_t
 }
 
+/// `println!` for the demo: a closed stdout (`kvtier demo | head`) ends it
+/// with a BrokenPipe error instead of a SIGPIPE death, so its own daemon
+/// and temporary directory are cleaned up (Drop) before the process goes
+/// (main.rs then ends it by SIGPIPE, as other tools in a pipe end).
+macro_rules! say {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        writeln!(std::io::stdout().lock(), $($t)*)?
+    }};
+}
+
 /// Shows an offload / lookup / onboard round trip. A socket named with
 /// `--socket` or `$KVTIER_SOCKET` must have a daemon (else an error: the
 /// user meant that one); with none named, the default socket's daemon is
 /// used when it runs, else the demo says so and starts one of its own in
 /// a temporary directory (with a file:// G4 beside it).
 pub fn demo(a: DemoArgs) -> Result<()> {
+    // A write to a closed pipe is an error here (say!), not a death: the
+    // daemon and directory this demo may start are removed on the way out.
+    // SAFETY: changing a signal disposition; no handler runs.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
     let _owned;
     let (socket, g4_dir): (PathBuf, Option<PathBuf>) = match a.sock.explicit() {
         Some(p) => {
@@ -658,7 +673,7 @@ pub fn demo(a: DemoArgs) -> Result<()> {
                     p.display()
                 );
             }
-            println!("using the kvtierd running on {}", p.display());
+            say!("using the kvtierd running on {}", p.display());
             // Its G4 is its own business; the test daemons and the
             // embedded default keep a file:// one beside the socket.
             let beside = p.parent().map(|d| d.join("g4"));
@@ -667,16 +682,16 @@ pub fn demo(a: DemoArgs) -> Result<()> {
         None => {
             let path = a.sock.path();
             if std::os::unix::net::UnixStream::connect(&path).is_ok() {
-                println!("using the kvtierd running on {}", path.display());
+                say!("using the kvtierd running on {}", path.display());
                 let beside = path.parent().map(|d| d.join("g4"));
                 (path, beside)
             } else {
-                println!(
+                say!(
                     "no kvtierd on {}: starting one of its own for this demo (temporary directory, stopped at the end)",
                     path.display()
                 );
                 let d = OwnedDaemon::start(&["--g3-capacity", "256MiB"])?;
-                println!("started kvtierd on {}", d.socket.display());
+                say!("started kvtierd on {}", d.socket.display());
                 let s = d.socket.clone();
                 // OwnedDaemon puts G3 at <dir>/g3: the default G4 is <dir>/g4.
                 let g4 = s.parent().map(|d| d.join("g4"));
@@ -726,7 +741,7 @@ fn g4_fall_through(socket: &Path, g4_dir: Option<&Path>, mode: HashMode) -> Resu
     let tokens: Vec<u32> = (0..64).collect();
     let keys = h.hash_chain(&tokens);
     let Some(g4_dir) = g4_dir.filter(|d| d.is_dir()) else {
-        println!(
+        say!(
             "G4 fall-through: skipped (no local file:// G4 at {}; this daemon's G4 is elsewhere or off)",
             g4_dir.map_or("-".into(), |d| d.display().to_string())
         );
@@ -744,7 +759,7 @@ fn g4_fall_through(socket: &Path, g4_dir: Option<&Path>, mode: HashMode) -> Resu
         }
         std::thread::sleep(Duration::from_millis(50));
     }
-    println!(
+    say!(
         "G4: {} blocks written through to file://{} in {:?}",
         keys.len(),
         g4_dir.display(),
@@ -752,7 +767,7 @@ fn g4_fall_through(socket: &Path, g4_dir: Option<&Path>, mode: HashMode) -> Resu
     );
     h.evict(&keys)?;
     let l = h.lookup(&keys);
-    println!(
+    say!(
         "evicted from G3; lookup now: cached prefix {} of {} ({:?})",
         l.prefix_len(),
         keys.len(),
@@ -775,20 +790,20 @@ fn g4_fall_through(socket: &Path, g4_dir: Option<&Path>, mode: HashMode) -> Resu
         .count();
     let same = bufs.iter().zip(&payloads).all(|(a, b)| a == b);
     if misses > 0 {
-        println!(
+        say!(
             "onboard after eviction: {from_g4} of {} blocks from G4, {misses} misses (the blocks were not served; nothing to compare) in {:?}",
             keys.len(),
             t.elapsed()
         );
     } else {
-        println!(
+        say!(
             "onboard after eviction: {from_g4} of {} blocks from G4 (verified, promoted to G3) in {:?}; bytes identical: {same}",
             keys.len(),
             t.elapsed()
         );
     }
     let again = h.lookup(&keys);
-    println!(
+    say!(
         "lookup after the fall-through: cached prefix {} of {} ({:?})",
         again.prefix_len(),
         keys.len(),
@@ -808,7 +823,7 @@ fn g4_fall_through(socket: &Path, g4_dir: Option<&Path>, mode: HashMode) -> Resu
             .filter(|k| page.iter().any(|e| e.key == **k))
             .count();
         if on_g3 == keys.len() {
-            println!(
+            say!(
                 "promoted to G3: {on_g3} of {} blocks in {:?}",
                 keys.len(),
                 t.elapsed()
@@ -823,7 +838,7 @@ fn g4_fall_through(socket: &Path, g4_dir: Option<&Path>, mode: HashMode) -> Resu
         }
         std::thread::sleep(Duration::from_millis(20));
     }
-    println!("G4 fall-through OK");
+    say!("G4 fall-through OK");
     Ok(())
 }
 
@@ -833,7 +848,7 @@ fn round_trip(socket: &Path, mode: HashMode) -> Result<()> {
     let h = client.namespace(&ns);
     let tokens: Vec<u32> = (0..64).collect();
     let keys = h.hash_chain(&tokens);
-    println!(
+    say!(
         "namespace {} ({} mode): {} tokens -> {} blocks of 256 KiB",
         ns.id(),
         ns.hash_mode.as_str(),
@@ -841,7 +856,7 @@ fn round_trip(socket: &Path, mode: HashMode) -> Result<()> {
         keys.len()
     );
     let before = h.lookup(&keys);
-    println!(
+    say!(
         "lookup before offload: cached prefix {} of {}",
         before.prefix_len(),
         keys.len()
@@ -855,9 +870,9 @@ fn round_trip(socket: &Path, mode: HashMode) -> Result<()> {
     // Dynamo routing facts (tokens_hash, token ids, parent).
     let (_, out) = h.offload_tokens(None, &tokens, &refs, Hints::default());
     let stored = out.iter().filter(|o| o.is_stored()).count();
-    println!("offload: {stored} stored in {:?}", t.elapsed());
+    say!("offload: {stored} stored in {:?}", t.elapsed());
     let after = h.lookup(&keys);
-    println!(
+    say!(
         "lookup after offload: cached prefix {} of {} ({:?})",
         after.prefix_len(),
         keys.len(),
@@ -873,14 +888,14 @@ fn round_trip(socket: &Path, mode: HashMode) -> Result<()> {
         .count();
     let same = bufs.iter().zip(&payloads).all(|(a, b)| a == b);
     if hits < keys.len() {
-        println!(
+        say!(
             "onboard: {hits} of {} blocks served, {} misses (nothing to compare) in {:?}",
             keys.len(),
             keys.len() - hits,
             t.elapsed()
         );
     } else {
-        println!(
+        say!(
             "onboard: {hits} of {} blocks verified (blake3) in {:?}; bytes identical: {same}",
             keys.len(),
             t.elapsed()
@@ -889,6 +904,6 @@ fn round_trip(socket: &Path, mode: HashMode) -> Result<()> {
     if hits != keys.len() || !same || after.prefix_len() != keys.len() {
         bail!("round trip failed");
     }
-    println!("round trip OK");
+    say!("round trip OK");
     Ok(())
 }

@@ -4,7 +4,7 @@
 
 use crate::buffers::{all_blocks, BlockSpans, Held, Place};
 use crate::errors::{argument_error, from_client, Arg, PoolError, UnavailableError};
-use crate::ns::{keys_from, Namespace};
+use crate::ns::{keys_from, keys_from_until, Namespace};
 use crate::results::{BlockResult, Lookup};
 use kvtier_client::proto::ItemStatus;
 use kvtier_client::{
@@ -143,11 +143,13 @@ impl Client {
             ) -> kvtier_client::Result<Vec<ItemStatus>>
             + Send,
     ) -> PyResult<Vec<String>> {
+        // The call's deadline counts the keys' conversion too.
+        let t0 = std::time::Instant::now();
         let keys = keys_from(keys)?;
         let c = self.inner()?;
         let nsr = ns.inner.clone();
         let r = py
-            .detach(move || c.within_deadline(|| op(&c.namespace(&nsr), &keys)))
+            .detach(move || c.within_deadline_since(t0, || op(&c.namespace(&nsr), &keys)))
             .map_err(from_client)?;
         Ok(r.into_iter().map(status_name).collect())
     }
@@ -169,6 +171,8 @@ impl Client {
         host: impl FnOnce(&NsHandle<'_>, &[BlockKey], &[BlockSpans]) -> Vec<R> + Send,
         result: fn(&R) -> BlockResult,
     ) -> PyResult<Vec<BlockResult>> {
+        // The call's deadline counts the keys' conversion too.
+        let t0 = std::time::Instant::now();
         let keys = keys_from(keys)?;
         let bb = ns.inner.layout.block_bytes() as usize;
         let mut held = Held::default();
@@ -178,7 +182,8 @@ impl Client {
         }
         let c = self.inner()?;
         let nsr = ns.inner.clone();
-        let out = py.detach(|| c.within_deadline(|| host(&c.namespace(&nsr), &keys, &blocks)));
+        let out =
+            py.detach(|| c.within_deadline_since(t0, || host(&c.namespace(&nsr), &keys, &blocks)));
         drop(held);
         Ok(out.iter().map(result).collect())
     }
@@ -300,10 +305,15 @@ impl Client {
     /// timeout is an empty prefix with a reason, never an exception.
     fn lookup(&self, py: Python<'_>, ns: NsArg<'_>, keys: &Bound<'_, PyAny>) -> PyResult<Lookup> {
         let ns = &*ns.0;
-        let keys = keys_from(keys)?;
+        // The call's deadline counts the keys' conversion too.
+        let t0 = std::time::Instant::now();
+        let keys = keys_from_until(
+            keys,
+            t0.checked_add(Duration::from_millis(self.cfg.timeout_ms)),
+        )?;
         let c = self.inner()?;
         let ns = ns.inner.clone();
-        let r = py.detach(move || c.within_deadline(|| c.namespace(&ns).lookup(&keys)));
+        let r = py.detach(move || c.within_deadline_since(t0, || c.namespace(&ns).lookup(&keys)));
         Ok(Lookup::from(&r))
     }
 
@@ -331,9 +341,14 @@ impl Client {
             ));
         }
         let ids: Vec<_> = namespaces.0.iter().map(|ns| ns.inner.id()).collect();
-        let keys = keys_from(keys)?;
+        // The call's deadline counts the keys' conversion too.
+        let t0 = std::time::Instant::now();
+        let keys = keys_from_until(
+            keys,
+            t0.checked_add(Duration::from_millis(self.cfg.timeout_ms)),
+        )?;
         let c = self.inner()?;
-        let r = py.detach(move || c.within_deadline(|| c.lookup_many(&ids, &keys)));
+        let r = py.detach(move || c.within_deadline_since(t0, || c.lookup_many(&ids, &keys)));
         Ok(r.iter().map(Lookup::from).collect())
     }
 
@@ -556,11 +571,13 @@ impl Client {
         keys: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyList>> {
         let ns = &*ns.0;
+        // The call's deadline counts the keys' conversion too.
+        let t0 = std::time::Instant::now();
         let keys = keys_from(keys)?;
         let c = self.inner()?;
         let nsr = ns.inner.clone();
         let r = py
-            .detach(move || c.within_deadline(|| c.namespace(&nsr).stat(&keys)))
+            .detach(move || c.within_deadline_since(t0, || c.namespace(&nsr).stat(&keys)))
             .map_err(from_client)?;
         let out = PyList::empty(py);
         for s in r {
@@ -672,6 +689,8 @@ impl Client {
         expected_reuse: Arg<u16>,
     ) -> PyResult<Vec<BlockResult>> {
         let ns = &*ns.0;
+        // The call's deadline counts the keys' conversion too.
+        let t0 = std::time::Instant::now();
         let keys = keys_from(keys)?;
         let parent = parent.map(crate::ns::key_from).transpose()?;
         let (c, pool, offs) = self.pool_args(ns, &keys, &slots.0)?;
@@ -693,7 +712,7 @@ impl Client {
                     b
                 })
                 .collect();
-            c.within_deadline(|| c.namespace(&nsr).offload_pool(&pool, &items))
+            c.within_deadline_since(t0, || c.namespace(&nsr).offload_pool(&pool, &items))
         });
         Ok(out.iter().map(BlockResult::offloaded).collect())
     }
@@ -710,11 +729,13 @@ impl Client {
         slots: Arg<Vec<u64>>,
     ) -> PyResult<Vec<BlockResult>> {
         let ns = &*ns.0;
+        // The call's deadline counts the keys' conversion too.
+        let t0 = std::time::Instant::now();
         let keys = keys_from(keys)?;
         let (c, pool, offs) = self.pool_args(ns, &keys, &slots.0)?;
         let nsr = ns.inner.clone();
         let out = py.detach(move || {
-            c.within_deadline(|| c.namespace(&nsr).onboard_pool(&pool, &keys, &offs))
+            c.within_deadline_since(t0, || c.namespace(&nsr).onboard_pool(&pool, &keys, &offs))
         });
         Ok(out.iter().map(BlockResult::onboarded).collect())
     }

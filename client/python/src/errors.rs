@@ -133,6 +133,11 @@ pub(crate) fn argument_error(py: Python<'_>, msg: impl Into<String>) -> PyErr {
     raise(argument_error_type(py), py, msg.into())
 }
 
+/// `kvtier.ArgumentTypeError(msg)`: an argument of the wrong type.
+pub(crate) fn argument_type_error(py: Python<'_>, msg: impl Into<String>) -> PyErr {
+    raise(argument_type_error_type(py), py, msg.into())
+}
+
 /// `kvtier.ClosedError(msg)`: the client was closed.
 pub(crate) fn closed_error(py: Python<'_>) -> PyErr {
     raise(

@@ -270,6 +270,16 @@ pub(crate) fn key_from(obj: &Bound<'_, PyAny>) -> PyResult<BlockKey> {
 }
 
 pub(crate) fn keys_from(obj: &Bound<'_, PyAny>) -> PyResult<Vec<BlockKey>> {
+    keys_from_until(obj, None)
+}
+
+/// [`keys_from`], stopping once `deadline` has passed (checked every 4096
+/// keys): the keys converted by then, which a call made after its deadline
+/// answers as a timeout without sending anything.
+pub(crate) fn keys_from_until(
+    obj: &Bound<'_, PyAny>,
+    deadline: Option<std::time::Instant>,
+) -> PyResult<Vec<BlockKey>> {
     if obj.is_instance_of::<PyBytes>() || obj.extract::<String>().is_ok() {
         return Err(InvalidKeyError::new_err(
             "keys must be a list of keys (as hash_chain returns), not one key",
@@ -280,6 +290,9 @@ pub(crate) fn keys_from(obj: &Bound<'_, PyAny>) -> PyResult<Vec<BlockKey>> {
         .map_err(|_| InvalidKeyError::new_err("keys must be a list of keys"))?;
     let mut out = Vec::new();
     for (i, k) in it.enumerate() {
+        if i % 4096 == 4095 && deadline.is_some_and(|d| std::time::Instant::now() >= d) {
+            break;
+        }
         out.push(
             key_from(&k?)
                 .map_err(|e| InvalidKeyError::new_err(format!("key {i}: {}", e.value(obj.py()))))?,
@@ -295,24 +308,46 @@ pub(crate) fn keys_to_py<'py>(py: Python<'py>, keys: &[BlockKey]) -> PyResult<Bo
 #[pymethods]
 impl Namespace {
     #[new]
-    #[pyo3(signature = (model, layout, adapter="", tenant_salt=b"".as_slice(), hash_mode="blake3", rank=None))]
+    /// `tenant_salt`: bytes, or a str (its UTF-8 bytes, as the engine
+    /// integrations read `kvtier_tenant_salt`); anything else is a
+    /// kvtier.ArgumentTypeError that says so.
+    #[pyo3(signature = (model, layout, adapter="", tenant_salt=None, hash_mode="blake3", rank=None))]
     fn new(
         model: &str,
         layout: &Layout,
         adapter: &str,
-        tenant_salt: &[u8],
+        tenant_salt: Option<&Bound<'_, PyAny>>,
         hash_mode: &str,
         rank: Option<u32>,
     ) -> PyResult<Self> {
+        let tenant_salt: Vec<u8> = match tenant_salt {
+            None => Vec::new(),
+            Some(s) => {
+                if let Ok(b) = s.cast::<PyBytes>() {
+                    b.as_bytes().to_vec()
+                } else if let Ok(t) = s.extract::<String>() {
+                    t.into_bytes()
+                } else {
+                    let ty = s
+                        .get_type()
+                        .name()
+                        .map(|n| n.to_string())
+                        .unwrap_or_else(|_| "?".into());
+                    return Err(crate::errors::argument_type_error(
+                        s.py(),
+                        format!("tenant_salt must be bytes or str, not {ty}"),
+                    ));
+                }
+            }
+        };
         let mode = HashMode::parse(hash_mode).ok_or_else(|| {
             NamespaceError::new_err(format!(
                 "hash_mode {hash_mode:?} is not \"blake3\", \"dynamo\" or \"opaque\""
             ))
         })?;
-        let mut ns =
-            kvtier_client::Namespace::new(model, layout.inner, adapter, tenant_salt.to_vec())
-                .and_then(|n| n.with_hash_mode(mode))
-                .map_err(crate::errors::from_client)?;
+        let mut ns = kvtier_client::Namespace::new(model, layout.inner, adapter, tenant_salt)
+            .and_then(|n| n.with_hash_mode(mode))
+            .map_err(crate::errors::from_client)?;
         if let Some(r) = rank {
             ns = ns.with_rank(r);
         }

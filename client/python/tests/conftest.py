@@ -44,7 +44,7 @@ def free_port() -> int:
 class Daemon:
     """A running kvtierd in a temp dir; kill9() and restart() keep its data."""
 
-    def __init__(self, config: str | None = None, g4: bool = True) -> None:
+    def __init__(self, config: str | None = None, g4: bool = True, g3_capacity: str = "256MiB") -> None:
         self.dir = pathlib.Path(tempfile.mkdtemp(prefix="kvtier-py-"))
         self.socket = str(self.dir / "kvtierd.sock")
         self.metrics_port = free_port()
@@ -52,7 +52,7 @@ class Daemon:
             kvtierd_bin(),
             "--socket", self.socket,
             "--g3-dir", str(self.dir / "g3"),
-            "--g3-capacity", "256MiB",
+            "--g3-capacity", g3_capacity,
             "--metrics-addr", f"127.0.0.1:{self.metrics_port}",
             "--g4", f"file://{self.dir / 'g4'}" if g4 else "",
         ]

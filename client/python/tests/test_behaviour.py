@@ -192,3 +192,55 @@ def test_kill9_mid_call_gives_misses_then_recovers(daemon, ns):
         time.sleep(0.1)
     assert all(r), r
     assert all(np.array_equal(a, b) for a, b in zip(out, data))
+
+
+def _written_to_g4(daemon, n: int) -> None:
+    deadline = time.monotonic() + 20
+    while sum(1 for p in (daemon.dir / "g4").rglob("*") if p.is_file() and "#" not in p.name and "blocks" in p.parts) < n:
+        assert time.monotonic() < deadline, "never written through to G4"
+        time.sleep(0.05)
+
+
+def test_stat_finds_a_block_only_g4_holds(daemon, client, ns):
+    """lookup says G4 and onboard hits: stat says G4 too, with the block's
+    size and checksum (it said "not stored" before issue 43)."""
+    keys = ns.hash_chain(list(range(7000, 7000 + 32)))
+    assert all(client.offload(ns, keys, [block(i) for i in range(2)]))
+    on_g3 = client.stat(ns, keys)
+    _written_to_g4(daemon, 2)
+    assert client.evict(ns, keys) == ["ok"] * 2
+    assert client.lookup(ns, keys).tiers == ["g4"] * 2
+    got = client.stat(ns, keys)
+    assert [s and s["tier"] for s in got] == ["g4", "g4"], got
+    for a, b in zip(on_g3, got):
+        assert (b["nbytes"], b["blake3"], b["created_unix_ms"]) == (a["nbytes"], a["blake3"], a["created_unix_ms"])
+        assert b["pinned"] is False and b["leases"] == 0
+    assert client.stat(ns, ns.hash_chain(list(range(9000, 9016)))) == [None]
+
+
+@pytest.mark.parametrize("direct_read", [False, True], ids=["region", "passed-fd"])
+def test_an_onboard_repaired_from_g4_says_g4(daemon, ns, direct_read):
+    """A G3 copy that fails the client's check is reported; kvtierd
+    repairs it from G4 and the client reads it again (in the same call
+    through the region; at its next onboard over passed fds): that hit
+    came from G4 and says so (it said g3 before issue 43)."""
+    from conftest import corrupt_every_block_file
+
+    c = kvtier.Client(socket=daemon.socket, timeout_ms=5000, direct_read=direct_read)
+    keys = ns.hash_chain(list(range(8000 + 100 * direct_read, 8000 + 100 * direct_read + 16)))
+    data = block(3)
+    assert all(c.offload(ns, keys, [data]))
+    _written_to_g4(daemon, 1)
+    assert corrupt_every_block_file(daemon) >= 1
+    out = np.zeros(BLOCK, np.uint8)
+    [r] = c.onboard_into(ns, keys, [out])
+    if direct_read:
+        # Read over a passed fd, the miss stands (the engine recomputes);
+        # the next onboard reads the repaired copy.
+        assert not r.ok and r.reason == "corrupt", r
+        [r] = c.onboard_into(ns, keys, [out])
+    assert r.ok and r.tier == "g4", r
+    assert np.array_equal(out, data)
+    # The repaired copy is G3's now.
+    [r] = c.onboard_into(ns, keys, [np.zeros(BLOCK, np.uint8)])
+    assert r.ok and r.tier == "g3", r

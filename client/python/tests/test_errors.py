@@ -103,3 +103,14 @@ def test_help_reads_well():
     doc = kvtier.Client.__doc__
     assert "KVTIER_SOCKET" in doc and "Fail open" in doc
     assert "verifying every byte" in kvtier.Client.onboard_into.__doc__
+
+
+def test_namespace_tenant_salt_takes_str_as_utf8_and_says_what_else_is_wrong(ns):
+    # A str salt is its UTF-8 bytes, as the engine integrations read
+    # kvtier_tenant_salt (it raised a plain TypeError before issue 43).
+    a = kvtier.Namespace("m", ns.layout, tenant_salt="tenant-é")
+    b = kvtier.Namespace("m", ns.layout, tenant_salt="tenant-é".encode())
+    assert a.id == b.id != kvtier.Namespace("m", ns.layout).id
+    with pytest.raises(kvtier.ArgumentTypeError, match="tenant_salt must be bytes or str, not int") as e:
+        kvtier.Namespace("m", ns.layout, tenant_salt=5)
+    assert isinstance(e.value, TypeError) and isinstance(e.value, kvtier.Error)

@@ -93,7 +93,7 @@ class Engine:
     loaded back into it, so a test sees exactly which tokens LMCache
     loaded and with which bytes."""
 
-    def __init__(self, socket: str, cfg_dir, tokens: int) -> None:
+    def __init__(self, socket: str, cfg_dir, tokens: int, extra_yaml: str = "") -> None:
         import multiprocessing
         import os
 
@@ -118,7 +118,7 @@ class Engine:
                     self.kv[:, :, s:e].copy_(o.tensor)
 
         path = cfg_dir / "lmcache.yaml"
-        path.write_text(LMCACHE_YAML.format(chunk=CHUNK, socket=socket))
+        path.write_text(LMCACHE_YAML.format(chunk=CHUNK, socket=socket) + extra_yaml)
         config = LMCacheEngineConfig.from_file(str(path))
         metadata = LMCacheMetadata(
             model_name="test/mistral", world_size=1, local_world_size=1, worker_id=0,
@@ -206,6 +206,35 @@ def test_a_bad_kvtier_setting_refuses_to_start(daemon):
     for bad in ({"kvtier_priority": 999}, {"kvtier_timeout_ms": "soon"}, {"kvtier_expected_reuse": -1}):
         with pytest.raises(KvtierStartupError, match="kvtier"):
             setup(daemon.socket, **bad)
+
+
+def test_a_bad_kvtier_setting_ends_the_engines_process(daemon, tmp_path):
+    """LMCache's real engine with a bad ``kvtier_*`` value in its YAML: the
+    start-up fails with KvtierStartupError and the process ends. LMCache
+    0.5.6's StorageManager has started its non-daemon event-loop thread
+    by then; left running, it kept the refused process alive for ever
+    (issue 43: rc 124 at 300 s)."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    here = pathlib.Path(__file__).resolve().parent
+    script = (
+        "import sys, pathlib\n"
+        f"sys.path.insert(0, {str(here)!r})\n"
+        "import test_lmcache\n"
+        f"test_lmcache.Engine({daemon.socket!r}, pathlib.Path({str(tmp_path)!r}), 64,\n"
+        "    extra_yaml='  kvtier_priority: 999\\n')\n"
+        "print('STARTED')\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+        env={**os.environ, "LMCACHE_TRACK_USAGE": "false"},
+    )
+    assert "STARTED" not in out.stdout
+    assert out.returncode != 0, out.stdout + out.stderr
+    assert "KvtierStartupError" in out.stderr and "priority" in out.stderr, out.stderr[-3000:]
 
 
 def serve(e: Engine, tokens, req: str):
@@ -391,3 +420,55 @@ def test_bench_runs_tiny_and_keeps_the_json_contract(daemon, tmp_path):
         v, b = doc[f"{op}_gbps"], doc[f"baseline_{op}_gbps"]
         assert v > 0 and b > 0
         assert abs(doc[f"{op}_gbps_vs_baseline"] - v / b) < 1e-9
+
+
+def test_a_chat_under_g3_pressure_keeps_a_reachable_prefix_through_lmcaches_engine():
+    """A chat through LMCache's real engine as its vLLM adapter drives it:
+    each turn looks the whole prompt up (LMCache's local CPU backend has
+    the turns before, so kvtier is asked only for the new chunks) and
+    stores only the new chunks (the store's mask skips the saved ones).
+    The plugin learns the chunk order from LMCache's lookups and stores a
+    turn's first chunk under the turn before's last, so under G3 pressure
+    kvtier evicts the chat from its end: what it holds is a prefix (before
+    issue 43 each turn was a chain of its own and the end of turn 1 went
+    first)."""
+    import kvtier
+    from conftest import Daemon
+
+    from kvtier.integrations.lmcache import chunk_key
+
+    turns, per_turn = 4, 2
+    n = turns * per_turn * CHUNK
+    d = Daemon(g4=False, g3_capacity="1MiB")
+    e = None
+    try:
+        e = Engine(d.socket, d.dir, n + 4 * CHUNK)
+        random_kv(e, 5)
+        chat = torch.arange(n) + 11
+        for t in range(turns):
+            upto = (t + 1) * per_turn * CHUNK
+            e.engine.lookup(chat[:upto], lookup_id=f"turn{t}")
+            mask = torch.ones(upto, dtype=torch.bool)
+            mask[: t * per_turn * CHUNK] = False
+            e.engine.store(chat[:upto], mask=mask)
+        assert e.kvtier.counters.get("store_blocks") == turns * per_turn
+        keys = e.keys(chat)
+        ns = e.kvtier._namespace(keys[0])
+        c = kvtier.Client(socket=d.socket, timeout_ms=5000)
+        held = lambda: [c.lookup(ns, [chunk_key(k)]).prefix_len == 1 for k in keys]  # noqa: E731
+        assert held() == [True] * len(keys)
+        # Pressure: other prompts stored after it, until G3's eviction has
+        # taken some of the chat.
+        for other in range(100):
+            toks = torch.arange(2 * CHUNK) + 50_000 + 1000 * other
+            e.engine.store(toks)
+            after = held()
+            if not all(after):
+                break
+        k = after.index(False) if False in after else len(after)
+        assert not any(after[k:]), f"the chat's chain has holes: {after}"
+        assert 0 < k < len(after), after
+    finally:
+        if e is not None:
+            e.close()
+        d.close()

@@ -287,11 +287,13 @@ class Engine:
         assert isinstance(self.backend, KvtierHiCacheStorage)
         assert self.cc.page_get_func == self.cc._page_get_zero_copy  # interface_v1
 
-    def store(self, tokens: list[int], pages: list[bytes], first_page: int = 0) -> None:
+    def store(self, tokens: list[int], pages: list[bytes], first_page: int = 0, chain: bool = False) -> None:
         """SGLang's write-through to storage of pages already in the host
         pool: ``write_storage``, then its backup thread (``_page_backup``:
         ``batch_set_v1``) until the backup ack. ``pages`` are the KV of
-        ``tokens``' pages from ``first_page`` on."""
+        ``tokens``' pages from ``first_page`` on. ``chain``: with the
+        page hashes before them as ``prefix_keys``, what SGLang's radix
+        cache passes with ``hicache_storage_pass_prefix_keys: true``."""
         idx = self.host.alloc(len(pages) * PAGE)
         assert idx is not None
         write_pages(self.host, idx, pages)
@@ -299,9 +301,11 @@ class Engine:
         op_id = self.cc.write_storage(
             idx, tokens[first_page * PAGE : (first_page + len(pages)) * PAGE],
             hash_value=hashes[first_page : first_page + len(pages)],
+            prefix_keys=hashes[:first_page] if chain else None,
         )
         done = self.cc.ack_backup_queue.get(timeout=20)
         assert done.id == op_id and done.completed_tokens == len(pages) * PAGE
+        self.host.free(idx)
 
     def prefetch(self, rid: str, tokens: list[int], before_get=None) -> PrefetchOperation:
         """One request's prefetch from storage through the controller's
@@ -513,6 +517,46 @@ def test_sglang_controller_keeps_the_pages_before_the_first_corrupt_one(engines,
         assert op.completed_tokens == 3 * PAGE
         assert reader.loaded(op) == kv[:3]
         assert not sglang_errors(caplog)
+    finally:
+        d.close()
+
+
+def test_a_chat_under_g3_pressure_keeps_a_reachable_prefix_through_sglangs_controller(engines, caplog):
+    """A chat's turns backed up through SGLang's controller with their
+    chain (``prefix_keys``, as SGLang passes them with
+    ``hicache_storage_pass_prefix_keys: true``): each turn's first page is
+    stored under the turn before's last, so under G3 pressure kvtier
+    evicts the chat from its end and SGLang's own hit query still finds a
+    prefix. Without the chain every turn is a chain of its own and the
+    backend says so (a warning once, ``stores_without_prefix_keys``)."""
+    d = Daemon(g4=False, g3_capacity="1MiB")
+    try:
+        e = engines(d.socket)
+        turns, per_turn = 4, 3
+        chat = [5000 + i for i in range(turns * per_turn * PAGE)]
+        kv = [bytes([t]) * e.backend.ns.block_bytes for t in range(turns * per_turn)]
+        for t in range(turns):
+            e.store(chat, kv[t * per_turn : (t + 1) * per_turn], first_page=t * per_turn, chain=True)
+        assert e.backend.counters.snapshot().get("stores_without_prefix_keys", 0) == 0
+        hashes = get_storage_hash_str(chat, None, page_size=PAGE)
+        held = lambda: [e.backend.batch_exists([h]) == 1 for h in hashes]  # noqa: E731
+        assert held() == [True] * len(hashes)
+        # Pressure: other prompts stored after it (without their chain),
+        # until G3's eviction has taken some of the chat.
+        for other in range(200):
+            toks = [90_000 + other * 1000 + i for i in range(2 * PAGE)]
+            e.store(toks, [bytes([other % 256]) * e.backend.ns.block_bytes] * 2)
+            after = held()
+            if not all(after):
+                break
+        assert e.backend.counters.snapshot()["stores_without_prefix_keys"] == other + 1
+        assert any("hicache_storage_pass_prefix_keys" in r.getMessage() for r in caplog.records)
+        n = after.index(False) if False in after else len(after)
+        assert not any(after[n:]), f"the chat's chain has holes: {after}"
+        assert 0 < n < len(after), after
+        # SGLang's own hit query finds that prefix.
+        op = engines(d.socket).prefetch("r", chat)
+        assert op.storage_hit_count == n * PAGE
     finally:
         d.close()
 

@@ -110,3 +110,106 @@ def test_daemon_killed_between_lookup_and_load_is_a_recompute(tmp_path, g3_daemo
     e.run("next")
     assert e.finished["next"]
     e.shutdown()
+
+
+# -- chains (issue 43) ---------------------------------------------------------
+
+# A chat through vLLM's scheduler: each turn's prompt is the turn before,
+# the engine's 2 answer tokens and the user's next 46 tokens, so every turn
+# adds 3 full blocks (turn k: 48k + 5 prompt tokens).
+TURNS = 4
+USER_TOKENS = 46
+
+
+def chat(e: Engine, chat_id: int, turns: int = TURNS) -> list[int]:
+    """Runs a chat's turns through the engine; the last turn's prompt and
+    answer (every token whose KV was stored)."""
+    prompt = [200 + chat_id * 1000 + i for i in range(3 * BLOCK_SIZE + 5)]
+    for t in range(turns):
+        rid = f"chat{chat_id}-turn{t}"
+        e.add(rid, prompt)
+        e.run(rid)
+        prompt = prompt + e.finished[rid] + [
+            300 + chat_id * 1000 + t * 100 + i for i in range(USER_TOKENS)
+        ]
+    return prompt[: -USER_TOKENS]
+
+
+def held(e: Engine, socket: str, tokens: list[int]) -> list[bool]:
+    """Per full block of ``tokens``: whether kvtier holds its chunk (each
+    key asked on its own, so a hole shows)."""
+    import kvtier
+    from kvtier.integrations._common import connector_keys
+    from vllm.v1.kv_offload.base import make_offload_key
+
+    req = Engine.request("probe", tokens)
+    keys = connector_keys([make_offload_key(h, 0) for h in req.block_hashes])
+    ns = e.spec.namespaces[0]
+    c = kvtier.Client(socket=socket, timeout_ms=5000)
+    return [c.lookup(ns, [k]).prefix_len == 1 for k in keys]
+
+
+def test_a_chat_under_g3_pressure_keeps_a_reachable_prefix_and_loses_its_tail_first(tmp_path):
+    """Each later turn's first chunk is stored under the turn before's last
+    one (KvtierOffloadingManager hands the worker each chunk's parent from
+    vLLM's key positions), so kvtier keeps the chat one chain and its
+    leaves-first eviction takes the chat from its end: what it holds of
+    the chat is a prefix. Stored as new roots (before issue 43), every
+    turn's end was a leaf; the end of turn 1 went first and left turns
+    2-4 held and unreachable."""
+    import kvtier
+
+    d = support.Daemon(g4=False, g3_capacity="1MiB")
+    try:
+        e = Engine(tmp_path, d.socket)
+        tokens = chat(e, 1)
+        before = held(e, d.socket, tokens)
+        assert before == [True] * (TURNS * 3), before
+        # Pressure: other blocks of the model stored after the chat, two
+        # at a time, until G3's eviction has taken some of the chat.
+        ns = e.spec.namespaces[0]
+        c = kvtier.Client(socket=d.socket, timeout_ms=5000)
+        payload = bytes(ns.block_bytes)
+        for i in range(400):
+            keys = [(10**9 + 2 * i + j).to_bytes(8, "big") for j in range(2)]
+            assert all(r.ok for r in c.offload(ns, keys, [payload, payload]))
+            after = held(e, d.socket, tokens)
+            if not all(after):
+                break
+        e.shutdown()
+    finally:
+        d.close()
+    n = after.index(False) if False in after else len(after)
+    assert not any(after[n:]), f"the chat's chain has holes: {after}"
+    assert 0 < n < len(after), f"pressure evicted {len(after) - n} of the chat's {len(after)} blocks: {after}"
+
+
+def test_a_failed_chunk_fails_itself_and_what_follows_not_the_load(tmp_path, g3_daemon):
+    """One corrupt chunk in the middle of a stored prompt: the load job
+    reports only that chunk's block and those after it (vLLM's scheduler
+    recomputes from there), not every block of the job; the chunks before
+    it are loaded."""
+    store_prompt(tmp_path, g3_daemon.socket)
+    from kvtier.integrations._common import connector_keys
+    from vllm.v1.kv_offload.base import make_offload_key
+
+    req = Engine.request("probe", PROMPT)
+    keys = connector_keys([make_offload_key(h, 0) for h in req.block_hashes])
+    e = Engine(tmp_path, g3_daemon.socket)
+    ns = e.spec.namespaces[0]
+    # The third chunk's file (blocks/<namespace>/<shard>/<key>).
+    [path] = list((g3_daemon.dir / "g3" / "blocks" / ns.id).rglob(keys[2].hex() + "*"))
+    with open(path, "r+b") as f:
+        f.seek(4096 + 17)
+        b = f.read(1)
+        f.seek(4096 + 17)
+        f.write(bytes([b[0] ^ 0xFF]))
+    e.add("reader", PROMPT)
+    e.run("reader")
+    c_ = e.counters()
+    assert c_.get("load_failures") == 1 and c_.get("load_blocks") == 3, c_
+    assert c_.get("load_errors_reported", 0) == 1, c_
+    # The scheduler recomputed from the corrupt chunk on: 2 chunks loaded
+    # and kept, the rest computed (all of it before issue 43).
+    assert e.computed["reader"] == len(PROMPT) - 2 * BLOCK_SIZE, e.computed
+    e.shutdown()

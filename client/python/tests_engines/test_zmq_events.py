@@ -9,8 +9,11 @@ and a subscriber connected across a kvtierd restart learns of it (the
 ``AllBlocksCleared`` and the holdings) without any new store.
 
 The blocks come from ``kvtier demo --mode dynamo`` (dynamo-mode namespace,
-token ids sent along): stored on G3 (medium DISK), uploaded to G4
-(EXTERNAL), evicted from G3 and fetched back.
+token ids sent along): stored on G3, uploaded to G4, evicted from G3 and
+fetched back. Tiers are named as vLLM 0.33.0's own storage tiers name
+theirs (issue #43): ``medium`` STORAGE with ``locality`` LOCAL for G3 and
+REMOTE for G4, values of vLLM's own ``Medium`` and ``Locality`` enums; with
+``media = "dynamo"`` the older DISK / EXTERNAL without a locality.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from vllm.distributed.kv_events import (
     KVEventBatch,
     ZmqEventPublisher,
 )
+from vllm.v1.kv_offload.base import Locality, Medium
 
 import kvtier
 
@@ -125,10 +129,21 @@ class Consumer:
                     continue
             self.apply(seq, batch)
 
-    def stored(self, medium: str, since: int = 0) -> list[BlockStored]:
+    def stored(self, tier: str, since: int = 0) -> list[BlockStored]:
         return [
-            e for i, (_, e) in enumerate(self.events) if i >= since and isinstance(e, BlockStored) and e.medium == medium
+            e for i, (_, e) in enumerate(self.events) if i >= since and isinstance(e, BlockStored) and where(e) == tier
         ]
+
+
+# vLLM 0.33.0's names of a storage tier (its fs tier: LOCAL, obj: REMOTE).
+TIERS = {"G3": (Medium.STORAGE, Locality.LOCAL), "G4": (Medium.STORAGE, Locality.REMOTE)}
+
+
+def where(e) -> str:
+    """The tier an event names, read with vLLM's own enums (a name they do
+    not know raises ValueError)."""
+    got = (Medium(e.medium), Locality(e.locality) if e.locality is not None else None)
+    return next(t for t, m in TIERS.items() if m == got)
 
 
 def config(tmp: pathlib.Path) -> tuple[str, str, str]:
@@ -165,19 +180,20 @@ def test_vllm_decodes_every_payload_and_a_restart_is_seen_without_a_store(start_
         assert out.returncode == 0, out.stdout + out.stderr
 
         def demo_seen() -> bool:
-            removed = [e for _, e in c.events if isinstance(e, BlockRemoved) and e.medium == "DISK"]
-            # (An upload's EXTERNAL store may be skipped when the demo's
+            removed = [e for _, e in c.events if isinstance(e, BlockRemoved) and where(e) == "G3"]
+            # (An upload's G4 store may be skipped when the demo's
             # eviction wins the race with it; the holdings announce G4
             # copies after the restart below.)
-            return sum(len(e.block_hashes) for e in c.stored("DISK")) >= 8 and sum(len(e.block_hashes) for e in removed) >= 4
+            return sum(len(e.block_hashes) for e in c.stored("G3")) >= 8 and sum(len(e.block_hashes) for e in removed) >= 4
 
         c.pump_until("the demo's stores, uploads, evictions and promotions", demo_seen)
-        for e in c.stored("DISK") + c.stored("EXTERNAL"):
+        for e in c.stored("G3") + c.stored("G4"):
+            assert e.ownership is None, e
             assert e.block_size == 16 and len(e.token_ids) == 16 * len(e.block_hashes), e
             assert e.lora_id is None and e.lora_name is None, e
             assert e.extra_keys is not None and e.extra_keys[0] == ("dynamo-cache-salt:demo-tenant",), e
         # The demo's chain (offloaded at once): parents in order.
-        first = c.stored("DISK")[:4]
+        first = c.stored("G3")[:4]
         assert first[0].parent_block_hash is None
         for a, b in zip(first, first[1:]):
             assert b.parent_block_hash == a.block_hashes[-1]
@@ -192,7 +208,7 @@ def test_vllm_decodes_every_payload_and_a_restart_is_seen_without_a_store(start_
         assert seqs == list(range(seqs[0], seqs[0] + len(seqs))) and seqs[-1] >= seen, seqs
         events = [e for _, b in snap for e in b.events]
         assert isinstance(events[0], AllBlocksCleared), events[:2]
-        assert sum(len(e.block_hashes) for e in events if isinstance(e, BlockStored) and e.medium == "DISK") == 4
+        assert sum(len(e.block_hashes) for e in events if isinstance(e, BlockStored) and where(e) == "G3") == 4
 
         # A restart with this subscriber connected and no store after it:
         # it learns of the restart (AllBlocksCleared, then the holdings).
@@ -205,7 +221,7 @@ def test_vllm_decodes_every_payload_and_a_restart_is_seen_without_a_store(start_
             if not cleared:
                 return False
             held = [e for e in after[cleared[-1] :] if isinstance(e, BlockStored)]
-            return all(sum(len(e.block_hashes) for e in held if e.medium == m) >= 4 for m in ("DISK", "EXTERNAL"))
+            return all(sum(len(e.block_hashes) for e in held if where(e) == t) >= 4 for t in ("G3", "G4"))
 
         c.pump_until("the restart's AllBlocksCleared and holdings", restart_seen, within_s=60)
     finally:

@@ -172,6 +172,11 @@ announce_blocks_max = 1000000
 # reconnected across a restart (or lost batches) sees the sequence gap and
 # asks the replay socket at once; 0: none.
 heartbeat_ms = 1000
+# How tiers are named: "vllm" (vLLM 0.33's storage tiers: medium STORAGE,
+# locality LOCAL for G3 and REMOTE for G4) or "dynamo" (DISK for G3,
+# EXTERNAL for G4: Dynamo 1.6.1 drops REMOTE events, so a Dynamo router
+# counts G4 only in this form).
+media = "vllm"
 # Namespaces published, with the Dynamo salt and LoRA name their workers use:
 # [[events.zmq.namespaces]]
 # id = "0123456789abcdef0123456789abcdef"
@@ -471,6 +476,11 @@ pub struct ZmqSection {
     /// owner only: give the router's user access, e.g. `0660` with a
     /// setgid directory of its group).
     pub ipc_mode: String,
+    /// How tiers are named on the wire: `"vllm"` (STORAGE with locality
+    /// LOCAL for G3 and REMOTE for G4, as vLLM 0.33's own storage tiers
+    /// publish) or `"dynamo"` (DISK / EXTERNAL, no locality: Dynamo 1.6.1
+    /// drops REMOTE events, so its router counts G4 only in this form).
+    pub media: String,
     /// The namespaces published, with the Dynamo salt and LoRA name their
     /// workers hash with (other namespaces never appear on this stream).
     pub namespaces: Vec<ZmqNamespace>,
@@ -488,6 +498,7 @@ impl Default for ZmqSection {
             heartbeat_ms: 1000,
             allow_non_loopback: false,
             ipc_mode: "0600".into(),
+            media: "vllm".into(),
             namespaces: Vec::new(),
         }
     }
@@ -521,11 +532,25 @@ impl ZmqSection {
             .ok_or_else(|| bad("events.zmq.ipc_mode", "not an octal mode like \"0660\""))
     }
 
+    /// `media` as the wire's form.
+    pub fn media(&self) -> Result<crate::edges::zmq::wire::Media> {
+        crate::edges::zmq::wire::Media::parse(&self.media).ok_or_else(|| {
+            bad(
+                "events.zmq.media",
+                format!(
+                    "{:?} is not a medium form: \"vllm\" (STORAGE + LOCAL/REMOTE) or \"dynamo\" (DISK/EXTERNAL)",
+                    self.media
+                ),
+            )
+        })
+    }
+
     fn validate(&self) -> Result<()> {
         if !self.enabled() {
             return Ok(());
         }
         self.ipc_mode_bits()?;
+        self.media()?;
         check_zmq_endpoint(
             "events.zmq.endpoint",
             &self.endpoint,
@@ -1084,6 +1109,12 @@ mod tests {
         let e = check("endpoint = \"tcp://0.0.0.0:5557\"").unwrap_err();
         assert!(e.contains("allow_non_loopback"), "{e}");
         check("endpoint = \"tcp://0.0.0.0:5557\"\nallow_non_loopback = true").unwrap();
+        check("endpoint = \"tcp://127.0.0.1:5557\"\nmedia = \"dynamo\"").unwrap();
+        let e = check("endpoint = \"tcp://127.0.0.1:5557\"\nmedia = \"DISK\"").unwrap_err();
+        assert!(
+            e.contains("events.zmq.media") && e.contains("\"dynamo\""),
+            "{e}"
+        );
         let e = check("endpoint = \"tcp://router.example:5557\"").unwrap_err();
         assert!(e.contains("IP address"), "{e}");
         let e = Config::from_toml("[events.zmq]\nendpoint = \"tcp://127.0.0.1:1\"\n")

@@ -258,6 +258,14 @@ pub trait Backend: Send + Sync + 'static {
         }
     }
 
+    /// A client's report that a block it was served failed its check
+    /// (`ReportCorrupt`): [`Self::verify`] with repair. The client reads the
+    /// block again next, so a backend that repaired it from another tier
+    /// reports that tier on that read. Default: verify with repair.
+    fn report_corrupt(&self, ns: &NamespaceId, key: &BlockKey) -> Result<VerifyOutcome> {
+        self.verify(ns, key, true)
+    }
+
     /// Re-reads a stored block through the verifying read path; a copy
     /// that fails is quarantined (the read path does that) and, with
     /// `repair` on a backend with other tiers, replaced by a verified copy.

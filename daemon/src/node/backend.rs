@@ -267,7 +267,8 @@ impl Backend for Node {
     }
 
     fn open_for_read(&self, ns: &NamespaceId, key: &BlockKey) -> Result<Lookup<ReadFile>> {
-        // A second pass only after a bad header was repaired.
+        // A second pass only after a bad header was repaired (from where).
+        let mut repaired_from: Option<Tier> = None;
         for repaired in [false, true] {
             let from = match self.ensure_local(ns, key)? {
                 Lookup::Hit(t) => t,
@@ -288,19 +289,19 @@ impl Backend for Node {
                 // Never answered Corrupt again and again: verified in
                 // full (a read error is not corruption), quarantined and
                 // repaired from G4 or a peer at once (repair.rs).
-                if !repaired
-                    && matches!(
-                        self.verify_repair(ns, key, true)?,
-                        crate::base::backend::VerifyOutcome::Repaired(_)
-                    )
-                {
-                    continue;
+                if !repaired {
+                    if let crate::base::backend::VerifyOutcome::Repaired(t) =
+                        self.verify_repair(ns, key, true)?
+                    {
+                        repaired_from = Some(t);
+                        continue;
+                    }
                 }
                 return Ok(Lookup::Miss(MissReason::Corrupt));
             };
             let tier = match self.take_promoted(ns, key) {
                 Some(p) => p.tier,
-                None => from,
+                None => repaired_from.unwrap_or(from),
             };
             if tier == Tier::G3 {
                 self.on_g3_hit(ns, key);
@@ -441,8 +442,49 @@ impl Backend for Node {
         self.verify_repair(ns, key, repair)
     }
 
+    fn report_corrupt(
+        &self,
+        ns: &NamespaceId,
+        key: &BlockKey,
+    ) -> Result<crate::base::backend::VerifyOutcome> {
+        let out = self.verify_repair(ns, key, true)?;
+        if let crate::base::backend::VerifyOutcome::Repaired(tier) = out {
+            // The reporting client onboards it again next: that read says
+            // where the good copy came from, not G3.
+            self.remember_repaired(ns, key, tier);
+        }
+        Ok(out)
+    }
+
     fn stat(&self, ns: &NamespaceId, key: &BlockKey) -> Result<Option<BlockStat>> {
-        Ok(self.g3.stat(ns, key).map(|i| stat_of(&i)))
+        if let Some(i) = self.g3.stat(ns, key) {
+            return Ok(Some(stat_of(&i)));
+        }
+        // Not on G3: a block only G4 holds (evicted from G3) is stored too,
+        // as lookup and onboard say. Its header, by a ranged GET within
+        // the remote lookup deadline; G4 holds no pins nor leases.
+        let Some(g4) = self.g4.clone() else {
+            return Ok(None);
+        };
+        let (n, k, deadline) = (*ns, *key, self.lookup_remote_deadline);
+        match self.run_async(async move { g4.fetch_header_async(&n, &k, deadline).await }) {
+            Some(Lookup::Hit(h)) => Ok(Some(BlockStat {
+                tier: Tier::G4,
+                payload_len: h.payload_len,
+                payload_blake3: h.payload_blake3,
+                created_unix_ms: h.created_unix_ms,
+                pinned_until_unix_ms: 0,
+                leases: 0,
+            })),
+            // A copy that fails its header check serves nothing: not stored.
+            Some(Lookup::Miss(MissReason::Absent | MissReason::Corrupt)) => Ok(None),
+            // Not answered in time: not a "not stored", which would be a
+            // guess.
+            Some(Lookup::Miss(MissReason::Unavailable)) | None => Err(Error::Timeout {
+                op: "stat on G4",
+                timeout_ms: deadline.as_millis() as u64,
+            }),
+        }
     }
 
     fn list(

@@ -640,6 +640,23 @@ impl Node {
         }
     }
 
+    /// Remembers that `key`'s G3 copy was just repaired from `tier` for a
+    /// client that reads it next (no bytes kept: it reads G3), so that read
+    /// reports `tier`.
+    fn remember_repaired(&self, ns: &NamespaceId, key: &BlockKey, tier: Tier) {
+        if let Ok(mut g) = self.promoted.lock() {
+            let (m, bytes) = &mut *g;
+            if m.len() >= PROMOTED_MEMO_MAX {
+                m.clear();
+                *bytes = 0;
+            }
+            let old = m.insert((*ns, *key), Promoted { tier, block: None });
+            if let Some(b) = old.and_then(|o| o.block) {
+                *bytes = bytes.saturating_sub(b.payload.len() as u64);
+            }
+        }
+    }
+
     fn take_promoted(&self, ns: &NamespaceId, key: &BlockKey) -> Option<Promoted> {
         let mut g = self.promoted.lock().ok()?;
         let (m, bytes) = &mut *g;

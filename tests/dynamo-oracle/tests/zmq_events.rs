@@ -8,6 +8,12 @@
 //! socket as Dynamo's listener does on a gap) and G4 deletion.
 //! Then Dynamo's standalone indexer (`standalone-indexer`), run in this
 //! process, registers kvtierd's endpoints and answers `/query`.
+//!
+//! Both wire forms (`[events.zmq] media`, issue #43): the default, vLLM
+//! 0.33.0's (STORAGE with locality LOCAL for G3, REMOTE for G4), which
+//! Dynamo files under Disk and, for REMOTE, filters out by its policy (no
+//! shared index yet: `NonLocalLocality`, never an error); and `"dynamo"`
+//! (DISK / EXTERNAL), with which Dynamo's router scores G4 too.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
@@ -17,7 +23,7 @@ use dynamo_kv_router::indexer::RadixTree;
 use dynamo_kv_router::protocols::{
     KvCacheEventData, KvCacheEventError, RouterEvent, StorageTier, WorkerWithDpRank,
 };
-use dynamo_kv_router::zmq_wire::{decode_event_batch, ZmqEventNormalizer};
+use dynamo_kv_router::zmq_wire::{decode_event_batch, ZmqEventFilterReason, ZmqEventNormalizer};
 use kvtier_client::{Client, HashMode, Hints, KvLayout, Namespace, Onboarded, Tier};
 use std::collections::HashMap;
 use std::path::Path;
@@ -41,16 +47,22 @@ fn namespace(salt: &str) -> Namespace {
     .unwrap()
 }
 
-/// A kvtierd config publishing `ns` on ipc endpoints in `dir`, after the
-/// `extra` TOML.
-fn config(dir: &Path, ns: &Namespace, salt: &str, extra: &str) -> (String, String, String) {
+/// A kvtierd config publishing `ns` on ipc endpoints in `dir` with tiers
+/// named in `media`'s form, after the `extra` TOML.
+fn config(
+    dir: &Path,
+    ns: &Namespace,
+    salt: &str,
+    media: &str,
+    extra: &str,
+) -> (String, String, String) {
     let pub_ep = format!("ipc://{}", dir.join("kv-events.ipc").display());
     let replay_ep = format!("ipc://{}", dir.join("kv-replay.ipc").display());
     let cfg = dir.join("zmq.toml");
     std::fs::write(
         &cfg,
         format!(
-            "{extra}\n[events.zmq]\nendpoint = \"{pub_ep}\"\nreplay_endpoint = \"{replay_ep}\"\ntopic = \"{TOPIC}\"\n\
+            "{extra}\n[events.zmq]\nendpoint = \"{pub_ep}\"\nreplay_endpoint = \"{replay_ep}\"\ntopic = \"{TOPIC}\"\nmedia = \"{media}\"\n\
              [[events.zmq.namespaces]]\nid = \"{}\"\nsalt = \"{salt}\"\nlora_name = \"{LORA}\"\n",
             ns.id().to_hex()
         ),
@@ -73,6 +85,8 @@ struct Consumer {
     removed: HashMap<StorageTier, usize>,
     cleared: usize,
     hashes_seen: Vec<u64>,
+    /// Events Dynamo's normalizer filtered as not local (REMOTE).
+    non_local: usize,
 }
 
 fn sockets(ctx: &zmq::Context, pub_ep: &str, replay_ep: &str) -> (zmq::Socket, zmq::Socket) {
@@ -112,6 +126,7 @@ impl Consumer {
             removed: HashMap::new(),
             cleared: 0,
             hashes_seen: Vec::new(),
+            non_local: 0,
         }
     }
 
@@ -119,11 +134,19 @@ impl Consumer {
         let batch = decode_event_batch(payload)
             .unwrap_or_else(|e| panic!("Dynamo's zmq_wire cannot decode kvtier's batch: {e}"));
         for raw in batch.events {
-            let Some(pe) = self
-                .normalizer
-                .normalize(raw, seq, WorkerWithDpRank::new(WORKER, 0))
-            else {
-                panic!("Dynamo's normalizer filtered a kvtier event out");
+            // As Dynamo's listener: preprocess (its filters, with the
+            // reason), then conversion.
+            let w = WorkerWithDpRank::new(WORKER, 0);
+            let raw = match self.normalizer.preprocess_with_reason(raw, w) {
+                Ok(raw) => raw,
+                Err(ZmqEventFilterReason::NonLocalLocality) => {
+                    self.non_local += 1;
+                    continue;
+                }
+                Err(r) => panic!("Dynamo's normalizer filtered a kvtier event out: {r:?}"),
+            };
+            let Some(pe) = self.normalizer.normalize_preprocessed(raw, seq, w) else {
+                panic!("Dynamo's conversion dropped a kvtier event");
             };
             let ev: RouterEvent = pe.into_router_event().expect("a local worker's event");
             if std::env::var_os("ORACLE_DEBUG").is_some() {
@@ -251,7 +274,7 @@ fn dynamo_decodes_kvtiers_zmq_stream_and_routes_on_it() {
     let worker = WORKER.to_string();
     let dir = tempfile::tempdir().unwrap();
     let ns = namespace(SALT);
-    let (cfg, pub_ep, replay_ep) = config(dir.path(), &ns, SALT, "");
+    let (cfg, pub_ep, replay_ep) = config(dir.path(), &ns, SALT, "dynamo", "");
     let mut d = Daemon::start(&["--dynamo-worker-id", &worker, "--config", &cfg]);
     let mut c = Consumer::connect(&pub_ep, &replay_ep);
     std::thread::sleep(Duration::from_millis(300));
@@ -371,6 +394,7 @@ fn dynamo_decodes_kvtiers_zmq_stream_and_routes_on_it() {
         dir.path(),
         &ns,
         SALT,
+        "dynamo",
         "[g4]\nttl_ms = 1\nsweep_interval_ms = 200\nsweep_min_age_ms = 0\n",
     );
     d.restart_with(&args(cfg2));
@@ -390,6 +414,40 @@ fn dynamo_decodes_kvtiers_zmq_stream_and_routes_on_it() {
     let l = h.lookup(&all_keys);
     assert_eq!(l.prefix_len(), 8);
     assert!(l.tiers.iter().all(|t| *t == Tier::G3), "{:?}", l.tiers);
+    assert_eq!(c.non_local, 0, "the dynamo form names no locality");
+}
+
+/// The default form, vLLM 0.33.0's: Dynamo decodes every batch, files
+/// STORAGE/LOCAL (G3) under its Disk tier with kvtier's G3 holdings, and
+/// filters STORAGE/REMOTE (G4) out by its own policy, never as an error.
+#[test]
+fn dynamo_reads_vllms_storage_form_local_as_disk_and_filters_remote() {
+    let worker = (WORKER + 2).to_string();
+    let dir = tempfile::tempdir().unwrap();
+    let ns = namespace(SALT);
+    let (cfg, pub_ep, replay_ep) = config(dir.path(), &ns, SALT, "vllm", "");
+    let d = Daemon::start(&["--dynamo-worker-id", &worker, "--config", &cfg]);
+    let mut c = Consumer::connect(&pub_ep, &replay_ep);
+    std::thread::sleep(Duration::from_millis(300));
+    let tokens: Vec<u32> = (0..6 * BLOCK_TOKENS).map(|t| t * 7 + 5).collect();
+    let client = Client::connect(&d.socket).unwrap();
+    let h = client.namespace(&ns);
+    let data = payloads(6, 3);
+    let refs: Vec<&[u8]> = data.iter().map(|p| &p[..]).collect();
+    let (keys, _) = h.offload_tokens(None, &tokens, &refs, Hints::default());
+    // G3 stores on Disk; the G4 uploads arrive as REMOTE and are filtered.
+    c.pump_until("6 blocks on Disk and 6 REMOTE stores filtered", |c| {
+        c.score(StorageTier::Disk, &tokens) == 6 && c.non_local >= 6
+    });
+    assert_eq!(h.lookup(&keys).prefix_len(), 6);
+    assert_eq!(c.score(StorageTier::External, &tokens), 0);
+    assert_eq!(c.n(&c.stored, StorageTier::External), 0);
+    // Evicted from G3: the LOCAL removals reach Disk.
+    h.evict(&keys).unwrap();
+    c.pump_until("6 Disk removals", |c| {
+        c.n(&c.removed, StorageTier::Disk) >= 6 && c.score(StorageTier::Disk, &tokens) == 0
+    });
+    assert!(h.lookup(&keys).tiers.iter().all(|t| *t == Tier::G4));
 }
 
 /// Dynamo's standalone indexer (its `standalone-indexer` feature, run in
@@ -400,7 +458,8 @@ fn dynamos_standalone_indexer_routes_on_kvtierd() {
     let worker = (WORKER + 1).to_string();
     let dir = tempfile::tempdir().unwrap();
     let ns = namespace(SALT);
-    let (cfg, pub_ep, replay_ep) = config(dir.path(), &ns, SALT, "");
+    // The default form (vLLM's): G3 as STORAGE/LOCAL is the indexer's disk.
+    let (cfg, pub_ep, replay_ep) = config(dir.path(), &ns, SALT, "vllm", "");
     let d = Daemon::start(&["--dynamo-worker-id", &worker, "--config", &cfg]);
     // Blocks stored before the indexer exists: it learns them through the
     // replay socket (start-up holdings).

@@ -299,7 +299,7 @@ fn stored_event_bytes(blocks: usize, tokens: u64, tier: StorageTier) -> usize {
         lora_name: String::new(),
         salt: String::new(),
     };
-    wire::batch(1.0, &[ev], Some(0)).len()
+    wire::batch(1.0, &[ev], Some(0), wire::Media::default()).len()
 }
 
 fn admission_name(a: G4Admission) -> &'static str {

@@ -75,7 +75,7 @@ class Namespace:
         model: str,
         layout: Layout,
         adapter: str = "",
-        tenant_salt: bytes = b"",
+        tenant_salt: Union[bytes, str] = b"",
         hash_mode: HashMode = "blake3",
         rank: Optional[int] = None,
     ) -> None: ...

@@ -679,7 +679,7 @@ impl Conn<'_> {
                     status: keys
                         .iter()
                         .map(|k| {
-                            let st = match b.verify(&ns, k, true) {
+                            let st = match b.report_corrupt(&ns, k) {
                                 Ok(crate::base::backend::VerifyOutcome::Ok) => ItemStatus::Ok,
                                 Ok(crate::base::backend::VerifyOutcome::Repaired(_)) => {
                                     ItemStatus::Repaired

@@ -22,8 +22,9 @@
 //!   A slow ZMQ subscriber loses messages inside the PUB socket, sees the
 //!   gap in the sequence numbers and asks the replay socket.
 //! - A start-up begins with `AllBlocksCleared` (which forgets the worker in
-//!   every tier) and then announces what G3 holds (parents first) as DISK,
-//!   and those of them G4 has a copy of as EXTERNAL, so a router that knew
+//!   every tier) and then announces what G3 holds (parents first) as G3
+//!   (STORAGE/LOCAL, or DISK with `media = "dynamo"`), and those of them G4
+//!   has a copy of as G4 (STORAGE/REMOTE, or EXTERNAL), so a router that knew
 //!   the node before the restart forgets what went away. Blocks only in G4
 //!   (evicted from G3) are not announced again until they are uploaded or
 //!   fetched: after a restart the router under-reports G4, never over.
@@ -75,6 +76,8 @@ pub struct ZmqOptions {
     pub heartbeat_ms: u64,
     /// Permission bits of `ipc://` socket files.
     pub ipc_mode: u32,
+    /// How tiers are named on the wire.
+    pub media: wire::Media,
     /// The namespaces covered.
     pub published: Published,
     /// Keeps sequence numbers above the last run's when the clock is

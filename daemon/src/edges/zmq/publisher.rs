@@ -253,7 +253,7 @@ impl ZmqPublisher {
             ring.clone(),
             Bytes::from(opts.topic.clone().into_bytes()),
             (seq0, opts.seq_floor.clone().map(|(f, _)| f)),
-            opts.dp_rank,
+            (opts.dp_rank, opts.media),
             Some(Duration::from_millis(opts.heartbeat_ms)).filter(|d| !d.is_zero()),
             stats.clone(),
             stop_rx.clone(),
@@ -385,7 +385,7 @@ async fn live(
     ring: Arc<Mutex<Ring>>,
     topic: Bytes,
     (seq0, floor): (u64, Option<Arc<crate::base::id_floor::IdFloor>>),
-    dp_rank: Option<u32>,
+    (dp_rank, media): (Option<u32>, wire::Media),
     heartbeat: Option<Duration>,
     stats: Arc<ZmqStats>,
     mut stop: tokio::sync::watch::Receiver<bool>,
@@ -404,7 +404,7 @@ async fn live(
             }
         };
         count_stored(&evs, &stats);
-        let payload = Bytes::from(wire::batch(now_s(), &evs, dp_rank));
+        let payload = Bytes::from(wire::batch(now_s(), &evs, dp_rank, media));
         // Kept before it is sent: a subscriber that misses it can ask.
         if let Ok(mut r) = ring.lock() {
             r.push(seq, payload.clone());
@@ -486,7 +486,12 @@ async fn replay(
                     .unwrap_or_default();
                 numbered_snapshot(snap, start, newest)
                     .into_iter()
-                    .map(|(seq, b)| (seq, Bytes::from(wire::batch(now_s(), &b, opts.dp_rank))))
+                    .map(|(seq, b)| {
+                        (
+                            seq,
+                            Bytes::from(wire::batch(now_s(), &b, opts.dp_rank, opts.media)),
+                        )
+                    })
                     .collect()
             }
             None => kept,
@@ -567,6 +572,7 @@ mod tests {
             dp_rank: None,
             heartbeat_ms: 0,
             ipc_mode: 0o600,
+            media: super::wire::Media::Vllm,
             published,
             seq_floor: None,
         };

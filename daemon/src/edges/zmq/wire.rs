@@ -17,9 +17,17 @@
 //! - `{type: "BlockRemoved", block_hashes, medium}`;
 //! - `{type: "AllBlocksCleared"}`.
 //!
-//! `medium` is `"DISK"` for G3 and `"EXTERNAL"` for G4 (Dynamo's
-//! `StorageTier::to_kv_medium`). An empty batch (no events) is the
-//! publisher's idle heartbeat.
+//! Where a block is ([`Media`], `[events.zmq] media`): by default as vLLM
+//! 0.33.0's own storage tiers say it (`vllm/v1/kv_offload/base.py`
+//! `Medium.STORAGE`, `Locality`; its `fs` tier sends LOCAL, its `obj` tier
+//! REMOTE): `medium: "STORAGE"` with `locality: "LOCAL"` for G3 and
+//! `"REMOTE"` for G4, the `locality` field after `extra_keys` (declaration
+//! order) and no `ownership`. `media = "dynamo"` sends the older names
+//! instead, `"DISK"` for G3 and `"EXTERNAL"` for G4 without a locality
+//! (Dynamo's `StorageTier::to_kv_medium`): Dynamo 1.6.1 files STORAGE
+//! under its Disk tier but drops every REMOTE event (no shared index yet),
+//! so a Dynamo router that should count G4 needs that form. An empty
+//! batch (no events) is the publisher's idle heartbeat.
 
 use kvtier_client::events::StorageTier;
 
@@ -65,11 +73,36 @@ pub enum WireEvent {
     Cleared,
 }
 
-/// vLLM's medium name of a tier.
-pub fn medium(tier: StorageTier) -> &'static str {
-    match tier {
-        StorageTier::Disk => "DISK",
-        StorageTier::External => "EXTERNAL",
+/// How a tier is named on the wire (`[events.zmq] media`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Media {
+    /// vLLM 0.33.0's storage tiers: `STORAGE` with locality `LOCAL` (G3)
+    /// or `REMOTE` (G4); what vLLM publishes and llm-d's router scores.
+    #[default]
+    Vllm,
+    /// `DISK` (G3) and `EXTERNAL` (G4), no locality: Dynamo 1.6.1 indexes
+    /// both (it drops REMOTE events).
+    Dynamo,
+}
+
+impl Media {
+    /// The config value's form.
+    pub fn parse(s: &str) -> Option<Media> {
+        match s {
+            "vllm" => Some(Media::Vllm),
+            "dynamo" => Some(Media::Dynamo),
+            _ => None,
+        }
+    }
+}
+
+/// The `medium` and `locality` fields of a tier in `media`'s form.
+pub fn medium(tier: StorageTier, media: Media) -> (&'static str, Option<&'static str>) {
+    match (media, tier) {
+        (Media::Vllm, StorageTier::Disk) => ("STORAGE", Some("LOCAL")),
+        (Media::Vllm, StorageTier::External) => ("STORAGE", Some("REMOTE")),
+        (Media::Dynamo, StorageTier::Disk) => ("DISK", None),
+        (Media::Dynamo, StorageTier::External) => ("EXTERNAL", None),
     }
 }
 
@@ -114,7 +147,7 @@ fn opt_str(out: &mut Vec<u8>, s: &str) {
 /// (`omit_defaults=True`, not `array_like`): a map whose first key is the
 /// tag field `type`, then the declared fields in declaration order; the
 /// required ones always (nil when unset), the defaulted ones only when set.
-fn event(out: &mut Vec<u8>, ev: &WireEvent) {
+fn event(out: &mut Vec<u8>, ev: &WireEvent, media: Media) {
     match ev {
         WireEvent::Stored {
             parent,
@@ -124,7 +157,9 @@ fn event(out: &mut Vec<u8>, ev: &WireEvent) {
             lora_name,
             salt,
         } => {
-            map(out, 8 + usize::from(!salt.is_empty()), BLOCK_STORED_FIELDS);
+            let (med, locality) = medium(*tier, media);
+            let n = 8 + usize::from(!salt.is_empty()) + usize::from(locality.is_some());
+            map(out, n, BLOCK_STORED_FIELDS);
             str(out, "type");
             str(out, "BlockStored");
             str(out, "block_hashes");
@@ -149,7 +184,7 @@ fn event(out: &mut Vec<u8>, ev: &WireEvent) {
             str(out, "lora_id");
             nil(out); // vLLM's retired slot
             str(out, "medium");
-            str(out, medium(*tier));
+            str(out, med);
             str(out, "lora_name");
             opt_str(out, lora_name);
             if !salt.is_empty() {
@@ -169,9 +204,16 @@ fn event(out: &mut Vec<u8>, ev: &WireEvent) {
                     str(out, &format!("{CACHE_SALT_PREFIX}{salt}"));
                 }
             }
+            // group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window
+            // keep their defaults (left out), then locality.
+            if let Some(l) = locality {
+                str(out, "locality");
+                str(out, l);
+            }
         }
         WireEvent::Removed { hashes, tier } => {
-            map(out, 3, 6);
+            let (med, locality) = medium(*tier, media);
+            map(out, 3 + usize::from(locality.is_some()), 6);
             str(out, "type");
             str(out, "BlockRemoved");
             str(out, "block_hashes");
@@ -180,7 +222,12 @@ fn event(out: &mut Vec<u8>, ev: &WireEvent) {
                 uint(out, *h);
             }
             str(out, "medium");
-            str(out, medium(*tier));
+            str(out, med);
+            // group_idx keeps its default (left out), then locality.
+            if let Some(l) = locality {
+                str(out, "locality");
+                str(out, l);
+            }
         }
         WireEvent::Cleared => {
             map(out, 1, 1);
@@ -190,14 +237,15 @@ fn event(out: &mut Vec<u8>, ev: &WireEvent) {
     }
 }
 
-/// A `KVEventBatch`: `[ts, events, data_parallel_rank]`.
-pub fn batch(ts_s: f64, events: &[WireEvent], dp_rank: Option<u32>) -> Vec<u8> {
+/// A `KVEventBatch`: `[ts, events, data_parallel_rank]`, tiers named in
+/// `media`'s form.
+pub fn batch(ts_s: f64, events: &[WireEvent], dp_rank: Option<u32>, media: Media) -> Vec<u8> {
     let mut out = Vec::with_capacity(64 + events.len() * 64);
     arr(&mut out, 3);
     let _ = rmp::encode::write_f64(&mut out, ts_s);
     arr(&mut out, events.len());
     for e in events {
-        event(&mut out, e);
+        event(&mut out, e, media);
     }
     match dp_rank {
         Some(r) => uint(&mut out, u64::from(r)),
@@ -235,14 +283,21 @@ mod tests {
             lora_name: "ad".into(),
             salt: "s".into(),
         };
-        let bytes = batch(1.5, &[ev, WireEvent::Cleared], Some(3));
+        let bytes = batch(1.5, &[ev.clone(), WireEvent::Cleared], Some(3), Media::Vllm);
         // [fixarray 3, f64 (9 bytes), fixarray 2, then BlockStored's header:
         // a map16 as msgspec writes it for a struct of 16 fields.
         assert_eq!(bytes[..3], [0x93, 0xcb, 0x3f]);
-        assert_eq!(bytes[10..14], [0x92, 0xde, 0x00, 0x09]);
+        assert_eq!(bytes[10..14], [0x92, 0xde, 0x00, 0x0a]);
         let v = decode(&bytes);
         assert_eq!(
             v.to_string(),
+            r#"[1.5, [{"type": "BlockStored", "block_hashes": [18446744073709551615, 9], "parent_block_hash": 7, "token_ids": [1, 2, 3, 4], "block_size": 2, "lora_id": nil, "medium": "STORAGE", "lora_name": "ad", "extra_keys": [["ad", "dynamo-cache-salt:s"], nil], "locality": "LOCAL"}, {"type": "AllBlocksCleared"}], 3]"#
+        );
+        // The older names for a Dynamo router: no locality.
+        let bytes = batch(1.5, &[ev, WireEvent::Cleared], Some(3), Media::Dynamo);
+        assert_eq!(bytes[10..14], [0x92, 0xde, 0x00, 0x09]);
+        assert_eq!(
+            decode(&bytes).to_string(),
             r#"[1.5, [{"type": "BlockStored", "block_hashes": [18446744073709551615, 9], "parent_block_hash": 7, "token_ids": [1, 2, 3, 4], "block_size": 2, "lora_id": nil, "medium": "DISK", "lora_name": "ad", "extra_keys": [["ad", "dynamo-cache-salt:s"], nil]}, {"type": "AllBlocksCleared"}], 3]"#
         );
         let removed = WireEvent::Removed {
@@ -250,7 +305,17 @@ mod tests {
             tier: StorageTier::External,
         };
         assert_eq!(
-            decode(&batch(2.5, &[removed], None)).to_string(),
+            decode(&batch(
+                2.5,
+                std::slice::from_ref(&removed),
+                None,
+                Media::Vllm
+            ))
+            .to_string(),
+            r#"[2.5, [{"type": "BlockRemoved", "block_hashes": [5], "medium": "STORAGE", "locality": "REMOTE"}], nil]"#
+        );
+        assert_eq!(
+            decode(&batch(2.5, &[removed], None, Media::Dynamo)).to_string(),
             r#"[2.5, [{"type": "BlockRemoved", "block_hashes": [5], "medium": "EXTERNAL"}], nil]"#
         );
         let plain = WireEvent::Stored {
@@ -265,8 +330,8 @@ mod tests {
             salt: String::new(),
         };
         assert_eq!(
-            decode(&batch(3.5, &[plain], Some(0))).to_string(),
-            r#"[3.5, [{"type": "BlockStored", "block_hashes": [4], "parent_block_hash": nil, "token_ids": [8], "block_size": 1, "lora_id": nil, "medium": "EXTERNAL", "lora_name": nil}], 0]"#
+            decode(&batch(3.5, &[plain], Some(0), Media::Vllm)).to_string(),
+            r#"[3.5, [{"type": "BlockStored", "block_hashes": [4], "parent_block_hash": nil, "token_ids": [8], "block_size": 1, "lora_id": nil, "medium": "STORAGE", "lora_name": nil, "locality": "REMOTE"}], 0]"#
         );
     }
 }

@@ -289,19 +289,39 @@ def base_hints(extra: Optional[Mapping[str, Any]]) -> BlockHints:
     return h
 
 
-def offload_grouped(client: kvtier.Client, ns, keys: list, bufs: list, hints: Sequence[BlockHints], parent=None) -> list:
+def offload_grouped(
+    client: kvtier.Client,
+    ns,
+    keys: list,
+    bufs: list,
+    hints: Sequence[BlockHints],
+    parent=None,
+    parents: Optional[Sequence] = None,
+) -> list:
     """``client.offload`` of the chain ``keys`` (``keys[0]``'s parent is
     ``parent``) whose hints differ: one call per run of equal hints, in
     chain order, each run's parent the key before it, so every block is
-    recorded under its own parent however the hints change. Results back
-    in ``keys`` order."""
+    recorded under its own parent however the hints change. ``parents``,
+    when given, is each key's own parent (None: a root): a run also ends
+    where a key does not continue the key before it (a store of chunks
+    that are not one contiguous piece of a chain). Results back in
+    ``keys`` order."""
+    if parents is not None and len(parents) != len(keys):
+        raise ValueError(f"{len(parents)} parents for {len(keys)} keys")
     out: list = []
     start = 0
     while start < len(keys):
         end = start + 1
-        while end < len(keys) and hints[end] == hints[start]:
+        while (
+            end < len(keys)
+            and hints[end] == hints[start]
+            and (parents is None or parents[end] == keys[end - 1])
+        ):
             end += 1
-        run_parent = parent if start == 0 else keys[start - 1]
+        if parents is not None:
+            run_parent = parents[start]
+        else:
+            run_parent = parent if start == 0 else keys[start - 1]
         out.extend(client.offload(ns, keys[start:end], bufs[start:end], run_parent, **hints[start].kwargs()))
         start = end
     return out

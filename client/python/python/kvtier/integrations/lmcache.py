@@ -62,6 +62,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import Future
 from typing import Any, Callable, List, Optional, Sequence
 
@@ -122,6 +123,62 @@ class KvtierStartupError(BaseException):
     refuses to start (as vLLM and SGLang do on a bad kvtier setting)."""
 
 
+def _stop_loop(loop: Optional[asyncio.AbstractEventLoop]) -> None:
+    """Stops LMCache's storage-manager event loop (from any thread; one
+    whose run_forever has not begun yet stops as soon as it does)."""
+    if loop is None or loop.is_closed():
+        return
+    try:
+        loop.call_soon_threadsafe(loop.stop)
+    except RuntimeError:  # closed meanwhile
+        pass
+
+
+# Chunk successions a plugin remembers (the least recently learned
+# forgotten first): 64 Ki pairs of keys, a few MiB.
+CHAIN_PAIRS_MAX = 1 << 16
+
+
+class ChunkChains:
+    """Which chunk comes before which, learned from the chunk lists LMCache
+    looks up and puts (a request's chunks in token order): a put's first
+    chunk is then stored under the chunk before it, so a later turn
+    continues the turn before in kvtier and a chat stays one chain
+    (evicted from its end). Bounded, thread-safe; a pair not learned (or
+    forgotten) leaves the chunk a root, as before."""
+
+    def __init__(self, max_pairs: int = CHAIN_PAIRS_MAX) -> None:
+        self.max_pairs = max_pairs
+        self._lock = threading.Lock()
+        self._before: "OrderedDict[tuple, CacheEngineKey]" = OrderedDict()
+
+    @staticmethod
+    def _id(key: CacheEngineKey) -> tuple:
+        return (key.model_name, key.world_size, key.worker_id, str(key.dtype), key.tags, int(key.chunk_hash))
+
+    def learn(self, keys: Sequence[CacheEngineKey]) -> None:
+        if len(keys) < 2:
+            return
+        with self._lock:
+            for a, b in zip(keys, keys[1:]):
+                try:
+                    i = self._id(b)
+                except (AttributeError, TypeError, ValueError):  # not a chunk key
+                    continue
+                self._before.pop(i, None)
+                self._before[i] = a
+            while len(self._before) > self.max_pairs:
+                self._before.popitem(last=False)
+
+    def before(self, key: CacheEngineKey) -> Optional[CacheEngineKey]:
+        try:
+            i = self._id(key)
+        except (AttributeError, TypeError, ValueError):
+            return None
+        with self._lock:
+            return self._before.get(i)
+
+
 class KvtierStorageBackend(StoragePluginInterface):
     """LMCache storage backend on kvtierd."""
 
@@ -143,6 +200,11 @@ class KvtierStorageBackend(StoragePluginInterface):
         try:
             self._configure(config, metadata, local_cpu_backend)
         except (kvtier.Error, ValueError, TypeError) as e:  # KvtierConfigError and bad values
+            # LMCache 0.5.6's StorageManager started its event loop on a
+            # non-daemon thread before building its backends: left
+            # running, it keeps the refused engine's process alive for
+            # ever. Stopped here, the process ends with the error.
+            _stop_loop(loop)
             raise KvtierStartupError(f"kvtier LMCache plugin: {e}") from e
 
     def _configure(
@@ -191,6 +253,29 @@ class KvtierStorageBackend(StoragePluginInterface):
         self.model = setting(self.extra, "model")
         self._ns: dict[tuple, kvtier.Namespace] = {}
         self._ns_lock = threading.Lock()
+        self.chains = ChunkChains()
+        self._observe_lookups(local_cpu_backend)
+
+    def _observe_lookups(self, local_cpu_backend: Any) -> None:
+        """LMCache asks its backends in order and hands the next one only
+        the keys the one before missed, so a later turn's lookup reaches
+        this plugin without the turn before's chunks, and a put holds only
+        the new chunks: neither says which chunk the first new one
+        continues. The local CPU backend, asked first, sees each lookup's
+        whole chunk list: its ``batched_contains`` is wrapped (the call
+        goes on unchanged) so that the chunk order reaches
+        :attr:`chains`."""
+        orig = getattr(local_cpu_backend, "batched_contains", None)
+        if orig is None or getattr(orig, "_kvtier_observed", False):
+            return
+        chains = self.chains
+
+        def batched_contains(keys, *args, **kwargs):
+            chains.learn(keys)
+            return orig(keys, *args, **kwargs)
+
+        batched_contains._kvtier_observed = True  # type: ignore[attr-defined]
+        local_cpu_backend.batched_contains = batched_contains
 
     def __str__(self) -> str:
         return "KvtierStorageBackend"
@@ -246,6 +331,7 @@ class KvtierStorageBackend(StoragePluginInterface):
         if not keys:
             return 0
         self.counters.add("lookups")
+        self.chains.learn(keys)
         try:
             # Keys of one lookup share a namespace except across workers.
             hit = 0
@@ -307,6 +393,7 @@ class KvtierStorageBackend(StoragePluginInterface):
         # offload (the daemon shares its durable steps: one directory
         # fsync and index commit), its chunks recorded as the chain they
         # are (a put is a request's chunks in token order).
+        self.chains.learn(list(keys))
         full = []
         for key, obj in zip(keys, objs):
             if int(obj.get_size()) != self.chunk_bytes:
@@ -333,8 +420,21 @@ class KvtierStorageBackend(StoragePluginInterface):
         try:
             cks = [chunk_key(k) for k, _ in run]
             hints = [self._hints(k).with_reuse(self.reuse.others(ck)) for (k, _), ck in zip(run, cks)]
+            bufs = [self._buf(o) for _, o in run]
+            # The chunk before the run's first (a later turn's first chunk
+            # continues the turn before), when LMCache's lookups showed it.
+            before = self.chains.before(run[0][0])
+            parent = (
+                chunk_key(before) if before is not None and self._namespace(before) is ns else None
+            )
             t0 = time.perf_counter()
-            results = offload_grouped(self.client, ns, cks, [self._buf(o) for _, o in run], hints)
+            results = offload_grouped(self.client, ns, cks, bufs, hints, parent)
+            if parent is not None and results and results[0].reason == "absent":
+                # kvtierd holds that chunk nowhere (its store failed, or it
+                # is only in LMCache's CPU cache): stored as a chain of its
+                # own, as LMCache finds it after its other backends' hits.
+                self.counters.add("store_parent_absent")
+                results = offload_grouped(self.client, ns, cks, bufs, hints)
             took = time.perf_counter() - t0
         except Exception as e:
             self.counters.add("store_failures", len(run))

@@ -6,7 +6,14 @@ Load it through SGLang's dynamic backend::
       --hicache-mem-layout page_first --hicache-storage-backend dynamic \\
       --hicache-storage-backend-extra-config '{"backend_name": "kvtier",
         "module_path": "kvtier.integrations.sglang", "class_name": "KvtierHiCacheStorage",
-        "interface_v1": 1, "kvtier_socket": "/run/kvtier/kvtierd.sock"}'
+        "interface_v1": 1, "hicache_storage_pass_prefix_keys": true,
+        "kvtier_socket": "/run/kvtier/kvtierd.sock"}'
+
+``hicache_storage_pass_prefix_keys: true`` makes SGLang hand each backup
+its chain (the page hashes before it): a later turn's first page is stored
+under the turn before's last, so kvtier keeps a chat one chain and evicts
+it from its end. Without it every backup batch is a chain of its own
+(counted as ``stores_without_prefix_keys``, and a warning once).
 
 ``interface_v1: 1`` makes SGLang call ``batch_get_v1`` / ``batch_set_v1``
 with host-pool page indices: kvtier reads and writes the host pool's pages
@@ -43,6 +50,7 @@ follows reads them from G3. Bounded and fail open (``_common.Prefetcher``).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Any, List, Optional
@@ -130,6 +138,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
             "prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [], "backup_bandwidth": []
         }
         self._ops_lock = threading.Lock()
+        self._warned_prefix = False
 
     # -- setup ------------------------------------------------------------
 
@@ -301,6 +310,8 @@ class KvtierHiCacheStorage(HiCacheStorage):
             bufs = self._page_buffers(len(keys), host_indices)
             ks = [page_key(k) for k in keys]
             prefix = extra_info.prefix_keys if extra_info is not None else None
+            if prefix is None:
+                self._no_prefix_keys()
             parent = page_key(prefix[-1]) if prefix else None
             t0 = time.perf_counter()
             res = offload_grouped(self.client, self.ns, ks, bufs, self._hints(ks, extra_info), parent)
@@ -328,6 +339,23 @@ class KvtierHiCacheStorage(HiCacheStorage):
                 self.counters.add("store_failures")
                 self.fail.warn(f"store {r.reason}", r.detail)
         return out
+
+    def _no_prefix_keys(self) -> None:
+        """SGLang passes a backup's chain (``prefix_keys``) only with
+        ``hicache_storage_pass_prefix_keys: true`` in the storage backend's
+        extra config; without it every backup batch (a later turn's new
+        pages) is stored as a chain of its own, and kvtier's leaves-first
+        eviction takes a chat's earlier turn ends first. Counted, and said
+        once."""
+        self.counters.add("stores_without_prefix_keys")
+        if not self._warned_prefix:
+            self._warned_prefix = True
+            logging.getLogger("kvtier.sglang").warning(
+                "kvtier sglang: SGLang passes no prefix_keys: add \"hicache_storage_pass_prefix_keys\": "
+                "true to --hicache-storage-backend-extra-config so that a later turn's pages are stored "
+                "under the turn before (else each backup is a chain of its own, and kvtier evicts each "
+                "turn's end first)"
+            )
 
     def _hints(self, ks: list[bytes], extra_info: Optional[HiCacheStorageExtraInfo]) -> list:
         base = self.hints

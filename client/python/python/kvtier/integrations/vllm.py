@@ -69,6 +69,7 @@ is). Bounded and fail open (``_common.Prefetcher``).
 
 from __future__ import annotations
 
+import bisect
 import logging
 import operator
 import threading
@@ -188,10 +189,18 @@ class KvtierLoadStoreSpec(LoadStoreSpec):
     """Where offloaded chunks live in kvtier: their keys, in the order the
     scheduler pairs them with GPU blocks (by KV group, then chunk order)."""
 
-    def __init__(self, keys: list[OffloadKey], hints: Optional[list[BlockHints]] = None):
+    def __init__(
+        self,
+        keys: list[OffloadKey],
+        hints: Optional[list[BlockHints]] = None,
+        parents: Optional[list[Optional[bytes]]] = None,
+    ):
         self.keys = keys
         # Per key, for stores: what the scheduler knew of its request.
         self.hints = hints
+        # Per key, for stores: the kvtier key of the chunk before it in its
+        # request's chain (None: the chain's first chunk, or not known).
+        self.parents = parents
 
     def __repr__(self) -> str:
         return f"KvtierLoadStoreSpec({len(self.keys)} keys)"
@@ -283,6 +292,10 @@ class KvtierOffloadingSpec(OffloadingSpec):
                     g.group_id: g.tokens_per_block * self.blocks_per_chunk for g in self.config.groups
                 },
                 pin_client=make_client(self.extra_config),
+                chain_groups={
+                    g.group_id for g in self.config.groups
+                    if getattr(g, "sliding_window_size_in_chunks", None) is None
+                },
             )
         return self._manager
 
@@ -433,8 +446,14 @@ class KvtierOffloadingManager(OffloadingManager):
         prefetcher: Optional[Prefetcher] = None,
         chunk_tokens: Optional[dict[int, int]] = None,
         pin_client: Optional[kvtier.Client] = None,
+        chain_groups: Optional[set[int]] = None,
     ) -> None:
         self.client = client
+        # KV groups whose chunks are stored under their parent (full
+        # attention: a prefix chain). A sliding-window group's early chunks
+        # are never stored, so its chunks stay roots (kvtierd refuses a
+        # block whose parent it holds nowhere). None: every group.
+        self.chain_groups = chain_groups
         # Pins go through their own connection on their own thread.
         self.pin_client = pin_client or client
         self._pinner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-vllm-pin")
@@ -804,9 +823,38 @@ class KvtierOffloadingManager(OffloadingManager):
         self._storing.update(new)
         ordered = _group_order(new)
         hints = [self._key_hints(k, req_context) for k in ordered]
+        parents = [self._store_parent(k, req_context) for k in ordered]
         return PrepareStoreOutput(
-            keys_to_store=ordered, store_spec=KvtierLoadStoreSpec(ordered, hints), evicted_keys=[]
+            keys_to_store=ordered, store_spec=KvtierLoadStoreSpec(ordered, hints, parents), evicted_keys=[]
         )
+
+    def _store_parent(self, key: OffloadKey, req_context: ReqContext) -> Optional[bytes]:
+        """The kvtier key of the chunk before ``key`` in its request's
+        chain (its KV group's chunk keys, from vLLM's key positions): a
+        later turn's first chunk continues the turn before, so kvtier
+        keeps the chat one chain (evicted from its tail). A partial-tail
+        boundary key continues the last full chunk before it. None for a
+        chain's first chunk, or when the position is not known."""
+        g = get_offload_group_idx(key)
+        if self.chain_groups is not None and g not in self.chain_groups:
+            return None
+        rk = self._request_keys(req_context)
+        end = req_context.get_offload_key_position(key)
+        tokens = self.chunk_tokens.get(g)
+        if rk is None or end is None or not tokens:
+            return None
+        # The end token of the chunk before: one chunk back for a chunk
+        # key, the last whole chunk for a partial-tail boundary.
+        before = end - tokens if end % tokens == 0 else (end // tokens) * tokens
+        ends = rk.ends.get(g)
+        if before <= 0 or not ends:
+            return None
+        i = before // tokens - 1
+        if not (i < len(ends) and ends[i] == before):
+            i = bisect.bisect_left(ends, before)
+            if i >= len(ends) or ends[i] != before:
+                return None
+        return rk.kvkeys[g][i]
 
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
@@ -862,7 +910,7 @@ class KvtierOffloadingManager(OffloadingManager):
 
 
 class _Job:
-    __slots__ = ("job_id", "future", "nbytes", "seconds", "load_block_ids")
+    __slots__ = ("job_id", "future", "nbytes", "seconds", "load_block_ids", "chunks", "failed_chunks")
 
     def __init__(self, job_id: int, nbytes: int, load_block_ids: Optional[list[int]] = None) -> None:
         self.job_id = job_id
@@ -871,6 +919,25 @@ class _Job:
         self.seconds: Optional[float] = None
         # For a load: the GPU blocks it fills (reported when it fails).
         self.load_block_ids = load_block_ids
+        # For a load: per chunk (key order), its KV group and the GPU
+        # blocks it fills; and the chunks that failed (None: all of them,
+        # or not known).
+        self.chunks: Optional[list[tuple[int, list[int]]]] = None
+        self.failed_chunks: Optional[list[int]] = None
+
+    def failed_block_ids(self) -> list[int]:
+        """The GPU blocks a failed load reports: in each KV group, those of
+        its first failed chunk and of every chunk after it (the chunks
+        before it loaded and are a valid prefix: vLLM recomputes from the
+        first bad block on, not the whole load)."""
+        all_ids = self.load_block_ids or []
+        if self.chunks is None or self.failed_chunks is None:
+            return list(all_ids)
+        first: dict[int, int] = {}
+        for i in self.failed_chunks:
+            g = self.chunks[i][0]
+            first[g] = min(first.get(g, i), i)
+        return [b for i, (g, ids) in enumerate(self.chunks) if g in first and i >= first[g] for b in ids]
 
 
 class KvtierOffloadingWorker(OffloadingWorker):
@@ -972,6 +1039,22 @@ class KvtierOffloadingWorker(OffloadingWorker):
             )
         return bufs
 
+    def _chunk_blocks(self, gpu: GPULoadStoreSpec) -> list[tuple[int, list[int]]]:
+        """Per chunk, in the order of :meth:`_chunk_buffers`: its KV group
+        and the GPU block ids it fills."""
+        block_ids = [int(b) for b in gpu.block_ids]
+        out: list[tuple[int, list[int]]] = []
+        at_block = 0
+        for g, (size, first) in enumerate(zip(gpu.group_sizes, gpu.block_indices)):
+            if size == 0:
+                continue
+            skip = first % self.bpc
+            for c in range(-(-(size + skip) // self.bpc)):
+                js = range(max(0, c * self.bpc - skip), min(size, (c + 1) * self.bpc - skip))
+                out.append((g, [block_ids[at_block + j] for j in js]))
+            at_block += size
+        return out
+
     # -- jobs -------------------------------------------------------------
 
     def _submit(self, job_id: int, fn, nbytes: int, load_block_ids: Optional[list[int]] = None) -> bool:
@@ -992,6 +1075,9 @@ class KvtierOffloadingWorker(OffloadingWorker):
         try:
             keys = list(dst_spec.keys)  # type: ignore[attr-defined]
             hints = getattr(dst_spec, "hints", None) or [BlockHints()] * len(keys)
+            # Each chunk under its own parent: a later turn's first chunk
+            # under the turn before's last (None: unknown, a root).
+            parents = getattr(dst_spec, "parents", None) or [None] * len(keys)
             bufs = self._chunk_buffers(keys, src_spec, load=False)
             # The model may still be writing these pages on the GPU: the
             # copy thread waits for what the compute stream has queued.
@@ -1008,7 +1094,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
                 if ready is not None:
                     ready.synchronize()
                 res = offload_grouped(
-                    self.client, self.ns, connector_keys(keys), bufs, hints
+                    self.client, self.ns, connector_keys(keys), bufs, hints, parents=parents
                 )
                 # Counted per job, not per block: one lock, and the GIL
                 # held the least (the scheduler shares this process).
@@ -1048,10 +1134,12 @@ class KvtierOffloadingWorker(OffloadingWorker):
         block_ids = [int(b) for b in dst_spec.block_ids]
         try:
             bufs = self._chunk_buffers(keys, dst_spec, load=True)
+            chunks = self._chunk_blocks(dst_spec)
         except Exception as e:
             self.fail.error("submit_load", e)
             return self._submit(job_id, lambda: False, 0, block_ids)
         job = _Job(job_id, len(keys) * self.block_bytes * self.bpc, block_ids)
+        job.chunks = chunks if len(chunks) == len(keys) else None
         job.future = Future()
         with self._lock:
             # Loads wait here until the transfer thread is free (or, inside
@@ -1114,7 +1202,8 @@ class KvtierOffloadingWorker(OffloadingWorker):
                 n["load_failures"] += len(ks)
                 self.fail.error("load", err)
             else:
-                for r in res[at:at + len(ks)]:
+                job.failed_chunks = []
+                for i, r in enumerate(res[at:at + len(ks)]):
                     if r.ok:
                         n["load_blocks"] += 1
                         tier = f"load_blocks_{r.tier}"
@@ -1122,6 +1211,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
                         n["load_bytes"] += r.nbytes
                     else:
                         ok = False
+                        job.failed_chunks.append(i)
                         n["load_failures"] += 1
                         self.fail.warn(f"load {r.reason}", r.detail)
             at += len(ks)
@@ -1152,8 +1242,9 @@ class KvtierOffloadingWorker(OffloadingWorker):
         if not ok and job.load_block_ids is not None and self.load_errors is not None:
             # KvtierConnector reports these blocks to the scheduler, which
             # recomputes them: to vLLM's job bookkeeping the transfer is
-            # over (its OffloadingConnector asserts success).
-            self.load_errors.add(job.job_id, job.load_block_ids)
+            # over (its OffloadingConnector asserts success). Only the
+            # failed chunks and those after them: the ones before loaded.
+            self.load_errors.add(job.job_id, job.failed_block_ids())
             self.counters.add("load_errors_reported")
             ok = True
         return TransferResult(
