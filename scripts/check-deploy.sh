@@ -46,11 +46,14 @@ check "kubernetes manifest (schema)" $venv/bin/kubernetes-validate --strict depl
 # kvtierd may call it (this build is the test build, where cargo turned the
 # features on for the test crates: the linker must still find none of it).
 scaffolding() {
+  # Into a file first: `nm | grep -q` under pipefail fails when grep stops
+  # reading early (nm gets SIGPIPE).
+  nm -C "$kvtierd" > "$tmp/kvtierd.syms" 2>/dev/null || { echo "nm could not read $kvtierd"; return 1; }
   local hits
-  hits=$(nm -C "$kvtierd" 2>/dev/null | grep -E 'kvtier_daemon::(testkit|tiers::g3::(fault|powerloss)|tiers::policy::(replay|synth|belady|trace)|tiers::peer::bench)::|kvtier_fs::faultfs::' | head -5)
+  hits=$(grep -E 'kvtier_daemon::(testkit|tiers::g3::(fault|powerloss)|tiers::policy::(replay|synth|belady|trace)|tiers::peer::bench)::|kvtier_fs::faultfs::' "$tmp/kvtierd.syms" | head -5 || true)
   [ -z "$hits" ] || { echo "kvtierd links test or bench scaffolding:"; echo "$hits"; return 1; }
   # The check can see symbols at all (a stripped binary would pass anything).
-  nm -C "$kvtierd" 2>/dev/null | grep -q 'kvtier_daemon::tiers::g3::' || { echo "no kvtier_daemon symbols in $kvtierd"; return 1; }
+  grep -q 'kvtier_daemon::tiers::g3::' "$tmp/kvtierd.syms" || { echo "no kvtier_daemon symbols in $kvtierd"; return 1; }
 }
 check "kvtierd carries no test or bench scaffolding (nm)" scaffolding
 
