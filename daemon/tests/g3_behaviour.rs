@@ -746,3 +746,30 @@ fn directories_emptied_by_removals_go_and_an_open_removes_leftovers() {
     assert!(kept.exists());
     assert_eq!(s.stats().blocks, 1);
 }
+
+/// A crash restart that quarantines a shard's only file removes the
+/// emptied shard at open; a later put into that shard must make it again
+/// (the recovery walk had recorded it as made: every later offload into
+/// it failed, seen through SGLang's and LMCache's crash-restart tests).
+#[test]
+fn a_shard_emptied_at_open_takes_new_blocks() {
+    let dir = tempfile::tempdir().unwrap();
+    let ns = namespace(4096, "emptied-at-open").unwrap();
+    let (key, h, p) = block(&ns, 7);
+    let s = common::open(dir.path(), EngineKind::Auto);
+    let path = s.block_file_path(&ns.id(), &key);
+    s.close().unwrap();
+    drop(s);
+    // A stray file that fails verification, found by an unclean open.
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+    std::fs::write(&path, b"not a block").unwrap();
+    let _ = std::fs::remove_file(dir.path().join(kvtier_daemon::tiers::g3::CLEAN_MARKER));
+    let s = common::open(dir.path(), EngineKind::Auto);
+    assert!(!path.exists(), "the stray file was not quarantined");
+    assert!(
+        !path.parent().unwrap().exists(),
+        "the emptied shard was kept"
+    );
+    assert_eq!(s.put(&ns.id(), &h, &p).unwrap(), PutOutcome::Stored);
+    assert!(matches!(s.get(&ns.id(), &key).unwrap(), Lookup::Hit(_)));
+}

@@ -136,6 +136,13 @@ impl G3Store {
                     if sh.file_type().is_ok_and(|t| t.is_dir())
                         && self.fs.remove_dir(&sh.path()).is_ok()
                     {
+                        // Recovery's walk recorded it as made: forget it,
+                        // or the next put would skip creating it and its
+                        // rename would find no directory (a crash restart
+                        // that quarantined a shard's only files).
+                        if let Ok(mut k) = self.known_dirs.lock() {
+                            k.remove(&sh.path());
+                        }
                         n += 1;
                     }
                 }
