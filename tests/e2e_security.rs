@@ -705,13 +705,7 @@ fn peer_daemon() -> (Daemon, tempfile::TempDir, String, String, Vec<u8>) {
         ],
         &[],
     );
-    let ns = kvtier_client::Namespace::new(
-        "peer",
-        kvtier_client::KvLayout::with_block_bytes(4096).unwrap(),
-        "",
-        "t",
-    )
-    .unwrap();
+    let ns = peer_test_ns();
     let c = Client::with_config(ClientConfig::new(&d.socket));
     let h = c.namespace(&ns);
     let keys = h.hash_chain(&(0..16).collect::<Vec<u32>>());
@@ -1261,13 +1255,7 @@ fn healthz_is_degraded_while_a_peer_refuses_our_secret() {
         &[],
     );
     // A asks B for the block B holds: B refuses A's signature.
-    let ns = kvtier_client::Namespace::new(
-        "peer",
-        kvtier_client::KvLayout::with_block_bytes(4096).unwrap(),
-        "",
-        "t",
-    )
-    .unwrap();
+    let ns = peer_test_ns();
     let c = Client::with_config(ClientConfig::new(&a.socket));
     let h = c.namespace(&ns);
     let keys = h.hash_chain(&(0..16).collect::<Vec<u32>>());
@@ -1357,4 +1345,15 @@ fn hostile_lengths_on_the_peer_and_metrics_ports_leave_the_daemon_serving() {
         send_raw(&peer_addr, &signed_request(&peer_addr, &path)).0,
         200
     );
+}
+
+/// The namespace the two-node peer tests store and fetch in.
+fn peer_test_ns() -> kvtier_client::Namespace {
+    kvtier_client::Namespace::new(
+        "peer",
+        kvtier_client::KvLayout::with_block_bytes(4096).unwrap(),
+        "",
+        "t",
+    )
+    .unwrap()
 }
