@@ -51,7 +51,7 @@ fn fake_daemon(l: UnixListener, corrupt: bool) {
                 tier: Tier::G3,
                 lease_id: 0,
                 payload_len: h.payload_len,
-                payload_blake3: h.payload_blake3,
+                payload_sum: h.payload_sum,
                 fd_index: u32::MAX,
                 file_offset: 0,
             });

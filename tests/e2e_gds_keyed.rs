@@ -3,7 +3,7 @@
 //! HBM exactly as CI runs the device pipeline. Blocks cut into uneven
 //! segments are offloaded through the gather and onboarded through the
 //! transfer (fds passed by the daemon, overlapped io_uring reads, streamed
-//! blake3), byte for byte, in batches larger than one fd-passing request;
+//! checksum), byte for byte, in batches larger than one fd-passing request;
 //! a block corrupted on disk is a `Corrupt` miss for that block only, is
 //! reported, and is never served again.
 #![allow(clippy::unwrap_used, clippy::expect_used)]

@@ -6,14 +6,18 @@
 //!
 //! The decoder never panics: every length and offset is checked before use.
 
+use crate::checksum::{PayloadSum, SumAlgo, SumHasher, XXH3_128_TAG};
 use crate::error::{Error, FormatFault, Result};
 use crate::key::{BlockKey, KEY_BYTES_MAX};
 use crate::namespace::{Dtype, KvLayout, LayoutKind, Namespace, NamespaceId};
 
 /// Block file magic.
 pub const MAGIC: [u8; 8] = *b"KVTIERB\x01";
-/// The format version this build writes and reads.
-pub const VERSION: u16 = 1;
+/// The format version this build writes: 2 (XXH3-128 checksums). It
+/// reads 2 and 1 (blake3 checksums, what builds before it wrote).
+pub const VERSION: u16 = 2;
+/// The oldest format version this build reads.
+pub const VERSION_OLDEST: u16 = 1;
 /// Header size, and the payload's alignment.
 pub const HEADER_BYTES: usize = 4096;
 /// Alignment of the payload and of the file length.
@@ -72,8 +76,8 @@ pub struct BlockHeader {
     pub layout: KvLayout,
     /// Payload length in bytes (without padding).
     pub payload_len: u64,
-    /// blake3 of the payload.
-    pub payload_blake3: [u8; 32],
+    /// The payload's checksum (XXH3-128 in format 2, blake3 in format 1).
+    pub payload_sum: PayloadSum,
     /// When the block was first stored, ms since the Unix epoch.
     pub created_unix_ms: u64,
     /// Dynamo routing facts (dynamo-mode namespaces, when the client sent
@@ -94,7 +98,7 @@ impl BlockHeader {
             key,
             layout: ns.layout,
             payload_len: payload.len() as u64,
-            payload_blake3: *blake3::hash(payload).as_bytes(),
+            payload_sum: PayloadSum::of(payload),
             created_unix_ms,
             dynamo: None,
         }
@@ -125,7 +129,10 @@ impl BlockHeader {
     pub fn encode_into(&self, out: &mut [u8; HEADER_BYTES]) {
         out.fill(0);
         out[..8].copy_from_slice(&MAGIC);
-        out[OFF_VERSION..OFF_VERSION + 2].copy_from_slice(&VERSION.to_le_bytes());
+        // A header re-encoded from a format-1 block (blake3) stays format 1,
+        // so its checksums still agree with each other.
+        let version = self.format_version();
+        out[OFF_VERSION..OFF_VERSION + 2].copy_from_slice(&version.to_le_bytes());
         out[OFF_HEADER_LEN..OFF_HEADER_LEN + 2]
             .copy_from_slice(&(HEADER_BYTES as u16).to_le_bytes());
         out[OFF_NS..OFF_NS + 32].copy_from_slice(&self.namespace_digest);
@@ -141,7 +148,7 @@ impl BlockHeader {
         out[o] = l.dtype as u8;
         out[o + 1] = l.kind as u8;
         out[OFF_PAYLOAD_LEN..OFF_PAYLOAD_LEN + 8].copy_from_slice(&self.payload_len.to_le_bytes());
-        out[OFF_PAYLOAD_SUM..OFF_PAYLOAD_SUM + 32].copy_from_slice(&self.payload_blake3);
+        out[OFF_PAYLOAD_SUM..OFF_PAYLOAD_SUM + 32].copy_from_slice(self.payload_sum.as_bytes());
         out[OFF_CREATED..OFF_CREATED + 8].copy_from_slice(&self.created_unix_ms.to_le_bytes());
         if let Some(d) = &self.dynamo {
             let tokens = if d.token_ids.len() <= DYNAMO_TOKENS_MAX {
@@ -162,8 +169,16 @@ impl BlockHeader {
                 out[o..o + 4].copy_from_slice(&t.to_le_bytes());
             }
         }
-        let sum = blake3::hash(&out[..OFF_HEADER_SUM]);
-        out[OFF_HEADER_SUM..].copy_from_slice(sum.as_bytes());
+        seal(out, version);
+    }
+
+    /// The block format this header is written in: 2 for an XXH3-128
+    /// checksum, 1 for a blake3 one.
+    pub fn format_version(&self) -> u16 {
+        match self.payload_sum.algo() {
+            SumAlgo::Xxh3_128 => VERSION,
+            SumAlgo::Blake3 => 1,
+        }
     }
 
     /// The header as a fresh 4096-byte array.
@@ -190,14 +205,13 @@ impl BlockHeader {
             ));
         }
         let version = u16_at(h, OFF_VERSION);
-        if version != VERSION {
+        if !(VERSION_OLDEST..=VERSION).contains(&version) {
             return Err(Error::format(
                 FormatFault::UnknownVersion,
-                format!("format version {version}, this build reads {VERSION}"),
+                format!("format version {version}, this build reads {VERSION_OLDEST} to {VERSION}"),
             ));
         }
-        let sum = blake3::hash(&h[..OFF_HEADER_SUM]);
-        if sum.as_bytes()[..] != h[OFF_HEADER_SUM..] {
+        if header_sum(h, version)[..] != h[OFF_HEADER_SUM..] {
             return Err(Error::format(
                 FormatFault::HeaderChecksum,
                 "header checksum mismatch",
@@ -255,14 +269,28 @@ impl BlockHeader {
         }
         let mut namespace_digest = [0u8; 32];
         namespace_digest.copy_from_slice(&h[OFF_NS..OFF_NS + 32]);
-        let mut payload_blake3 = [0u8; 32];
-        payload_blake3.copy_from_slice(&h[OFF_PAYLOAD_SUM..OFF_PAYLOAD_SUM + 32]);
+        let mut sum = [0u8; 32];
+        sum.copy_from_slice(&h[OFF_PAYLOAD_SUM..OFF_PAYLOAD_SUM + 32]);
+        let payload_sum = PayloadSum::from_bytes(sum);
+        // The checksum's function is the format's: a format-2 header names
+        // an XXH3-128 sum, a format-1 header a blake3 one.
+        let want = if version == 1 {
+            SumAlgo::Blake3
+        } else {
+            SumAlgo::Xxh3_128
+        };
+        if payload_sum.algo() != want {
+            return Err(malformed(format!(
+                "format {version} with a {} payload checksum",
+                payload_sum.algo().name()
+            )));
+        }
         Ok(BlockHeader {
             namespace_digest,
             key,
             layout,
             payload_len,
-            payload_blake3,
+            payload_sum,
             created_unix_ms: u64_at(h, OFF_CREATED),
             dynamo,
         })
@@ -271,7 +299,9 @@ impl BlockHeader {
     /// Checks `payload` (exactly `payload_len` bytes) against the checksum.
     pub fn verify_payload(&self, payload: &[u8]) -> Result<()> {
         self.check_len(payload.len())?;
-        self.check_hash(blake3::hash(payload))
+        let mut h = self.payload_sum.hasher();
+        h.update(payload);
+        self.check_sum(h.finish())
     }
 
     /// Copies `src` (exactly `payload_len` bytes) into `dst` (as long) and
@@ -282,12 +312,12 @@ impl BlockHeader {
         const PIECE_BYTES: usize = 128 << 10;
         self.check_len(src.len())?;
         self.check_len(dst.len())?;
-        let mut h = blake3::Hasher::new();
+        let mut h = self.payload_sum.hasher();
         for (s, d) in src.chunks(PIECE_BYTES).zip(dst.chunks_mut(PIECE_BYTES)) {
             d.copy_from_slice(s);
             h.update(d);
         }
-        self.check_hash(h.finalize())
+        self.check_sum(h.finish())
     }
 
     fn check_len(&self, len: usize) -> Result<()> {
@@ -300,8 +330,15 @@ impl BlockHeader {
         Ok(())
     }
 
-    fn check_hash(&self, got: blake3::Hash) -> Result<()> {
-        if got.as_bytes() != &self.payload_blake3 {
+    /// A fresh incremental hasher of this block's checksum function.
+    pub fn payload_hasher(&self) -> SumHasher {
+        self.payload_sum.hasher()
+    }
+
+    /// Checks a checksum computed over the payload (with
+    /// [`Self::payload_hasher`]) against the header's.
+    pub fn check_sum(&self, got: PayloadSum) -> Result<()> {
+        if got != self.payload_sum {
             return Err(Error::format(
                 FormatFault::PayloadChecksum,
                 format!("payload checksum mismatch for block {}", self.key),
@@ -413,9 +450,28 @@ fn u64_at(b: &[u8], o: usize) -> u64 {
 #[doc(hidden)]
 pub fn reseal_header(buf: &mut [u8]) {
     if buf.len() >= HEADER_BYTES {
-        let sum = blake3::hash(&buf[..OFF_HEADER_SUM]);
-        buf[OFF_HEADER_SUM..HEADER_BYTES].copy_from_slice(sum.as_bytes());
+        let version = u16_at(buf, OFF_VERSION);
+        seal(&mut buf[..HEADER_BYTES], version);
     }
+}
+
+/// The header checksum of `h` (at least [`HEADER_BYTES`]) in its stored
+/// form: blake3 in format 1, XXH3-128 followed by [`XXH3_128_TAG`] from 2.
+fn header_sum(h: &[u8], version: u16) -> [u8; 32] {
+    let body = &h[..OFF_HEADER_SUM];
+    if version == 1 {
+        *blake3::hash(body).as_bytes()
+    } else {
+        let mut out = [0u8; 32];
+        out[..16].copy_from_slice(&xxhash_rust::xxh3::xxh3_128(body).to_be_bytes());
+        out[16..].copy_from_slice(&XXH3_128_TAG);
+        out
+    }
+}
+
+fn seal(h: &mut [u8], version: u16) {
+    let sum = header_sum(h, version);
+    h[OFF_HEADER_SUM..HEADER_BYTES].copy_from_slice(&sum);
 }
 
 #[cfg(test)]
@@ -533,5 +589,43 @@ mod tests {
         m[OFF_PAYLOAD_LEN..OFF_PAYLOAD_LEN + 8].copy_from_slice(&4096u64.to_le_bytes());
         reseal_header(&mut m);
         assert_eq!(fault(&m), FormatFault::LayoutMismatch);
+    }
+
+    #[test]
+    fn format_1_blocks_stay_readable_and_formats_never_mix() {
+        let (h, p) = sample(8192);
+        assert_eq!(h.format_version(), VERSION);
+        assert_eq!(h.payload_sum.algo(), SumAlgo::Xxh3_128);
+        // A block as format 1 wrote it: blake3 payload and header sums.
+        let old = BlockHeader {
+            payload_sum: PayloadSum::blake3_of(&p),
+            ..h.clone()
+        };
+        let f = encode_block(&old, &p);
+        assert_eq!(u16_at(&f, OFF_VERSION), 1);
+        assert_eq!(
+            &f[OFF_HEADER_SUM..HEADER_BYTES],
+            blake3::hash(&f[..OFF_HEADER_SUM]).as_bytes()
+        );
+        let (h1, p1) = decode_block(&f).unwrap();
+        assert_eq!((&h1, p1), (&old, &p[..]));
+        let mut m = f.clone();
+        m[HEADER_BYTES + 7] ^= 1;
+        assert_eq!(fault(&m), FormatFault::PayloadChecksum);
+        // A format-2 header that names a blake3 sum, a format-1 header that
+        // names an XXH3 one: malformed, never checked with the wrong function.
+        let mut m = f.clone();
+        m[OFF_VERSION] = 2;
+        reseal_header(&mut m);
+        assert_eq!(fault(&m), FormatFault::Malformed);
+        let mut m = encode_block(&h, &p);
+        m[OFF_VERSION] = 1;
+        reseal_header(&mut m);
+        assert_eq!(fault(&m), FormatFault::Malformed);
+        // A format-2 header sealed with format 1's header checksum.
+        let mut m = encode_block(&h, &p);
+        let sum = blake3::hash(&m[..OFF_HEADER_SUM]);
+        m[OFF_HEADER_SUM..HEADER_BYTES].copy_from_slice(sum.as_bytes());
+        assert_eq!(fault(&m), FormatFault::HeaderChecksum);
     }
 }

@@ -17,7 +17,7 @@
 //! mode: it decodes and validates the block header the daemon placed in the
 //! shared region (or reads it from the passed file), checks that it names
 //! the requested key and namespace and agrees with the reply, copies the
-//! payload into the caller's buffer, and compares blake3 of the bytes *in
+//! payload into the caller's buffer, and compares the checksum of the bytes *in
 //! the caller's buffer* with the header's checksum. Bytes that fail are a
 //! `Miss(Corrupt)`, and the caller's buffer content is then unspecified.
 //! This check is the only hash of the payload on the shared-region path
@@ -1036,7 +1036,7 @@ impl Client {
 
     /// Re-checksums stored blocks end to end (`kvtier verify`): each block
     /// file is passed over a direct-read fd and fully decoded here (header,
-    /// length, padding, payload blake3), and must name `ns` and its key.
+    /// length, padding, payload checksum), and must name `ns` and its key.
     /// Per key: `Ok(payload_len)` or why it failed.
     pub fn verify_ids(
         &self,
@@ -1237,7 +1237,7 @@ pub struct DirectBlock {
     file: usize,
     /// Offset of the payload in the file (4096-aligned for G3 files).
     pub payload_offset: u64,
-    /// The block's header: `payload_len` and `payload_blake3` to verify.
+    /// The block's header: `payload_len` and `payload_sum` to verify.
     pub header: BlockHeader,
     /// Where the daemon found it.
     pub tier: Tier,
@@ -1266,7 +1266,7 @@ pub(crate) fn slot_bytes(payload_len: u64) -> u64 {
 }
 
 /// An shm onboard reply of at least this many payload bytes is landed
-/// (copied and verified) by two threads: at 4 MiB the copy and blake3 take
+/// (copied and verified) by two threads: at 4 MiB the copy and checksum take
 /// about a millisecond, well above a scoped thread's start.
 const PARALLEL_LAND_BYTES: u64 = 4 << 20;
 
@@ -1570,7 +1570,7 @@ impl<'a> NsHandle<'a> {
         if h.key != *key
             || h.namespace_digest != self.ns.digest()
             || h.payload_len != it.payload_len
-            || h.payload_blake3 != it.payload_blake3
+            || h.payload_sum != it.payload_sum
         {
             return Err(Miss::new(
                 MissCause::Corrupt,
@@ -1596,7 +1596,7 @@ impl<'a> NsHandle<'a> {
     /// alike: the daemon places `keys[j]` (header page, then payload) in the
     /// region at `offsets[j]`; each hit's header is validated against the
     /// request and the reply, and its payload lands as `landing` says and
-    /// is verified (blake3) where it lands. An error (no region, a failed
+    /// is verified (its checksum) where it lands. An error (no region, a failed
     /// call, a reply of the wrong length) is the caller's to turn into
     /// misses.
     ///
@@ -1825,7 +1825,7 @@ impl<'a> NsHandle<'a> {
     /// Lands every item of an shm onboard reply (`items[i]` for `keys[i]`
     /// at `offsets[i]`, into item `dest[i]` of `landing`). A reply of at
     /// least [`PARALLEL_LAND_BYTES`] is landed by this thread and one
-    /// scoped helper, half the items each: the copy and the blake3 pass
+    /// scoped helper, half the items each: the copy and the checksum pass
     /// are the client's whole share of an onboard, and while they run the
     /// connection, and so the daemon's reads for this client, wait.
     fn land_all(
@@ -2003,7 +2003,7 @@ impl<'a> NsHandle<'a> {
                 .map(|(j, b)| one(j, b))
                 .collect()
         } else {
-            // Two readers, half the blocks each: one thread's blake3 pass
+            // Two readers, half the blocks each: one thread's checksum pass
             // runs while the other's read waits on the disk, and the disk
             // sees two reads at once (as the shm path lands with two).
             let half = n / 2;
@@ -2064,7 +2064,7 @@ impl<'a> NsHandle<'a> {
     /// neither read nor verified: the caller reads
     /// `header.payload_len` bytes at `payload_offset` of [`DirectBlocks::file`]
     /// (the GPU crate with its own pipeline, say) and must compare their
-    /// blake3 with `header.payload_blake3` before using them (the daemon
+    /// checksum with `header.payload_sum` before using them (the daemon
     /// hands fds out unverified). A failed call is a miss for every key.
     pub fn open_direct(&self, keys: &[BlockKey], caps: &[usize]) -> DirectBlocks {
         let n = keys.len().min(FDS_MAX).min(caps.len());

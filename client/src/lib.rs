@@ -32,6 +32,7 @@
 pub mod access_hint;
 pub mod aligned;
 pub mod block;
+pub mod checksum;
 pub mod client;
 pub mod error;
 pub mod events;
@@ -43,6 +44,7 @@ pub mod types;
 
 pub use aligned::AlignedBuf;
 pub use block::{decode_block, encode_block, BlockHeader, DynamoMeta};
+pub use checksum::{PayloadSum, SumAlgo, SumHasher};
 pub use client::{
     Client, ClientConfig, DirectBlock, DirectBlocks, EventStream, LookupResult, Miss, MissCause,
     NsHandle, OffloadBlock, OffloadOutcome, Onboarded, Pool, PoolBlock,

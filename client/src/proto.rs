@@ -17,6 +17,7 @@
 //! trailing bytes, and never panics (the cargo-fuzz target in `client/fuzz`
 //! and a proptest in the e2e suite hold it to that).
 
+use crate::checksum::PayloadSum;
 use crate::error::{Error, Result};
 use crate::events::KvEvent;
 use crate::key::{BlockKey, KEY_BYTES_MAX};
@@ -463,8 +464,8 @@ pub struct OnboardResult {
     pub lease_id: u64,
     /// Payload bytes.
     pub payload_len: u64,
-    /// blake3 of the payload, from the verified header.
-    pub payload_blake3: [u8; 32],
+    /// The payload's checksum, from the verified header.
+    pub payload_sum: PayloadSum,
     /// Direct mode: index of the fd in this reply's SCM_RIGHTS, else u32::MAX.
     pub fd_index: u32,
     /// Direct mode: offset of the header in that file (payload at +4096).
@@ -478,8 +479,8 @@ pub struct BlockStat {
     pub tier: Tier,
     /// Payload bytes.
     pub payload_len: u64,
-    /// blake3 of the payload.
-    pub payload_blake3: [u8; 32],
+    /// The payload's checksum.
+    pub payload_sum: PayloadSum,
     /// When it was first stored (ms since epoch).
     pub created_unix_ms: u64,
     /// Pinned until (ms since epoch; 0 = not pinned).
@@ -1141,7 +1142,7 @@ impl Request {
 fn write_stat(w: &mut Writer, s: &BlockStat) {
     w.u8(s.tier.code());
     w.u64(s.payload_len);
-    w.raw(&s.payload_blake3);
+    w.raw(s.payload_sum.as_bytes());
     w.u64(s.created_unix_ms);
     w.u64(s.pinned_until_unix_ms);
     w.u32(s.leases);
@@ -1151,7 +1152,7 @@ fn read_stat(r: &mut Reader<'_>) -> Result<BlockStat> {
     Ok(BlockStat {
         tier: r.tier()?,
         payload_len: r.u64()?,
-        payload_blake3: r.b32()?,
+        payload_sum: PayloadSum::from_bytes(r.b32()?),
         created_unix_ms: r.u64()?,
         pinned_until_unix_ms: r.u64()?,
         leases: r.u32()?,
@@ -1212,7 +1213,7 @@ impl Response {
                     w.u8(it.tier.code());
                     w.u64(it.lease_id);
                     w.u64(it.payload_len);
-                    w.raw(&it.payload_blake3);
+                    w.raw(it.payload_sum.as_bytes());
                     w.u32(it.fd_index);
                     w.u64(it.file_offset);
                 }
@@ -1313,7 +1314,7 @@ impl Response {
                             tier: r.tier()?,
                             lease_id: r.u64()?,
                             payload_len: r.u64()?,
-                            payload_blake3: r.b32()?,
+                            payload_sum: PayloadSum::from_bytes(r.b32()?),
                             fd_index: r.u32()?,
                             file_offset: r.u64()?,
                         });
@@ -1779,7 +1780,7 @@ mod tests {
                 tier: Tier::G3,
                 lease_id: 5,
                 payload_len: 100,
-                payload_blake3: [1; 32],
+                payload_sum: PayloadSum::from_bytes([1; 32]),
                 fd_index: 0,
                 file_offset: 0,
             }],

@@ -762,7 +762,7 @@ fn a_smaller_object_bytes_max_refuses_and_never_deletes_a_shared_block() {
 }
 
 /// Header-valid objects with a wrong payload, fetched at once: each is
-/// verified while it streams (blake3, incrementally) and refused, and the
+/// verified while it streams (the payload checksum, incrementally) and refused, and the
 /// body bytes buffered at any moment stay within the shared fetch budget
 /// (`fetch_buffer_bytes_max`), not one object per fetch (1 GiB each used
 /// to be buffered in full, three at once peaked at 2.86 GB RSS).

@@ -771,11 +771,9 @@ impl KvFs {
             .ok_or_else(|| Error::block_not_found(ns, key))?;
         let v = match name.as_bytes() {
             b"user.kvtier.tier" => st.tier.name().to_string(),
-            b"user.kvtier.checksum" => st
-                .payload_blake3
-                .iter()
-                .map(|b| format!("{b:02x}"))
-                .collect(),
+            // `<function>:<hex>`, e.g. `xxh3-128:9b0c...` (format 2) or
+            // `blake3:...` (a block format 1 wrote).
+            b"user.kvtier.checksum" => format!("{:?}", st.payload_sum),
             b"user.kvtier.hits" => st.hits.to_string(),
             b"user.kvtier.last_access" => st.last_access_unix_ms.to_string(),
             b"user.kvtier.pinned" => u8::from(st.pinned).to_string(),

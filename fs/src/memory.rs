@@ -84,7 +84,7 @@ impl MemNamespace {
             size_bytes: file.len() as u64,
             stored_unix_ms: now_unix_ms(),
             tier: Tier::G3,
-            payload_blake3: header.payload_blake3,
+            payload_sum: header.payload_sum,
             hits: 0,
             last_access_unix_ms: 0,
             pinned: false,

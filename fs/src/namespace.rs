@@ -14,7 +14,7 @@
 //!   even if the block is evicted meanwhile: an open `File` of an unlinked
 //!   block file keeps its bytes, so returning the G3 file itself is correct.
 //! - `import` receives a [`StagedBlock`] that the adapter has already
-//!   verified (header, exact length, zero padding, payload blake3, and that
+//!   verified (header, exact length, zero padding, payload checksum, and that
 //!   the path's namespace and key match the header). It must be atomic and
 //!   create-once: no reader observes a partial block, and an existing key is
 //!   refused with [`Error::Exists`].
@@ -38,8 +38,8 @@ pub struct BlockStat {
     pub stored_unix_ms: u64,
     /// Where the block lives now (`user.kvtier.tier`).
     pub tier: Tier,
-    /// blake3 of the payload, from the header (`user.kvtier.checksum`).
-    pub payload_blake3: [u8; 32],
+    /// The payload's checksum, from the header (`user.kvtier.checksum`).
+    pub payload_sum: kvtier_client::PayloadSum,
     /// Reads served so far (`user.kvtier.hits`).
     pub hits: u64,
     /// Last read, ms since the Unix epoch; 0 = never (`user.kvtier.last_access`).
@@ -231,7 +231,7 @@ impl StagedBlock {
                 ),
             });
         }
-        let mut hasher = blake3::Hasher::new();
+        let mut hasher = header.payload_hasher();
         let mut buf = vec![0u8; 1 << 20];
         let payload_end = HEADER_BYTES as u64 + header.payload_len;
         let mut off = HEADER_BYTES as u64;
@@ -255,7 +255,7 @@ impl StagedBlock {
             }
             off += n as u64;
         }
-        if hasher.finalize().as_bytes() != &header.payload_blake3 {
+        if hasher.finish() != header.payload_sum {
             return Err(Error::InvalidBlock {
                 source: kvtier_client::Error::Format {
                     fault: kvtier_client::FormatFault::PayloadChecksum,

@@ -316,11 +316,8 @@ fn xattrs_with_getfattr_and_setfattr() {
     let ps = p.to_str().unwrap();
     let _ = std::fs::read(&p).unwrap();
     let d = sh_ok("getfattr", &["-d", ps]);
-    let sum: String = blake3::hash(&payload(&ns, &k))
-        .as_bytes()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
+    let sum = format!("{:?}", kvtier_client::PayloadSum::of(&payload(&ns, &k)));
+    assert!(sum.starts_with("xxh3-128:"), "{sum}");
     for want in [
         "user.kvtier.tier=\"g3\"".to_string(),
         format!("user.kvtier.checksum=\"{sum}\""),

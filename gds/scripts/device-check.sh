@@ -229,7 +229,7 @@ r = json.load(open(sys.argv[1]))
 variant, device = sys.argv[2], sys.argv[3]
 keys = ["route", "fallbacks", "onboard_gbps", "onboard_gbps_baseline", "onboard_gbps_vs_baseline",
         "h2d_pinned_gbps", "device_onboard_gbps_baseline", "device_onboard_gbps_vs_baseline",
-        "blake3_one_core_gbps", "page_cache_dropped", "dest_emulated", "capabilities"]
+        "checksum_one_core_gbps", "page_cache_dropped", "dest_emulated", "capabilities"]
 print("bench --dest %-16s " % variant + " ".join(
     "%s=%s" % (k, round(r[k], 3) if isinstance(r[k], float) else r[k]) for k in keys if k in r))
 # On a GPU machine an emulated destination means the GPU was not used.

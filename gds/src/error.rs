@@ -5,7 +5,7 @@
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
-    /// The payload's blake3 does not match the block header: the
+    /// The payload's checksum does not match the block header: the
     /// destination now holds untrusted bytes and must be treated as a miss.
     #[error("payload checksum mismatch (expected {expected}, read {actual}): destination bytes are untrusted, treat the block as a miss")]
     Checksum {

@@ -5,10 +5,10 @@
 //! Onboard: the daemon opens the block files and passes their fds
 //! ([`NsHandle::open_direct`], each block leased meanwhile); the files go
 //! to [`Transfer::onboard_batch`] as one batch: overlapped io_uring reads,
-//! blake3 streamed over the chunks as they land, asynchronous
+//! the payload checksum streamed over the chunks as they land, asynchronous
 //! host-to-device copies on one stream per bounce buffer, or GDS straight
 //! into HBM where present (then verified by a device-to-host pass unless
-//! turned off). Every byte is verified against the header's blake3 before
+//! turned off). Every byte is verified against the header's checksum before
 //! the block is a hit; a block that fails is a `Corrupt` miss and is
 //! reported to the daemon, which re-verifies, quarantines and repairs it.
 //!
@@ -126,7 +126,7 @@ pub fn onboard_keys(
                         file: d.file(b),
                         payload_offset: b.payload_offset,
                         payload_len: b.header.payload_len,
-                        expected_blake3: b.header.payload_blake3,
+                        expected_sum: b.header.payload_sum,
                         dst,
                         layout: &layout,
                     });

@@ -1,5 +1,5 @@
 //! The executor: carries out a [`Plan`] for one block, verifying the
-//! payload's blake3 on the way.
+//! payload's checksum on the way.
 //!
 //! Bounce path (TwoHop, HostRead): `buffers` aligned bounce buffers of
 //! `chunk_bytes` each; io_uring keeps one O_DIRECT read in flight per free
@@ -25,7 +25,7 @@ use crate::error::{Error, Result};
 use crate::memory::{check_layout, Destination, HostBuf, Piece, Region, Scatter, PAGE_BYTES};
 use crate::plan::{plan, Plan, Route, Source};
 use kvtier_client::block::PAYLOAD_BYTES_MAX;
-use kvtier_client::KvLayout;
+use kvtier_client::{KvLayout, PayloadSum, SumHasher};
 use std::fs::File;
 use std::os::fd::AsRawFd;
 
@@ -54,8 +54,8 @@ pub struct OnboardJob<'a, 'd> {
     pub payload_offset: u64,
     /// Payload length from the header.
     pub payload_len: u64,
-    /// Payload blake3 from the header.
-    pub expected_blake3: [u8; 32],
+    /// The payload's checksum, from the header.
+    pub expected_sum: PayloadSum,
     /// Destination regions.
     pub dst: &'a mut Destination<'d>,
     /// How the payload is cut across the regions.
@@ -309,7 +309,7 @@ impl Transfer {
     /// `file` is the open block file (O_DIRECT for cold reads; the daemon
     /// passes it as an fd), `payload_offset` is where the payload starts
     /// ([`kvtier_client::block::HEADER_BYTES`], 4096-aligned), `payload_len`
-    /// and `expected_blake3` come from the block header, and `layout` says
+    /// and `expected_sum` come from the block header, and `layout` says
     /// how the payload is cut across `dst`'s regions.
     ///
     /// On `Err`, and in particular on an integrity error
@@ -319,7 +319,7 @@ impl Transfer {
         file: &File,
         payload_offset: u64,
         payload_len: u64,
-        expected_blake3: &[u8; 32],
+        expected_sum: &PayloadSum,
         dst: &mut Destination<'_>,
         layout: &KvLayout,
     ) -> Result<Outcome> {
@@ -327,7 +327,7 @@ impl Transfer {
             file,
             payload_offset,
             payload_len,
-            expected_blake3: *expected_blake3,
+            expected_sum: *expected_sum,
             dst,
             layout,
         }];
@@ -383,7 +383,7 @@ impl Transfer {
                     j.file,
                     j.payload_offset,
                     j.payload_len,
-                    &j.expected_blake3,
+                    &j.expected_sum,
                     j.dst,
                 ) {
                     Ok(()) => {
@@ -442,16 +442,18 @@ impl Transfer {
     }
 
     /// Copies a block already in host memory into `dst`, after checking
-    /// `src` against `expected_blake3` (nothing is written on a mismatch).
+    /// `src` against `expected_sum` (nothing is written on a mismatch).
     pub fn copy_from_host(
         &mut self,
         src: &[u8],
-        expected_blake3: &[u8; 32],
+        expected_sum: &PayloadSum,
         dst: &mut Destination<'_>,
         layout: &KvLayout,
     ) -> Result<Outcome> {
         self.check(src.len() as u64, dst, layout)?;
-        verify(blake3::hash(src), expected_blake3)?;
+        let mut h = expected_sum.hasher();
+        h.update(src);
+        verify(&h, expected_sum)?;
         let planned = self.plan_for(Source::HostBuffer, dst);
         let mut scatter = Scatter::new(dst.region_lens());
         let mut pieces = Vec::new();
@@ -486,7 +488,7 @@ impl Transfer {
         _file: &File,
         _off: u64,
         _len: u64,
-        _expected: &[u8; 32],
+        _expected: &PayloadSum,
         _dst: &mut Destination<'_>,
     ) -> Result<()> {
         Err(Error::NoCuda {
@@ -500,7 +502,7 @@ impl Transfer {
         file: &File,
         off: u64,
         len: u64,
-        expected: &[u8; 32],
+        expected: &PayloadSum,
         dst: &mut Destination<'_>,
     ) -> Result<()> {
         let gpu = self.gpu.clone().ok_or_else(|| Error::NoCuda {
@@ -538,7 +540,7 @@ impl Transfer {
         if !self.cfg.verify_direct {
             return Ok(());
         }
-        let mut h = blake3::Hasher::new();
+        let mut h = expected.hasher();
         let buf = self.lanes[0].host_bufs[0].as_mut_slice();
         for s in &spans {
             let mut done = 0;
@@ -550,7 +552,7 @@ impl Transfer {
             }
         }
         debug_assert_eq!(file_off - off, len);
-        verify(h.finalize(), expected)
+        verify(&h, expected)
     }
 
     /// The bounce pipeline (TwoHop and HostRead) over `jobs`, split across
@@ -626,7 +628,7 @@ fn bounce_lane(
             fd: j.file.as_raw_fd(),
             off: j.payload_offset,
             len: j.payload_len,
-            hasher: blake3::Hasher::new(),
+            hasher: j.expected_sum.hasher(),
             scatter: Scatter::new(j.dst.region_lens()),
             err: None,
         };
@@ -678,7 +680,7 @@ fn bounce_lane(
         .into_iter()
         .map(|st| match st.err {
             Some(e) => Err(e),
-            None => verify(st.hasher.finalize(), &jobs[st.job].expected_blake3),
+            None => verify(&st.hasher, &jobs[st.job].expected_sum),
         })
         .collect())
 }
@@ -715,11 +717,12 @@ fn lane_ptrs(lane: &mut Lane, ctx: &LaneCtx<'_>, device: bool) -> Result<Vec<(*m
         .collect())
 }
 
-fn verify(got: blake3::Hash, expected: &[u8; 32]) -> Result<()> {
-    if got.as_bytes() != expected {
+fn verify(h: &SumHasher, expected: &PayloadSum) -> Result<()> {
+    let got = h.finish();
+    if got != *expected {
         return Err(Error::Checksum {
-            expected: blake3::Hash::from_bytes(*expected).to_hex().to_string(),
-            actual: got.to_hex().to_string(),
+            expected: format!("{expected:?}"),
+            actual: format!("{got:?}"),
         });
     }
     Ok(())
@@ -741,7 +744,7 @@ struct JobState {
     fd: i32,
     off: u64,
     len: u64,
-    hasher: blake3::Hasher,
+    hasher: SumHasher,
     scatter: Scatter,
     /// Set on the first failure; later chunks of this job are skipped.
     err: Option<Error>,

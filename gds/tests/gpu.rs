@@ -107,7 +107,7 @@ fn onboard_device(
         &f,
         HEADER_BYTES as u64,
         h.payload_len,
-        &h.payload_blake3,
+        &h.payload_sum,
         &mut d,
         layout,
     );
@@ -216,7 +216,7 @@ fn pinned_destination_round_trip() {
             &f,
             HEADER_BYTES as u64,
             h.payload_len,
-            &h.payload_blake3,
+            &h.payload_sum,
             &mut d,
             &layout,
         )
@@ -234,7 +234,7 @@ fn host_to_device_copy_verifies() {
     let layout = sep_layout(2, 128);
     let lb = layout.layer_bytes() as usize;
     let p = payload(2 * lb, 4);
-    let sum = *blake3::hash(&p).as_bytes();
+    let sum = kvtier_client::PayloadSum::of(&p);
     let (buf, spans) = device_arena(&t, &[lb, lb]);
     let dspans = spans
         .iter()
@@ -292,7 +292,7 @@ fn device_batch_with_one_corrupt_block() {
                 file: f,
                 payload_offset: HEADER_BYTES as u64,
                 payload_len: b.1.payload_len,
-                expected_blake3: b.1.payload_blake3,
+                expected_sum: b.1.payload_sum,
                 dst: d,
                 layout: &layout,
             })
@@ -330,7 +330,7 @@ fn cudarc_slice_destination() {
         &f,
         HEADER_BYTES as u64,
         h.payload_len,
-        &h.payload_blake3,
+        &h.payload_sum,
         &mut d,
         &layout,
     )

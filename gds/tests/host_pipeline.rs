@@ -125,7 +125,7 @@ fn round_trip_every_kind_and_chunking_with_guards() {
                         &f,
                         HEADER_BYTES as u64,
                         h.payload_len,
-                        &h.payload_blake3,
+                        &h.payload_sum,
                         &mut d,
                         &layout,
                     )
@@ -173,7 +173,7 @@ fn layer_separate_scatter_lands_each_layer_in_its_region() {
                 &f,
                 HEADER_BYTES as u64,
                 h.payload_len,
-                &h.payload_blake3,
+                &h.payload_sum,
                 &mut d,
                 &layout,
             )
@@ -214,7 +214,7 @@ fn corrupted_payload_is_an_integrity_error() {
                     &f,
                     HEADER_BYTES as u64,
                     h.payload_len,
-                    &h.payload_blake3,
+                    &h.payload_sum,
                     &mut d,
                     &layout,
                 )
@@ -235,8 +235,7 @@ fn wrong_expected_checksum_and_truncated_file_are_errors() {
     let (path, h, _) = write_block(dir.path(), layout, 4);
     let mut t = Transfer::host_only(cfg(4096, 2)).unwrap();
     let mut arena = Arena::new(&[8192]);
-    let mut bad = h.payload_blake3;
-    bad[0] ^= 1;
+    let bad = flipped(&h.payload_sum, 0);
     let f = open_direct(&path);
     let mut d = Destination::host(arena.regions().pop().unwrap());
     let e = t
@@ -257,7 +256,7 @@ fn wrong_expected_checksum_and_truncated_file_are_errors() {
             &f,
             HEADER_BYTES as u64,
             8192,
-            &h.payload_blake3,
+            &h.payload_sum,
             &mut d,
             &layout,
         )
@@ -281,14 +280,14 @@ fn layout_mismatch_and_unaligned_offset_write_nothing() {
             &f,
             HEADER_BYTES as u64,
             h.payload_len,
-            &h.payload_blake3,
+            &h.payload_sum,
             &mut d,
             &layout,
         )
         .unwrap_err();
     assert!(matches!(e, Error::Layout { .. }), "{e}");
     let e = t
-        .onboard(&f, 100, h.payload_len, &h.payload_blake3, &mut d, &layout)
+        .onboard(&f, 100, h.payload_len, &h.payload_sum, &mut d, &layout)
         .unwrap_err();
     assert!(matches!(e, Error::Unaligned { .. }), "{e}");
     drop(d);
@@ -347,7 +346,7 @@ fn direct_failure_falls_back_to_the_bounce_path() {
             &f,
             HEADER_BYTES as u64,
             h.payload_len,
-            &h.payload_blake3,
+            &h.payload_sum,
             &mut d,
             &layout,
         )
@@ -373,7 +372,7 @@ fn direct_failure_falls_back_to_the_bounce_path() {
             &f,
             HEADER_BYTES as u64,
             h.payload_len,
-            &h.payload_blake3,
+            &h.payload_sum,
             &mut d,
             &layout,
         )
@@ -391,7 +390,7 @@ fn copy_from_host_verifies_before_writing() {
     let layout = sep_layout(2, 128);
     let lb = layout.layer_bytes() as usize;
     let p = payload(2 * lb, 1);
-    let sum = *blake3::hash(&p).as_bytes();
+    let sum = kvtier_client::PayloadSum::of(&p);
     let mut t = Transfer::host_only(TransferConfig::default()).unwrap();
     let mut arena = Arena::new(&[lb; 2]);
     let mut d = Destination::host_layers(arena.regions());
@@ -402,8 +401,7 @@ fn copy_from_host_verifies_before_writing() {
 
     let mut arena = Arena::new(&[lb; 2]);
     let mut d = Destination::host_layers(arena.regions());
-    let mut bad = sum;
-    bad[31] ^= 1;
+    let bad = flipped(&sum, 15);
     assert!(t
         .copy_from_host(&p, &bad, &mut d, &layout)
         .unwrap_err()
@@ -425,7 +423,7 @@ fn page_cache_fd_works_too() {
         &f,
         HEADER_BYTES as u64,
         h.payload_len,
-        &h.payload_blake3,
+        &h.payload_sum,
         &mut d,
         &layout,
     )
@@ -468,7 +466,7 @@ fn batch_gives_each_block_its_own_verdict() {
         .set_len((HEADER_BYTES + 4096) as u64)
         .unwrap();
     // Block 5: wrong expected checksum.
-    blocks[5].1.payload_blake3[7] ^= 1;
+    blocks[5].1.payload_sum = flipped(&blocks[5].1.payload_sum, 7);
     let lanes = |mut c: TransferConfig, n| {
         c.lanes = n;
         c
@@ -496,7 +494,7 @@ fn batch_gives_each_block_its_own_verdict() {
                 file: f,
                 payload_offset: HEADER_BYTES as u64,
                 payload_len: b.1.payload_len,
-                expected_blake3: b.1.payload_blake3,
+                expected_sum: b.1.payload_sum,
                 dst: d,
                 layout: &layout,
             })
@@ -517,4 +515,11 @@ fn batch_gives_each_block_its_own_verdict() {
             }
         }
     }
+}
+
+/// `sum` with one bit of its digest flipped.
+fn flipped(sum: &kvtier_client::PayloadSum, byte: usize) -> kvtier_client::PayloadSum {
+    let mut b = *sum.as_bytes();
+    b[byte] ^= 1;
+    kvtier_client::PayloadSum::from_bytes(b)
 }

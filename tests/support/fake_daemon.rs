@@ -52,7 +52,7 @@ pub fn onboard_result(status: ItemStatus, tier: Tier, h: &BlockHeader) -> Onboar
         tier,
         lease_id: 0,
         payload_len: h.payload_len,
-        payload_blake3: h.payload_blake3,
+        payload_sum: h.payload_sum,
         fd_index: u32::MAX,
         file_offset: 0,
     }

@@ -169,7 +169,9 @@ pub fn inspect(a: InspectArgs) -> Result<()> {
             "dtype": format!("{:?}", h.layout.dtype), "kind": format!("{:?}", h.layout.kind),
         },
         "payload_len": h.payload_len,
-        "payload_blake3": hex::encode(h.payload_blake3),
+        "checksum_algo": h.payload_sum.algo().name(),
+        "checksum": h.payload_sum.to_hex(),
+        "format_version": h.format_version(),
         "created_unix_ms": h.created_unix_ms,
     });
     if a.json {
@@ -180,7 +182,8 @@ pub fn inspect(a: InspectArgs) -> Result<()> {
         println!("  key            {}", h.key);
         println!("  layout         {:?}", h.layout);
         println!("  payload_len    {}", h.payload_len);
-        println!("  payload_blake3 {}", hex::encode(h.payload_blake3));
+        println!("  format         {}", h.format_version());
+        println!("  checksum       {:?}", h.payload_sum);
         println!("  created_ms     {}", h.created_unix_ms);
     }
     Ok(())

@@ -377,7 +377,8 @@ pub fn stat(a: StatArgs) -> Result<()> {
                 "path": kvtier_client::block_path(&n, &key),
                 "tier": s.tier.name(),
                 "payload_len": s.payload_len,
-                "payload_blake3": s.payload_blake3.iter().map(|b| format!("{b:02x}")).collect::<String>(),
+                "checksum_algo": s.payload_sum.algo().name(),
+                "checksum": s.payload_sum.to_hex(),
                 "created_unix_ms": s.created_unix_ms,
                 "pinned": pinned,
                 // null: not pinned, or pinned without end (see "pinned").
@@ -391,9 +392,8 @@ pub fn stat(a: StatArgs) -> Result<()> {
                 println!("path: {}", kvtier_client::block_path(&n, &key));
                 println!("tier: {}", s.tier.name());
                 println!(
-                    "payload: {} bytes, blake3 {}",
-                    s.payload_len,
-                    j["payload_blake3"].as_str().unwrap_or("")
+                    "payload: {} bytes, checksum {:?}",
+                    s.payload_len, s.payload_sum
                 );
                 println!("created: {} (unix ms)", s.created_unix_ms);
                 println!(
@@ -896,7 +896,7 @@ fn round_trip(socket: &Path, mode: HashMode) -> Result<()> {
         );
     } else {
         say!(
-            "onboard: {hits} of {} blocks verified (blake3) in {:?}; bytes identical: {same}",
+            "onboard: {hits} of {} blocks verified (checksum) in {:?}; bytes identical: {same}",
             keys.len(),
             t.elapsed()
         );

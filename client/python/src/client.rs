@@ -587,13 +587,10 @@ impl Client {
                     let d = PyDict::new(py);
                     d.set_item("tier", s.tier.name())?;
                     d.set_item("nbytes", s.payload_len)?;
-                    d.set_item(
-                        "blake3",
-                        s.payload_blake3
-                            .iter()
-                            .map(|b| format!("{b:02x}"))
-                            .collect::<String>(),
-                    )?;
+                    // The payload checksum: its function ("xxh3-128", or
+                    // "blake3" for a block format 1 wrote) and the hex.
+                    d.set_item("checksum_algo", s.payload_sum.algo().name())?;
+                    d.set_item("checksum", s.payload_sum.to_hex())?;
                     d.set_item("created_unix_ms", s.created_unix_ms)?;
                     // As `kvtier stat --json` says it: "pinned", and the
                     // end of the pin (None when not pinned or pinned

@@ -44,8 +44,17 @@ def free_port() -> int:
 class Daemon:
     """A running kvtierd in a temp dir; kill9() and restart() keep its data."""
 
-    def __init__(self, config: str | None = None, g4: bool = True, g3_capacity: str = "256MiB") -> None:
+    def __init__(
+        self,
+        config: str | None = None,
+        g4: bool = True,
+        g3_capacity: str = "256MiB",
+        prepare=None,
+    ) -> None:
         self.dir = pathlib.Path(tempfile.mkdtemp(prefix="kvtier-py-"))
+        if prepare is not None:
+            # Seeds the data directories (g3/, g4/) before the first start.
+            prepare(self.dir)
         self.socket = str(self.dir / "kvtierd.sock")
         self.metrics_port = free_port()
         self.args = [

@@ -213,7 +213,7 @@ def test_stat_finds_a_block_only_g4_holds(daemon, client, ns):
     got = client.stat(ns, keys)
     assert [s and s["tier"] for s in got] == ["g4", "g4"], got
     for a, b in zip(on_g3, got):
-        assert (b["nbytes"], b["blake3"], b["created_unix_ms"]) == (a["nbytes"], a["blake3"], a["created_unix_ms"])
+        assert (b["nbytes"], b["checksum"], b["created_unix_ms"]) == (a["nbytes"], a["checksum"], a["created_unix_ms"])
         assert b["pinned"] is False and b["leases"] == 0
     assert client.stat(ns, ns.hash_chain(list(range(9000, 9016)))) == [None]
 

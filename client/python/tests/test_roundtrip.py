@@ -109,7 +109,7 @@ def test_pin_unpin_evict_stat_stats_events(client, ns):
     events.close()
     st0 = client.stat(ns, keys + [b"\x01" * 32])
     assert st0[0]["nbytes"] == BLOCK and st0[0]["tier"] == "g3" and st0[2] is None
-    assert len(st0[0]["blake3"]) == 64
+    assert len(st0[0]["checksum"]) == 32 and st0[0]["checksum_algo"] == "xxh3-128"
     assert client.pin(ns, keys[:1], ttl_ms=60_000) == ["ok"]
     assert client.stat(ns, keys[:1])[0]["pinned_until_unix_ms"] > 0
     assert client.evict(ns, keys[:1]) == ["limit_reached"]

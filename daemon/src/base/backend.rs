@@ -183,7 +183,7 @@ pub trait Backend: Send + Sync + 'static {
     ) -> Result<Lookup<(BlockHeader, Tier)>>;
 
     /// [`Backend::read_into`] for a reader that checks the payload against
-    /// the header's blake3 itself, on the bytes it received, and reports a
+    /// the header's checksum itself, on the bytes it received, and reports a
     /// mismatch (`OP_REPORT_CORRUPT`): a client onboarding into its shared
     /// region. A backend may then leave the payload checksum to the reader
     /// (G3 reads straight into `dst`, checking the header and length), so

@@ -19,7 +19,7 @@ fn stat_of(info: &crate::tiers::g3::BlockInfo) -> BlockStat {
     BlockStat {
         tier: Tier::G3,
         payload_len: info.payload_len,
-        payload_blake3: info.payload_blake3,
+        payload_sum: info.payload_sum,
         created_unix_ms: info.created_unix_ms,
         pinned_until_unix_ms: info.pinned_until_unix_ms,
         leases: u32::from(info.leases),
@@ -471,7 +471,7 @@ impl Backend for Node {
             Some(Lookup::Hit(h)) => Ok(Some(BlockStat {
                 tier: Tier::G4,
                 payload_len: h.payload_len,
-                payload_blake3: h.payload_blake3,
+                payload_sum: h.payload_sum,
                 created_unix_ms: h.created_unix_ms,
                 pinned_until_unix_ms: 0,
                 leases: 0,

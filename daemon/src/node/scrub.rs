@@ -10,7 +10,7 @@
 //! stamped, so eviction order is untouched.
 //!
 //! Cost, bounded by two settings ([`ScrubLimits`]): disk reads and one
-//! blake3 pass at `bytes_per_s` on average (paced per block), and nothing
+//! checksum pass at `bytes_per_s` on average (paced per block), and nothing
 //! at all during `pause_ms` between passes (the first pass starts
 //! `pause_ms` after start-up). A corrupt copy is found within
 //! `pause_ms + capacity / bytes_per_s`.
@@ -38,7 +38,7 @@ pub struct ScrubLimits {
 
 impl Default for ScrubLimits {
     /// 16 MiB/s: about 0.5 % of an NVMe's read bandwidth and of one core's
-    /// blake3 rate; a pass over 1 TiB takes about 18 hours. One hour
+    /// checksum rate; a pass over 1 TiB takes about 18 hours. One hour
     /// between passes.
     fn default() -> Self {
         ScrubLimits {

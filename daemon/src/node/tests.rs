@@ -300,7 +300,7 @@ fn a_read_is_served_while_its_promotion_is_deferred() {
     b.staging.pause(false);
     assert!(b.wait_promotions(Duration::from_secs(5)));
     let info = b.g3().stat(&id, &h.key).expect("promoted into G3");
-    assert_eq!(info.payload_blake3, h.payload_blake3);
+    assert_eq!(info.payload_sum, h.payload_sum);
     let evs: Vec<_> = sub.rx.try_iter().collect();
     assert!(
         evs.iter().any(|e| e.storage_tier == StorageTier::Disk

@@ -543,7 +543,7 @@ fn entry_stat(e: &Entry) -> BlockStat {
     BlockStat {
         tier: Tier::G3,
         payload_len: e.header.payload_len,
-        payload_blake3: e.header.payload_blake3,
+        payload_sum: e.header.payload_sum,
         created_unix_ms: e.header.created_unix_ms,
         pinned_until_unix_ms: e.pinned_until.map(unix_ms).unwrap_or(0),
         leases: e.leases,

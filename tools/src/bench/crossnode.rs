@@ -27,7 +27,7 @@
 //! instead of dropping it, so both paths move bytes from memory: the
 //! transfer stack alone. `transfer_breakdown_us` times each stage of a peer
 //! fetch alone against A's real peer server (`peer::bench::breakdown`):
-//! file read, blake3, memcpy, TCP connect, one signed round trip, the raw
+//! file read, checksum, memcpy, TCP connect, one signed round trip, the raw
 //! transfer, verified fetches one at a time and 4 in flight, and the
 //! connections the pooled client opened.
 
@@ -168,7 +168,7 @@ pub(super) fn client(n: &Node, block_bytes: u64, request_blocks: usize) -> Clien
 /// Onboards every key, `per_request` keys per request, checking bytes and
 /// tiers; returns (seconds onboarding, seconds per request). Only the
 /// requests are timed, not the bench's own byte comparison (the raw
-/// baseline checks nothing either; the client still verifies blake3).
+/// baseline checks nothing either; the client still verifies the checksum).
 fn onboard_all(
     n: &Node,
     ns: &Namespace,

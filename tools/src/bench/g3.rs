@@ -620,7 +620,7 @@ fn clean_restart_report(tmp: &Path, n: usize, depth: usize, engine: EngineKind) 
                     ns,
                     key,
                     payload_len: 4096,
-                    payload_blake3: [0; 32],
+                    payload_sum: kvtier_client::PayloadSum::from_bytes([0; 32]),
                     created_unix_ms: 0,
                     hits: 0,
                     last_access_s: i as u32,

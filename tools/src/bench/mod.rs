@@ -1,5 +1,6 @@
 //! `kvtier bench ...`: every benchmark, each beside its baseline.
 
+pub mod checksum;
 pub mod common;
 pub mod crossnode;
 pub mod fs;
@@ -23,6 +24,9 @@ pub enum BenchCmd {
     /// Replay a Mooncake-format trace through an eviction policy (dry run;
     /// with --block-size also through a real kvtierd).
     Replay(replay::ReplayArgs),
+    /// The payload checksum (XXH3-128, and blake3 of old blocks) on one
+    /// core beside memcpy of the same bytes.
+    Checksum(checksum::ChecksumArgs),
     /// Onboard block files into host, pinned or device memory (kvtier-gds).
     Gds(gds::GdsArgs),
     /// G4 tier put/get vs raw object_store on the same store.
@@ -54,6 +58,7 @@ pub enum BenchCmd {
 pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
     match cmd {
         BenchCmd::Replay(a) => replay::run(a),
+        BenchCmd::Checksum(a) => checksum::run(a),
         BenchCmd::Gds(a) => gds::run(a),
         BenchCmd::G4(a) => g4::run(a),
         BenchCmd::G3(a) => g3::run(a),

@@ -11,7 +11,7 @@
 //!
 //! Integrity: with passthrough the kernel reads the backing file without
 //! the daemon, so `open` verifies the opened file once when
-//! `verify_on_open` is on: buffered `pread`s of that very inode + blake3
+//! `verify_on_open` is on: buffered `pread`s of that very inode + the payload checksum
 //! against its header (which also warms the page cache for the kernel's
 //! read that follows); a mismatch is confirmed by G3's own verified read,
 //! which quarantines it, and the open fails with EIO. Without passthrough
@@ -357,7 +357,7 @@ const VERIFY_CHUNK_BYTES: usize = 1 << 20;
 
 impl G3Namespace {
     /// Checks the opened file itself (the inode the kernel will read):
-    /// header names this block, length, zero padding and payload blake3.
+    /// header names this block, length, zero padding and payload checksum.
     /// Buffered `pread`s, so the file lands in the page cache. `false` on
     /// any mismatch.
     fn verify_file(
@@ -391,9 +391,9 @@ impl G3Namespace {
         if h.namespace_id() != *ns || h.key != *key || h.file_len() != file_len {
             return Ok(false);
         }
-        let want = h.payload_blake3;
+        let want = h.payload_sum;
         let payload_end = HEADER_BYTES as u64 + h.payload_len;
-        let mut hasher = blake3::Hasher::new();
+        let mut hasher = h.payload_hasher();
         let mut off = HEADER_BYTES as u64;
         while off < file_len {
             let n = ((file_len - off) as usize).min(buf.len());
@@ -407,7 +407,7 @@ impl G3Namespace {
             }
             off += n as u64;
         }
-        Ok(hasher.finalize().as_bytes() == &want)
+        Ok(hasher.finish() == want)
     }
 }
 
@@ -450,7 +450,7 @@ impl KvNamespace for G3Namespace {
             size_bytes: i.file_len,
             stored_unix_ms: i.created_unix_ms,
             tier: Tier::G3,
-            payload_blake3: i.payload_blake3,
+            payload_sum: i.payload_sum,
             hits: u64::from(i.hits),
             last_access_unix_ms: i.last_access_unix_ms,
             pinned: i.pinned,

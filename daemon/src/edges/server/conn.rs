@@ -1067,7 +1067,7 @@ impl Conn<'_> {
                     r.status = ItemStatus::Ok;
                     r.tier = tier;
                     r.payload_len = h.payload_len;
-                    r.payload_blake3 = h.payload_blake3;
+                    r.payload_sum = h.payload_sum;
                     r.file_offset = off;
                     m.hits.with_label_values(&[tier.name()]).inc();
                     m.onboard_bytes.inc_by(h.payload_len);
@@ -1183,7 +1183,7 @@ fn empty_result() -> OnboardResult {
         tier: Tier::G3,
         lease_id: 0,
         payload_len: 0,
-        payload_blake3: [0; 32],
+        payload_sum: kvtier_client::PayloadSum::from_bytes([0; 32]),
         fd_index: u32::MAX,
         file_offset: 0,
     }

@@ -94,7 +94,7 @@ impl G3Store {
         let head = header.encode();
         let plen = payload.len() as u64;
         let file_len = header.file_len();
-        let mut hasher = blake3::Hasher::new();
+        let mut hasher = header.payload_hasher();
         let mut fill = |off: u64, buf: &mut [u8]| {
             // The chunk covers [off, off + buf.len()) of the file.
             let end = off + buf.len() as u64;
@@ -134,7 +134,7 @@ impl G3Store {
             }
             return Err(cleanup(err));
         }
-        if hasher.finalize().as_bytes() != &header.payload_blake3 {
+        if hasher.finish() != header.payload_sum {
             return Err(cleanup(Error::InvalidInput {
                 what: "payload",
                 reason: format!("checksum does not match the header of block {}", header.key),

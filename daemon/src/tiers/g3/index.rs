@@ -272,7 +272,7 @@ pub struct Record {
     /// Payload length.
     pub payload_len: u64,
     /// Payload checksum.
-    pub payload_blake3: [u8; 32],
+    pub payload_sum: kvtier_client::PayloadSum,
     /// When first stored.
     pub created_unix_ms: u64,
     /// Reads served (flushed at close).
@@ -299,7 +299,7 @@ impl Record {
         let mut v = Vec::with_capacity(REC_FIXED + self.key.len());
         v.extend_from_slice(&self.ns.0);
         v.extend_from_slice(&self.payload_len.to_le_bytes());
-        v.extend_from_slice(&self.payload_blake3);
+        v.extend_from_slice(self.payload_sum.as_bytes());
         v.extend_from_slice(&self.created_unix_ms.to_le_bytes());
         v.extend_from_slice(&self.hits.to_le_bytes());
         v.extend_from_slice(&self.last_access_s.to_le_bytes());
@@ -344,7 +344,7 @@ impl Record {
             ns: NamespaceId(ns),
             key,
             payload_len: u64_at(16),
-            payload_blake3: sum,
+            payload_sum: kvtier_client::PayloadSum::from_bytes(sum),
             created_unix_ms: u64_at(56),
             hits: u32_at(64),
             last_access_s: u32_at(68),
@@ -1159,7 +1159,7 @@ mod tests {
             ns: NamespaceId([7; 16]),
             key: BlockKey::from_u64(99),
             payload_len: 65536,
-            payload_blake3: [3; 32],
+            payload_sum: kvtier_client::PayloadSum::from_bytes([3; 32]),
             created_unix_ms: 5,
             hits: 6,
             last_access_s: 7,

@@ -15,7 +15,7 @@ pub struct BlockInfo {
     /// Payload length.
     pub payload_len: u64,
     /// Payload checksum.
-    pub payload_blake3: [u8; 32],
+    pub payload_sum: kvtier_client::PayloadSum,
     /// When first stored.
     pub created_unix_ms: u64,
     /// Reads served.
@@ -85,7 +85,7 @@ impl G3Store {
         Some(BlockInfo {
             file_len: rec.file_len(),
             payload_len: rec.payload_len,
-            payload_blake3: rec.payload_blake3,
+            payload_sum: rec.payload_sum,
             created_unix_ms: rec.created_unix_ms,
             hits,
             last_access_unix_ms: u64::from(last) * 1000,

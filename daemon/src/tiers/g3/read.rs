@@ -17,7 +17,7 @@ use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-/// Who checks a read block's payload against its blake3.
+/// Who checks a read block's payload against its checksum.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum PayloadCheck {
     /// The store, in its own memory, before any byte reaches the caller.
@@ -44,7 +44,7 @@ impl G3Store {
     }
 
     /// [`G3Store::read_into`] for a reader that checks the payload against
-    /// the header's blake3 itself, on the bytes it received (a client
+    /// the header's checksum itself, on the bytes it received (a client
     /// onboarding into its shared region: kvtier-client always does, and
     /// reports a mismatch with `OP_REPORT_CORRUPT`, which re-verifies and
     /// quarantines here). The file is read straight into `dst` when `dst`

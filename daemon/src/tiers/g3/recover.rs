@@ -541,7 +541,7 @@ fn adopted_record(ns: NamespaceId, key: BlockKey, h: &BlockHeader) -> Record {
         ns,
         key,
         payload_len: h.payload_len,
-        payload_blake3: h.payload_blake3,
+        payload_sum: h.payload_sum,
         created_unix_ms: h.created_unix_ms,
         hits: 0,
         last_access_s: super::now_s(),

@@ -1,5 +1,5 @@
 //! Block file verification: [`Verifier`] checks header, length, padding and
-//! payload blake3 piece by piece as the engine completes reads (the read
+//! payload checksum piece by piece as the engine completes reads (the read
 //! path and recovery use it); `verify_all` re-checks every block.
 
 use super::engine::{AlignedBuf, CHUNK_BYTES};
@@ -7,7 +7,7 @@ use super::G3Store;
 use crate::base::error::{Error, Result};
 use crate::base::tier::{Lookup, MissReason};
 use kvtier_client::block::HEADER_BYTES;
-use kvtier_client::{BlockHeader, BlockKey, NamespaceId};
+use kvtier_client::{BlockHeader, BlockKey, NamespaceId, SumAlgo, SumHasher};
 use std::sync::atomic::Ordering;
 
 /// Result of [`G3Store::verify_all`].
@@ -39,7 +39,8 @@ pub(super) struct Verifier<'a> {
     pos: u64,
     head: Vec<u8>,
     header: Option<BlockHeader>,
-    hasher: blake3::Hasher,
+    /// Replaced by the header's own function once the header is read.
+    hasher: SumHasher,
     /// False: the header and length only (the reader checks the payload
     /// itself, see [`Verifier::header_only`]).
     payload: bool,
@@ -55,7 +56,7 @@ impl<'a> Verifier<'a> {
             pos: 0,
             head: Vec::new(),
             header: None,
-            hasher: blake3::Hasher::new(),
+            hasher: SumHasher::new(SumAlgo::Xxh3_128),
             payload: true,
             fault: None,
         }
@@ -64,7 +65,7 @@ impl<'a> Verifier<'a> {
     /// Checks the header (names this block, describes a file of this
     /// length) and the length read, not the payload's checksum nor the
     /// padding: for a reader that verifies the payload bytes it receives
-    /// against the header's blake3 itself (a client onboarding into its
+    /// against the header's checksum itself (a client onboarding into its
     /// shared region), so each byte is hashed once, on the side that
     /// uses it.
     pub(super) fn header_only(ns: &'a NamespaceId, key: &'a BlockKey, file_len: u64) -> Self {
@@ -102,6 +103,7 @@ impl<'a> Verifier<'a> {
                             self.file_len
                         ));
                     }
+                    self.hasher = h.payload_hasher();
                     self.header = Some(h);
                 }
                 Err(e) => self.fault = Some(e.to_string()),
@@ -137,7 +139,7 @@ impl<'a> Verifier<'a> {
         }
         match self.header {
             Some(h) if !self.payload => ReadOutcome::Ok(h),
-            Some(h) if self.hasher.finalize().as_bytes() == &h.payload_blake3 => ReadOutcome::Ok(h),
+            Some(h) if self.hasher.finish() == h.payload_sum => ReadOutcome::Ok(h),
             Some(_) => ReadOutcome::Corrupt("payload checksum mismatch".into()),
             None => ReadOutcome::Corrupt("no header".into()),
         }

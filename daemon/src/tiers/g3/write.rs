@@ -75,7 +75,7 @@ fn record_of(ns: &NamespaceId, it: &PutItem<'_>, now: u32) -> Record {
         ns: *ns,
         key: it.header.key,
         payload_len: it.header.payload_len,
-        payload_blake3: it.header.payload_blake3,
+        payload_sum: it.header.payload_sum,
         created_unix_ms: it.header.created_unix_ms,
         hits: 0,
         last_access_s: now,

@@ -4,7 +4,7 @@
 //! Memory: a body is read only after its declared size passed
 //! `object_bytes_max` and a reservation of that many bytes from the
 //! budget all fetches share (`fetch_buffer_bytes_max`); the payload is
-//! hashed (blake3, incrementally) as it streams and the read stops at the
+//! hashed (the header's checksum, incrementally) as it streams and the read stops at the
 //! first byte past the declared size. A hostile store therefore costs at
 //! most one object per fetch and the budget in total.
 //!
@@ -152,10 +152,10 @@ enum Capped<'a> {
         size: u64,
         head: Vec<u8>,
         rest: Vec<u8>,
-        /// blake3 of the payload (the first `payload_len` bytes of `rest`,
+        /// The checksum of the payload (the first `payload_len` bytes of `rest`,
         /// as the header in `head` declares), computed chunk by chunk while
         /// the body streamed in; `None` unless asked for.
-        payload_hash: Option<[u8; 32]>,
+        payload_hash: Option<kvtier_client::PayloadSum>,
     },
     /// The object is larger than the caller accepts (nothing buffered).
     TooBig {
@@ -228,7 +228,7 @@ async fn get_capped<'a>(
         // Verification overlapped with the transfer: each chunk's payload
         // bytes are hashed as they arrive (while the next ones are on the
         // wire) instead of all of them after the last one.
-        let mut hasher: Option<(blake3::Hasher, usize)> = None;
+        let mut hasher: Option<(kvtier_client::SumHasher, usize)> = None;
         loop {
             let chunk = match tokio::time::timeout(idle, stream.next()).await {
                 Err(_) => {
@@ -256,7 +256,7 @@ async fn get_capped<'a>(
                 }
                 if hash_payload {
                     if let Ok(hd) = BlockHeader::decode(&head) {
-                        hasher = Some((blake3::Hasher::new(), hd.payload_len as usize));
+                        hasher = Some((hd.payload_hasher(), hd.payload_len as usize));
                     }
                 }
             }
@@ -275,7 +275,7 @@ async fn get_capped<'a>(
         }
         let payload_hash = hasher
             .filter(|(_, len)| *len <= rest.len())
-            .map(|(hs, _)| *hs.finalize().as_bytes());
+            .map(|(hs, _)| hs.finish());
         (
             Capped::Body {
                 held,
@@ -376,7 +376,7 @@ async fn read_block<'a>(
     rest.truncate(len);
     match payload_hash {
         // Hashed while streaming, over exactly these bytes.
-        Some(h) if h == header.payload_blake3 => {}
+        Some(h) if h == header.payload_sum => {}
         Some(_) => return bad(format!("payload checksum mismatch for block {key}")),
         None => {
             if let Err(e) = header.verify_payload(&rest) {

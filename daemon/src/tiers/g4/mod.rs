@@ -4,7 +4,7 @@
 //! Object name: `<prefix>/blocks/<block_path(ns, key)>`, the same scheme as
 //! G3 and the mount; `<prefix>/nodes/` is reserved for peer heartbeats.
 //! Objects are whole block files (header + payload), so any node verifies
-//! what it fetched (header checksum, payload blake3, namespace and key).
+//! what it fetched (header checksum, payload checksum, namespace and key).
 //!
 //! Roles: [`config`] builds the store, [`uploader`] is the asynchronous
 //! write-through queue, `fetch` the single-flight onboard path, `exists`

@@ -705,7 +705,7 @@ struct Receiver<'a> {
     head: Vec<u8>,
     header: Option<BlockHeader>,
     payload: Vec<u8>,
-    hasher: blake3::Hasher,
+    hasher: kvtier_client::SumHasher,
     received: u64,
 }
 
@@ -724,7 +724,7 @@ impl<'a> Receiver<'a> {
             head: Vec::with_capacity(HEADER_BYTES),
             header: None,
             payload: Vec::new(),
-            hasher: blake3::Hasher::new(),
+            hasher: kvtier_client::SumHasher::new(kvtier_client::SumAlgo::Xxh3_128),
             received: 0,
         }
     }
@@ -748,6 +748,7 @@ impl<'a> Receiver<'a> {
                 return Err(());
             }
             self.payload = Vec::with_capacity(h.payload_len as usize);
+            self.hasher = h.payload_hasher();
             self.header = Some(h);
         }
         let Some(h) = &self.header else {
@@ -770,7 +771,7 @@ impl<'a> Receiver<'a> {
         let h = self.header.ok_or(())?;
         if self.received != h.file_len()
             || self.payload.len() as u64 != h.payload_len
-            || self.hasher.finalize().as_bytes() != &h.payload_blake3
+            || self.hasher.finish() != h.payload_sum
         {
             return Err(());
         }

@@ -21,7 +21,7 @@
 //! - [`bench`]: measurement helpers for `kvtier bench crossnode`.
 //!
 //! Invariant: bytes received from a peer are returned only after the header,
-//! the exact length, the namespace, the key and the payload blake3 matched.
+//! the exact length, the namespace, the key and the payload checksum matched.
 
 pub mod auth;
 #[cfg(any(test, feature = "bench"))]
