@@ -69,7 +69,12 @@ pub fn run(a: ChecksumArgs) -> Result<()> {
             }));
             anyhow::ensure!(!failed, "copy_verified refused its own block");
         }
-        let (m, x, b, v) = (median(&memcpy), median(&xxh3), median(&blake3), median(&verify));
+        let (m, x, b, v) = (
+            median(&memcpy),
+            median(&xxh3),
+            median(&blake3),
+            median(&verify),
+        );
         let mut o = Map::new();
         o.insert("block_bytes".into(), json!(size));
         // The baseline is memcpy: reading every byte once from memory, the
