@@ -296,22 +296,26 @@ impl Metrics {
             bus: Arc::new(RwLock::new(None)),
             registry: r,
         };
-        // Every hit and miss series exists from start, at 0: `rate()` and
-        // alerts on a series that appears only with its first event see
-        // nothing until then (issue 30).
+        m.preset();
+        Ok(m)
+    }
+
+    /// Every hit and miss series exists from start, at 0: `rate()` and
+    /// alerts on a series that appears only with its first event see
+    /// nothing until then (issue 30). And the process's own figures (CPU
+    /// seconds, resident memory, open and maximum file descriptors,
+    /// threads, start time) as `process_*`.
+    fn preset(&self) {
         for t in [Tier::G3, Tier::Peer, Tier::G4] {
-            m.hits.with_label_values(&[t.name()]);
+            self.hits.with_label_values(&[t.name()]);
         }
         for reason in MISS_REASONS {
-            m.misses.with_label_values(&[reason]);
+            self.misses.with_label_values(&[reason]);
         }
-        // The process's own figures (CPU seconds, resident memory, open and
-        // maximum file descriptors, threads, start time) as `process_*`.
         #[cfg(target_os = "linux")]
-        let _ = m.registry.register(Box::new(
+        let _ = self.registry.register(Box::new(
             prometheus::process_collector::ProcessCollector::for_self(),
         ));
-        Ok(m)
     }
 
     /// Advances scraped counter `name{labels}` to `x` (the source only

@@ -62,7 +62,6 @@ impl G3Store {
                     .join(format!("{id:016x}.{}.{seq}", std::process::id()))
             }
         };
-        let final_path = self.block_file_path(ns, &header.key);
         let mut flags = libc::O_CLOEXEC;
         if self.direct_ok {
             flags |= libc::O_DIRECT;
@@ -91,6 +90,25 @@ impl G3Store {
             let _ = self.fs.remove_file(&tmp, Unlink::Temp);
             e
         };
+        self.write_and_flush(&file, &tmp, header, payload, dsync)
+            .map_err(cleanup)?;
+        drop(file);
+        self.place(ns, header, &tmp, id, sole, recycled)
+            .map_err(cleanup)
+    }
+
+    /// Writes header, payload and padding into the open temp file through
+    /// the pool's aligned buffers, checks the checksum of the bytes written
+    /// and makes them durable (O_DSYNC, the group's syncfs or fdatasync).
+    /// A failed flush poisons the store.
+    fn write_and_flush(
+        &self,
+        file: &std::fs::File,
+        tmp: &std::path::Path,
+        header: &BlockHeader,
+        payload: &[u8],
+        dsync: bool,
+    ) -> Result<()> {
         let head = header.encode();
         let plen = payload.len() as u64;
         let file_len = header.file_len();
@@ -120,25 +138,25 @@ impl G3Store {
         };
         let mut bufs = self.pool.take(BUFS_PER_WRITE);
         if bufs.is_empty() {
-            return Err(cleanup(lock_err("g3 buffer pool")));
+            return Err(lock_err("g3 buffer pool"));
         }
         let wrote = self
             .engine
             .write_file(file.as_raw_fd(), file_len, &mut bufs, &mut fill);
         self.pool.give(bufs);
         if let Err(e) = wrote {
-            let err = Error::io("writing", &tmp, e);
+            let err = Error::io("writing", tmp, e);
             if dsync && !matches!(err, Error::NoSpace { .. }) {
                 // Under O_DSYNC a failed write may be a failed flush.
                 self.poison(format!("O_DSYNC write of {}: {err}", tmp.display()));
             }
-            return Err(cleanup(err));
+            return Err(err);
         }
         if hasher.finish() != header.payload_sum {
-            return Err(cleanup(Error::InvalidInput {
+            return Err(Error::InvalidInput {
                 what: "payload",
                 reason: format!("checksum does not match the header of block {}", header.key),
-            }));
+            });
         }
         // The data is durable before the rename: a name that survives a
         // power cut always has its bytes (else a restart finds a torn file
@@ -154,18 +172,34 @@ impl G3Store {
             self.engine.sync_data(file.as_raw_fd())
         };
         if let Err(e) = synced {
-            let err = Error::io("flushing", &tmp, e);
+            let err = Error::io("flushing", tmp, e);
             if !matches!(err, Error::NoSpace { .. }) {
                 self.poison(format!("data flush of {}: {err}", tmp.display()));
             }
-            return Err(cleanup(err));
+            return Err(err);
         }
-        drop(file);
+        Ok(())
+    }
+
+    /// Renames the durable temp file to the block's name (see
+    /// [`Self::write_durable`] for `sole` and the outcomes). On `Err` the
+    /// caller removes the temp file; on `Ok` it is gone (renamed or
+    /// removed here).
+    fn place(
+        &self,
+        ns: &NamespaceId,
+        header: &BlockHeader,
+        tmp: &std::path::Path,
+        id: u64,
+        sole: bool,
+        recycled: bool,
+    ) -> Result<Option<Placed>> {
+        let final_path = self.block_file_path(ns, &header.key);
         let dir = final_path
             .parent()
             .unwrap_or(&self.blocks_dir)
             .to_path_buf();
-        self.ensure_dir(&dir).map_err(cleanup)?;
+        self.ensure_dir(&dir)?;
         // A recycled file's new directory is noted before its rename out
         // of `recycle/`, under the settle lock: a settle's fsync of
         // `recycle/` then always finds it (and fsyncs it first).
@@ -173,25 +207,24 @@ impl G3Store {
             let g = self
                 .recycle_settle
                 .read()
-                .map_err(|_| cleanup(lock_err("g3 recycle pool")))?;
+                .map_err(|_| lock_err("g3 recycle pool"))?;
             self.note_unsynced_dir(&dir);
             self.note_unsynced_dir(&self.recycle_dir);
             Some(g)
         } else {
             None
         };
-        match self.fs.rename_noreplace(&tmp, &final_path) {
+        match self.fs.rename_noreplace(tmp, &final_path) {
             Ok(()) => {}
             Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {
                 let indexed = self
                     .mem
                     .read()
-                    .map_err(|_| lock_err("g3 index"))
-                    .map_err(cleanup)?
+                    .map_err(|_| lock_err("g3 index"))?
                     .map
                     .contains_key(&id);
                 if indexed {
-                    let _ = self.fs.remove_file(&tmp, Unlink::Temp);
+                    let _ = self.fs.remove_file(tmp, Unlink::Temp);
                     return Ok(None);
                 }
                 if !sole {
@@ -201,13 +234,13 @@ impl G3Store {
                     // cut take back) and lookups never see (found by the
                     // power-loss harness). Its outcome decides ours.
                     if self.wait_for_writer(id) && self.is_indexed(id) {
-                        let _ = self.fs.remove_file(&tmp, Unlink::Temp);
+                        let _ = self.fs.remove_file(tmp, Unlink::Temp);
                         return Ok(None);
                     }
                     // It failed and undid its rename: place ours.
                     self.fs
-                        .rename_noreplace(&tmp, &final_path)
-                        .map_err(|e| cleanup(Error::io("renaming into place", &final_path, e)))?;
+                        .rename_noreplace(tmp, &final_path)
+                        .map_err(|e| Error::io("renaming into place", &final_path, e))?;
                     return Ok(Some(Placed { dir, recycled }));
                 }
                 tracing::warn!(%ns, key = %header.key, "g3: replacing an unindexed (orphan) block file");
@@ -215,10 +248,10 @@ impl G3Store {
                     .orphans_replaced
                     .fetch_add(1, Ordering::Relaxed);
                 self.fs
-                    .rename(&tmp, &final_path)
-                    .map_err(|e| cleanup(Error::io("renaming into place", &final_path, e)))?;
+                    .rename(tmp, &final_path)
+                    .map_err(|e| Error::io("renaming into place", &final_path, e))?;
             }
-            Err(e) => return Err(cleanup(Error::io("renaming into place", &final_path, e))),
+            Err(e) => return Err(Error::io("renaming into place", &final_path, e)),
         }
         if recycled {
             self.counters

@@ -273,55 +273,11 @@ impl G3Store {
         let tmp_dir = cfg.root.join("tmp");
         let quarantine_dir = cfg.root.join("quarantine");
         let recycle_dir = cfg.root.join("recycle");
-        // Directories this open creates are made durable (an fsync of
-        // each one's parent) before any block goes in: a block's own
-        // fsyncs reach only up to `blocks/`, so a fresh root or `blocks/`
-        // lost to a power cut would take every block with it.
-        let mut created: Vec<PathBuf> = Vec::new();
-        created.extend(
-            cfg.root
-                .ancestors()
-                .take_while(|a| !a.exists())
-                .map(std::path::Path::to_path_buf),
-        );
-        fs.create_dir_all(&cfg.root)
-            .map_err(|e| Error::io("creating", &cfg.root, e))?;
-        // One owner per directory, before anything in it is read, created
-        // or moved: a second daemon must not rebuild (or set aside) the
-        // index the first one is using.
-        let lock = if fs.owner_lock() {
-            Some(dir_lock::DirLock::take(&cfg.root, &cfg.owner_note)?)
-        } else {
-            None
-        };
-        for d in [&blocks_dir, &tmp_dir, &quarantine_dir, &recycle_dir] {
-            created.extend(
-                d.ancestors()
-                    .take_while(|a| !a.exists())
-                    .map(std::path::Path::to_path_buf),
-            );
-            fs.create_dir_all(d)
-                .map_err(|e| Error::io("creating", d, e))?;
-        }
-        let mut parents: Vec<PathBuf> = created
-            .iter()
-            .filter_map(|d| d.parent().map(std::path::Path::to_path_buf))
-            .collect();
-        parents.sort_unstable();
-        parents.dedup();
-        for p in parents {
-            fs.sync_dir(&p, seam::SyncSite::OpenDirFsync)
-                .map_err(|e| Error::io("flushing directory", &p, e))?;
-        }
-        // Recovery, trimming and the recycle scan act on these: each must
-        // be a directory of its own, not a link out of the data directory
-        // nor another filesystem (walk.rs).
-        let root_dev = std::fs::metadata(&cfg.root)
-            .map_err(|e| Error::io("stat", &cfg.root, e))?
-            .dev();
-        for d in [&blocks_dir, &tmp_dir, &quarantine_dir, &recycle_dir] {
-            walk::check_own_dir(d, root_dev).map_err(|e| Error::io("checking", d, e))?;
-        }
+        let lock = prepare_dirs(
+            &cfg,
+            fs.as_ref(),
+            [&blocks_dir, &tmp_dir, &quarantine_dir, &recycle_dir],
+        )?;
         // A full filesystem gets the index's reserve back before anything
         // here writes (a node starts on a full disk, index.rs).
         index::IndexReserve::new(&cfg.root, cfg.capacity_bytes).release_if_short();
@@ -449,4 +405,64 @@ impl G3Store {
     pub fn block_file_path(&self, ns: &NamespaceId, key: &BlockKey) -> PathBuf {
         self.blocks_dir.join(block_path(ns, key))
     }
+}
+
+/// Creates the root and its `dirs` (each missing directory made durable by
+/// an fsync of its parent), takes the directory's owner lock, and checks
+/// that each of `dirs` is a directory of its own on the root's filesystem.
+fn prepare_dirs(
+    cfg: &G3Config,
+    fs: &dyn seam::G3Fs,
+    dirs: [&PathBuf; 4],
+) -> Result<Option<dir_lock::DirLock>> {
+    // Directories this open creates are made durable (an fsync of
+    // each one's parent) before any block goes in: a block's own
+    // fsyncs reach only up to `blocks/`, so a fresh root or `blocks/`
+    // lost to a power cut would take every block with it.
+    let mut created: Vec<PathBuf> = Vec::new();
+    created.extend(
+        cfg.root
+            .ancestors()
+            .take_while(|a| !a.exists())
+            .map(std::path::Path::to_path_buf),
+    );
+    fs.create_dir_all(&cfg.root)
+        .map_err(|e| Error::io("creating", &cfg.root, e))?;
+    // One owner per directory, before anything in it is read, created
+    // or moved: a second daemon must not rebuild (or set aside) the
+    // index the first one is using.
+    let lock = if fs.owner_lock() {
+        Some(dir_lock::DirLock::take(&cfg.root, &cfg.owner_note)?)
+    } else {
+        None
+    };
+    for d in dirs {
+        created.extend(
+            d.ancestors()
+                .take_while(|a| !a.exists())
+                .map(std::path::Path::to_path_buf),
+        );
+        fs.create_dir_all(d)
+            .map_err(|e| Error::io("creating", d, e))?;
+    }
+    let mut parents: Vec<PathBuf> = created
+        .iter()
+        .filter_map(|d| d.parent().map(std::path::Path::to_path_buf))
+        .collect();
+    parents.sort_unstable();
+    parents.dedup();
+    for p in parents {
+        fs.sync_dir(&p, seam::SyncSite::OpenDirFsync)
+            .map_err(|e| Error::io("flushing directory", &p, e))?;
+    }
+    // Recovery, trimming and the recycle scan act on these: each must
+    // be a directory of its own, not a link out of the data directory
+    // nor another filesystem (walk.rs).
+    let root_dev = std::fs::metadata(&cfg.root)
+        .map_err(|e| Error::io("stat", &cfg.root, e))?
+        .dev();
+    for d in dirs {
+        walk::check_own_dir(d, root_dev).map_err(|e| Error::io("checking", d, e))?;
+    }
+    Ok(lock)
 }

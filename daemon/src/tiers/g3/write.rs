@@ -57,6 +57,19 @@ enum Published {
     Cut(BlockKey),
 }
 
+/// Each item's outcome while a batch runs (`None`: not decided yet).
+type Outcomes = Vec<Option<Result<PutOutcome>>>;
+
+/// What step 1 of a batch decided for one item.
+enum Planned {
+    /// Write it: its index id, check digest and a recycled file, if any.
+    Write(u64, u64, Option<PathBuf>),
+    /// Already stored.
+    Present,
+    /// The same key as the item at this position.
+    Repeat(usize),
+}
+
 /// An item of a batch that must be written.
 struct BatchJob {
     /// Its position in the batch.
@@ -134,7 +147,7 @@ impl G3Store {
     /// them is reported stored, and their renames are undone so that the
     /// files and the index agree.
     pub fn put_blocks(&self, ns: &NamespaceId, items: &[PutItem<'_>]) -> Vec<Result<PutOutcome>> {
-        let mut out: Vec<Option<Result<PutOutcome>>> = items.iter().map(|_| None).collect();
+        let mut out: Outcomes = items.iter().map(|_| None).collect();
         // Held for the whole batch: `close` takes it exclusively so that no
         // write completes after the clean marker is written.
         let Ok(_gate) = self.write_gate.read() else {
@@ -143,18 +156,6 @@ impl G3Store {
                 .map(|_| Err(lock_err("g3 write gate")))
                 .collect();
         };
-
-        // 1. In input order: validate, skip present keys and repeats, and
-        //    make room for everything this batch will add.
-        enum Planned {
-            Write(u64, u64, Option<PathBuf>),
-            Present,
-            Repeat(usize),
-        }
-        let mut jobs: Vec<BatchJob> = Vec::new();
-        let mut first_of: HashMap<u64, usize> = HashMap::new();
-        let mut repeats: Vec<(usize, usize)> = Vec::new();
-        let mut reserved_bytes = 0u64;
         // The blocks this batch continues stay until it is published: room
         // made for the batch must not cut its own chain (spare.rs).
         let _parents = self.spare.hold_parents(
@@ -163,6 +164,57 @@ impl G3Store {
                 .filter_map(|it| it.meta.parent.map(|p| digest(ns, &p).0))
                 .collect(),
         );
+        let (jobs, repeats) = self.plan_batch(ns, items, &mut out);
+        // Claim the ids this batch writes: a claimed id has one writer, so
+        // its name in blocks/ without an index entry is an orphan.
+        let sole: Vec<bool> = match self.writing.lock() {
+            Ok(mut w) => jobs.iter().map(|j| w.insert(j.id)).collect(),
+            Err(_) => vec![false; jobs.len()],
+        };
+        let written = self.write_batch(ns, items, &jobs, &sole);
+        let now = now_s();
+        let renamed = self.commit_batch(ns, items, &jobs, written, now, &mut out);
+        if !renamed.is_empty() {
+            self.publish_batch(ns, items, &renamed, now, &mut out);
+        }
+        if let Ok(mut w) = self.writing.lock() {
+            for (job, mine) in jobs.iter().zip(&sole) {
+                if *mine {
+                    w.remove(&job.id);
+                }
+            }
+        }
+        for (at, first) in repeats {
+            out[at] = Some(match &out[first] {
+                Some(Ok(_)) => Ok(PutOutcome::AlreadyPresent),
+                _ => Err(Error::InvalidInput {
+                    what: "block key",
+                    reason: format!(
+                        "{} repeats an earlier item of this batch, which was not stored",
+                        items[at].header.key
+                    ),
+                }),
+            });
+        }
+        out.into_iter()
+            .map(|o| o.unwrap_or_else(|| Err(lock_err("g3 put"))))
+            .collect()
+    }
+
+    /// Step 1 of a batch, in input order: validate, skip present keys and
+    /// repeats, and make room for everything this batch will add. Returns
+    /// the jobs to write and the repeats `(at, first)`; the other items'
+    /// outcomes go into `out`.
+    fn plan_batch(
+        &self,
+        ns: &NamespaceId,
+        items: &[PutItem<'_>],
+        out: &mut Outcomes,
+    ) -> (Vec<BatchJob>, Vec<(usize, usize)>) {
+        let mut jobs: Vec<BatchJob> = Vec::new();
+        let mut first_of: HashMap<u64, usize> = HashMap::new();
+        let mut repeats: Vec<(usize, usize)> = Vec::new();
+        let mut reserved_bytes = 0u64;
         for (at, it) in items.iter().enumerate() {
             let planned = self.plan_put(ns, it).and_then(|p| {
                 let Some((id, check)) = p else {
@@ -216,15 +268,19 @@ impl G3Store {
                 Err(e) => out[at] = Some(Err(e)),
             }
         }
+        (jobs, repeats)
+    }
 
-        // Claim the ids this batch writes: a claimed id has one writer, so
-        // its name in blocks/ without an index entry is an orphan.
-        let sole: Vec<bool> = match self.writing.lock() {
-            Ok(mut w) => jobs.iter().map(|j| w.insert(j.id)).collect(),
-            Err(_) => vec![false; jobs.len()],
-        };
-
-        // 2. Write, rename into place; up to `io_depth` files at once.
+    /// Step 2: write each job's file and rename it into place, up to
+    /// `io_depth` files at once. One result per job that a writer took,
+    /// sorted by job.
+    fn write_batch(
+        &self,
+        ns: &NamespaceId,
+        items: &[PutItem<'_>],
+        jobs: &[BatchJob],
+        sole: &[bool],
+    ) -> Vec<(usize, Result<Option<Placed>>)> {
         let full = AtomicBool::new(false);
         let next = AtomicUsize::new(0);
         // Each copy of `write_some` (this thread and pooled helpers,
@@ -282,9 +338,21 @@ impl G3Store {
         // error below, never as stored).
         let mut written = results.into_inner().unwrap_or_default();
         written.sort_unstable_by_key(|(k, _)| *k);
+        written
+    }
 
-        // 3. Make the renames and records durable together.
-        let now = now_s();
+    /// Step 3: make the renames and records durable together (the group
+    /// commit). Returns the jobs now durable, in job order; every other
+    /// job's outcome goes into `out`.
+    fn commit_batch<'j>(
+        &self,
+        ns: &NamespaceId,
+        items: &[PutItem<'_>],
+        jobs: &'j [BatchJob],
+        written: Vec<(usize, Result<Option<Placed>>)>,
+        now: u32,
+        out: &mut Outcomes,
+    ) -> Vec<&'j BatchJob> {
         let mut pending = Vec::new();
         let mut renamed: Vec<&BatchJob> = Vec::new();
         for (k, r) in written {
@@ -316,7 +384,7 @@ impl G3Store {
         for job in &renamed {
             taken[job.at] = true;
         }
-        for job in &jobs {
+        for job in jobs {
             if out[job.at].is_none() && !taken[job.at] {
                 out[job.at] = Some(Err(lock_err("g3 batch writer")));
             }
@@ -334,78 +402,65 @@ impl G3Store {
             self.undo_renames(ns, items, &renamed);
             renamed.clear();
         }
+        renamed
+    }
 
-        // 4. Visible, in input order: index, policy, events.
+    /// Step 4: the durable blocks become visible, in input order: index,
+    /// policy, events. A block whose chain was cut meanwhile goes again.
+    fn publish_batch(
+        &self,
+        ns: &NamespaceId,
+        items: &[PutItem<'_>],
+        renamed: &[&BatchJob],
+        now: u32,
+        out: &mut Outcomes,
+    ) {
         let mut cut: Vec<u64> = Vec::new();
-        if !renamed.is_empty() {
-            let published = self.publish(ns, items, &renamed, now);
-            for (k, job) in renamed.iter().enumerate() {
-                let Ok(p) = &published else {
-                    out[job.at] = Some(Err(lock_err("g3 index")));
-                    continue;
-                };
-                let it = &items[job.at];
-                out[job.at] = Some(match p.get(k) {
-                    Some(Published::Unpinned) => Ok(PutOutcome::StoredUnpinned),
-                    Some(Published::Cut(parent)) => {
-                        cut.push(job.id);
-                        Err(Error::ParentAbsent {
-                            key: Box::new(it.header.key),
-                            parent: Box::new(*parent),
-                        })
-                    }
-                    _ => Ok(PutOutcome::Stored),
-                });
-                if matches!(p.get(k), Some(Published::Cut(_))) {
-                    continue;
+        let published = self.publish(ns, items, renamed, now);
+        for (k, job) in renamed.iter().enumerate() {
+            let Ok(p) = &published else {
+                out[job.at] = Some(Err(lock_err("g3 index")));
+                continue;
+            };
+            let it = &items[job.at];
+            out[job.at] = Some(match p.get(k) {
+                Some(Published::Unpinned) => Ok(PutOutcome::StoredUnpinned),
+                Some(Published::Cut(parent)) => {
+                    cut.push(job.id);
+                    Err(Error::ParentAbsent {
+                        key: Box::new(it.header.key),
+                        parent: Box::new(*parent),
+                    })
                 }
-                self.emit(G3Event::Stored {
-                    ns: *ns,
-                    key: it.header.key,
-                    parent: it.meta.parent,
-                    file_len: it.header.file_len(),
-                });
+                _ => Ok(PutOutcome::Stored),
+            });
+            if matches!(p.get(k), Some(Published::Cut(_))) {
+                continue;
             }
-            if let Some(last) = renamed.last() {
-                self.spare.open_tail(last.id);
-            }
-            // Refused pins leave the records the commit wrote pinned.
-            if let Ok(p) = &published {
-                for (job, st) in renamed.iter().zip(p) {
-                    if *st == Published::Unpinned {
-                        self.update_record(job.id, |r| r.pin_until_s = 0);
-                    }
-                }
-            }
-            self.maybe_reclaim();
+            self.emit(G3Event::Stored {
+                ns: *ns,
+                key: it.header.key,
+                parent: it.meta.parent,
+                file_len: it.header.file_len(),
+            });
         }
+        if let Some(last) = renamed.last() {
+            self.spare.open_tail(last.id);
+        }
+        // Refused pins leave the records the commit wrote pinned.
+        if let Ok(p) = &published {
+            for (job, st) in renamed.iter().zip(p) {
+                if *st == Published::Unpinned {
+                    self.update_record(job.id, |r| r.pin_until_s = 0);
+                }
+            }
+        }
+        self.maybe_reclaim();
         // A parent that failed earlier in this batch, or was deleted by
         // force while its child was being written (only a forced removal
         // can take a spared parent): the child would be unreachable, so it
         // goes now (never announced as stored).
         self.take_back(&cut);
-        if let Ok(mut w) = self.writing.lock() {
-            for (job, mine) in jobs.iter().zip(&sole) {
-                if *mine {
-                    w.remove(&job.id);
-                }
-            }
-        }
-        for (at, first) in repeats {
-            out[at] = Some(match &out[first] {
-                Some(Ok(_)) => Ok(PutOutcome::AlreadyPresent),
-                _ => Err(Error::InvalidInput {
-                    what: "block key",
-                    reason: format!(
-                        "{} repeats an earlier item of this batch, which was not stored",
-                        items[at].header.key
-                    ),
-                }),
-            });
-        }
-        out.into_iter()
-            .map(|o| o.unwrap_or_else(|| Err(lock_err("g3 put"))))
-            .collect()
     }
 
     /// Checks one item of a batch against `ns` and the index: its (id,

@@ -172,6 +172,28 @@ enum Capped<'a> {
     Failed,
 }
 
+/// The GET's response (headers, body not read yet), or what the fetch
+/// ends with and whether the store answered: absent, or failed (no
+/// response in time, an error).
+async fn get_response<'a>(
+    inner: &'a Inner,
+    loc: &Path,
+    opts: GetOptions,
+) -> Result<object_store::GetResult, (Capped<'a>, bool)> {
+    match tokio::time::timeout(inner.response_timeout(), inner.store.get_opts(loc, opts)).await {
+        Err(_) => {
+            tracing::debug!(location = %loc, "G4 GET: no response in time");
+            Err((Capped::Failed, false))
+        }
+        Ok(Err(object_store::Error::NotFound { .. })) => Err((Capped::Absent, true)),
+        Ok(Err(e)) => {
+            tracing::warn!(error = %inner.err("get", loc, &e), "G4 fetch failed");
+            Err((Capped::Failed, false))
+        }
+        Ok(Ok(r)) => Ok(r),
+    }
+}
+
 /// GETs `loc` (with `opts`' range) and reads the body only when the
 /// response's size is at most `cap` and that many bytes of the fetch
 /// budget are free, chunk by chunk with an idle deadline, never past the
@@ -194,21 +216,10 @@ async fn get_capped<'a>(
     stats::inc(&inner.stats.fetch_gets);
     let idle = Duration::from_millis(inner.cfg.body_idle_timeout_ms);
     let work = async {
-        let r =
-            match tokio::time::timeout(inner.response_timeout(), inner.store.get_opts(loc, opts))
-                .await
-            {
-                Err(_) => {
-                    tracing::debug!(location = %loc, "G4 GET: no response in time");
-                    return (Capped::Failed, false);
-                }
-                Ok(Err(object_store::Error::NotFound { .. })) => return (Capped::Absent, true),
-                Ok(Err(e)) => {
-                    tracing::warn!(error = %inner.err("get", loc, &e), "G4 fetch failed");
-                    return (Capped::Failed, false);
-                }
-                Ok(Ok(r)) => r,
-            };
+        let r = match get_response(inner, loc, opts).await {
+            Ok(r) => r,
+            Err(answered) => return answered,
+        };
         let etag = r.meta.e_tag.clone();
         let size = r.range.end.saturating_sub(r.range.start);
         if size > cap {
