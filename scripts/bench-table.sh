@@ -13,7 +13,7 @@
 # Options: --out DIR (JSON and table; default target/bench-table),
 #   --bin DIR (kvtier and kvtierd; default target/release),
 #   --no-docs (leave docs/BENCHMARKS.md alone), --only LIST (comma list of
-#   io,io_flush,io_fd,g3,fs,g4,crossnode,peers,replay).
+#   io,io_flush,io_fd,checksum,g3,fs,g4,crossnode,peers,replay).
 #
 # Build first: cargo build --release -p kvtier-daemon -p kvtier-tools
 # Root is needed for cold reads (page cache dropped) and bench fs (FUSE).
@@ -102,6 +102,10 @@ for s in $sizes; do
     fi
   done
   n=$(blocks "$s" 16)
+  if want checksum; then
+    run "checksum-$s" checksum one_core "$s" - -- "$kvtier" bench checksum --sizes "$s" \
+      --bytes-per-round $(( bytes * 4 )) --rounds $rounds --json
+  fi
   if want g3; then
     run "g3-$s" g3 per_block "$s" - -- "$kvtier" bench g3 --dir "$work" --block-size "$s" --blocks "$n" \
       --depth 8 --rounds $rounds --lookup-blocks 1000 --recovery-blocks 64 --pool-blocks 16 \

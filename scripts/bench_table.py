@@ -21,12 +21,13 @@ import sys
 BEGIN = "<!-- bench-table:begin (scripts/bench-table.sh writes this; do not edit) -->"
 END = "<!-- bench-table:end -->"
 
-# Issue 31's targets: (bench, figure) -> (min ratio, at 64 KiB).
+# Issue 41's targets: (bench, figure) -> (min ratio, at 64 KiB); the same
+# at every block size now (issue 31 allowed 0.7 at 64 KiB).
 TARGETS = {
-    ("io", "offload_gbps"): (0.9, 0.7),
-    ("io", "onboard_gbps"): (0.95, 0.7),
-    ("g3", "write"): (0.9, 0.7),
-    ("g3", "read"): (0.95, 0.7),
+    ("io", "offload_gbps"): (0.9, 0.9),
+    ("io", "onboard_gbps"): (0.95, 0.95),
+    ("g3", "write"): (0.95, 0.95),
+    ("g3", "read"): (0.95, 0.95),
     ("fs", "fallback"): (0.8, 0.8),
     ("fs", "passthrough"): (0.9, 0.9),
     ("g4", "get"): (0.9, 0.9),
@@ -156,6 +157,9 @@ def collect(out):
             if lost:
                 problems.append(f"{name}: {lost} acknowledged blocks lost")
             comps = comparisons(j)
+            if isinstance(j.get("sizes"), list) and len(j["sizes"]) == 1:
+                # One size per invocation: the figure needs no list index.
+                comps = [(f[2:] if f.startswith("0.") else f, m, b, q) for f, m, b, q in comps]
             if not comps:
                 problems.append(f"{name}: no *_vs_baseline in its JSON")
             if bench == "g4":
@@ -298,6 +302,10 @@ def render_compact(recs):
                 c += f" ({fmt(r['lo'])}-{fmt(r['hi'])}, {r['runs']} runs)"
             if r["cpu"] and r["cpu"][1] is not None:
                 c += f" · {fmt(r['cpu'][0])}/{fmt(r['cpu'][1])}"
+            if r["bench"] == "checksum" and isinstance(r["m"], (int, float)):
+                # Against memcpy, and the GB/s on one core (issue 41's
+                # target for the checksum is absolute: 8 GB/s here).
+                c += f" · {fmt(r['m'])} GB/s"
             cells.append(c)
             if r["target"] is not None:
                 targets.setdefault(r["target"], []).append(s)

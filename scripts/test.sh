@@ -88,8 +88,8 @@ if ! wait "$peers_build_pid"; then
   exit 1
 fi
 KVTIER_BIN_DIR="$PWD/target/debug" "${peers_cargo[@]}" test --manifest-path tools/peers/Cargo.toml
-step "bench table at a tiny size (scripts/bench-table.sh --tiny: io, the group flush variant, g3; JSON contract, 0 lost)"
-./scripts/bench-table.sh --tiny --bin target/debug --out target/bench-table-tiny --only io,io_flush,g3
+step "bench table at a tiny size (scripts/bench-table.sh --tiny: io, the group flush variant, checksum, g3; JSON contract, 0 lost)"
+./scripts/bench-table.sh --tiny --bin target/debug --out target/bench-table-tiny --only io,io_flush,checksum,g3
 # kvtierd as it ships: the daemon built alone, without the testkit/bench
 # features the test crates turned on above (cargo unifies features within
 # one run). Fails if product code needs test or bench scaffolding; the
