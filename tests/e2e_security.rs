@@ -660,6 +660,71 @@ fn one_uid_cannot_lock_others_out_in_single_tenant_mode() {
     daemon_serves(&d);
 }
 
+/// As `uid`, subscribes to events until refused (at most `n`); the
+/// subscriptions held.
+fn subscribe_all_as(uid: u32, socket: &Path, n: usize) -> Vec<kvtier_client::EventStream> {
+    let socket = socket.to_path_buf();
+    as_euid(uid, move || {
+        let c = Client::with_config(ClientConfig::new(&socket));
+        (0..n).map_while(|_| c.subscribe_events().ok()).collect()
+    })
+}
+
+/// As `uid`, connects until refused (at most `n`); the clients held.
+fn connect_all_as(uid: u32, socket: &Path, n: usize) -> Vec<Client> {
+    let socket = socket.to_path_buf();
+    as_euid(uid, move || {
+        (0..n)
+            .map_while(|_| {
+                let mut cfg = ClientConfig::new(&socket);
+                cfg.region_bytes = 0;
+                let c = Client::with_config(cfg);
+                c.ensure_connected().ok().map(|()| c)
+            })
+            .collect()
+    })
+}
+
+/// Issue #42: in single-tenant mode one uid held all 64 event
+/// subscriptions and two uids all the connections, locking root's
+/// `kvtier events` and `kvtier stats` out. The last few of each are kept
+/// for admins.
+#[test]
+fn other_uids_filling_subscriptions_and_connections_leave_roots_share() {
+    let (d, _c) = open_daemon("max_connections = 160\n");
+    // nobody takes every subscription it can get; another user gets none
+    // of the kept ones; root's `kvtier events` subscribes.
+    let subs = subscribe_all_as(NOBODY, &d.socket, 80);
+    assert!(
+        !subs.is_empty() && subs.len() < 64,
+        "nobody held {}",
+        subs.len()
+    );
+    assert!(
+        subscribe_all_as(UID_A, &d.socket, 1).is_empty(),
+        "another user took a subscription kept for admins"
+    );
+    let root = Client::with_config(ClientConfig::new(&d.socket));
+    let roots_events = root
+        .subscribe_events()
+        .unwrap_or_else(|e| panic!("root's subscription refused: {e}"));
+    drop((subs, roots_events));
+    // Two users take every connection they can get (half each); root is
+    // still served and still subscribes.
+    let a = connect_all_as(NOBODY, &d.socket, 200);
+    let b = connect_all_as(UID_A, &d.socket, 200);
+    // (nobody's closed subscriptions may still hold some of its share.)
+    assert!(!a.is_empty() && !b.is_empty(), "{} + {}", a.len(), b.len());
+    assert!(
+        connect_all_as(UID_B, &d.socket, 1).is_empty(),
+        "a third user took a connection kept for admins"
+    );
+    daemon_serves(&d);
+    root.subscribe_events()
+        .unwrap_or_else(|e| panic!("root's subscription refused: {e}"));
+    drop((a, b));
+}
+
 // ---- M2 / L4: the peer and metrics ports ------------------------------
 
 /// Opens `n` TCP connections to `addr` that never send a byte.

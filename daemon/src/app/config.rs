@@ -238,6 +238,11 @@ admin_gids = []
 # Namespaces holding blocks one uid (not root) may have offloaded into
 # (unset without tenants: 1024): each costs directories on the disk.
 # namespaces_per_uid_max = 1024
+# Kept for admins (admin_uids / admin_gids, with or without tenants): the
+# others together never take the last connections and subscriptions
+# (connections unset: 8, at most an eighth of server.max_connections).
+# admin_connections_reserved = 8
+# admin_subscribers_reserved = 4
 "#;
 
 /// `[server]`.
@@ -859,7 +864,19 @@ pub fn uid_limits(cfg: &Config, subscribers_max: usize) -> crate::edges::server:
         namespaces_per_uid_max: a
             .namespaces_per_uid_max
             .or((!multi).then_some(crate::edges::access::NAMESPACES_PER_UID_MAX)),
+        admin_connections_reserved: admin_connections_reserved(cfg),
+        admin_subscribers_reserved: a
+            .admin_subscribers_reserved
+            .unwrap_or(crate::edges::access::ADMIN_SUBSCRIBERS_RESERVED),
     }
+}
+
+/// `[access] admin_connections_reserved`; unset: 8, at most an eighth of
+/// `server.max_connections` (none kept below 8 connections).
+fn admin_connections_reserved(cfg: &Config) -> usize {
+    cfg.access.admin_connections_reserved.unwrap_or(
+        crate::edges::access::ADMIN_CONNECTIONS_RESERVED.min(cfg.server.max_connections / 8),
+    )
 }
 
 fn bad(key: &str, problem: impl Into<String>) -> Error {
@@ -1028,6 +1045,22 @@ impl Config {
         }
         if s.pins_max == 0 || s.pin_ttl_max_ms == 0 {
             return Err(bad("server.pins_max", "pin bounds must be positive"));
+        }
+        if admin_connections_reserved(self) >= s.max_connections {
+            return Err(bad(
+                "access.admin_connections_reserved",
+                format!(
+                    "must be below server.max_connections ({}): the others need one",
+                    s.max_connections
+                ),
+            ));
+        }
+        let subs = crate::base::events::SUBSCRIBERS_MAX;
+        if self.access.admin_subscribers_reserved.unwrap_or(0) >= subs {
+            return Err(bad(
+                "access.admin_subscribers_reserved",
+                format!("must be below the {subs} event subscriptions"),
+            ));
         }
         if self.g3.dir.as_os_str().is_empty() {
             return Err(bad("g3.dir", "must not be empty"));

@@ -40,12 +40,16 @@ fn send_err(fd: RawFd, req_id: u32, c: u16, message: impl Into<String>) {
     );
 }
 
-pub(super) fn refuse_busy(s: &UnixStream, max: usize) {
-    refuse(
-        s,
-        code::BUSY,
-        format!("the daemon serves at most {max} connections"),
-    );
+pub(super) fn refuse_busy(s: &UnixStream, max: usize, kept: usize) {
+    let why = if kept == 0 {
+        format!("the daemon serves at most {max} connections")
+    } else {
+        format!(
+            "the daemon serves at most {max} connections, {kept} of them kept for admins \
+             ([access] admin_connections_reserved)"
+        )
+    };
+    refuse(s, code::BUSY, why);
 }
 
 /// Answers a connection that will not be served with one error frame.
@@ -1143,9 +1147,25 @@ impl Conn<'_> {
     }
 
     fn subscribed(&mut self, id: u32) {
-        let Some(sub) = self.sh.bus.subscribe() else {
+        // The last few slots are kept for admins (root's `kvtier events`,
+        // a router's relay).
+        let kept = if self.who.grant.may_use_reserve() {
+            0
+        } else {
+            self.sh.quotas.limits().admin_subscribers_reserved
+        };
+        let max = crate::base::events::SUBSCRIBERS_MAX;
+        let Some(sub) = self.sh.bus.subscribe_within(max.saturating_sub(kept)) else {
             self.error("busy");
-            send_err(self.fd, id, code::BUSY, "too many event subscribers");
+            let why = if kept == 0 {
+                format!("all {max} event subscriptions are taken")
+            } else {
+                format!(
+                    "all {max} event subscriptions are taken, {kept} of them kept for admins \
+                     ([access] admin_subscribers_reserved)"
+                )
+            };
+            send_err(self.fd, id, code::BUSY, why);
             return;
         };
         self.sh

@@ -31,6 +31,10 @@ pub struct UidLimits {
     /// Namespaces holding blocks that one uid (not root) has offloaded
     /// into.
     pub namespaces_per_uid_max: Option<usize>,
+    /// Connections only admins may take (of `max_connections`).
+    pub admin_connections_reserved: usize,
+    /// Event subscriptions only admins may take (of the bus's slots).
+    pub admin_subscribers_reserved: usize,
 }
 
 /// A counted resource.
@@ -79,6 +83,11 @@ impl Quotas {
         // Counters stay consistent under a panic elsewhere (each update is
         // one statement), so a poisoned lock is still usable.
         self.used.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The bounds.
+    pub(crate) fn limits(&self) -> &UidLimits {
+        &self.limits
     }
 
     fn max(&self, r: Res) -> Option<usize> {
