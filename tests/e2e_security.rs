@@ -1062,6 +1062,86 @@ fn a_tenant_with_two_uids_holds_one_share() {
     drop(held);
 }
 
+/// As `uid`, pins blocks `from..n` of tenant `t` for a minute; the
+/// items' statuses.
+fn pin_as(uid: u32, socket: &Path, t: &'static str, from: usize, n: usize) -> Vec<String> {
+    let socket = socket.to_path_buf();
+    as_euid(uid, move || {
+        let s = UnixStream::connect(&socket).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+        proto::send_frame(s.as_raw_fd(), &hello(1), &[]).unwrap();
+        assert!(matches!(
+            reply(&s, proto::OP_HELLO),
+            Some(Response::Hello { .. })
+        ));
+        let ns = tenant_ns(t);
+        let req = Request::Pin {
+            ns: ns.id(),
+            ttl_ms: 60_000,
+            keys: ns.hash_chain(&(0..n as u32 * 16).collect::<Vec<u32>>())[from..].to_vec(),
+        };
+        proto::send_frame(s.as_raw_fd(), &req.encode(2), &[]).unwrap();
+        let Some(Response::Items { status }) = reply(&s, proto::OP_PIN) else {
+            panic!("pin reply")
+        };
+        status.iter().map(|s| format!("{s:?}")).collect()
+    })
+}
+
+/// Issue #42: pins were bounded per uid in count and node-wide in bytes,
+/// so one tenant (two uids) pinned half of G3 and another tenant could
+/// pin nothing. Pinned bytes are now the tenant's share.
+#[test]
+fn a_tenant_with_two_uids_pins_within_its_share_of_bytes() {
+    const UID_A2: u32 = 61103;
+    let d = Small::start(&format!(
+        "[[tenants]]\nname = \"a\"\nuids = [{UID_A}, {UID_A2}]\nnamespaces = [\"{}\"]\n\n\
+         [[tenants]]\nname = \"b\"\nuids = [{UID_B}]\nnamespaces = [\"{}\"]\n",
+        tenant_ns("a").id().to_hex(),
+        tenant_ns("b").id().to_hex(),
+    ));
+    let a = offload_as(UID_A, &d.socket, "a", 20);
+    assert!(a.iter().all(|o| o == "Stored"), "{a:?}");
+    let b = offload_as(UID_B, &d.socket, "b", 8);
+    assert!(b.iter().all(|o| o == "Stored"), "{b:?}");
+    // A's first uid pins all of A's blocks, its second uid those the
+    // first could not: together they hold the tenant's one share (an
+    // eighth of 64 MiB: 3 blocks of 2 MiB).
+    let pinned_a: usize = [(UID_A, 0), (UID_A2, 3)]
+        .into_iter()
+        .map(|(uid, from)| {
+            let st = pin_as(uid, &d.socket, "a", from, 20);
+            assert!(
+                st.iter().all(|s| s == "Ok" || s == "LimitReached"),
+                "{st:?}"
+            );
+            st.iter().filter(|s| *s == "Ok").count()
+        })
+        .sum();
+    assert_eq!(pinned_a, 3, "tenant A pinned {pinned_a} blocks of 2 MiB");
+    // Nor does an offload's pin hint go past it: stored, unpinned.
+    let socket = d.socket.clone();
+    let hinted = as_euid(UID_A2, move || {
+        let c = Client::with_config(ClientConfig::new(&socket));
+        let h = c.namespace(&tenant_ns("a"));
+        let keys = h.hash_chain(&(7_000_000..7_000_016).collect::<Vec<u32>>());
+        let hints = kvtier_client::Hints {
+            pinned: true,
+            ..Default::default()
+        };
+        let p = vec![7u8; BIG as usize];
+        format!("{:?}", h.offload_chain(None, &keys, &[&p[..]], hints))
+    });
+    assert_eq!(hinted, "[StoredUnpinned]");
+    // B still pins its own share.
+    let st = pin_as(UID_B, &d.socket, "b", 0, 8);
+    assert_eq!(
+        st.iter().filter(|s| *s == "Ok").count(),
+        3,
+        "B's pins: {st:?}"
+    );
+}
+
 // ---- issue #42: hostile ZMTP frames on the ZMQ endpoints -------------
 
 const ZMQ_NS: &str = "0123456789abcdef0123456789abcdef";

@@ -243,6 +243,10 @@ admin_gids = []
 # (connections unset: 8, at most an eighth of server.max_connections).
 # admin_connections_reserved = 8
 # admin_subscribers_reserved = 4
+# Bytes of blocks one tenant (one uid without tenants) may hold pinned, by
+# pin requests and offloads with the pin hint (unset with tenants: an
+# eighth of g3.capacity, a quarter of G3's pin budget; without: unbounded).
+# pin_bytes_per_tenant_max = "1GiB"
 "#;
 
 /// `[server]`.
@@ -856,6 +860,10 @@ pub fn uid_limits(cfg: &Config, subscribers_max: usize) -> crate::edges::server:
             .leases_per_uid_max
             .or(multi.then_some(cfg.server.leases_per_conn_max.saturating_mul(4))),
         pins_per_uid_max: a.pins_per_uid_max.or(quarter(cfg.server.pins_max)),
+        // A quarter of G3's pin budget (half of its capacity).
+        pin_bytes_per_tenant_max: a
+            .pin_bytes_per_tenant_max
+            .or(multi.then_some((cfg.g3.capacity / 8).max(1))),
         pin_ttl_max_ms: cfg.server.pin_ttl_max_ms,
         hellos_per_uid_max: Some(cfg.server.hellos_per_uid_max),
         lease_bytes_per_uid_max: a
@@ -1339,6 +1347,7 @@ mod tests {
             ("peer", "block_bytes_max", "2GiB", 2 << 30),
             ("peer", "holdings_bytes_max", "1MiB", 1 << 20),
             ("access", "lease_bytes_per_uid_max", "1GiB", 1 << 30),
+            ("access", "pin_bytes_per_tenant_max", "2GiB", 2 << 30),
         ];
         let read = |c: &Config, section: &str, key: &str| -> Option<u64> {
             let g4 = c.g4.to_g4_config(&c.g3.dir);
@@ -1358,7 +1367,8 @@ mod tests {
                 ("node", _) => c.node.staged_bytes_max,
                 ("peer", "block_bytes_max") => c.peer.block_bytes_max,
                 ("peer", _) => c.peer.holdings_bytes_max,
-                _ => c.access.lease_bytes_per_uid_max?,
+                ("access", "lease_bytes_per_uid_max") => c.access.lease_bytes_per_uid_max?,
+                _ => c.access.pin_bytes_per_tenant_max?,
             })
         };
         for (section, key, text, want) in keys {

@@ -501,10 +501,24 @@ impl Conn<'_> {
                         Err(st) => status.push(st),
                     }
                 }
+                // A pin hint counts against the account's pinned bytes;
+                // past them the block is stored unpinned.
+                let pin_refused = self.charge_pin_hints(&ns, &mut batch);
                 let outcomes = self.sh.backend.offload_batch(&ns, &batch);
                 let mut stored = NsCounts::default();
-                for ((i, b), r) in at.into_iter().zip(&batch).zip(outcomes) {
+                for (((i, b), r), refused) in
+                    at.into_iter().zip(&batch).zip(outcomes).zip(pin_refused)
+                {
+                    if b.hints.pinned && !matches!(r, Ok(PutOutcome::Stored)) {
+                        self.sh.quotas.unpin(self.who.account, &ns, &b.header.key);
+                    }
                     status[i] = match r {
+                        Ok(PutOutcome::Stored) if refused => {
+                            self.sh.metrics.offload_bytes.inc_by(b.header.payload_len);
+                            stored.offload_blocks += 1;
+                            stored.offload_bytes += b.header.payload_len;
+                            ItemStatus::StoredUnpinned
+                        }
                         Ok(PutOutcome::Stored) => {
                             self.sh.metrics.offload_bytes.inc_by(b.header.payload_len);
                             stored.offload_blocks += 1;
@@ -586,7 +600,9 @@ impl Conn<'_> {
                     status: keys
                         .iter()
                         .map(|k| {
-                            if !self.sh.quotas.pin(uid, &ns, k, ttl_ms) {
+                            let bytes = self.pin_bytes(&ns, k);
+                            let still = |n: &NamespaceId, k: &BlockKey| self.still_pinned(n, k);
+                            if !self.sh.quotas.pin(uid, &ns, k, Some(ttl_ms), bytes, still) {
                                 self.error("limit");
                                 return ItemStatus::LimitReached;
                             }
@@ -1024,6 +1040,53 @@ impl Conn<'_> {
         let until = std::time::Instant::now() + Duration::from_millis(ttl);
         self.leased_bytes.insert(l, (bytes, until));
         true
+    }
+
+    /// What a pin of `key` is charged (header + payload; 0 when pinned
+    /// bytes are not bounded).
+    fn pin_bytes(&self, ns: &NamespaceId, key: &BlockKey) -> u64 {
+        if !self.sh.quotas.pin_bytes_bounded() {
+            return 0;
+        }
+        match self.sh.backend.stat(ns, key) {
+            Ok(Some(st)) => HEADER_BYTES as u64 + st.payload_len,
+            _ => HEADER_BYTES as u64,
+        }
+    }
+
+    /// Whether `key` is still pinned (or cannot be told: kept counted).
+    fn still_pinned(&self, ns: &NamespaceId, key: &BlockKey) -> bool {
+        match self.sh.backend.stat(ns, key) {
+            Ok(Some(st)) => st.pinned_until_unix_ms != 0,
+            Ok(None) => false,
+            Err(_) => true,
+        }
+    }
+
+    /// Charges the pin hints of `batch` to the caller's pinned bytes; a
+    /// hint past them is dropped (the block is stored unpinned). Which
+    /// were dropped, in batch order.
+    fn charge_pin_hints(&self, ns: &NamespaceId, batch: &mut [OffloadBlock<'_>]) -> Vec<bool> {
+        let bounded = self.sh.quotas.pin_bytes_bounded();
+        batch
+            .iter_mut()
+            .map(|b| {
+                if !b.hints.pinned || !bounded {
+                    return false;
+                }
+                let bytes = HEADER_BYTES as u64 + b.header.payload_len;
+                let still = |n: &NamespaceId, k: &BlockKey| self.still_pinned(n, k);
+                let ok =
+                    self.sh
+                        .quotas
+                        .pin(self.who.account, ns, &b.header.key, None, bytes, still);
+                if !ok {
+                    self.error("limit");
+                    b.hints.pinned = false;
+                }
+                !ok
+            })
+            .collect()
     }
 
     /// Gives back the bytes lease `l` was charged, if any.
