@@ -660,6 +660,71 @@ fn one_uid_cannot_lock_others_out_in_single_tenant_mode() {
     daemon_serves(&d);
 }
 
+/// As `uid`, subscribes to events until refused (at most `n`); the
+/// subscriptions held.
+fn subscribe_all_as(uid: u32, socket: &Path, n: usize) -> Vec<kvtier_client::EventStream> {
+    let socket = socket.to_path_buf();
+    as_euid(uid, move || {
+        let c = Client::with_config(ClientConfig::new(&socket));
+        (0..n).map_while(|_| c.subscribe_events().ok()).collect()
+    })
+}
+
+/// As `uid`, connects until refused (at most `n`); the clients held.
+fn connect_all_as(uid: u32, socket: &Path, n: usize) -> Vec<Client> {
+    let socket = socket.to_path_buf();
+    as_euid(uid, move || {
+        (0..n)
+            .map_while(|_| {
+                let mut cfg = ClientConfig::new(&socket);
+                cfg.region_bytes = 0;
+                let c = Client::with_config(cfg);
+                c.ensure_connected().ok().map(|()| c)
+            })
+            .collect()
+    })
+}
+
+/// Issue #42: in single-tenant mode one uid held all 64 event
+/// subscriptions and two uids all the connections, locking root's
+/// `kvtier events` and `kvtier stats` out. The last few of each are kept
+/// for admins.
+#[test]
+fn other_uids_filling_subscriptions_and_connections_leave_roots_share() {
+    let (d, _c) = open_daemon("max_connections = 160\n");
+    // nobody takes every subscription it can get; another user gets none
+    // of the kept ones; root's `kvtier events` subscribes.
+    let subs = subscribe_all_as(NOBODY, &d.socket, 80);
+    assert!(
+        !subs.is_empty() && subs.len() < 64,
+        "nobody held {}",
+        subs.len()
+    );
+    assert!(
+        subscribe_all_as(UID_A, &d.socket, 1).is_empty(),
+        "another user took a subscription kept for admins"
+    );
+    let root = Client::with_config(ClientConfig::new(&d.socket));
+    let roots_events = root
+        .subscribe_events()
+        .unwrap_or_else(|e| panic!("root's subscription refused: {e}"));
+    drop((subs, roots_events));
+    // Two users take every connection they can get (half each); root is
+    // still served and still subscribes.
+    let a = connect_all_as(NOBODY, &d.socket, 200);
+    let b = connect_all_as(UID_A, &d.socket, 200);
+    // (nobody's closed subscriptions may still hold some of its share.)
+    assert!(!a.is_empty() && !b.is_empty(), "{} + {}", a.len(), b.len());
+    assert!(
+        connect_all_as(UID_B, &d.socket, 1).is_empty(),
+        "a third user took a connection kept for admins"
+    );
+    daemon_serves(&d);
+    root.subscribe_events()
+        .unwrap_or_else(|e| panic!("root's subscription refused: {e}"));
+    drop((a, b));
+}
+
 // ---- M2 / L4: the peer and metrics ports ------------------------------
 
 /// Opens `n` TCP connections to `addr` that never send a byte.
@@ -689,6 +754,11 @@ const PEER_SECRET: &[u8] = b"0123456789abcdef-security-tests";
 /// A daemon with its peer server on, one block stored; returns the daemon,
 /// the peer address, the block's path and its file bytes.
 fn peer_daemon() -> (Daemon, tempfile::TempDir, String, String, Vec<u8>) {
+    peer_daemon_named("node-a")
+}
+
+/// [`peer_daemon`] with node id `node_id`.
+fn peer_daemon_named(node_id: &str) -> (Daemon, tempfile::TempDir, String, String, Vec<u8>) {
     let sdir = tempfile::tempdir().unwrap();
     let secret = sdir.path().join("secret");
     std::fs::write(&secret, PEER_SECRET).unwrap();
@@ -700,6 +770,8 @@ fn peer_daemon() -> (Daemon, tempfile::TempDir, String, String, Vec<u8>) {
             peer_addr.clone(),
             "--peer-secret-file".into(),
             secret.display().to_string(),
+            "--node-id".into(),
+            node_id.into(),
             "--g4".into(),
             String::new(),
         ],
@@ -730,8 +802,36 @@ fn peer_daemon() -> (Daemon, tempfile::TempDir, String, String, Vec<u8>) {
     (d, sdir, peer_addr, path, file)
 }
 
-/// One signed GET of `path` as bytes on the wire.
+/// Who the peer server at `addr` says requests must be signed for (its
+/// node id and the epoch of its start), from the answer to a request
+/// signed for no node.
+fn target_of(addr: &str) -> kvtier_daemon::tiers::peer::auth::Target {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let req = signed_request_for(addr, &Default::default(), "/");
+    s.write_all(&req).unwrap();
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out);
+    let head = String::from_utf8_lossy(&out).to_string();
+    let line = head
+        .lines()
+        .find_map(|l| l.strip_prefix("x-kvtier-node: "))
+        .unwrap_or_else(|| panic!("no x-kvtier-node in {head}"));
+    kvtier_daemon::tiers::peer::auth::Target::parse(line.trim()).unwrap()
+}
+
+/// One signed GET of `path` as bytes on the wire, for the node at `addr`.
 fn signed_request(addr: &str, path: &str) -> Vec<u8> {
+    signed_request_for(addr, &target_of(addr), path)
+}
+
+/// One signed GET of `path` to `addr`, signed for `to`.
+fn signed_request_for(
+    addr: &str,
+    to: &kvtier_daemon::tiers::peer::auth::Target,
+    path: &str,
+) -> Vec<u8> {
     let key = kvtier_daemon::tiers::peer::auth::PeerKey::from_secret(PEER_SECRET).unwrap();
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -739,7 +839,7 @@ fn signed_request(addr: &str, path: &str) -> Vec<u8> {
         .as_millis() as u64;
     format!(
         "GET {path} HTTP/1.1\r\nHost: {addr}\r\nAuthorization: {}\r\nConnection: close\r\n\r\n",
-        key.sign("GET", path, "", now)
+        key.sign("GET", path, "", to, now)
     )
     .into_bytes()
 }
@@ -799,8 +899,37 @@ fn a_captured_peer_request_replayed_is_refused() {
     assert_eq!(send_raw(&addr, &signed_request(&addr, &path)).0, 200);
 }
 
+/// Issue #42: a signed peer request named no receiver, so one captured
+/// on its way to node A was served by node B, which shares the secret.
+/// Requests are signed for one node (and one start of it).
+#[test]
+fn a_peer_request_signed_for_one_node_is_refused_by_another() {
+    let (_a, _sa, addr_a, path, _) = peer_daemon_named("node-a");
+    let (_b, _sb, addr_b, path_b, _) = peer_daemon_named("node-b");
+    assert_eq!(path, path_b, "both nodes hold the same block");
+    let to_a = target_of(&addr_a);
+    assert_eq!(to_a.node, "node-a");
+    // Captured on its way to A, before A saw it: B refuses it...
+    let captured = signed_request_for(&addr_b, &to_a, &path);
+    let (status, body) = send_raw(&addr_b, &captured);
+    assert_eq!(status, 401, "B served A's request ({} bytes)", body.len());
+    assert!(
+        String::from_utf8_lossy(&body).contains("another node"),
+        "{}",
+        String::from_utf8_lossy(&body)
+    );
+    // ...as does A for a request signed for B; each serves its own.
+    let for_b = signed_request_for(&addr_a, &target_of(&addr_b), &path);
+    assert_eq!(send_raw(&addr_a, &for_b).0, 401);
+    assert_eq!(send_raw(&addr_a, &signed_request(&addr_a, &path)).0, 200);
+    assert_eq!(send_raw(&addr_b, &signed_request(&addr_b, &path)).0, 200);
+}
+
 /// Issue #42: the memory of accepted signatures did not survive a
 /// restart, so a captured request replayed after one was served again.
+/// The node's epoch (recorded in g3.dir, larger at every start whatever
+/// the clock says) is signed: the request of the run before names an
+/// epoch that is gone.
 #[test]
 fn a_captured_peer_request_replayed_after_a_restart_is_refused() {
     let (mut d, _s, addr, path, _) = peer_daemon();
@@ -995,6 +1124,86 @@ fn a_tenant_with_two_uids_holds_one_share() {
         "tenant A leased {leased} blocks of 2 MiB"
     );
     drop(held);
+}
+
+/// As `uid`, pins blocks `from..n` of tenant `t` for a minute; the
+/// items' statuses.
+fn pin_as(uid: u32, socket: &Path, t: &'static str, from: usize, n: usize) -> Vec<String> {
+    let socket = socket.to_path_buf();
+    as_euid(uid, move || {
+        let s = UnixStream::connect(&socket).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+        proto::send_frame(s.as_raw_fd(), &hello(1), &[]).unwrap();
+        assert!(matches!(
+            reply(&s, proto::OP_HELLO),
+            Some(Response::Hello { .. })
+        ));
+        let ns = tenant_ns(t);
+        let req = Request::Pin {
+            ns: ns.id(),
+            ttl_ms: 60_000,
+            keys: ns.hash_chain(&(0..n as u32 * 16).collect::<Vec<u32>>())[from..].to_vec(),
+        };
+        proto::send_frame(s.as_raw_fd(), &req.encode(2), &[]).unwrap();
+        let Some(Response::Items { status }) = reply(&s, proto::OP_PIN) else {
+            panic!("pin reply")
+        };
+        status.iter().map(|s| format!("{s:?}")).collect()
+    })
+}
+
+/// Issue #42: pins were bounded per uid in count and node-wide in bytes,
+/// so one tenant (two uids) pinned half of G3 and another tenant could
+/// pin nothing. Pinned bytes are now the tenant's share.
+#[test]
+fn a_tenant_with_two_uids_pins_within_its_share_of_bytes() {
+    const UID_A2: u32 = 61103;
+    let d = Small::start(&format!(
+        "[[tenants]]\nname = \"a\"\nuids = [{UID_A}, {UID_A2}]\nnamespaces = [\"{}\"]\n\n\
+         [[tenants]]\nname = \"b\"\nuids = [{UID_B}]\nnamespaces = [\"{}\"]\n",
+        tenant_ns("a").id().to_hex(),
+        tenant_ns("b").id().to_hex(),
+    ));
+    let a = offload_as(UID_A, &d.socket, "a", 20);
+    assert!(a.iter().all(|o| o == "Stored"), "{a:?}");
+    let b = offload_as(UID_B, &d.socket, "b", 8);
+    assert!(b.iter().all(|o| o == "Stored"), "{b:?}");
+    // A's first uid pins all of A's blocks, its second uid those the
+    // first could not: together they hold the tenant's one share (an
+    // eighth of 64 MiB: 3 blocks of 2 MiB).
+    let pinned_a: usize = [(UID_A, 0), (UID_A2, 3)]
+        .into_iter()
+        .map(|(uid, from)| {
+            let st = pin_as(uid, &d.socket, "a", from, 20);
+            assert!(
+                st.iter().all(|s| s == "Ok" || s == "LimitReached"),
+                "{st:?}"
+            );
+            st.iter().filter(|s| *s == "Ok").count()
+        })
+        .sum();
+    assert_eq!(pinned_a, 3, "tenant A pinned {pinned_a} blocks of 2 MiB");
+    // Nor does an offload's pin hint go past it: stored, unpinned.
+    let socket = d.socket.clone();
+    let hinted = as_euid(UID_A2, move || {
+        let c = Client::with_config(ClientConfig::new(&socket));
+        let h = c.namespace(&tenant_ns("a"));
+        let keys = h.hash_chain(&(7_000_000..7_000_016).collect::<Vec<u32>>());
+        let hints = kvtier_client::Hints {
+            pinned: true,
+            ..Default::default()
+        };
+        let p = vec![7u8; BIG as usize];
+        format!("{:?}", h.offload_chain(None, &keys, &[&p[..]], hints))
+    });
+    assert_eq!(hinted, "[StoredUnpinned]");
+    // B still pins its own share.
+    let st = pin_as(UID_B, &d.socket, "b", 0, 8);
+    assert_eq!(
+        st.iter().filter(|s| *s == "Ok").count(),
+        3,
+        "B's pins: {st:?}"
+    );
 }
 
 // ---- issue #42: hostile ZMTP frames on the ZMQ endpoints -------------

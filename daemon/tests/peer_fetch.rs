@@ -3,7 +3,7 @@
 
 use kvtier_client::block::HEADER_BYTES;
 use kvtier_client::{encode_block, BlockHeader, BlockKey, KvLayout, Namespace, NamespaceId};
-use kvtier_daemon::tiers::peer::auth::PeerKey;
+use kvtier_daemon::tiers::peer::auth::{PeerKey, Target};
 use kvtier_daemon::tiers::peer::wire::block_url_path;
 use kvtier_daemon::tiers::peer::{
     placement, unix_ms_now, DirSource, PeerClient, PeerClientConfig, PeerFetch, PeerInfo,
@@ -90,12 +90,18 @@ async fn raw(addr: &str, path: &str, headers: &[(&str, String)]) -> (u16, Vec<u8
     (status, out[text_end + 4..].to_vec())
 }
 
-fn auth(secret: &[u8], path: &str, range: &str, unix_ms: u64) -> (&'static str, String) {
+fn auth(
+    secret: &[u8],
+    to: &Target,
+    path: &str,
+    range: &str,
+    unix_ms: u64,
+) -> (&'static str, String) {
     (
         "Authorization",
         PeerKey::from_secret(secret)
             .unwrap()
-            .sign("GET", path, range, unix_ms),
+            .sign("GET", path, range, to, unix_ms),
     )
 }
 
@@ -319,22 +325,29 @@ async fn unauthenticated_wrong_secret_and_stale_requests_get_401() {
     let now = unix_ms_now();
 
     assert_eq!(raw(&addr, &path, &[]).await.0, 401);
-    let wrong = auth(b"another-secret-0123456789", &path, "", now);
+    let wrong = auth(
+        b"another-secret-0123456789",
+        &a.server.target(),
+        &path,
+        "",
+        now,
+    );
     assert_eq!(raw(&addr, &path, &[wrong]).await.0, 401);
-    let stale = auth(SECRET, &path, "", now - 120_000);
+    let stale = auth(SECRET, &a.server.target(), &path, "", now - 120_000);
     assert_eq!(raw(&addr, &path, &[stale]).await.0, 401);
-    let future = auth(SECRET, &path, "", now + 120_000);
+    let future = auth(SECRET, &a.server.target(), &path, "", now + 120_000);
     assert_eq!(raw(&addr, &path, &[future]).await.0, 401);
     // Signed for another block: refused for this one.
     let other = auth(
         SECRET,
+        &a.server.target(),
         &block_url_path(&ns.id(), &BlockKey::from_u64(6)),
         "",
         now,
     );
     assert_eq!(raw(&addr, &path, &[other]).await.0, 401);
     // Signed without a range, replayed with one: refused.
-    let no_range = auth(SECRET, &path, "", now);
+    let no_range = auth(SECRET, &a.server.target(), &path, "", now);
     assert_eq!(
         raw(&addr, &path, &[no_range, ("Range", "bytes=0-9".into())])
             .await
@@ -357,14 +370,22 @@ async fn unauthenticated_wrong_secret_and_stale_requests_get_401() {
     assert_eq!(a.server.metrics().unauthorized.load(Ordering::Relaxed), 7);
 
     // Correctly signed: whole file, then a range.
-    let (st, body) = raw(&addr, &path, &[auth(SECRET, &path, "", now)]).await;
+    let (st, body) = raw(
+        &addr,
+        &path,
+        &[auth(SECRET, &a.server.target(), &path, "", now)],
+    )
+    .await;
     assert_eq!((st, body.len()), (200, file.len()));
     assert_eq!(body, file);
     let range = "bytes=4090-4105";
     let (st, body) = raw(
         &addr,
         &path,
-        &[auth(SECRET, &path, range, now), ("Range", range.into())],
+        &[
+            auth(SECRET, &a.server.target(), &path, range, now),
+            ("Range", range.into()),
+        ],
     )
     .await;
     assert_eq!(st, 206);
@@ -373,7 +394,10 @@ async fn unauthenticated_wrong_secret_and_stale_requests_get_401() {
     let (st, _) = raw(
         &addr,
         &path,
-        &[auth(SECRET, &path, &past, now), ("Range", past.clone())],
+        &[
+            auth(SECRET, &a.server.target(), &path, &past, now),
+            ("Range", past.clone()),
+        ],
     )
     .await;
     assert_eq!(st, 416);
@@ -431,7 +455,12 @@ async fn hostile_paths_are_refused_without_touching_the_store() {
         // Unsigned: 401 before the path is even looked at.
         assert_eq!(raw(&addr, path, &[]).await.0, 401, "{path}");
         let sign_path = path.split('?').next().unwrap();
-        let (st, body) = raw(&addr, path, &[auth(SECRET, sign_path, "", now)]).await;
+        let (st, body) = raw(
+            &addr,
+            path,
+            &[auth(SECRET, &server.target(), sign_path, "", now)],
+        )
+        .await;
         assert_eq!(st, want, "{path}");
         assert!(!body.windows(6).any(|w| w == b"do not"), "{path}");
     }
@@ -450,7 +479,12 @@ async fn hostile_paths_are_refused_without_touching_the_store() {
     );
     // A well-formed signed request for an absent block does reach the store.
     let p = format!("/v1/blocks/{nsx}/abcd");
-    assert_eq!(raw(&addr, &p, &[auth(SECRET, &p, "", now)]).await.0, 404);
+    assert_eq!(
+        raw(&addr, &p, &[auth(SECRET, &server.target(), &p, "", now)])
+            .await
+            .0,
+        404
+    );
     assert_eq!(src.opens.load(Ordering::Relaxed), 1);
 }
 
@@ -467,7 +501,7 @@ async fn transfer_limit_answers_503_at_once() {
     let path = block_url_path(&ns.id(), &key);
     // Start a transfer and do not read its body: it holds the only permit.
     let mut hog = tokio::net::TcpStream::connect(&addr).await.unwrap();
-    let (k, v) = auth(SECRET, &path, "", unix_ms_now());
+    let (k, v) = auth(SECRET, &a.server.target(), &path, "", unix_ms_now());
     hog.write_all(format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\n{k}: {v}\r\n\r\n").as_bytes())
         .await
         .unwrap();
@@ -476,7 +510,12 @@ async fn transfer_limit_answers_503_at_once() {
     assert_eq!(&first, b"HTTP/1.1 200");
 
     let t = Instant::now();
-    let (st, _) = raw(&addr, &path, &[auth(SECRET, &path, "", unix_ms_now())]).await;
+    let (st, _) = raw(
+        &addr,
+        &path,
+        &[auth(SECRET, &a.server.target(), &path, "", unix_ms_now())],
+    )
+    .await;
     assert_eq!(st, 503);
     assert!(t.elapsed() < Duration::from_secs(1));
     let client = PeerClient::new(PeerClientConfig::new(SECRET)).unwrap();

@@ -214,7 +214,7 @@ async fn the_peer_listener_closes_connections_past_its_cap_and_serves_again_afte
             .as_millis() as u64;
         let req = format!(
             "GET /nope HTTP/1.1\r\nHost: p\r\nAuthorization: {}\r\n\r\n",
-            key.sign("GET", "/nope", "", now)
+            key.sign("GET", "/nope", "", &server.target(), now)
         );
         s.write_all(req.as_bytes()).await.unwrap();
         let mut buf = [0u8; 4096];

@@ -238,6 +238,15 @@ admin_gids = []
 # Namespaces holding blocks one uid (not root) may have offloaded into
 # (unset without tenants: 1024): each costs directories on the disk.
 # namespaces_per_uid_max = 1024
+# Kept for admins (admin_uids / admin_gids, with or without tenants): the
+# others together never take the last connections and subscriptions
+# (connections unset: 8, at most an eighth of server.max_connections).
+# admin_connections_reserved = 8
+# admin_subscribers_reserved = 4
+# Bytes of blocks one tenant (one uid without tenants) may hold pinned, by
+# pin requests and offloads with the pin hint (unset with tenants: an
+# eighth of g3.capacity, a quarter of G3's pin budget; without: unbounded).
+# pin_bytes_per_tenant_max = "1GiB"
 "#;
 
 /// `[server]`.
@@ -851,6 +860,10 @@ pub fn uid_limits(cfg: &Config, subscribers_max: usize) -> crate::edges::server:
             .leases_per_uid_max
             .or(multi.then_some(cfg.server.leases_per_conn_max.saturating_mul(4))),
         pins_per_uid_max: a.pins_per_uid_max.or(quarter(cfg.server.pins_max)),
+        // A quarter of G3's pin budget (half of its capacity).
+        pin_bytes_per_tenant_max: a
+            .pin_bytes_per_tenant_max
+            .or(multi.then_some((cfg.g3.capacity / 8).max(1))),
         pin_ttl_max_ms: cfg.server.pin_ttl_max_ms,
         hellos_per_uid_max: Some(cfg.server.hellos_per_uid_max),
         lease_bytes_per_uid_max: a
@@ -859,7 +872,19 @@ pub fn uid_limits(cfg: &Config, subscribers_max: usize) -> crate::edges::server:
         namespaces_per_uid_max: a
             .namespaces_per_uid_max
             .or((!multi).then_some(crate::edges::access::NAMESPACES_PER_UID_MAX)),
+        admin_connections_reserved: admin_connections_reserved(cfg),
+        admin_subscribers_reserved: a
+            .admin_subscribers_reserved
+            .unwrap_or(crate::edges::access::ADMIN_SUBSCRIBERS_RESERVED),
     }
+}
+
+/// `[access] admin_connections_reserved`; unset: 8, at most an eighth of
+/// `server.max_connections` (none kept below 8 connections).
+fn admin_connections_reserved(cfg: &Config) -> usize {
+    cfg.access.admin_connections_reserved.unwrap_or(
+        crate::edges::access::ADMIN_CONNECTIONS_RESERVED.min(cfg.server.max_connections / 8),
+    )
 }
 
 fn bad(key: &str, problem: impl Into<String>) -> Error {
@@ -1028,6 +1053,22 @@ impl Config {
         }
         if s.pins_max == 0 || s.pin_ttl_max_ms == 0 {
             return Err(bad("server.pins_max", "pin bounds must be positive"));
+        }
+        if admin_connections_reserved(self) >= s.max_connections {
+            return Err(bad(
+                "access.admin_connections_reserved",
+                format!(
+                    "must be below server.max_connections ({}): the others need one",
+                    s.max_connections
+                ),
+            ));
+        }
+        let subs = crate::base::events::SUBSCRIBERS_MAX;
+        if self.access.admin_subscribers_reserved.unwrap_or(0) >= subs {
+            return Err(bad(
+                "access.admin_subscribers_reserved",
+                format!("must be below the {subs} event subscriptions"),
+            ));
         }
         if self.g3.dir.as_os_str().is_empty() {
             return Err(bad("g3.dir", "must not be empty"));
@@ -1306,6 +1347,7 @@ mod tests {
             ("peer", "block_bytes_max", "2GiB", 2 << 30),
             ("peer", "holdings_bytes_max", "1MiB", 1 << 20),
             ("access", "lease_bytes_per_uid_max", "1GiB", 1 << 30),
+            ("access", "pin_bytes_per_tenant_max", "2GiB", 2 << 30),
         ];
         let read = |c: &Config, section: &str, key: &str| -> Option<u64> {
             let g4 = c.g4.to_g4_config(&c.g3.dir);
@@ -1325,7 +1367,8 @@ mod tests {
                 ("node", _) => c.node.staged_bytes_max,
                 ("peer", "block_bytes_max") => c.peer.block_bytes_max,
                 ("peer", _) => c.peer.holdings_bytes_max,
-                _ => c.access.lease_bytes_per_uid_max?,
+                ("access", "lease_bytes_per_uid_max") => c.access.lease_bytes_per_uid_max?,
+                _ => c.access.pin_bytes_per_tenant_max?,
             })
         };
         for (section, key, text, want) in keys {

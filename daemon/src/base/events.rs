@@ -48,6 +48,14 @@ struct Sub {
     dropped: Arc<AtomicU64>,
 }
 
+impl Sub {
+    /// Whether its [`Subscription`] was dropped (it holds the only other
+    /// handle of `dropped`).
+    fn is_gone(&self) -> bool {
+        Arc::strong_count(&self.dropped) == 1
+    }
+}
+
 struct Inner {
     next_id: AtomicU64,
     subs: Mutex<Vec<Sub>>,
@@ -214,8 +222,17 @@ impl EventBus {
 
     /// A new subscription, or `None` when [`SUBSCRIBERS_MAX`] are attached.
     pub fn subscribe(&self) -> Option<Subscription> {
+        self.subscribe_within(SUBSCRIBERS_MAX)
+    }
+
+    /// A new subscription, or `None` when `max` (at most
+    /// [`SUBSCRIBERS_MAX`]) are attached: a caller kept off the last slots
+    /// leaves them to others.
+    pub fn subscribe_within(&self, max: usize) -> Option<Subscription> {
         let mut subs = self.inner.subs.lock().ok()?;
-        if subs.len() >= SUBSCRIBERS_MAX {
+        // Subscribers gone since the last event free their slots now.
+        subs.retain(|s| !s.is_gone());
+        if subs.len() >= max.min(SUBSCRIBERS_MAX) {
             return None;
         }
         let (tx, rx) = sync_channel(QUEUE_DEPTH);
@@ -265,6 +282,21 @@ mod tests {
             KvEventData::Lagged { dropped: 0 },
         );
         assert_eq!(bus.subscribers(), 0);
+    }
+
+    #[test]
+    fn a_capped_subscriber_leaves_the_last_slots_and_gone_ones_free_theirs() {
+        let bus = EventBus::new();
+        let held: Vec<Subscription> = (0..SUBSCRIBERS_MAX - 2)
+            .map_while(|_| bus.subscribe_within(SUBSCRIBERS_MAX - 2))
+            .collect();
+        assert_eq!(held.len(), SUBSCRIBERS_MAX - 2);
+        assert!(bus.subscribe_within(SUBSCRIBERS_MAX - 2).is_none());
+        let kept = bus.subscribe().unwrap();
+        // No event since: a dropped subscription frees its slot at once.
+        drop(held);
+        assert!(bus.subscribe_within(2).is_some());
+        drop(kept);
     }
 
     #[test]

@@ -45,8 +45,8 @@ pub struct TenantConfig {
 #[serde(deny_unknown_fields, default)]
 pub struct AccessSection {
     /// Uids allowed every namespace and the admin operations (list of all
-    /// namespaces, stats of everything). Unset with tenants: root and the
-    /// daemon's own uid.
+    /// namespaces, stats of everything), and the slots kept for admins.
+    /// Unset: root and the daemon's own uid.
     pub admin_uids: Option<Vec<u32>>,
     /// Gids whose members are admins.
     pub admin_gids: Vec<u32>,
@@ -77,12 +77,29 @@ pub struct AccessSection {
     /// tenant's list bounds them), so that one local user cannot fill the
     /// disk with namespace directories.
     pub namespaces_per_uid_max: Option<usize>,
+    /// Connections only admins may take: the others together hold at most
+    /// `server.max_connections` minus these (unset: 8), so that no mix
+    /// of users locks root's `kvtier stats` and `kvtier events` out.
+    pub admin_connections_reserved: Option<usize>,
+    /// Event subscriptions only admins may take (unset: 4): the others
+    /// together hold at most the bus's slots minus these.
+    pub admin_subscribers_reserved: Option<usize>,
+    /// Bytes of blocks one tenant (one uid without tenants) may hold
+    /// pinned, by pin requests and by offloads with the pin hint (unset
+    /// with tenants: a quarter of `g3.pinned_budget`; without tenants:
+    /// unbounded), so that one tenant's pins cannot take the node's pin
+    /// budget and the cache from the others.
+    #[serde(deserialize_with = "crate::base::units::de_size_opt")]
+    pub pin_bytes_per_tenant_max: Option<u64>,
 }
 
 /// What one caller may do.
 #[derive(Debug, Clone)]
 pub struct Grant {
     admin: bool,
+    /// An admin by `[access]` (also in single-tenant mode, where everyone
+    /// may run admin operations): may take the slots kept for admins.
+    reserve: bool,
     namespaces: BTreeSet<NamespaceId>,
     /// The caller's tenant (its index in `[[tenants]]`), whose shares it
     /// draws on.
@@ -95,10 +112,12 @@ pub struct Grant {
 pub const TENANT_ACCOUNTS_BASE: u32 = 0xffff_0000;
 
 impl Grant {
-    /// Everything (single-tenant mode, admins).
-    pub fn all() -> Grant {
+    /// Everything (single-tenant mode, admins); `reserve`: may take the
+    /// slots kept for admins.
+    pub fn all(reserve: bool) -> Grant {
         Grant {
             admin: true,
+            reserve,
             namespaces: BTreeSet::new(),
             tenant: None,
         }
@@ -118,6 +137,11 @@ impl Grant {
     /// Whether the caller may run admin operations.
     pub fn is_admin(&self) -> bool {
         self.admin
+    }
+    /// Whether the caller may take the connections and subscriptions kept
+    /// for admins (`[access] admin_uids` / `admin_gids`, in either mode).
+    pub fn may_use_reserve(&self) -> bool {
+        self.reserve
     }
     /// The namespaces of a non-admin caller, in id order (`None`: all).
     pub fn namespaces(&self) -> Option<&BTreeSet<NamespaceId>> {
@@ -166,7 +190,8 @@ fn random_key() -> [u8; 32] {
 }
 
 impl Policy {
-    /// Single-tenant: everyone who reaches the socket may do everything.
+    /// Single-tenant: everyone who reaches the socket may do everything;
+    /// nobody is an admin for the kept slots.
     pub fn open() -> Policy {
         Policy {
             tenants: None,
@@ -179,6 +204,12 @@ impl Policy {
     /// From the config; no tenants means [`Policy::open`].
     pub fn from_config(tenants: &[TenantConfig], access: &AccessSection) -> Result<Policy> {
         let mut p = Policy::open();
+        // Admins also in single-tenant mode: the slots kept for them.
+        p.admin_uids = access
+            .admin_uids
+            .clone()
+            .unwrap_or_else(|| vec![0, nix::unistd::geteuid().as_raw()]);
+        p.admin_gids = access.admin_gids.clone();
         if tenants.is_empty() {
             return Ok(p);
         }
@@ -208,11 +239,6 @@ impl Policy {
             });
         }
         p.tenants = Some(out);
-        p.admin_uids = access
-            .admin_uids
-            .clone()
-            .unwrap_or_else(|| vec![0, nix::unistd::geteuid().as_raw()]);
-        p.admin_gids = access.admin_gids.clone();
         Ok(p)
     }
 
@@ -223,11 +249,12 @@ impl Policy {
 
     /// What `uid`/`gid` may do; `None`: refused.
     pub fn grant(&self, uid: u32, gid: u32) -> Option<Grant> {
+        let admin = self.admin_uids.contains(&uid) || self.admin_gids.contains(&gid);
         let Some(tenants) = &self.tenants else {
-            return Some(Grant::all());
+            return Some(Grant::all(admin));
         };
-        if self.admin_uids.contains(&uid) || self.admin_gids.contains(&gid) {
-            return Some(Grant::all());
+        if admin {
+            return Some(Grant::all(true));
         }
         let mut namespaces = BTreeSet::new();
         let mut tenant = None;
@@ -239,6 +266,7 @@ impl Policy {
         }
         tenant.map(|t| Grant {
             admin: false,
+            reserve: false,
             namespaces,
             tenant: Some(t),
         })
@@ -277,6 +305,10 @@ impl Policy {
 
 /// Namespaces one uid may hold blocks in, without tenants and unset.
 pub const NAMESPACES_PER_UID_MAX: usize = 1024;
+/// Connections kept for admins, unset.
+pub const ADMIN_CONNECTIONS_RESERVED: usize = 8;
+/// Event subscriptions kept for admins, unset.
+pub const ADMIN_SUBSCRIBERS_RESERVED: usize = 4;
 
 #[cfg(test)]
 mod tests {
@@ -293,6 +325,10 @@ mod tests {
         let g = p.grant(12345, 12345).unwrap();
         assert!(g.is_admin() && g.may(&ns(1)));
         assert_eq!(p.effective(&g, &ns(1)), ns(1));
+        // Only the configured admins may take the slots kept for them.
+        let p = Policy::from_config(&[], &AccessSection::default()).unwrap();
+        assert!(!p.grant(12345, 12345).unwrap().may_use_reserve());
+        assert!(p.grant(0, 0).unwrap().may_use_reserve());
     }
 
     #[test]
@@ -330,6 +366,7 @@ mod tests {
         assert!(b.may(&ns(2)) && !b.may(&ns(1)));
         assert!(p.grant(4242, 4242).is_none());
         assert!(p.grant(7, 0).unwrap().is_admin());
+        assert!(p.grant(7, 0).unwrap().may_use_reserve() && !a.may_use_reserve());
     }
 
     #[test]

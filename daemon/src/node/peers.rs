@@ -120,6 +120,12 @@ pub(super) fn start(
     p.cfg.validate()?;
     let mut scfg = p.cfg.server_config(p.secret.clone());
     scfg.corrupt_responses_for_tests = p.corrupt_responses_for_tests;
+    // Requests are signed for this node and this start: the epoch is
+    // larger at every start, whatever the clock says (a ceiling recorded
+    // in g3.dir), so a request captured before a restart is refused after.
+    scfg.node_id = p.node_id.clone();
+    let (_, epoch) = crate::base::id_floor::IdFloor::open(&g3.config().root.join("peer-epoch"))?;
+    scfg.epoch = Some(epoch);
     if p.corrupt_responses_for_tests {
         tracing::warn!("peer: TEST HOOK ON: every response is corrupted on purpose");
     }

@@ -40,12 +40,16 @@ fn send_err(fd: RawFd, req_id: u32, c: u16, message: impl Into<String>) {
     );
 }
 
-pub(super) fn refuse_busy(s: &UnixStream, max: usize) {
-    refuse(
-        s,
-        code::BUSY,
-        format!("the daemon serves at most {max} connections"),
-    );
+pub(super) fn refuse_busy(s: &UnixStream, max: usize, kept: usize) {
+    let why = if kept == 0 {
+        format!("the daemon serves at most {max} connections")
+    } else {
+        format!(
+            "the daemon serves at most {max} connections, {kept} of them kept for admins \
+             ([access] admin_connections_reserved)"
+        )
+    };
+    refuse(s, code::BUSY, why);
 }
 
 /// Answers a connection that will not be served with one error frame.
@@ -497,10 +501,24 @@ impl Conn<'_> {
                         Err(st) => status.push(st),
                     }
                 }
+                // A pin hint counts against the account's pinned bytes;
+                // past them the block is stored unpinned.
+                let pin_refused = self.charge_pin_hints(&ns, &mut batch);
                 let outcomes = self.sh.backend.offload_batch(&ns, &batch);
                 let mut stored = NsCounts::default();
-                for ((i, b), r) in at.into_iter().zip(&batch).zip(outcomes) {
+                for (((i, b), r), refused) in
+                    at.into_iter().zip(&batch).zip(outcomes).zip(pin_refused)
+                {
+                    if b.hints.pinned && !matches!(r, Ok(PutOutcome::Stored)) {
+                        self.sh.quotas.unpin(self.who.account, &ns, &b.header.key);
+                    }
                     status[i] = match r {
+                        Ok(PutOutcome::Stored) if refused => {
+                            self.sh.metrics.offload_bytes.inc_by(b.header.payload_len);
+                            stored.offload_blocks += 1;
+                            stored.offload_bytes += b.header.payload_len;
+                            ItemStatus::StoredUnpinned
+                        }
                         Ok(PutOutcome::Stored) => {
                             self.sh.metrics.offload_bytes.inc_by(b.header.payload_len);
                             stored.offload_blocks += 1;
@@ -582,7 +600,9 @@ impl Conn<'_> {
                     status: keys
                         .iter()
                         .map(|k| {
-                            if !self.sh.quotas.pin(uid, &ns, k, ttl_ms) {
+                            let bytes = self.pin_bytes(&ns, k);
+                            let still = |n: &NamespaceId, k: &BlockKey| self.still_pinned(n, k);
+                            if !self.sh.quotas.pin(uid, &ns, k, Some(ttl_ms), bytes, still) {
                                 self.error("limit");
                                 return ItemStatus::LimitReached;
                             }
@@ -1022,6 +1042,53 @@ impl Conn<'_> {
         true
     }
 
+    /// What a pin of `key` is charged (header + payload; 0 when pinned
+    /// bytes are not bounded).
+    fn pin_bytes(&self, ns: &NamespaceId, key: &BlockKey) -> u64 {
+        if !self.sh.quotas.pin_bytes_bounded() {
+            return 0;
+        }
+        match self.sh.backend.stat(ns, key) {
+            Ok(Some(st)) => HEADER_BYTES as u64 + st.payload_len,
+            _ => HEADER_BYTES as u64,
+        }
+    }
+
+    /// Whether `key` is still pinned (or cannot be told: kept counted).
+    fn still_pinned(&self, ns: &NamespaceId, key: &BlockKey) -> bool {
+        match self.sh.backend.stat(ns, key) {
+            Ok(Some(st)) => st.pinned_until_unix_ms != 0,
+            Ok(None) => false,
+            Err(_) => true,
+        }
+    }
+
+    /// Charges the pin hints of `batch` to the caller's pinned bytes; a
+    /// hint past them is dropped (the block is stored unpinned). Which
+    /// were dropped, in batch order.
+    fn charge_pin_hints(&self, ns: &NamespaceId, batch: &mut [OffloadBlock<'_>]) -> Vec<bool> {
+        let bounded = self.sh.quotas.pin_bytes_bounded();
+        batch
+            .iter_mut()
+            .map(|b| {
+                if !b.hints.pinned || !bounded {
+                    return false;
+                }
+                let bytes = HEADER_BYTES as u64 + b.header.payload_len;
+                let still = |n: &NamespaceId, k: &BlockKey| self.still_pinned(n, k);
+                let ok =
+                    self.sh
+                        .quotas
+                        .pin(self.who.account, ns, &b.header.key, None, bytes, still);
+                if !ok {
+                    self.error("limit");
+                    b.hints.pinned = false;
+                }
+                !ok
+            })
+            .collect()
+    }
+
     /// Gives back the bytes lease `l` was charged, if any.
     fn forget_bytes(&mut self, l: u64) {
         if let Some((b, _)) = self.leased_bytes.remove(&l) {
@@ -1143,9 +1210,25 @@ impl Conn<'_> {
     }
 
     fn subscribed(&mut self, id: u32) {
-        let Some(sub) = self.sh.bus.subscribe() else {
+        // The last few slots are kept for admins (root's `kvtier events`,
+        // a router's relay).
+        let kept = if self.who.grant.may_use_reserve() {
+            0
+        } else {
+            self.sh.quotas.limits().admin_subscribers_reserved
+        };
+        let max = crate::base::events::SUBSCRIBERS_MAX;
+        let Some(sub) = self.sh.bus.subscribe_within(max.saturating_sub(kept)) else {
             self.error("busy");
-            send_err(self.fd, id, code::BUSY, "too many event subscribers");
+            let why = if kept == 0 {
+                format!("all {max} event subscriptions are taken")
+            } else {
+                format!(
+                    "all {max} event subscriptions are taken, {kept} of them kept for admins \
+                     ([access] admin_subscribers_reserved)"
+                )
+            };
+            send_err(self.fd, id, code::BUSY, why);
             return;
         };
         self.sh

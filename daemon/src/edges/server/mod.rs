@@ -305,8 +305,16 @@ impl Server {
         }) {
             return;
         }
+        // The last few connections are kept for admins: no mix of users
+        // locks root's `kvtier stats` or `kvtier events` out.
+        let max = self.shared.limits.max_connections;
+        let cap = if grant.may_use_reserve() {
+            max
+        } else {
+            max.saturating_sub(self.shared.quotas.limits().admin_connections_reserved)
+        };
         let n = self.shared.conns.fetch_add(1, Ordering::SeqCst) + 1;
-        if n > self.shared.limits.max_connections {
+        if n > cap {
             self.shared.conns.fetch_sub(1, Ordering::SeqCst);
             self.shared.quotas.give(account, quota::Res::Conn, 1);
             self.shared
@@ -314,7 +322,7 @@ impl Server {
                 .errors
                 .with_label_values(&["busy"])
                 .inc();
-            conn::refuse_busy(&s, self.shared.limits.max_connections);
+            conn::refuse_busy(&s, max, max - cap);
             return;
         }
         self.shared.metrics.connections.inc();

@@ -21,6 +21,10 @@ pub struct UidLimits {
     pub leases_per_uid_max: Option<usize>,
     /// Live pins one uid has made.
     pub pins_per_uid_max: Option<usize>,
+    /// Bytes of blocks (header + payload) one account (a tenant, or a uid
+    /// without tenants) holds pinned, by pin requests and by offloads with
+    /// the pin hint.
+    pub pin_bytes_per_tenant_max: Option<u64>,
     /// The backend's longest pin (a pin counts against its uid this long
     /// at most).
     pub pin_ttl_max_ms: u32,
@@ -31,6 +35,10 @@ pub struct UidLimits {
     /// Namespaces holding blocks that one uid (not root) has offloaded
     /// into.
     pub namespaces_per_uid_max: Option<usize>,
+    /// Connections only admins may take (of `max_connections`).
+    pub admin_connections_reserved: usize,
+    /// Event subscriptions only admins may take (of the bus's slots).
+    pub admin_subscribers_reserved: usize,
 }
 
 /// A counted resource.
@@ -49,7 +57,10 @@ const RES_COUNT: usize = 5;
 struct Use {
     held: [usize; RES_COUNT],
     lease_bytes: u64,
-    pins: HashMap<(NamespaceId, BlockKey), Instant>,
+    /// Live pins: until when (`None`: until unpinned, an offload's pin
+    /// hint) and the bytes charged.
+    pins: HashMap<(NamespaceId, BlockKey), (Option<Instant>, u64)>,
+    pin_bytes: u64,
     namespaces: std::collections::HashSet<NamespaceId>,
 }
 
@@ -79,6 +90,11 @@ impl Quotas {
         // Counters stay consistent under a panic elsewhere (each update is
         // one statement), so a poisoned lock is still usable.
         self.used.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The bounds.
+    pub(crate) fn limits(&self) -> &UidLimits {
+        &self.limits
     }
 
     fn max(&self, r: Res) -> Option<usize> {
@@ -149,24 +165,64 @@ impl Quotas {
         }
     }
 
-    /// Whether `uid` may pin `key` now (a refresh of its own live pin
-    /// always may); records it on `true`.
-    pub(crate) fn pin(&self, uid: u32, ns: &NamespaceId, key: &BlockKey, ttl_ms: u32) -> bool {
-        let Some(max) = self.limits.pins_per_uid_max else {
+    /// Whether `uid` may pin `key` of `bytes` for `ttl_ms` (`None`: until
+    /// unpinned) now, within its count and bytes (a refresh of its own
+    /// live pin always may); records it on `true`. `still_pinned` tells,
+    /// when the share looks spent, whether a pin without a deadline still
+    /// holds (an admin may have evicted or unpinned the block).
+    pub(crate) fn pin(
+        &self,
+        uid: u32,
+        ns: &NamespaceId,
+        key: &BlockKey,
+        ttl_ms: Option<u32>,
+        bytes: u64,
+        still_pinned: impl Fn(&NamespaceId, &BlockKey) -> bool,
+    ) -> bool {
+        let (count_max, bytes_max) = (
+            self.limits.pins_per_uid_max,
+            self.limits.pin_bytes_per_tenant_max,
+        );
+        if count_max.is_none() && bytes_max.is_none() {
             return true;
-        };
+        }
         let now = Instant::now();
-        let until = now + Duration::from_millis(u64::from(ttl_ms.min(self.limits.pin_ttl_max_ms)));
+        let until = ttl_ms
+            .map(|ms| now + Duration::from_millis(u64::from(ms.min(self.limits.pin_ttl_max_ms))));
+        let fits = |u: &Use| {
+            count_max.is_none_or(|m| u.pins.len() < m)
+                && bytes_max.is_none_or(|m| u.pin_bytes.saturating_add(bytes) <= m)
+        };
         let mut m = self.lock();
         let u = m.entry(uid).or_default();
-        if !u.pins.contains_key(&(*ns, *key)) && u.pins.len() >= max {
-            u.pins.retain(|_, t| *t > now);
-            if u.pins.len() >= max {
+        if let Some((_, old)) = u.pins.remove(&(*ns, *key)) {
+            u.pin_bytes = u.pin_bytes.saturating_sub(old);
+        } else if !fits(u) {
+            let mut freed = 0u64;
+            u.pins.retain(|(n, k), (t, b)| {
+                let keep = match t {
+                    Some(t) => *t > now,
+                    None => still_pinned(n, k),
+                };
+                if !keep {
+                    freed += *b;
+                }
+                keep
+            });
+            u.pin_bytes = u.pin_bytes.saturating_sub(freed);
+            if !fits(u) {
                 return false;
             }
         }
-        u.pins.insert((*ns, *key), until);
+        u.pins.insert((*ns, *key), (until, bytes));
+        u.pin_bytes = u.pin_bytes.saturating_add(bytes);
         true
+    }
+
+    /// Whether pins are bounded per account in bytes (then the caller
+    /// sizes each pin, offloads with the pin hint included).
+    pub(crate) fn pin_bytes_bounded(&self) -> bool {
+        self.limits.pin_bytes_per_tenant_max.is_some()
     }
 
     /// Whether `uid` may offload into `ns`: one it offloaded into before,
@@ -199,7 +255,9 @@ impl Quotas {
     /// Forgets a pin (unpinned, or the pin failed).
     pub(crate) fn unpin(&self, uid: u32, ns: &NamespaceId, key: &BlockKey) {
         if let Some(u) = self.lock().get_mut(&uid) {
-            u.pins.remove(&(*ns, *key));
+            if let Some((_, b)) = u.pins.remove(&(*ns, *key)) {
+                u.pin_bytes = u.pin_bytes.saturating_sub(b);
+            }
         }
     }
 }
@@ -229,12 +287,36 @@ mod tests {
             BlockKey::from_bytes(&[1; 32]).unwrap(),
         );
         let k2 = BlockKey::from_bytes(&[2; 32]).unwrap();
-        assert!(q.pin(1, &ns, &k, 1000));
-        assert!(q.pin(1, &ns, &k, 1000), "a refresh of its own pin");
-        assert!(!q.pin(1, &ns, &k2, 1000));
-        assert!(q.pin(2, &ns, &k2, 1000));
+        assert!(q.pin(1, &ns, &k, Some(1000), 1, |_, _| true));
+        assert!(
+            q.pin(1, &ns, &k, Some(1000), 1, |_, _| true),
+            "a refresh of its own pin"
+        );
+        assert!(!q.pin(1, &ns, &k2, Some(1000), 1, |_, _| true));
+        assert!(q.pin(2, &ns, &k2, Some(1000), 1, |_, _| true));
         q.unpin(1, &ns, &k);
-        assert!(q.pin(1, &ns, &k2, 1000));
+        assert!(q.pin(1, &ns, &k2, Some(1000), 1, |_, _| true));
+    }
+
+    #[test]
+    fn pinned_bytes_are_bounded_per_account_and_given_back() {
+        let q = Quotas::new(UidLimits {
+            pin_bytes_per_tenant_max: Some(100),
+            pin_ttl_max_ms: 60_000,
+            ..Default::default()
+        });
+        let ns = NamespaceId([1; 16]);
+        let k = |i: u8| BlockKey::from_bytes(&[i; 32]).unwrap();
+        let yes = |_: &NamespaceId, _: &BlockKey| true;
+        assert!(q.pin(1, &ns, &k(1), Some(1000), 60, yes));
+        assert!(!q.pin(1, &ns, &k(2), Some(1000), 60, yes), "past 100 bytes");
+        assert!(q.pin(1, &ns, &k(1), Some(1000), 60, yes), "a refresh");
+        assert!(q.pin(2, &ns, &k(2), Some(1000), 60, yes), "another account");
+        q.unpin(1, &ns, &k(1));
+        // A pin until unpinned (an offload's hint) counts until it is gone.
+        assert!(q.pin(1, &ns, &k(3), None, 60, yes));
+        assert!(!q.pin(1, &ns, &k(4), None, 60, yes));
+        assert!(q.pin(1, &ns, &k(4), None, 60, |_, key| *key != k(3)));
     }
 
     #[test]
@@ -249,8 +331,8 @@ mod tests {
             BlockKey::from_bytes(&[1; 32]).unwrap(),
             BlockKey::from_bytes(&[2; 32]).unwrap(),
         );
-        assert!(q.pin(1, &ns, &k, 1));
+        assert!(q.pin(1, &ns, &k, Some(1), 1, |_, _| true));
         std::thread::sleep(Duration::from_millis(5));
-        assert!(q.pin(1, &ns, &k2, 1000));
+        assert!(q.pin(1, &ns, &k2, Some(1000), 1, |_, _| true));
     }
 }

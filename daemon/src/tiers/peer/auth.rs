@@ -1,14 +1,20 @@
 //! Request signatures with a shared secret.
 //!
-//! Header: `Authorization: kvtier-hmac <unix_ms>:<nonce>:<64 hex digits>`,
-//! where the nonce is 32 fresh random hex digits and the digits are
-//! `blake3::keyed_hash(K, method \n path \n range \n nonce \n unix_ms)`,
-//! `K = blake3::derive_key("kvtier peer v2", secret)`. The signature binds
-//! the method, the exact path and the `Range` header, the nonce, and a
-//! timestamp that must lie within the allowed clock skew, so a captured
-//! header is useless for another block and goes stale; within the skew the
-//! server remembers every signature it accepted (peer/replay.rs), so a
-//! captured request replayed is refused. Comparison is constant-time
+//! Header: `Authorization: kvtier-hmac <node>/<epoch>:<unix_ms>:<nonce>:<64
+//! hex digits>`, where `<node>` and `<epoch>` name the receiving server
+//! (its node id, and the epoch it took at its start: [`Target`]), the nonce
+//! is 32 fresh random hex digits and the digits are `blake3::keyed_hash(K,
+//! method \n path \n range \n nonce \n node \n epoch \n unix_ms)`, `K =
+//! blake3::derive_key("kvtier peer v3", secret)`. The signature binds the
+//! method, the exact path and the `Range` header, the nonce, the receiving
+//! node and its epoch, and a timestamp that must lie within the allowed
+//! clock skew, so a captured header is useless for another block, at
+//! another node sharing the secret, and after the server restarted (its
+//! epoch grows at every start, whatever the clock says); within one run
+//! the server remembers every signature it accepted (peer/replay.rs), so a
+//! captured request replayed is refused. A client learns a server's node
+//! and epoch from the [`TARGET_HEADER`] of any answer (a request signed
+//! for another is answered 401 with it, and signed again). Comparison is constant-time
 //! (`blake3::Hash`'s `PartialEq`). Transport is plain TCP: the secret proves
 //! who asks, it does not hide the bytes (see docs/OPERATIONS.md).
 //!
@@ -22,14 +28,17 @@
 /// Authorization scheme name.
 pub const SCHEME: &str = "kvtier-hmac";
 /// Key-derivation context.
-/// (v2: the nonce is signed; a v1 node's requests are refused, 401.)
-const CONTEXT: &str = "kvtier peer v2";
+/// (v2: the nonce is signed; v3: the receiving node and its epoch are.
+/// An older node's requests are refused, 401.)
+const CONTEXT: &str = "kvtier peer v3";
 /// Hex digits of a signature nonce.
 const NONCE_HEX_DIGITS: usize = 32;
 /// Request header carrying the client's nonce.
 pub const NONCE_HEADER: &str = "x-kvtier-nonce";
 /// Response header carrying the server's proof.
 pub const PROOF_HEADER: &str = "x-kvtier-proof";
+/// Response header naming the server: `<node>/<epoch>` ([`Target`]).
+pub const TARGET_HEADER: &str = "x-kvtier-node";
 /// Shortest secret accepted, in bytes.
 pub const SECRET_BYTES_MIN: usize = 16;
 
@@ -56,6 +65,41 @@ pub enum AuthFault {
     BadSignature,
     /// The signature was accepted before (peer/replay.rs).
     Replayed,
+    /// Signed for another node, or for an earlier start of this one.
+    OtherTarget,
+}
+
+/// The server a request is signed for: its node id and the epoch it took
+/// at its start (larger at every start of the node).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Target {
+    /// Node id ([`super::validate_node_id`]; empty: not known yet).
+    pub node: String,
+    /// Epoch (0: not known yet).
+    pub epoch: u64,
+}
+
+impl Target {
+    /// `<node>/<epoch>`, as [`TARGET_HEADER`] and the signature carry it.
+    pub fn to_header(&self) -> String {
+        format!("{}/{}", self.node, self.epoch)
+    }
+
+    /// Parses `<node>/<epoch>` (a node id of at most 64 bytes of
+    /// `[A-Za-z0-9._-]`, or none).
+    pub fn parse(s: &str) -> Option<Target> {
+        let (node, epoch) = s.split_once('/')?;
+        if !node.is_empty() && super::validate_node_id(node).is_err() {
+            return None;
+        }
+        if epoch.is_empty() || epoch.len() > 20 || !epoch.bytes().all(|b| b.is_ascii_digit()) {
+            return None;
+        }
+        Some(Target {
+            node: node.to_string(),
+            epoch: epoch.parse().ok()?,
+        })
+    }
 }
 
 /// An accepted signature: what the replay cache remembers.
@@ -88,10 +132,12 @@ impl PeerKey {
         path: &str,
         range: &str,
         nonce: &str,
+        to: &Target,
         unix_ms: u64,
     ) -> blake3::Hash {
         let mut h = blake3::Hasher::new_keyed(&self.0);
-        for part in [method, path, range, nonce] {
+        let epoch = to.epoch.to_string();
+        for part in [method, path, range, nonce, &to.node, &epoch] {
             h.update(part.as_bytes());
             h.update(b"\n");
         }
@@ -99,13 +145,14 @@ impl PeerKey {
         h.finalize()
     }
 
-    /// The `Authorization` header value for a request, with a fresh nonce:
-    /// no two calls give the same value.
-    pub fn sign(&self, method: &str, path: &str, range: &str, unix_ms: u64) -> String {
+    /// The `Authorization` header value for a request to `to`, with a
+    /// fresh nonce: no two calls give the same value.
+    pub fn sign(&self, method: &str, path: &str, range: &str, to: &Target, unix_ms: u64) -> String {
         let nonce = Self::nonce();
         format!(
-            "{SCHEME} {unix_ms}:{nonce}:{}",
-            self.mac(method, path, range, &nonce, unix_ms).to_hex()
+            "{SCHEME} {}:{unix_ms}:{nonce}:{}",
+            to.to_header(),
+            self.mac(method, path, range, &nonce, to, unix_ms).to_hex()
         )
     }
 
@@ -149,14 +196,17 @@ impl PeerKey {
         self.proof_mac(nonce, authorization, status) == p
     }
 
-    /// Checks an `Authorization` header value against the request, with
-    /// `now_unix_ms` and the allowed skew in either direction.
+    /// Checks an `Authorization` header value against the request at the
+    /// server `me`, with `now_unix_ms` and the allowed skew in either
+    /// direction.
+    #[allow(clippy::too_many_arguments)]
     pub fn verify(
         &self,
         header: Option<&str>,
         method: &str,
         path: &str,
         range: &str,
+        me: &Target,
         now_unix_ms: u64,
         skew_ms: u64,
     ) -> Result<Signed, AuthFault> {
@@ -165,6 +215,8 @@ impl PeerKey {
             .strip_prefix(SCHEME)
             .and_then(|r| r.strip_prefix(' '))
             .ok_or(AuthFault::Malformed)?;
+        let (to, rest) = rest.split_once(':').ok_or(AuthFault::Malformed)?;
+        let to = Target::parse(to).ok_or(AuthFault::Malformed)?;
         let (ms, rest) = rest.split_once(':').ok_or(AuthFault::Malformed)?;
         let (nonce, sig) = rest.split_once(':').ok_or(AuthFault::Malformed)?;
         if ms.is_empty() || ms.len() > 19 || !ms.bytes().all(|b| b.is_ascii_digit()) {
@@ -175,17 +227,21 @@ impl PeerKey {
         }
         let unix_ms: u64 = ms.parse().map_err(|_| AuthFault::Malformed)?;
         let sig = blake3::Hash::from_hex(sig).map_err(|_| AuthFault::Malformed)?;
+        if self.mac(method, path, range, nonce, &to, unix_ms) != sig {
+            return Err(AuthFault::BadSignature);
+        }
+        // Signed with the secret, for another server (or an earlier start
+        // of this one): the client signs again for `me`.
+        if to != *me {
+            return Err(AuthFault::OtherTarget);
+        }
         if now_unix_ms.abs_diff(unix_ms) > skew_ms {
             return Err(AuthFault::Stale);
         }
-        if self.mac(method, path, range, nonce, unix_ms) == sig {
-            Ok(Signed {
-                unix_ms,
-                mac: *sig.as_bytes(),
-            })
-        } else {
-            Err(AuthFault::BadSignature)
-        }
+        Ok(Signed {
+            unix_ms,
+            mac: *sig.as_bytes(),
+        })
     }
 }
 
@@ -197,7 +253,10 @@ mod tests {
     fn the_server_proof_binds_secret_nonce_request_and_status() {
         let k = PeerKey::from_secret(&[1u8; 32]).unwrap();
         let other = PeerKey::from_secret(&[2u8; 32]).unwrap();
-        let (n, a) = (PeerKey::nonce(), k.sign("GET", "/v1/blocks/x/y", "", 5));
+        let (n, a) = (
+            PeerKey::nonce(),
+            k.sign("GET", "/v1/blocks/x/y", "", &Target::default(), 5),
+        );
         assert_ne!(n, PeerKey::nonce());
         let p = k.prove(&n, &a, 200);
         assert!(k.check_proof(Some(&p), &n, &a, 200));
@@ -208,34 +267,80 @@ mod tests {
         assert!(!k.check_proof(Some(&p), &n, &a, 404));
     }
 
+    fn me() -> Target {
+        Target {
+            node: "node-a".into(),
+            epoch: 7,
+        }
+    }
+
+    #[test]
+    fn a_request_signed_for_another_node_or_start_is_refused() {
+        let k = PeerKey::from_secret(b"0123456789abcdef-secret").unwrap();
+        let h = k.sign("GET", "/p", "", &me(), 1000);
+        assert!(k.verify(Some(&h), "GET", "/p", "", &me(), 1000, 10).is_ok());
+        let b = Target {
+            node: "node-b".into(),
+            epoch: 7,
+        };
+        assert_eq!(
+            k.verify(Some(&h), "GET", "/p", "", &b, 1000, 10),
+            Err(AuthFault::OtherTarget)
+        );
+        let restarted = Target { epoch: 8, ..me() };
+        assert_eq!(
+            k.verify(Some(&h), "GET", "/p", "", &restarted, 1000, 10),
+            Err(AuthFault::OtherTarget)
+        );
+        // The target is signed: rewriting it breaks the signature.
+        let forged = h.replace("node-a/7", "node-b/7");
+        assert_eq!(
+            k.verify(Some(&forged), "GET", "/p", "", &b, 1000, 10),
+            Err(AuthFault::BadSignature)
+        );
+        assert_eq!(Target::parse("node-a/7"), Some(me()));
+        assert_eq!(Target::parse("/0"), Some(Target::default()));
+        for bad in ["node-a", "a b/1", "x/", "x/1a", ".h/1"] {
+            assert_eq!(Target::parse(bad), None, "{bad}");
+        }
+    }
+
     #[test]
     fn sign_verify() {
         let k = PeerKey::from_secret(b"0123456789abcdef-secret").unwrap();
         let other = PeerKey::from_secret(b"another-secret-0123456").unwrap();
-        let h = k.sign("GET", "/v1/blocks/x/y", "", 1000);
+        let h = k.sign("GET", "/v1/blocks/x/y", "", &me(), 1000);
         assert!(k
-            .verify(Some(&h), "GET", "/v1/blocks/x/y", "", 1500, 1000)
+            .verify(Some(&h), "GET", "/v1/blocks/x/y", "", &me(), 1500, 1000)
             .is_ok());
         // Every signature is fresh: same request, same instant, new nonce.
-        assert_ne!(h, k.sign("GET", "/v1/blocks/x/y", "", 1000));
+        assert_ne!(h, k.sign("GET", "/v1/blocks/x/y", "", &me(), 1000));
         assert_eq!(
-            other.verify(Some(&h), "GET", "/v1/blocks/x/y", "", 1500, 1000),
+            other.verify(Some(&h), "GET", "/v1/blocks/x/y", "", &me(), 1500, 1000),
             Err(AuthFault::BadSignature)
         );
         assert_eq!(
-            k.verify(Some(&h), "GET", "/v1/blocks/x/z", "", 1500, 1000),
+            k.verify(Some(&h), "GET", "/v1/blocks/x/z", "", &me(), 1500, 1000),
             Err(AuthFault::BadSignature)
         );
         assert_eq!(
-            k.verify(Some(&h), "GET", "/v1/blocks/x/y", "bytes=0-1", 1500, 1000),
+            k.verify(
+                Some(&h),
+                "GET",
+                "/v1/blocks/x/y",
+                "bytes=0-1",
+                &me(),
+                1500,
+                1000
+            ),
             Err(AuthFault::BadSignature)
         );
         assert_eq!(
-            k.verify(Some(&h), "GET", "/v1/blocks/x/y", "", 2001, 1000),
+            k.verify(Some(&h), "GET", "/v1/blocks/x/y", "", &me(), 2001, 1000),
             Err(AuthFault::Stale)
         );
         assert_eq!(
-            k.verify(None, "GET", "/", "", 0, 1),
+            k.verify(None, "GET", "/", "", &me(), 0, 1),
             Err(AuthFault::Missing)
         );
         for bad in [
@@ -247,9 +352,11 @@ mod tests {
             // v1 form (no nonce).
             &format!("kvtier-hmac 1:{}", "0".repeat(64)),
             "kvtier-hmac 1:0123:00",
+            // v2 form (no target).
+            &format!("kvtier-hmac 1:{}:{}", "0".repeat(32), "0".repeat(64)),
         ] {
             assert_eq!(
-                k.verify(Some(bad), "GET", "/", "", 1, 10),
+                k.verify(Some(bad), "GET", "/", "", &me(), 1, 10),
                 Err(AuthFault::Malformed)
             );
         }

@@ -7,7 +7,7 @@
 //! exactly at the header's file length. Only then is a [`PeerFetch::Hit`]
 //! returned; every other path is a [`PeerMiss`] value.
 
-use super::auth::{PeerKey, NONCE_HEADER, PROOF_HEADER};
+use super::auth::{PeerKey, Target, NONCE_HEADER, PROOF_HEADER, TARGET_HEADER};
 
 static PROOF_WARN: crate::base::log_limit::LogLimit = crate::base::log_limit::LogLimit::new(10_000);
 use super::holdings::{HoldingsDigest, HOLDINGS_PATH};
@@ -213,6 +213,9 @@ pub struct PeerClient {
     /// Peers whose last answer refused us (401) or lacked the proof of
     /// our secret: when, and the status (`/healthz`).
     refusals: Arc<Mutex<HashMap<String, (std::time::Instant, u16)>>>,
+    /// Who each peer address said it is (node id, epoch of its start):
+    /// requests are signed for it (auth.rs).
+    targets: Arc<Mutex<HashMap<String, Target>>>,
 }
 
 /// Peers with a refusal newer than this are reported by `/healthz`.
@@ -249,6 +252,7 @@ impl PeerClient {
             metrics: Arc::new(PeerMetrics::default()),
             idle: Arc::new(Mutex::new(HashMap::new())),
             refusals: Arc::new(Mutex::new(HashMap::new())),
+            targets: Arc::new(Mutex::new(HashMap::new())),
         })
     }
 
@@ -383,40 +387,13 @@ impl PeerClient {
     ) -> PeerFetch {
         use PeerFetch::Miss;
         let path = block_url_path(ns, key);
-        let mut idle = self.take_idle(address);
         let nonce = PeerKey::nonce();
-        let mut auth;
-        let (mut conn, resp) = loop {
-            // A pooled connection the peer has closed meanwhile fails on
-            // first use; that is not the peer being down, so retry fresh.
-            let reused = idle.is_some();
-            let mut conn = match idle.take() {
-                Some(c) => c,
-                None => match self.connect(address, deadline).await {
-                    Ok(c) => c,
-                    Err(m) => return Miss(m),
-                },
-            };
-            if conn.sender.ready().await.is_err() {
-                if reused {
-                    continue;
-                }
-                return Miss(PeerMiss::Unavailable);
-            }
-            auth = self.key.sign("GET", &path, "", unix_ms_now());
-            let req = Request::get(path.as_str())
-                .header(header::HOST, address)
-                .header(header::AUTHORIZATION, auth.as_str())
-                .header(NONCE_HEADER, nonce.as_str())
-                .body(Empty::new());
-            let Ok(req) = req else {
-                return Miss(PeerMiss::Unavailable);
-            };
-            match conn.sender.send_request(req).await {
-                Ok(r) => break (conn, r),
-                Err(_) if reused => continue,
-                Err(_) => return Miss(PeerMiss::Unavailable),
-            }
+        let (mut conn, resp, auth) = match self
+            .send_signed(address, &path, None, &nonce, deadline)
+            .await
+        {
+            Ok(v) => v,
+            Err(m) => return Miss(m),
         };
         if !self.server_proved(address, &resp, &nonce, &auth) {
             return Miss(PeerMiss::Unavailable);
@@ -515,37 +492,12 @@ impl PeerClient {
     ) -> bool {
         let path = block_url_path(ns, key);
         let range = format!("bytes=0-{}", HEADER_BYTES - 1);
-        let mut idle = self.take_idle(address);
         let nonce = PeerKey::nonce();
-        let mut auth;
-        let (conn, resp) = loop {
-            let reused = idle.is_some();
-            let mut conn = match idle.take() {
-                Some(c) => c,
-                None => match self.connect(address, deadline).await {
-                    Ok(c) => c,
-                    Err(_) => return false,
-                },
-            };
-            if conn.sender.ready().await.is_err() {
-                if reused {
-                    continue;
-                }
-                return false;
-            }
-            auth = self.key.sign("GET", &path, &range, unix_ms_now());
-            let req = Request::get(path.as_str())
-                .header(header::HOST, address)
-                .header(header::RANGE, range.as_str())
-                .header(header::AUTHORIZATION, auth.as_str())
-                .header(NONCE_HEADER, nonce.as_str())
-                .body(Empty::new());
-            let Ok(req) = req else { return false };
-            match conn.sender.send_request(req).await {
-                Ok(r) => break (conn, r),
-                Err(_) if reused => continue,
-                Err(_) => return false,
-            }
+        let Ok((conn, resp, auth)) = self
+            .send_signed(address, &path, Some(&range), &nonce, deadline)
+            .await
+        else {
+            return false;
         };
         if !self.server_proved(address, &resp, &nonce, &auth) {
             return false;
@@ -599,34 +551,10 @@ impl PeerClient {
         deadline: Instant,
     ) -> std::result::Result<HoldingsDigest, PeerMiss> {
         let path = HOLDINGS_PATH;
-        let mut idle = self.take_idle(address);
         let nonce = PeerKey::nonce();
-        let mut auth;
-        let (conn, resp) = loop {
-            let reused = idle.is_some();
-            let mut conn = match idle.take() {
-                Some(c) => c,
-                None => self.connect(address, deadline).await?,
-            };
-            if conn.sender.ready().await.is_err() {
-                if reused {
-                    continue;
-                }
-                return Err(PeerMiss::Unavailable);
-            }
-            auth = self.key.sign("GET", path, "", unix_ms_now());
-            let req = Request::get(path)
-                .header(header::HOST, address)
-                .header(header::AUTHORIZATION, auth.as_str())
-                .header(NONCE_HEADER, nonce.as_str())
-                .body(Empty::new())
-                .map_err(|_| PeerMiss::Unavailable)?;
-            match conn.sender.send_request(req).await {
-                Ok(r) => break (conn, r),
-                Err(_) if reused => continue,
-                Err(_) => return Err(PeerMiss::Unavailable),
-            }
-        };
+        let (conn, resp, auth) = self
+            .send_signed(address, path, None, &nonce, deadline)
+            .await?;
         if !self.server_proved(address, &resp, &nonce, &auth) {
             return Err(PeerMiss::Unavailable);
         }
@@ -656,6 +584,112 @@ impl PeerClient {
 }
 
 impl PeerClient {
+    /// Sends one signed `GET path` (with `range`) to `address` on a pooled
+    /// or fresh connection, signed for the node and epoch the peer last
+    /// named; the connection, the answer and the `Authorization` sent.
+    /// A peer that answers 401 naming another node or epoch (it restarted,
+    /// or it is the first request to it), with the proof of our secret, is
+    /// asked once more, signed for what it named.
+    async fn send_signed(
+        &self,
+        address: &str,
+        path: &str,
+        range: Option<&str>,
+        nonce: &str,
+        deadline: Instant,
+    ) -> std::result::Result<(Conn, hyper::Response<hyper::body::Incoming>, String), PeerMiss> {
+        let mut idle = self.take_idle(address);
+        let mut signed_again = false;
+        loop {
+            // A pooled connection the peer has closed meanwhile fails on
+            // first use; that is not the peer being down, so retry fresh.
+            let reused = idle.is_some();
+            let mut conn = match idle.take() {
+                Some(c) => c,
+                None => self.connect(address, deadline).await?,
+            };
+            if conn.sender.ready().await.is_err() {
+                if reused {
+                    continue;
+                }
+                return Err(PeerMiss::Unavailable);
+            }
+            let to = self.target_of(address);
+            let auth = self
+                .key
+                .sign("GET", path, range.unwrap_or(""), &to, unix_ms_now());
+            let mut req = Request::get(path)
+                .header(header::HOST, address)
+                .header(header::AUTHORIZATION, auth.as_str())
+                .header(NONCE_HEADER, nonce);
+            if let Some(r) = range {
+                req = req.header(header::RANGE, r);
+            }
+            let req = req.body(Empty::new()).map_err(|_| PeerMiss::Unavailable)?;
+            let resp = match conn.sender.send_request(req).await {
+                Ok(r) => r,
+                Err(_) if reused => continue,
+                Err(_) => return Err(PeerMiss::Unavailable),
+            };
+            let named = resp
+                .headers()
+                .get(TARGET_HEADER)
+                .and_then(|v| v.to_str().ok())
+                .and_then(Target::parse);
+            let proved = || {
+                let proof = resp
+                    .headers()
+                    .get(PROOF_HEADER)
+                    .and_then(|v| v.to_str().ok());
+                self.key
+                    .check_proof(proof, nonce, &auth, resp.status().as_u16())
+            };
+            match named {
+                Some(t) if t != to => {
+                    // Believed only with the proof (a 401 carries none:
+                    // the next request, signed for it, proves it or not).
+                    let retry = resp.status() == StatusCode::UNAUTHORIZED && !signed_again;
+                    if retry || proved() {
+                        self.set_target(address, t);
+                    }
+                    if retry {
+                        signed_again = true;
+                        // The short refusal read, the connection serves
+                        // the request signed again.
+                        let short = http_body_util::Limited::new(resp.into_body(), 4096);
+                        if let Ok(Ok(_)) =
+                            tokio::time::timeout(Duration::from_millis(100), short.collect()).await
+                        {
+                            idle = Some(conn);
+                        }
+                        continue;
+                    }
+                }
+                _ => {}
+            }
+            return Ok((conn, resp, auth));
+        }
+    }
+
+    /// The node and epoch requests to `address` are signed for (none
+    /// known: the empty target, which the peer answers naming itself).
+    fn target_of(&self, address: &str) -> Target {
+        self.targets
+            .lock()
+            .ok()
+            .and_then(|t| t.get(address).cloned())
+            .unwrap_or_default()
+    }
+
+    fn set_target(&self, address: &str, t: Target) {
+        if let Ok(mut m) = self.targets.lock() {
+            if m.len() >= IDLE_PEERS_MAX && !m.contains_key(address) {
+                m.clear();
+            }
+            m.insert(address.to_string(), t);
+        }
+    }
+
     /// Whether the answer carries the proof that the server holds the
     /// shared secret (auth.rs); an answer without it is not believed.
     fn server_proved<B>(

@@ -5,10 +5,12 @@
 //! again is refused. Bounded: only requests that passed the signature
 //! check enter (nobody without the secret can fill it), at most
 //! `replay_cache_max` of them; when that many are live, new requests get
-//! 503 until some go stale, never a forgotten signature. The memory does
-//! not survive a restart, so a request signed before the server started is
-//! refused too (a request captured and replayed across a restart was
-//! served again).
+//! 503 until some go stale, never a forgotten signature. Stale is judged
+//! against the latest clock reading the cache has seen, never an earlier
+//! one: a signature is forgotten only once a request of its timestamp is
+//! refused for good, so a clock set back does not bring a captured request
+//! back. The memory does not survive a restart; the server's epoch does
+//! that (auth.rs: a request is signed for one start of one node).
 
 use super::auth::Signed;
 use std::collections::{HashSet, VecDeque};
@@ -25,6 +27,8 @@ pub enum Refused {
 
 #[derive(Default)]
 struct Inner {
+    /// The latest clock reading seen (ms): time here never goes back.
+    high_ms: u64,
     seen: HashSet<[u8; 32]>,
     /// (stale after, mac), in arrival order: timestamps arrive nearly in
     /// order, so purging from the front frees nearly all that is stale.
@@ -35,9 +39,6 @@ struct Inner {
 pub struct ReplayCache {
     max: usize,
     skew_ms: u64,
-    /// Signatures older than this (the server's start) are refused: the
-    /// cache of the run before is gone.
-    not_before_ms: u64,
     inner: Mutex<Inner>,
 }
 
@@ -47,25 +48,24 @@ impl ReplayCache {
         ReplayCache {
             max: max.max(1),
             skew_ms,
-            not_before_ms: 0,
             inner: Mutex::new(Inner::default()),
         }
     }
 
-    /// Refuses every signature timestamped before `unix_ms` (the server's
-    /// start: what it admitted before a restart is forgotten).
-    pub fn not_before(mut self, unix_ms: u64) -> Self {
-        self.not_before_ms = unix_ms;
-        self
-    }
-
     /// Admits `s` (first use) or refuses it.
     pub fn admit(&self, s: &Signed, now_unix_ms: u64) -> Result<(), Refused> {
-        if s.unix_ms < self.not_before_ms {
+        let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        let Inner {
+            high_ms,
+            seen,
+            order,
+        } = &mut *g;
+        *high_ms = (*high_ms).max(now_unix_ms);
+        let now_unix_ms = *high_ms;
+        // Stale by the latest clock: its memory may be gone.
+        if s.unix_ms.saturating_add(self.skew_ms) < now_unix_ms {
             return Err(Refused::Replayed);
         }
-        let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
-        let Inner { seen, order } = &mut *g;
         while order.front().is_some_and(|(stale, _)| *stale < now_unix_ms) {
             if let Some((_, mac)) = order.pop_front() {
                 seen.remove(&mac);
@@ -125,9 +125,11 @@ mod tests {
         // Once stale (the timestamp check refuses them anyway) they go.
         assert_eq!(c.admit(&s(3, 11_500), 11_500), Ok(()));
         assert_eq!(c.len(), 1);
-        // A restarted server forgot what it admitted: older signatures go.
-        let c = ReplayCache::new(2, 1000).not_before(11_000);
-        assert_eq!(c.admit(&s(4, 10_900), 11_100), Err(Refused::Replayed));
-        assert_eq!(c.admit(&s(5, 11_000), 11_100), Ok(()));
+        // The clock set back does not bring a forgotten signature back.
+        let c = ReplayCache::new(2, 1000);
+        assert_eq!(c.admit(&s(4, 10_000), 10_000), Ok(()));
+        assert_eq!(c.admit(&s(5, 20_000), 20_000), Ok(()));
+        assert_eq!(c.len(), 1, "4 went stale");
+        assert_eq!(c.admit(&s(4, 10_000), 10_000), Err(Refused::Replayed));
     }
 }

@@ -71,6 +71,13 @@ pub struct PeerServerConfig {
     /// TEST-ONLY: flip the first payload byte of every block sent, to
     /// simulate a lying peer. Off by default; never set it in production.
     pub corrupt_responses_for_tests: bool,
+    /// This node's id: requests must be signed for it (empty: requests
+    /// signed for no node, as a client that never heard of this one signs).
+    pub node_id: String,
+    /// This start's epoch, larger than every earlier start's (the node
+    /// records it in its data directory); requests must be signed for it.
+    /// `None`: a random one.
+    pub epoch: Option<u64>,
 }
 
 impl std::fmt::Debug for PeerServerConfig {
@@ -107,6 +114,8 @@ impl PeerServerConfig {
             holdings_bytes_max: 4 << 20,
             holdings_cache_ms: 1_000,
             corrupt_responses_for_tests: false,
+            node_id: String::new(),
+            epoch: None,
         }
     }
 
@@ -190,12 +199,17 @@ struct State {
     holdings: tokio::sync::Mutex<Option<(std::time::Instant, Bytes)>>,
     /// Signatures accepted within the skew window (replays refused).
     replay: ReplayCache,
+    /// Who requests must be signed for: this node, this start.
+    me: super::auth::Target,
+    /// `me` as the header every answer carries.
+    me_header: header::HeaderValue,
 }
 
 /// A running peer server. Dropping it stops accepting and closes every open
 /// connection.
 pub struct PeerServer {
     local_addr: SocketAddr,
+    me: super::auth::Target,
     shutdown: watch::Sender<bool>,
     accept: JoinHandle<()>,
     metrics: Arc<PeerServerMetrics>,
@@ -228,11 +242,22 @@ impl PeerServer {
             .map_err(|e| Error::io("reading the address of", cfg.bind.to_string(), e))?;
         let metrics = Arc::new(PeerServerMetrics::default());
         let (shutdown, rx) = watch::channel(false);
+        let me = super::auth::Target {
+            node: cfg.node_id.clone(),
+            // Never 0: that is a client's "not known yet".
+            epoch: cfg.epoch.unwrap_or_else(rand::random::<u64>).max(1),
+        };
+        let me_header =
+            header::HeaderValue::from_str(&me.to_header()).map_err(|_| Error::Config {
+                key: "peer.node_id".into(),
+                problem: format!("{:?} cannot be a header value", me.node),
+            })?;
         let state = Arc::new(State {
             key,
             transfers: Arc::new(Semaphore::new(cfg.transfers_max)),
-            replay: ReplayCache::new(cfg.replay_cache_max, cfg.clock_skew_ms)
-                .not_before(unix_ms_now()),
+            replay: ReplayCache::new(cfg.replay_cache_max, cfg.clock_skew_ms),
+            me: me.clone(),
+            me_header,
             cfg,
             source,
             metrics: metrics.clone(),
@@ -241,6 +266,7 @@ impl PeerServer {
         let accept = tokio::spawn(accept_loop(listener, state, rx));
         Ok(PeerServer {
             local_addr,
+            me,
             shutdown,
             accept,
             metrics,
@@ -250,6 +276,11 @@ impl PeerServer {
     /// The bound address (with the real port when bound to port 0).
     pub fn local_addr(&self) -> SocketAddr {
         self.local_addr
+    }
+
+    /// Who requests must be signed for: this node, this start (auth.rs).
+    pub fn target(&self) -> super::auth::Target {
+        self.me.clone()
     }
 
     /// Counters.
@@ -360,6 +391,12 @@ async fn handle(st: &State, req: Request<Incoming>, ticket: &Ticket) -> Response
         .filter(|n| n.len() <= 64)
         .map(str::to_owned);
     let mut r = handle_inner(st, req, ticket).await;
+    // Who to sign for: this node, this start (auth.rs); a refusal names
+    // it only to a request signed with the secret for another target.
+    if r.status() != StatusCode::UNAUTHORIZED {
+        r.headers_mut()
+            .insert(super::auth::TARGET_HEADER, st.me_header.clone());
+    }
     if r.status() != StatusCode::UNAUTHORIZED {
         if let (Some(a), Some(n)) = (auth, nonce) {
             let proof = st.key.prove(&n, &a, r.status().as_u16());
@@ -396,6 +433,7 @@ async fn handle_inner(st: &State, req: Request<Incoming>, ticket: &Ticket) -> Re
         "GET",
         path,
         range_hdr.unwrap_or(""),
+        &st.me,
         now,
         st.cfg.clock_skew_ms,
     );
@@ -419,8 +457,15 @@ async fn handle_inner(st: &State, req: Request<Incoming>, ticket: &Ticket) -> Re
             AuthFault::Stale => "stale timestamp: check clock sync\n",
             AuthFault::BadSignature => "bad signature: check the shared secret\n",
             AuthFault::Replayed => "replayed request: each signature is accepted once\n",
+            AuthFault::OtherTarget => {
+                "signed for another node or an earlier start of this one: sign for x-kvtier-node\n"
+            }
         };
         let mut r = plain(StatusCode::UNAUTHORIZED, msg);
+        if fault == AuthFault::OtherTarget {
+            r.headers_mut()
+                .insert(super::auth::TARGET_HEADER, st.me_header.clone());
+        }
         r.headers_mut().insert(
             header::WWW_AUTHENTICATE,
             header::HeaderValue::from_static("kvtier-hmac"),
