@@ -259,43 +259,8 @@ impl Conn<'_> {
             );
             return;
         };
-        if shm_bytes > 0 {
-            if shm_bytes > self.sh.limits.region_bytes_max {
-                self.error("limit");
-                send_err(
-                    self.fd,
-                    id,
-                    code::TOO_LARGE,
-                    format!(
-                        "region of {shm_bytes} bytes; limit {}",
-                        self.sh.limits.region_bytes_max
-                    ),
-                );
-                return;
-            }
-            let Some(fd) = fds.pop() else {
-                self.error("malformed");
-                send_err(
-                    self.fd,
-                    id,
-                    code::NO_REGION,
-                    "hello announced a region but carried no fd",
-                );
-                return;
-            };
-            match Region::adopt(fd, shm_bytes) {
-                Ok(r) => self.region = Some(r),
-                Err(e) => {
-                    self.error("malformed");
-                    send_err(
-                        self.fd,
-                        id,
-                        code::NO_REGION,
-                        format!("shared region refused: {e}"),
-                    );
-                    return;
-                }
-            }
+        if shm_bytes > 0 && !self.adopt_region(id, shm_bytes, &mut fds) {
+            return;
         }
         fds.clear();
         self.hello.release();
@@ -363,6 +328,51 @@ impl Conn<'_> {
             }
             if is_err {
                 return;
+            }
+        }
+    }
+
+    /// The hello's shared region: within the limit, its fd present and a
+    /// sealed memfd of the announced size. `false`: refused (the caller
+    /// was told why) and the connection ends.
+    fn adopt_region(&mut self, id: u32, shm_bytes: u64, fds: &mut Vec<OwnedFd>) -> bool {
+        if shm_bytes > self.sh.limits.region_bytes_max {
+            self.error("limit");
+            send_err(
+                self.fd,
+                id,
+                code::TOO_LARGE,
+                format!(
+                    "region of {shm_bytes} bytes; limit {}",
+                    self.sh.limits.region_bytes_max
+                ),
+            );
+            return false;
+        }
+        let Some(fd) = fds.pop() else {
+            self.error("malformed");
+            send_err(
+                self.fd,
+                id,
+                code::NO_REGION,
+                "hello announced a region but carried no fd",
+            );
+            return false;
+        };
+        match Region::adopt(fd, shm_bytes) {
+            Ok(r) => {
+                self.region = Some(r);
+                true
+            }
+            Err(e) => {
+                self.error("malformed");
+                send_err(
+                    self.fd,
+                    id,
+                    code::NO_REGION,
+                    format!("shared region refused: {e}"),
+                );
+                false
             }
         }
     }
@@ -439,186 +449,16 @@ impl Conn<'_> {
             Request::LookupMany { nss, keys } => Response::LookupMany {
                 tiers: nss.iter().map(|ns| self.lookup(ns, &keys)).collect(),
             },
-            Request::Describe { ns, engine, model } => {
-                let st = if !self.who.grant.may(&ns) {
-                    // Only a namespace the caller may use: a tenant cannot
-                    // relabel another tenant's.
-                    self.error("denied");
-                    ItemStatus::Invalid
-                } else {
-                    match self.sh.clients.describe(&ns, Description { engine, model }) {
-                        Ok(()) => ItemStatus::Ok,
-                        Err(_) => {
-                            self.error("limit");
-                            ItemStatus::LimitReached
-                        }
-                    }
-                };
-                Response::Items { status: vec![st] }
-            }
-            Request::Offload { ns, items } => {
-                let Some(region) = self.region.as_ref() else {
-                    return (Self::no_region(), Vec::new());
-                };
-                if !self.who.grant.may(&ns) {
-                    // Refused whatever the store holds: nothing learned.
-                    self.error("denied");
-                    return (
-                        Response::Items {
-                            status: vec![ItemStatus::Invalid; items.len()],
-                        },
-                        Vec::new(),
-                    );
-                }
-                // Each namespace costs directories on the disk: one uid
-                // holds blocks in a bounded number of them.
-                let backend = &self.sh.backend;
-                if !self
-                    .sh
-                    .quotas
-                    .namespace(self.who.account, &ns, |n| backend.holds_namespace(n))
-                {
-                    return (
-                        Response::Items {
-                            status: vec![ItemStatus::LimitReached; items.len()],
-                        },
-                        Vec::new(),
-                    );
-                }
-                // Invalid items are answered here; the valid ones go to
-                // the store as one batch, so their durable steps are
-                // shared (one directory fsync and index commit).
-                let mut status = Vec::with_capacity(items.len());
-                let mut batch = Vec::with_capacity(items.len());
-                let mut at = Vec::with_capacity(items.len());
-                for it in &items {
-                    match self.offload_item(region, &ns, it) {
-                        Ok(b) => {
-                            at.push(status.len());
-                            batch.push(b);
-                            status.push(ItemStatus::Ok);
-                        }
-                        Err(st) => status.push(st),
-                    }
-                }
-                // A pin hint counts against the account's pinned bytes;
-                // past them the block is stored unpinned.
-                let pin_refused = self.charge_pin_hints(&ns, &mut batch);
-                let outcomes = self.sh.backend.offload_batch(&ns, &batch);
-                let mut stored = NsCounts::default();
-                for (((i, b), r), refused) in
-                    at.into_iter().zip(&batch).zip(outcomes).zip(pin_refused)
-                {
-                    if b.hints.pinned && !matches!(r, Ok(PutOutcome::Stored)) {
-                        self.sh.quotas.unpin(self.who.account, &ns, &b.header.key);
-                    }
-                    status[i] = match r {
-                        Ok(PutOutcome::Stored) if refused => {
-                            self.sh.metrics.offload_bytes.inc_by(b.header.payload_len);
-                            stored.offload_blocks += 1;
-                            stored.offload_bytes += b.header.payload_len;
-                            ItemStatus::StoredUnpinned
-                        }
-                        Ok(PutOutcome::Stored) => {
-                            self.sh.metrics.offload_bytes.inc_by(b.header.payload_len);
-                            stored.offload_blocks += 1;
-                            stored.offload_bytes += b.header.payload_len;
-                            ItemStatus::Ok
-                        }
-                        Ok(PutOutcome::StoredUnpinned) => {
-                            self.sh.metrics.offload_bytes.inc_by(b.header.payload_len);
-                            ItemStatus::StoredUnpinned
-                        }
-                        Ok(PutOutcome::AlreadyPresent) => ItemStatus::AlreadyPresent,
-                        Err(e) => self.status_of(&e),
-                    };
-                }
-                if stored.offload_blocks > 0 {
-                    self.sh.clients.count(&ns, true, stored);
-                }
-                Response::Items { status }
-            }
+            Request::Describe { ns, engine, model } => self.handle_describe(ns, engine, model),
+            Request::Offload { ns, items } => self.handle_offload(ns, items),
             Request::Onboard {
                 ns,
                 mode,
                 lease_ttl_ms,
                 items,
-            } => {
-                let uid = self.who.account;
-                if !self.sh.quotas.take(uid, Res::Onboard) {
-                    self.error("limit");
-                    let limit = self.sh.quotas.limit_of(Res::Onboard);
-                    tracing::debug!(uid, limit, "onboard refused: the uid's share is in flight");
-                    let items = items.iter().map(|_| limited_result()).collect();
-                    return (Response::Onboard { items }, Vec::new());
-                }
-                let ns = self.ns_for(&ns);
-                let out = self.onboard(ns, mode, lease_ttl_ms, items);
-                self.sh.quotas.give(uid, Res::Onboard, 1);
-                if let (Response::Onboard { items }, _) = &out {
-                    let hits = items.iter().filter(|r| r.status == ItemStatus::Ok);
-                    let hit_blocks = hits.clone().count() as u64;
-                    self.sh.clients.count(
-                        &ns,
-                        false,
-                        NsCounts {
-                            onboard_hit_blocks: hit_blocks,
-                            onboard_miss_blocks: items.len() as u64 - hit_blocks,
-                            onboard_bytes: hits.map(|r| r.payload_len).sum(),
-                            ..Default::default()
-                        },
-                    );
-                }
-                return out;
-            }
-            Request::Release { leases } => {
-                let status = leases
-                    .iter()
-                    .map(|l| {
-                        // Only this connection's leases: ids are sequential,
-                        // so releasing another client's would be a guess away.
-                        let before = self.leases.len();
-                        self.leases.retain(|x| x != l);
-                        if self.leases.len() == before {
-                            return ItemStatus::Absent;
-                        }
-                        self.sh.quotas.give(self.who.account, Res::Lease, 1);
-                        self.forget_bytes(*l);
-                        if b.release(*l) {
-                            ItemStatus::Ok
-                        } else {
-                            ItemStatus::Absent
-                        }
-                    })
-                    .collect();
-                Response::Items { status }
-            }
-            Request::Pin { ns, ttl_ms, keys } => {
-                let ns = self.ns_for(&ns);
-                let uid = self.who.account;
-                Response::Items {
-                    status: keys
-                        .iter()
-                        .map(|k| {
-                            let bytes = self.pin_bytes(&ns, k);
-                            let still = |n: &NamespaceId, k: &BlockKey| self.still_pinned(n, k);
-                            if !self.sh.quotas.pin(uid, &ns, k, Some(ttl_ms), bytes, still) {
-                                self.error("limit");
-                                return ItemStatus::LimitReached;
-                            }
-                            let st = match b.pin(&ns, k, ttl_ms) {
-                                Ok(Lookup::Hit(())) => ItemStatus::Ok,
-                                Ok(Lookup::Miss(r)) => miss_status(r),
-                                Err(e) => self.status_of(&e),
-                            };
-                            if st != ItemStatus::Ok {
-                                self.sh.quotas.unpin(uid, &ns, k);
-                            }
-                            st
-                        })
-                        .collect(),
-                }
-            }
+            } => return self.handle_onboard(ns, mode, lease_ttl_ms, items),
+            Request::Release { leases } => self.handle_release(&leases),
+            Request::Pin { ns, ttl_ms, keys } => self.handle_pin(ns, ttl_ms, keys),
             Request::Prefetch {
                 ns,
                 deadline_ms,
@@ -663,66 +503,13 @@ impl Conn<'_> {
                     ),
                 }
             }
-            Request::Verify { ns, keys, repair } => {
-                let ns = self.ns_for(&ns);
-                Response::Items {
-                    status: keys
-                        .iter()
-                        .map(|k| match b.verify(&ns, k, repair) {
-                            Ok(crate::base::backend::VerifyOutcome::Ok) => ItemStatus::Ok,
-                            Ok(crate::base::backend::VerifyOutcome::Repaired(_)) => {
-                                ItemStatus::Repaired
-                            }
-                            Ok(crate::base::backend::VerifyOutcome::Dropped) => ItemStatus::Corrupt,
-                            Ok(crate::base::backend::VerifyOutcome::Absent) => ItemStatus::Absent,
-                            Err(e) => self.status_of(&e),
-                        })
-                        .collect(),
-                }
-            }
+            Request::Verify { ns, keys, repair } => self.handle_verify(ns, &keys, repair),
             // A client's word that a block it read over a passed fd is
             // corrupt: never trusted (a tenant must not be able to remove
             // blocks others use). The daemon re-reads and verifies its own
             // copy; only a real mismatch quarantines it, and it is then
             // repaired from G4 or a peer at once (node/repair.rs).
-            Request::ReportCorrupt { ns, keys } => {
-                let ns = self.ns_for(&ns);
-                self.sh.clients.count(
-                    &ns,
-                    false,
-                    NsCounts {
-                        reported_corrupt_blocks: keys.len() as u64,
-                        ..Default::default()
-                    },
-                );
-                Response::Items {
-                    status: keys
-                        .iter()
-                        .map(|k| {
-                            let st = match b.report_corrupt(&ns, k) {
-                                Ok(crate::base::backend::VerifyOutcome::Ok) => ItemStatus::Ok,
-                                Ok(crate::base::backend::VerifyOutcome::Repaired(_)) => {
-                                    ItemStatus::Repaired
-                                }
-                                Ok(crate::base::backend::VerifyOutcome::Dropped) => ItemStatus::Corrupt,
-                                Ok(crate::base::backend::VerifyOutcome::Absent) => ItemStatus::Absent,
-                                Err(e) => self.status_of(&e),
-                            };
-                            // A report the daemon's copy contradicts (intact,
-                            // absent) costs a client nothing to send: a
-                            // line a second, not one per key.
-                            if matches!(st, ItemStatus::Repaired | ItemStatus::Corrupt) {
-                                tracing::warn!(uid = self.who.uid, %ns, key = %k, outcome = ?st,
-                                    "a client reported a corrupt block (read over a passed fd or placed in its region); re-verified");
-                            } else {
-                                crate::warn_limited!(REPORT_LOG, uid = self.who.uid, %ns, key = %k, outcome = ?st,
-                                    "a client reported a corrupt block its copy contradicts; re-verified");
-                            }
-                            st
-                        })
-                        .collect(),
-                }
-            }
+            Request::ReportCorrupt { ns, keys } => self.handle_report_corrupt(ns, keys),
             // Last key first: a chain's keys come in chain order, and an
             // evicted block takes its descendants on G3 along (they could
             // not be reached), so its children, asked for in the same
@@ -786,6 +573,253 @@ impl Conn<'_> {
             },
         };
         (resp, Vec::new())
+    }
+
+    /// Offload: the items the caller may store, checked one by one, go to
+    /// the store as one batch (their durable steps shared).
+    fn handle_offload(&mut self, ns: NamespaceId, items: Vec<proto::OffloadItem>) -> Response {
+        let Some(region) = self.region.as_ref() else {
+            return Self::no_region();
+        };
+        if !self.who.grant.may(&ns) {
+            // Refused whatever the store holds: nothing learned.
+            self.error("denied");
+            return Response::Items {
+                status: vec![ItemStatus::Invalid; items.len()],
+            };
+        }
+        // Each namespace costs directories on the disk: one uid
+        // holds blocks in a bounded number of them.
+        let backend = &self.sh.backend;
+        if !self
+            .sh
+            .quotas
+            .namespace(self.who.account, &ns, |n| backend.holds_namespace(n))
+        {
+            return Response::Items {
+                status: vec![ItemStatus::LimitReached; items.len()],
+            };
+        }
+        // Invalid items are answered here; the valid ones go to
+        // the store as one batch, so their durable steps are
+        // shared (one directory fsync and index commit).
+        let mut status = Vec::with_capacity(items.len());
+        let mut batch = Vec::with_capacity(items.len());
+        let mut at = Vec::with_capacity(items.len());
+        for it in &items {
+            match self.offload_item(region, &ns, it) {
+                Ok(b) => {
+                    at.push(status.len());
+                    batch.push(b);
+                    status.push(ItemStatus::Ok);
+                }
+                Err(st) => status.push(st),
+            }
+        }
+        // A pin hint counts against the account's pinned bytes;
+        // past them the block is stored unpinned.
+        let pin_refused = self.charge_pin_hints(&ns, &mut batch);
+        let outcomes = self.sh.backend.offload_batch(&ns, &batch);
+        let mut stored = NsCounts::default();
+        for (((i, b), r), refused) in at.into_iter().zip(&batch).zip(outcomes).zip(pin_refused) {
+            if b.hints.pinned && !matches!(r, Ok(PutOutcome::Stored)) {
+                self.sh.quotas.unpin(self.who.account, &ns, &b.header.key);
+            }
+            status[i] = match r {
+                Ok(PutOutcome::Stored) if refused => {
+                    self.sh.metrics.offload_bytes.inc_by(b.header.payload_len);
+                    stored.offload_blocks += 1;
+                    stored.offload_bytes += b.header.payload_len;
+                    ItemStatus::StoredUnpinned
+                }
+                Ok(PutOutcome::Stored) => {
+                    self.sh.metrics.offload_bytes.inc_by(b.header.payload_len);
+                    stored.offload_blocks += 1;
+                    stored.offload_bytes += b.header.payload_len;
+                    ItemStatus::Ok
+                }
+                Ok(PutOutcome::StoredUnpinned) => {
+                    self.sh.metrics.offload_bytes.inc_by(b.header.payload_len);
+                    ItemStatus::StoredUnpinned
+                }
+                Ok(PutOutcome::AlreadyPresent) => ItemStatus::AlreadyPresent,
+                Err(e) => self.status_of(&e),
+            };
+        }
+        if stored.offload_blocks > 0 {
+            self.sh.clients.count(&ns, true, stored);
+        }
+        Response::Items { status }
+    }
+
+    /// Onboard, within the account's share of onboards in flight.
+    fn handle_onboard(
+        &mut self,
+        ns: NamespaceId,
+        mode: OnboardMode,
+        lease_ttl_ms: u32,
+        items: Vec<proto::OnboardItem>,
+    ) -> (Response, Vec<std::fs::File>) {
+        let uid = self.who.account;
+        if !self.sh.quotas.take(uid, Res::Onboard) {
+            self.error("limit");
+            let limit = self.sh.quotas.limit_of(Res::Onboard);
+            tracing::debug!(uid, limit, "onboard refused: the uid's share is in flight");
+            let items = items.iter().map(|_| limited_result()).collect();
+            return (Response::Onboard { items }, Vec::new());
+        }
+        let ns = self.ns_for(&ns);
+        let out = self.onboard(ns, mode, lease_ttl_ms, items);
+        self.sh.quotas.give(uid, Res::Onboard, 1);
+        if let (Response::Onboard { items }, _) = &out {
+            let hits = items.iter().filter(|r| r.status == ItemStatus::Ok);
+            let hit_blocks = hits.clone().count() as u64;
+            self.sh.clients.count(
+                &ns,
+                false,
+                NsCounts {
+                    onboard_hit_blocks: hit_blocks,
+                    onboard_miss_blocks: items.len() as u64 - hit_blocks,
+                    onboard_bytes: hits.map(|r| r.payload_len).sum(),
+                    ..Default::default()
+                },
+            );
+        }
+        out
+    }
+
+    /// A client's word that blocks it read are corrupt: re-verified, never
+    /// trusted (see the match arm in [`Self::handle`]).
+    fn handle_report_corrupt(&mut self, ns: NamespaceId, keys: Vec<BlockKey>) -> Response {
+        let b = &self.sh.backend;
+        let ns = self.ns_for(&ns);
+        self.sh.clients.count(
+            &ns,
+            false,
+            NsCounts {
+                reported_corrupt_blocks: keys.len() as u64,
+                ..Default::default()
+            },
+        );
+        Response::Items {
+            status: keys
+                .iter()
+                .map(|k| {
+                    let st = match b.report_corrupt(&ns, k) {
+                        Ok(crate::base::backend::VerifyOutcome::Ok) => ItemStatus::Ok,
+                        Ok(crate::base::backend::VerifyOutcome::Repaired(_)) => {
+                            ItemStatus::Repaired
+                        }
+                        Ok(crate::base::backend::VerifyOutcome::Dropped) => ItemStatus::Corrupt,
+                        Ok(crate::base::backend::VerifyOutcome::Absent) => ItemStatus::Absent,
+                        Err(e) => self.status_of(&e),
+                    };
+                    // A report the daemon's copy contradicts (intact,
+                    // absent) costs a client nothing to send: a
+                    // line a second, not one per key.
+                    if matches!(st, ItemStatus::Repaired | ItemStatus::Corrupt) {
+                        tracing::warn!(uid = self.who.uid, %ns, key = %k, outcome = ?st,
+                            "a client reported a corrupt block (read over a passed fd or placed in its region); re-verified");
+                    } else {
+                        crate::warn_limited!(REPORT_LOG, uid = self.who.uid, %ns, key = %k, outcome = ?st,
+                            "a client reported a corrupt block its copy contradicts; re-verified");
+                    }
+                    st
+                })
+                .collect(),
+        }
+    }
+
+    /// Pin, each key within the account's pinned bytes.
+    fn handle_pin(&mut self, ns: NamespaceId, ttl_ms: u32, keys: Vec<BlockKey>) -> Response {
+        let b = &self.sh.backend;
+        let ns = self.ns_for(&ns);
+        let uid = self.who.account;
+        Response::Items {
+            status: keys
+                .iter()
+                .map(|k| {
+                    let bytes = self.pin_bytes(&ns, k);
+                    let still = |n: &NamespaceId, k: &BlockKey| self.still_pinned(n, k);
+                    if !self.sh.quotas.pin(uid, &ns, k, Some(ttl_ms), bytes, still) {
+                        self.error("limit");
+                        return ItemStatus::LimitReached;
+                    }
+                    let st = match b.pin(&ns, k, ttl_ms) {
+                        Ok(Lookup::Hit(())) => ItemStatus::Ok,
+                        Ok(Lookup::Miss(r)) => miss_status(r),
+                        Err(e) => self.status_of(&e),
+                    };
+                    if st != ItemStatus::Ok {
+                        self.sh.quotas.unpin(uid, &ns, k);
+                    }
+                    st
+                })
+                .collect(),
+        }
+    }
+
+    /// Describe: the engine and model of a namespace the caller may use
+    /// (a tenant cannot relabel another tenant's).
+    fn handle_describe(&mut self, ns: NamespaceId, engine: String, model: String) -> Response {
+        let st = if !self.who.grant.may(&ns) {
+            // Only a namespace the caller may use: a tenant cannot
+            // relabel another tenant's.
+            self.error("denied");
+            ItemStatus::Invalid
+        } else {
+            match self.sh.clients.describe(&ns, Description { engine, model }) {
+                Ok(()) => ItemStatus::Ok,
+                Err(_) => {
+                    self.error("limit");
+                    ItemStatus::LimitReached
+                }
+            }
+        };
+        Response::Items { status: vec![st] }
+    }
+
+    /// Release this connection's leases (only its own).
+    fn handle_release(&mut self, leases: &[u64]) -> Response {
+        let b = &self.sh.backend;
+        let status = leases
+            .iter()
+            .map(|l| {
+                // Only this connection's leases: ids are sequential,
+                // so releasing another client's would be a guess away.
+                let before = self.leases.len();
+                self.leases.retain(|x| x != l);
+                if self.leases.len() == before {
+                    return ItemStatus::Absent;
+                }
+                self.sh.quotas.give(self.who.account, Res::Lease, 1);
+                self.forget_bytes(*l);
+                if b.release(*l) {
+                    ItemStatus::Ok
+                } else {
+                    ItemStatus::Absent
+                }
+            })
+            .collect();
+        Response::Items { status }
+    }
+
+    /// Verify (and with `repair`, repair) stored blocks.
+    fn handle_verify(&mut self, ns: NamespaceId, keys: &[BlockKey], repair: bool) -> Response {
+        let b = &self.sh.backend;
+        let ns = self.ns_for(&ns);
+        Response::Items {
+            status: keys
+                .iter()
+                .map(|k| match b.verify(&ns, k, repair) {
+                    Ok(crate::base::backend::VerifyOutcome::Ok) => ItemStatus::Ok,
+                    Ok(crate::base::backend::VerifyOutcome::Repaired(_)) => ItemStatus::Repaired,
+                    Ok(crate::base::backend::VerifyOutcome::Dropped) => ItemStatus::Corrupt,
+                    Ok(crate::base::backend::VerifyOutcome::Absent) => ItemStatus::Absent,
+                    Err(e) => self.status_of(&e),
+                })
+                .collect(),
+        }
     }
 
     /// The namespace a request for `ns` runs against (itself, or its decoy
