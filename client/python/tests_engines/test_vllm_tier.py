@@ -1,0 +1,301 @@
+"""kvtier as a secondary tier of vLLM 0.33.0's own tiered offloading
+(``OffloadingConnector`` + ``TieringOffloadingSpec``, the tier loaded by
+``module_path``): vLLM's real Scheduler, its TieringOffloadingManager
+with its CPU primary tier, and kvtier's KvtierTierManager behind it,
+driven by vllm_engine.Engine on CPU (a tiny local Llama config,
+``load_format="dummy"``) against real kvtierd processes.
+
+vLLM's CPU-primary worker refuses to start without CUDA and copies
+between GPU and CPU with CUDA kernels on CUDA streams: here (only) that
+copy is a CPU copy of the same copy plan (``CpuCopy``). The scheduler, the
+tiering manager, its CPU tier and the kvtier tier are vLLM's and kvtier's
+own code."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+from conftest import support
+from vllm_engine import BLOCK_SIZE, LAYERS, Engine
+
+from vllm.utils.math_utils import cdiv
+from vllm.v1.kv_offload.base import TransferResult
+from vllm.v1.kv_offload.cpu import gpu_worker
+from vllm.v1.kv_offload.cpu import spec as cpu_spec
+
+PROMPT = [100 + i for i in range(4 * BLOCK_SIZE + 5)]  # 4 full blocks and a tail
+CACHED = 4 * BLOCK_SIZE
+
+
+class CpuCopy(gpu_worker.SingleDirectionOffloadingHandler):
+    """vLLM's GPU<->CPU transfer handler with its copy done on the CPU:
+    the same per-group copy plan (``_fill_direct_ops``: which page of which
+    block goes where), each copy a memmove, finished when submitted."""
+
+    def __init__(self, gpu_tensors, cpu_tensors, blocks_per_chunk, layer_refs_per_group, gpu_to_cpu,
+                 canonical_layout=False, host_memory_is_pinned=True):
+        assert not canonical_layout
+        self.src_tensors = gpu_tensors if gpu_to_cpu else cpu_tensors
+        self.dst_tensors = cpu_tensors if gpu_to_cpu else gpu_tensors
+        self.gpu_to_cpu = gpu_to_cpu
+        self.layer_refs_per_group = layer_refs_per_group
+        self.src_blocks_per_chunk = 1 if gpu_to_cpu else blocks_per_chunk
+        self.dst_blocks_per_chunk = blocks_per_chunk if gpu_to_cpu else 1
+        self._canonical_copy_plans = None
+        self._fill_group_ops = self._fill_direct_ops
+        self._finished: list[TransferResult] = []
+
+    def transfer_async(self, job_id, src_spec, dst_spec) -> bool:
+        # The loop of SingleDirectionOffloadingHandler.transfer_async.
+        src_blocks, dst_blocks = src_spec.block_ids, dst_spec.block_ids
+        gpu_spec = src_spec if self.gpu_to_cpu else dst_spec
+        n = self._estimate_max_copy_ops(gpu_spec.group_sizes)
+        all_src, all_dst, all_sizes = (np.empty(n, np.int64) for _ in range(3))
+        src_off = dst_off = op = nbytes = 0
+        for g, (size, idx) in enumerate(zip(gpu_spec.group_sizes, gpu_spec.block_indices)):
+            if size == 0:
+                continue
+            s_skip = idx % self.src_blocks_per_chunk
+            d_skip = idx % self.dst_blocks_per_chunk
+            s_end = src_off + cdiv(size + s_skip, self.src_blocks_per_chunk)
+            d_end = dst_off + cdiv(size + d_skip, self.dst_blocks_per_chunk)
+            op, b = self._fill_group_ops(
+                g, group_src=src_blocks[src_off:s_end], group_dst=dst_blocks[dst_off:d_end], group_size=size,
+                src_skip_count=s_skip, dst_skip_count=d_skip, all_src=all_src, all_dst=all_dst,
+                all_sizes=all_sizes, op_idx=op)
+            nbytes += b
+            src_off, dst_off = s_end, d_end
+        assert src_off == len(src_blocks) and dst_off == len(dst_blocks)
+        for s, d, z in zip(all_src[:op], all_dst[:op], all_sizes[:op]):
+            ctypes.memmove(int(d), int(s), int(z))
+        self._finished.append(TransferResult(job_id=job_id, success=True, transfer_size=nbytes,
+                                             transfer_time=0.0))
+        return True
+
+    def get_finished(self):
+        out, self._finished = self._finished, []
+        return out
+
+    def wait(self, job_ids) -> None:
+        return
+
+    def shutdown(self) -> None:
+        self.src_tensors.clear()
+        self.dst_tensors.clear()
+
+
+class _CudaAlike:
+    """The CPU platform, saying CUDA-alike to CPUOffloadingSpec.get_worker's
+    start-up check only."""
+
+    def __init__(self, real) -> None:
+        self._real = real
+
+    def is_cuda_alike(self) -> bool:
+        return True
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+@pytest.fixture(autouse=True)
+def cpu_copy(monkeypatch):
+    monkeypatch.setattr(gpu_worker, "SingleDirectionOffloadingHandler", CpuCopy)
+    monkeypatch.setattr(cpu_spec, "current_platform", _CudaAlike(cpu_spec.current_platform))
+
+
+@pytest.fixture
+def g3_daemon():
+    # No G4: a corrupt G3 copy has nowhere to be repaired from.
+    d = support.Daemon(g4=False)
+    yield d
+    d.close()
+
+
+def tier_config(socket: str) -> dict:
+    """The kv_connector_extra_config docs/OPERATIONS.md documents."""
+    return {
+        "spec_name": "TieringOffloadingSpec",
+        "cpu_bytes_to_use": 64 << 20,
+        "secondary_tiers": [
+            {"type": "KvtierTierManager", "module_path": "kvtier.integrations.vllm_tier", "socket": socket,
+             "timeout_ms": 2000}
+        ],
+    }
+
+
+def engine(tmp_path, socket: str) -> Engine:
+    return Engine(tmp_path, socket, connector="OffloadingConnector", **tier_config(socket))
+
+
+def manager(e: Engine):
+    return e.scheduler.connector.connector_scheduler.manager
+
+
+def tier(e: Engine):
+    [t] = manager(e).secondary_tiers
+    return t
+
+
+def settle(e: Engine) -> None:
+    """Steps until the tiering manager has nothing in flight (a cascade to
+    kvtier outlives the request that wrote the chunk)."""
+    for _ in range(2000):
+        if not manager(e).has_pending_work():
+            return
+        e.step()
+        import time
+
+        time.sleep(0.005)
+    raise AssertionError("the tiering manager kept work in flight")
+
+
+def expect_loaded_kv(e: Engine, req_id: str) -> dict:
+    """Checks, when ``req_id`` is first scheduled, that the KV of every
+    token before what the engine computes is the KV its prompt's writer
+    computed (what the load brought in); returns what was checked."""
+    seen: dict = {}
+    forward = e._forward
+
+    def check(so) -> None:
+        n = so.num_scheduled_tokens.get(req_id)
+        if n is not None and "tokens" not in seen:
+            req = e.scheduler.requests[req_id]
+            start = req.num_computed_tokens - n
+            block_ids = e.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
+            for pos in range(start):
+                b, off = block_ids[pos // BLOCK_SIZE], pos % BLOCK_SIZE
+                for li, layer in enumerate(LAYERS):
+                    want = float(req.all_token_ids[0] * 10_000 + pos * 10 + li)
+                    got = e.kv[layer][b, :, off]
+                    assert bool((got == want).all()), f"token {pos} layer {li}: {got.flatten()[:4]} != {want}"
+            seen["tokens"] = start
+        forward(so)
+
+    e._forward = check
+    return seen
+
+
+def store_prompt(tmp_path, socket: str, prompt=PROMPT) -> None:
+    e = engine(tmp_path, socket)
+    e.add("writer", prompt)
+    e.run("writer")
+    assert e.computed["writer"] == len(prompt)
+    settle(e)
+    assert tier(e).counters.get("store_failed_chunks") == 0, tier(e).counters.snapshot()
+    e.shutdown()
+
+
+def test_a_prompt_stored_through_vllms_tiering_hits_from_kvtier_after_restarts(tmp_path, g3_daemon):
+    store_prompt(tmp_path, g3_daemon.socket)
+    # vLLM and kvtierd restarted: vLLM's CPU tier is empty, kvtier kept it.
+    g3_daemon.restart(clean=True)
+    e = engine(tmp_path, g3_daemon.socket)
+    checked = expect_loaded_kv(e, "reader")
+    e.add("reader", PROMPT)
+    e.run("reader")
+    assert e.finished["reader"]
+    # Only the tail past the 4 stored chunks was computed, and the KV of
+    # the 4 is what the writer computed.
+    assert e.computed["reader"] == len(PROMPT) - CACHED, e.computed
+    assert checked["tokens"] == CACHED
+    t = tier(e)
+    assert t.counters.get("load_failed_chunks") == 0
+    e.shutdown()
+
+
+def test_corrupt_block_files_are_recomputed_and_the_engine_goes_on(tmp_path, g3_daemon):
+    store_prompt(tmp_path, g3_daemon.socket)
+    assert support.corrupt_every_block_file(g3_daemon) >= CACHED // BLOCK_SIZE
+    e = engine(tmp_path, g3_daemon.socket)
+    e.add("reader", PROMPT)
+    e.run("reader")
+    # The tier's lookup said HIT, every chunk's load came back corrupt and
+    # was reported failed: vLLM recomputed the whole prompt.
+    assert tier(e).counters.get("load_failed_chunks") >= CACHED // BLOCK_SIZE
+    assert e.finished["reader"] and e.computed["reader"] == len(PROMPT), e.computed
+    assert [p for p in (g3_daemon.dir / "g3" / "quarantine").glob("*") if p.is_file()]
+    # The engine goes on.
+    e.add("next", [7] * (2 * BLOCK_SIZE + 1))
+    e.run("next")
+    assert e.finished["next"]
+    e.shutdown()
+
+
+def test_one_corrupt_chunk_fails_only_itself(tmp_path, g3_daemon):
+    """A load job's chunks report one by one (``successful_keys``): the
+    third chunk corrupt, vLLM keeps the two before it and recomputes from
+    the third on."""
+    store_prompt(tmp_path, g3_daemon.socket)
+    from vllm.v1.kv_offload.base import make_offload_key
+
+    e = engine(tmp_path, g3_daemon.socket)
+    key = make_offload_key(Engine.request("probe", PROMPT).block_hashes[2], 0)
+    [path] = list((g3_daemon.dir / "g3" / "blocks" / tier(e).ns.id).rglob(key.hex() + "*"))
+    with open(path, "r+b") as f:
+        f.seek(4096 + 17)
+        b = f.read(1)
+        f.seek(4096 + 17)
+        f.write(bytes([b[0] ^ 0xFF]))
+    checked = expect_loaded_kv(e, "reader")
+    e.add("reader", PROMPT)
+    e.run("reader")
+    assert tier(e).counters.get("load_failed_chunks") == 1
+    assert e.computed["reader"] == len(PROMPT) - 2 * BLOCK_SIZE, e.computed
+    assert checked["tokens"] == 2 * BLOCK_SIZE
+    e.shutdown()
+
+
+def test_daemon_killed_between_lookup_and_load_is_a_recompute(tmp_path, g3_daemon):
+    store_prompt(tmp_path, g3_daemon.socket)
+    e = engine(tmp_path, g3_daemon.socket)
+    lookups = tier(e)._lookups
+    batch_lookup = lookups.batch_lookup
+    killed = []
+
+    def lookup_then_kill(keys, req_context):
+        hits = list(batch_lookup(keys, req_context))
+        if any(hits) and not killed:
+            # kvtierd answered the lookup (HIT), and dies before the load.
+            g3_daemon.kill9()
+            killed.append(True)
+        return hits
+
+    lookups.batch_lookup = lookup_then_kill
+    e.add("reader", PROMPT)
+    e.run("reader")
+    assert killed, "the tier's lookup never found the stored chunks"
+    assert tier(e).counters.get("load_failed_chunks") >= CACHED // BLOCK_SIZE
+    assert e.finished["reader"] and e.computed["reader"] == len(PROMPT), e.computed
+    # kvtierd back: the engine keeps using it.
+    g3_daemon.start()
+    e.add("next", [9] * (2 * BLOCK_SIZE + 1))
+    e.run("next")
+    assert e.finished["next"]
+    e.shutdown()
+
+
+def test_two_vllm_instances_share_one_kvtierd(tmp_path, g3_daemon):
+    a = engine(tmp_path, g3_daemon.socket)
+    b = engine(tmp_path, g3_daemon.socket)
+    other = [500 + i for i in range(3 * BLOCK_SIZE + 2)]
+    a.add("a-writes", PROMPT)
+    a.run("a-writes")
+    b.add("b-writes", other)
+    b.run("b-writes")
+    settle(a)
+    settle(b)
+    # Each reads what the other stored (its own CPU tier never held it).
+    a_checked = expect_loaded_kv(a, "a-reads")
+    b_checked = expect_loaded_kv(b, "b-reads")
+    a.add("a-reads", other)
+    a.run("a-reads")
+    b.add("b-reads", PROMPT)
+    b.run("b-reads")
+    assert a.computed["a-reads"] == len(other) - 3 * BLOCK_SIZE, a.computed
+    assert b.computed["b-reads"] == len(PROMPT) - CACHED, b.computed
+    assert a_checked["tokens"] == 3 * BLOCK_SIZE and b_checked["tokens"] == CACHED
+    a.shutdown()
+    b.shutdown()
