@@ -386,7 +386,7 @@ class KvtierTierManager(SecondaryTierManager):
         except Exception as e:
             self.fail.error("load", e)
         n = sum(ok)
-        self.counters.add("load_failed_chunks", len(keys) - n)
+        self.counters.add_many({"load_chunks": len(keys), "load_failed_chunks": len(keys) - n})
         self._done.put((job_id, True, keys, ok, time.perf_counter() - t0, n * self.block_size_bytes))
 
     def _store(
@@ -416,5 +416,5 @@ class KvtierTierManager(SecondaryTierManager):
         except Exception as e:
             self.fail.error("store", e)
         n = sum(ok)
-        self.counters.add("store_failed_chunks", len(keys) - n)
+        self.counters.add_many({"store_chunks": n, "store_failed_chunks": len(keys) - n})
         self._done.put((job_id, False, keys, ok, time.perf_counter() - t0, n * self.block_size_bytes))
