@@ -303,3 +303,50 @@ def test_two_vllm_instances_share_one_kvtierd(tmp_path, g3_daemon):
     assert a_checked["tokens"] == 3 * BLOCK_SIZE and b_checked["tokens"] == CACHED
     a.shutdown()
     b.shutdown()
+
+
+def test_a_later_turn_is_stored_under_the_turn_before(tmp_path, g3_daemon):
+    """Each store carries its chunk's parent (ReqContext's key positions):
+    a chat's second turn's first new chunk hangs under the first turn's
+    last one in kvtier (kvtierd's stored events say so), so the chat is
+    one chain that kvtier evicts from its end; and the tier announces what
+    it stored as vLLM's own storage tiers do (STORAGE, LOCAL)."""
+    import time
+
+    import kvtier
+    from vllm.v1.kv_offload.base import make_offload_key
+
+    events = kvtier.Client(socket=g3_daemon.socket, timeout_ms=5000).events(timeout_ms=200)
+    e = engine(tmp_path, g3_daemon.socket)
+    tier(e).events = []  # enable_kv_events (vLLM's KV events config is off here)
+    # What vLLM's scheduler publishes each step (its ZMQ publisher is off).
+    published: list = []
+    e.scheduler.kv_event_publisher.publish = lambda batch: published.extend(batch.events)
+    turn1 = [200 + i for i in range(3 * BLOCK_SIZE + 5)]
+    e.add("turn1", turn1)
+    e.run("turn1")
+    turn2 = turn1 + e.finished["turn1"] + [300 + i for i in range(46)]
+    e.add("turn2", turn2)
+    e.run("turn2")
+    settle(e)
+    keys = [make_offload_key(h, 0) for h in Engine.request("probe", turn2).block_hashes]
+    assert len(keys) == 6
+    parent_of: dict = {}
+    end = time.monotonic() + 30
+    while not all(k.hex() in parent_of for k in keys):
+        assert time.monotonic() < end, f"announced: {parent_of}"
+        ev = next(events, None)
+        stored = ev["data"].get("stored") if ev is not None and isinstance(ev["data"], dict) else None
+        if stored is None:
+            continue
+        p = stored["parent_hash"]
+        for b in stored["blocks"]:
+            parent_of[b["block_hash"]] = p
+            p = b["block_hash"]
+    events.close()
+    assert [parent_of[k.hex()] for k in keys] == [None] + [k.hex() for k in keys[:-1]], parent_of
+    e.step()  # the events of the last stores' completion
+    storage = [ev for ev in published if getattr(ev, "medium", None) == "STORAGE"]
+    assert len(storage) == len(keys), published
+    assert all(type(ev).__name__ == "BlockStored" and ev.locality == "LOCAL" for ev in storage), storage
+    e.shutdown()

@@ -67,6 +67,7 @@ from vllm.v1.kv_offload.base import (
     ReqContext,
     RequestOffloadingContext,
     ScheduleEndContext,
+    get_offload_group_idx,
 )
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobId, JobResult, SecondaryTierManager, TransferJob
@@ -283,8 +284,19 @@ class KvtierTierManager(SecondaryTierManager):
             ctx = job_metadata.req_context
             rh = ctx.get_state(_RequestHints)
             hints = [rh.hints if rh is not None else self.hints] * len(keys)
-            parents = [self._store_parent(k, ctx) for k in keys]
             bufs = self._views(job_metadata.chunk_ids)
+            # A job's chunks come in no particular order (the tiering
+            # manager collects them in a set): stored in chain order, per
+            # KV group, so each one's parent is stored before it and a job
+            # of consecutive chunks is one offload.
+            unknown = 1 << 62
+            order = sorted(
+                range(len(keys)),
+                key=lambda i: (get_offload_group_idx(keys[i]), ctx.get_offload_key_position(keys[i]) or unknown),
+            )
+            keys = [keys[i] for i in order]
+            bufs = [bufs[i] for i in order]
+            parents = [self._store_parent(k, ctx) for k in keys]
         except Exception as e:
             self.fail.error("submit_store", e)
             self._done.put((job_id, False, keys, [False] * len(keys), 0.0, 0))
