@@ -14,6 +14,8 @@ own code."""
 from __future__ import annotations
 
 import ctypes
+import json
+import pathlib
 
 import numpy as np
 import pytest
@@ -114,20 +116,30 @@ def g3_daemon():
     d.close()
 
 
+def documented_config() -> dict:
+    """The --kv-transfer-config of docs/OPERATIONS.md's "vLLM's own
+    tiering" (the block after its ``<!-- tested: ... -->`` line)."""
+    doc = (pathlib.Path(__file__).resolve().parents[3] / "docs" / "OPERATIONS.md").read_text()
+    at = doc.index("<!-- tested: client/python/tests_engines/test_vllm_tier.py")
+    block = doc[at:].split("```")[1]
+    return json.loads(block.split("--kv-transfer-config '", 1)[1].split("'", 1)[0])
+
+
 def tier_config(socket: str) -> dict:
-    """The kv_connector_extra_config docs/OPERATIONS.md documents."""
-    return {
-        "spec_name": "TieringOffloadingSpec",
-        "cpu_bytes_to_use": 64 << 20,
-        "secondary_tiers": [
-            {"type": "KvtierTierManager", "module_path": "kvtier.integrations.vllm_tier", "socket": socket,
-             "timeout_ms": 10000}
-        ],
-    }
+    """The documented kv_connector_extra_config at a test's size, on the
+    test's kvtierd."""
+    extra = documented_config()["kv_connector_extra_config"]
+    [t] = extra["secondary_tiers"]
+    t.update(socket=socket, timeout_ms=10000)
+    return {**extra, "cpu_bytes_to_use": 64 << 20}
 
 
 def engine(tmp_path, socket: str) -> Engine:
-    return Engine(tmp_path, socket, connector="OffloadingConnector", **tier_config(socket))
+    cfg = documented_config()
+    assert (cfg["kv_connector"], cfg["kv_role"]) == ("OffloadingConnector", "kv_both")
+    # vLLM's default load-failure policy: the tier's failed chunks are
+    # recomputed before vLLM's GPU load, never a failed GPU load.
+    return Engine(tmp_path, socket, connector="OffloadingConnector", policy="fail", **tier_config(socket))
 
 
 def manager(e: Engine):
