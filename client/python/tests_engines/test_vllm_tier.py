@@ -362,3 +362,29 @@ def test_a_later_turn_is_stored_under_the_turn_before(tmp_path, g3_daemon):
     assert len(storage) == len(keys), published
     assert all(type(ev).__name__ == "BlockStored" and ev.locality == "LOCAL" for ev in storage), storage
     e.shutdown()
+
+
+def test_the_fs_comparison_bench_runs_tiny_and_keeps_the_json_contract(tmp_path):
+    """bench_vllm_tier.py (docs/BENCHMARKS.md, vllm_tier) at a tiny size:
+    one JSON document, kvtier's figures beside vLLM's fs tier's from the
+    same invocation, every stored chunk a hit after the restarts, and
+    kvtier serving no corrupt KV. Never a speed."""
+    import subprocess
+    import sys
+
+    bench = pathlib.Path(__file__).resolve().parent / "bench_vllm_tier.py"
+    out = subprocess.run(
+        [sys.executable, str(bench), "--prompts", "2", "--tokens", "512", "--kv-heads", "1", "--rounds", "1",
+         "--json"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    doc = json.loads(out.stdout)
+    assert doc["bench"] == "vllm_tier" and doc["chunks"] == 4
+    for m in ("store_gbps", "load_gbps"):
+        assert doc[m] > 0 and doc[f"baseline_{m}"] > 0
+        assert abs(doc[f"{m}_vs_baseline"] - doc[m] / doc[f"baseline_{m}"]) < 1e-9
+    assert doc["hit_tokens_after_restart"] == doc["baseline_hit_tokens_after_restart"] == doc["cacheable_tokens"]
+    assert doc["disk_bytes"] > 0 and doc["baseline_disk_bytes"] > 0
+    assert doc["corrupt"]["tokens_served_corrupt"] == 0
+    assert doc["corrupt"]["tokens_recomputed"] == doc["tokens"]

@@ -42,8 +42,9 @@ $KVTIER_SOCKET), ``timeout_ms`` (2000), ``region_bytes``, ``direct_read``
 (true), ``model`` (default the served model), ``tenant_salt`` (""),
 ``priority`` / ``pinned`` / ``ephemeral`` / ``expected_reuse`` (the
 deployment's hints), ``locality`` ("LOCAL"), ``enable_kv_events`` (false:
-stored chunks as vLLM's own ``STORAGE`` events), and vLLM's
-``backpressure``. Per request, ``kv_transfer_params`` entries
+stored chunks as vLLM's own ``STORAGE`` events), ``io_threads`` (4: load
+and store threads each, a connection each; a request's stores stay on one
+thread, in order), and vLLM's ``backpressure``. Per request, ``kv_transfer_params`` entries
 ``kvtier_priority`` etc. override the hints.
 """
 
@@ -165,6 +166,7 @@ class KvtierTierManager(SecondaryTierManager):
         expected_reuse: int = 0,
         locality: Optional[str] = "LOCAL",
         enable_kv_events: bool = False,
+        io_threads: int = 4,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.locality = Locality(locality) if locality is not None else None
@@ -202,11 +204,17 @@ class KvtierTierManager(SecondaryTierManager):
             salt.encode() if isinstance(salt, str) else bytes(salt),
             hash_mode="opaque",
         )
-        # Lookups, loads and stores each on their own connection (a store
-        # in flight never delays a load or the next step's lookups).
+        if isinstance(io_threads, bool) or not isinstance(io_threads, int) or not 1 <= io_threads <= 64:
+            raise KvtierConfigError(f"io_threads must be 1..=64, got {io_threads!r}")
+        # Lookups on their own connection; loads and stores on io_threads
+        # threads each, every thread with its own connection (a store in
+        # flight never delays a load or the next step's lookups, and jobs
+        # of several requests move together).
         self.lookup_client = make_client(settings)
-        self.load_client = make_client({**settings, "kvtier_direct_read": bool(direct_read)})
-        self.store_client = make_client(settings)
+        self.load_clients = [
+            make_client({**settings, "kvtier_direct_read": bool(direct_read)}) for _ in range(io_threads)
+        ]
+        self.store_clients = [make_client(settings) for _ in range(io_threads)]
         describe(self.lookup_client, [self.ns], "vllm-tier", self.fail)
         # Chain keys (see _request_keys): tokens per chunk of each KV group.
         bpc = offloading_spec.blocks_per_chunk
@@ -228,8 +236,13 @@ class KvtierTierManager(SecondaryTierManager):
                     "kvtier tier %s: enable_kv_events is set but vLLM's KV cache events are off; "
                     "no events are published", tier_type,
                 )
-        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-tier-load")
-        self._storer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-tier-store")
+        self._loaders = [
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"kvtier-tier-load{i}") for i in range(io_threads)
+        ]
+        self._storers = [
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"kvtier-tier-store{i}") for i in range(io_threads)
+        ]
+        self._next_loader = 0
         # Finished jobs, from the I/O threads: (job id, is load, keys,
         # per-key ok, seconds, bytes moved).
         self._done: "queue.SimpleQueue[tuple[JobId, bool, list[OffloadKey], list[bool], float, int]]" = (
@@ -301,7 +314,11 @@ class KvtierTierManager(SecondaryTierManager):
             self.fail.error("submit_store", e)
             self._done.put((job_id, False, keys, [False] * len(keys), 0.0, 0))
             return
-        self._submit(self._storer, job_id, lambda: self._store(job_id, keys, bufs, hints, parents))
+        # A request's store jobs on one thread, in order: a job's first
+        # chunk continues the job before it.
+        i = hash(ctx.req_id) % len(self._storers)
+        client = self.store_clients[i]
+        self._submit(self._storers[i], job_id, lambda: self._store(client, job_id, keys, bufs, hints, parents))
 
     def submit_load(self, job_metadata: TransferJob) -> None:
         job_id = job_metadata.job_id
@@ -312,7 +329,9 @@ class KvtierTierManager(SecondaryTierManager):
             self.fail.error("submit_load", e)
             self._done.put((job_id, True, keys, [False] * len(keys), 0.0, 0))
             return
-        self._submit(self._loader, job_id, lambda: self._load(job_id, keys, bufs))
+        i = self._next_loader = (self._next_loader + 1) % len(self._loaders)
+        client = self.load_clients[i]
+        self._submit(self._loaders[i], job_id, lambda: self._load(client, job_id, keys, bufs))
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         out = []
@@ -358,9 +377,9 @@ class KvtierTierManager(SecondaryTierManager):
 
     def shutdown(self) -> None:
         self._lookups.shutdown()
-        self._loader.shutdown(wait=True)
-        self._storer.shutdown(wait=True)
-        for c in (self.lookup_client, self.load_client, self.store_client):
+        for pool in self._loaders + self._storers:
+            pool.shutdown(wait=True)
+        for c in [self.lookup_client, *self.load_clients, *self.store_clients]:
             c.close()
 
     @classmethod
@@ -385,11 +404,11 @@ class KvtierTierManager(SecondaryTierManager):
         with self._futures_lock:
             self._futures[job_id] = pool.submit(fn)
 
-    def _load(self, job_id: JobId, keys: list[OffloadKey], bufs: list[memoryview]) -> None:
+    def _load(self, client: kvtier.Client, job_id: JobId, keys: list[OffloadKey], bufs: list[memoryview]) -> None:
         t0 = time.perf_counter()
         ok = [False] * len(keys)
         try:
-            res = self.load_client.onboard_into(self.ns, connector_keys(keys), bufs)
+            res = client.onboard_into(self.ns, connector_keys(keys), bufs)
             ok = [bool(r) for r in res]
             for r in res:
                 if not r:
@@ -403,6 +422,7 @@ class KvtierTierManager(SecondaryTierManager):
 
     def _store(
         self,
+        client: kvtier.Client,
         job_id: JobId,
         keys: list[OffloadKey],
         bufs: list[memoryview],
@@ -413,13 +433,13 @@ class KvtierTierManager(SecondaryTierManager):
         ok = [False] * len(keys)
         try:
             kvkeys = connector_keys(keys)
-            res = offload_grouped(self.store_client, self.ns, kvkeys, bufs, hints, parents=parents)
+            res = offload_grouped(client, self.ns, kvkeys, bufs, hints, parents=parents)
             if parents[0] is not None and res and res[0].reason == "absent":
                 # kvtierd holds the parent nowhere (its store failed, was
                 # dropped under back-pressure, or was evicted): a chain of
                 # its own, as a lookup from this chunk finds it.
                 self.counters.add("store_parent_absent")
-                res = offload_grouped(self.store_client, self.ns, kvkeys, bufs, hints)
+                res = offload_grouped(client, self.ns, kvkeys, bufs, hints)
             ok = [r.status in ("stored", "stored_unpinned", "already_present") for r in res]
             for r, o in zip(res, ok):
                 if not o:
