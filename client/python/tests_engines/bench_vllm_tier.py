@@ -53,7 +53,6 @@ CHUNK_TOKENS = 256  # TieringOffloadingSpec's block_size: tokens per chunk
 
 def tier(kind: str, socket: str, where: str) -> dict:
     if kind == "kvtier":
-        # A salt per run: each round stores its chunks anew.
         return {"type": "KvtierTierManager", "module_path": "kvtier.integrations.vllm_tier", "socket": socket,
                 "timeout_ms": 30000, "tenant_salt": where}
     return {"type": "fs", "root_dir": where}
@@ -149,7 +148,9 @@ def main() -> int:
         for r in range(args.rounds):
             order = ("kvtier", "fs") if r % 2 == 0 else ("fs", "kvtier")
             for kind in order:
-                where = f"r{r}" if kind == "kvtier" else str(fs_root / f"r{r}")
+                # One namespace (one fs root) for every round, as a
+                # deployment has: each round's prompts are new chunks in it.
+                where = "bench" if kind == "kvtier" else str(fs_root / "bench")
                 prompts = {f"{kind}{r}-p{i}": [(1 + r * 64 + i) * 7] + [100 + (i * 31 + j) % 900
                                                                           for j in range(tokens - 1)]
                            for i in range(args.prompts)}

@@ -190,6 +190,27 @@ def expect_loaded_kv(e: Engine, req_id: str) -> dict:
     return seen
 
 
+def connector_stats(e: Engine) -> dict:
+    """The scheduler's kv_connector_stats of every step, summed (what
+    vLLM's Prometheus logger observes), and their Prometheus text under
+    the metrics TieringOffloadingSpec declares (vLLM's and the tier's)."""
+    import functools
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+
+    total = OffloadingConnectorStats()
+    for d in e.connector_stats:
+        total.aggregate(OffloadingConnectorStats(data=d))
+    reg = CollectorRegistry()
+    types = {c: functools.partial(c, registry=reg) for c in (Counter, Gauge, Histogram)}
+    prom = OffloadingConnector.build_prom_metrics(e.config, types, ["model_name", "engine"], {0: ["tiny", "0"]})
+    for d in e.connector_stats:
+        prom.observe(d, 0)
+    return {"values": total.reduce(), "text": generate_latest(reg).decode()}
+
+
 def store_prompt(tmp_path, socket: str, prompt=PROMPT) -> None:
     e = engine(tmp_path, socket)
     e.add("writer", prompt)
@@ -215,6 +236,10 @@ def test_a_prompt_stored_through_vllms_tiering_hits_from_kvtier_after_restarts(t
     assert checked["tokens"] == CACHED
     c = tier(e).counters.snapshot()
     assert c["load_chunks"] == CACHED // BLOCK_SIZE and c.get("load_failed_chunks", 0) == 0, c
+    # vLLM's tiering metrics carry what the tier reported.
+    got = connector_stats(e)["values"]
+    read = sum(v for k, v in got.items() if k.startswith("vllm:kv_offload_tiering_read_bytes:"))
+    assert read == CACHED // BLOCK_SIZE * tier(e).block_size_bytes, got
     e.shutdown()
 
 
@@ -228,6 +253,9 @@ def test_corrupt_block_files_are_recomputed_and_the_engine_goes_on(tmp_path, g3_
     # was reported failed: vLLM recomputed the whole prompt.
     assert tier(e).counters.get("load_failed_chunks") >= CACHED // BLOCK_SIZE
     assert e.finished["reader"] and e.computed["reader"] == len(PROMPT), e.computed
+    stats = connector_stats(e)
+    assert stats["values"]["vllm:kv_offload_kvtier_tier_load_failed_chunks"] >= CACHED // BLOCK_SIZE, stats
+    assert "vllm:kv_offload_kvtier_tier_load_failed_chunks_total{" in stats["text"]
     assert [p for p in (g3_daemon.dir / "g3" / "quarantine").glob("*") if p.is_file()]
     # The engine goes on.
     e.add("next", [7] * (2 * BLOCK_SIZE + 1))
