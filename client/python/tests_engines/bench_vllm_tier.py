@@ -11,7 +11,8 @@ the same prompts, interleaved (A B A B ...) in one invocation:
 - load: a new engine (an empty CPU tier; kvtierd restarted too) runs the
   same prompts, every full chunk a hit from the tier (timed to the last
   prompt finished);
-- the scheduler's time per step in each phase, hits after the restart,
+- the scheduler's time in each phase (in all, its steps, per step), hits
+  after the restart,
   disk used per round and after all rounds against kvtier's G3 capacity
   (``--g3-capacity``, below what the rounds store together; fs has no
   capacity setting);
@@ -145,8 +146,8 @@ def main() -> int:
     work = pathlib.Path(tempfile.mkdtemp(prefix="kvtier-bench-tier-"))
     d = support.Daemon(g4=False, g3_capacity=args.g3_capacity)
     fs_root = pathlib.Path(tempfile.mkdtemp(prefix="kvtier-bench-fs-", dir=d.dir.parent))
-    res: dict = {k: {"store_s": [], "load_s": [], "store_sched_ms": [], "load_sched_ms": [], "hit_tokens": [],
-                     "disk_bytes": []} for k in ("kvtier", "fs")}
+    res: dict = {k: {"store_s": [], "load_s": [], "store_sched_ms": [], "load_sched_ms": [], "store_steps": [],
+                     "load_steps": [], "hit_tokens": [], "disk_bytes": []} for k in ("kvtier", "fs")}
     try:
         for r in range(args.rounds):
             order = ("kvtier", "fs") if r % 2 == 0 else ("fs", "kvtier")
@@ -170,7 +171,7 @@ def main() -> int:
                 run_all(e, prompts)
                 settle(e)
                 store_s = time.perf_counter() - t0
-                store_sched = statistics.mean(e.sched_s) * 1e3
+                store_sched, store_steps = sum(e.sched_s) * 1e3, len(e.sched_s)
                 e.shutdown()
                 used = disk_bytes(store_dir) - disk_before
                 # vLLM restarted (an empty CPU tier), kvtierd too.
@@ -182,11 +183,13 @@ def main() -> int:
                 run_all(e, {k + "-again": v for k, v in prompts.items()})
                 load_s = time.perf_counter() - t0
                 hit = sum(len(p) - e.computed[k + "-again"] for k, p in prompts.items())
-                res[kind]["load_sched_ms"].append(statistics.mean(e.sched_s) * 1e3)
+                res[kind]["load_sched_ms"].append(sum(e.sched_s) * 1e3)
+                res[kind]["load_steps"].append(len(e.sched_s))
                 e.shutdown()
                 res[kind]["store_s"].append(store_s)
                 res[kind]["load_s"].append(load_s)
                 res[kind]["store_sched_ms"].append(store_sched)
+                res[kind]["store_steps"].append(store_steps)
                 res[kind]["hit_tokens"].append(hit)
                 res[kind]["disk_bytes"].append(used)
                 print(f"round {r} {kind}: store {store_s:.2f} s, load {load_s:.2f} s, hit {hit} tokens, "
@@ -244,10 +247,11 @@ def main() -> int:
         "baseline_store_s_range": [min(res["fs"]["store_s"]), max(res["fs"]["store_s"])],
         "load_s_range": [min(res["kvtier"]["load_s"]), max(res["kvtier"]["load_s"])],
         "baseline_load_s_range": [min(res["fs"]["load_s"]), max(res["fs"]["load_s"])],
-        "store_sched_ms_per_step": med["kvtier"]["store_sched_ms"],
-        "baseline_store_sched_ms_per_step": med["fs"]["store_sched_ms"],
-        "load_sched_ms_per_step": med["kvtier"]["load_sched_ms"],
-        "baseline_load_sched_ms_per_step": med["fs"]["load_sched_ms"],
+        # The scheduler's time in each phase, its steps, and per step (a
+        # tier that finishes its jobs sooner has fewer idle, cheap steps).
+        **{f"{pre}{ph}_{m}": v for kind, pre in (("kvtier", ""), ("fs", "baseline_")) for ph in ("store", "load")
+           for m, v in (("sched_ms", med[kind][f"{ph}_sched_ms"]), ("steps", med[kind][f"{ph}_steps"]),
+                        ("sched_ms_per_step", med[kind][f"{ph}_sched_ms"] / max(1, med[kind][f"{ph}_steps"])))},
         "hit_tokens_after_restart": med["kvtier"]["hit_tokens"],
         "baseline_hit_tokens_after_restart": med["fs"]["hit_tokens"],
         "cacheable_tokens": args.prompts * chunks * CHUNK_TOKENS,
