@@ -108,7 +108,10 @@ class Engine:
             _hash_ready = True
         extra_config = {"kvtier_socket": socket, "kvtier_timeout_ms": 2000, **extra}
         if connector == "OffloadingConnector":
-            extra_config.update(spec_name="KvtierOffloadingSpec", spec_module_path="kvtier.integrations.vllm")
+            # vLLM's TieringOffloadingSpec when the test names it.
+            extra_config.setdefault("spec_name", "KvtierOffloadingSpec")
+            if extra_config["spec_name"] == "KvtierOffloadingSpec":
+                extra_config["spec_module_path"] = "kvtier.integrations.vllm"
         self.mla = mla
         model = ModelConfig(model=model_dir(tmp, tp, mla), dtype="float32", skip_tokenizer_init=True,
                             max_model_len=max_model_len, seed=0)

@@ -2,6 +2,8 @@
 
 - :mod:`kvtier.integrations.vllm`: an ``OffloadingSpec`` for vLLM's KV
   offloading framework (vLLM 0.33.0).
+- :mod:`kvtier.integrations.vllm_tier`: a ``SecondaryTierManager`` behind
+  the CPU tier of vLLM's own tiered offloading (``TieringOffloadingSpec``).
 - :mod:`kvtier.integrations.sglang`: a HiCache L3 ``HiCacheStorage`` backend
   (SGLang 0.5.23).
 - :mod:`kvtier.integrations.lmcache`: a ``StoragePluginInterface`` backend
