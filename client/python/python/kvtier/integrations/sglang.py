@@ -53,7 +53,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, List, Optional
 
 import numpy as np
@@ -96,6 +95,11 @@ CLEAR_TRACKED_KEYS_MAX = 1 << 20
 
 # Batches get_stats keeps per figure until SGLang collects them.
 STATS_OPS_MAX = 4096
+
+# kvtier's block sizes are multiples of this many bytes; a hybrid pool's
+# page that is not (a Mamba state: any size) is stored with zero bytes
+# after it up to the next multiple, dropped again on load.
+BLOCK_BYTES_ALIGN = 32
 
 
 def page_key(key: str) -> bytes:
@@ -238,10 +242,11 @@ class KvtierHiCacheStorage(HiCacheStorage):
                 f"SGLang's hybrid host pool {name!r} ({type(host_pool).__name__}) gives no "
                 "page pointers (get_page_buffer_meta)"
             )
-        block_bytes = int(sum(int(n) for n in sizes))
+        page_bytes = int(sum(int(n) for n in sizes))
+        block_bytes = -(-page_bytes // BLOCK_BYTES_ALIGN) * BLOCK_BYTES_ALIGN
         if block_bytes > kvtier.BLOCK_BYTES_MAX:
             raise KvtierConfigError(
-                f"one page of SGLang's hybrid host pool {name!r} is {block_bytes} bytes, "
+                f"one page of SGLang's hybrid host pool {name!r} is {page_bytes} bytes, "
                 f"over kvtier's {kvtier.BLOCK_BYTES_MAX}: lower --page-size"
             )
         # Mamba state is TP-sharded even when the KV is MLA (SGLang backs it
@@ -260,7 +265,9 @@ class KvtierHiCacheStorage(HiCacheStorage):
             sharded,
         )
         with self._pools_lock:
-            self._pools[name] = _ExtraPool(name, host_pool, ns, page, len(ptrs), sharded)
+            self._pools[name] = _ExtraPool(
+                name, host_pool, ns, page, len(ptrs), sharded, block_bytes - page_bytes
+            )
         describe(self.client, [ns], "sglang", self.fail)
 
     def _page_buffers(self, n: int, host_indices: torch.Tensor) -> list:
@@ -541,7 +548,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
             self.counters.add("pool_loads")
             try:
                 pool = self._pool(transfer.name)
-                bufs = pool.buffers(len(keys), transfer.host_indices)
+                bufs = pool.buffers(len(keys), transfer.host_indices, load=True)
                 res = self.client.onboard_into(pool.ns, [page_key(k) for k in keys], bufs)
             except Exception as e:
                 self.counters.add("pool_load_failures", len(keys))
@@ -585,7 +592,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
                     out[transfer.name] = [True] * len(keys)  # another rank stores it
                     continue
                 self.counters.add("pool_stores")
-                bufs = pool.buffers(len(keys), transfer.host_indices)
+                bufs = pool.buffers(len(keys), transfer.host_indices, load=False)
                 ks = [page_key(k) for k in keys]
                 hints = [self.hints] * len(ks)
                 parent = page_key(prefix[-1]) if prefix else None
@@ -716,16 +723,28 @@ def _page_buffers(host_pool, n: int, host_indices, page_size: int, per: int) -> 
     return bufs
 
 
-@dataclass(frozen=True)
 class _ExtraPool:
     """One of a hybrid model's extra host pools and its kvtier namespace."""
 
-    name: str
-    host: Any
-    ns: kvtier.Namespace
-    page_size: int  # the pool's slots a page (Mamba: 1)
-    segments_per_page: int
-    sharded: bool  # stored per TP rank (else one copy, the storage writer's)
+    def __init__(
+        self, name: str, host: Any, ns: kvtier.Namespace, page_size: int,
+        segments_per_page: int, sharded: bool, pad_bytes: int,
+    ):
+        self.name = name
+        self.host = host
+        self.ns = ns
+        self.page_size = page_size  # the pool's slots a page (Mamba: 1)
+        self.segments_per_page = segments_per_page
+        self.sharded = sharded  # stored per TP rank (else one copy, the storage writer's)
+        # A page's tail up to kvtier's block alignment: zeros stored after
+        # each page; on load read into scratch that nothing reads.
+        self.pad_bytes = pad_bytes
+        self._pad_zeros = np.zeros(max(pad_bytes, 1), dtype=np.uint8)
+        self._pad_scratch = np.zeros(max(pad_bytes, 1), dtype=np.uint8)
 
-    def buffers(self, n: int, host_indices) -> list:
-        return _page_buffers(self.host, n, host_indices, self.page_size, self.segments_per_page)
+    def buffers(self, n: int, host_indices, load: bool) -> list:
+        bufs = _page_buffers(self.host, n, host_indices, self.page_size, self.segments_per_page)
+        if not self.pad_bytes:
+            return bufs
+        pad = (int((self._pad_scratch if load else self._pad_zeros).ctypes.data), self.pad_bytes)
+        return [(list(b) if isinstance(b, list) else [b]) + [pad] for b in bufs]
