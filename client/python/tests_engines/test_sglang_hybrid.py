@@ -330,11 +330,10 @@ def test_trailing_pools_end_the_hit_at_the_last_stored_state(engines, d, caplog)
     """trailing_pages: the prompt's first three pages stored with the
     SWA window and Mamba state at page 3, its last three without a state
     (a backup that was not a checkpoint). kvtier holds all six KV and
-    indexer pages, but a prefix the model can resume from ends at page 3:
-    SGLang's hit is three pages, and it loads the state stored there. A
-    prompt whose pages are all there but whose only stored state is past
-    its end (an all_pages pool missing a page, here: nothing of the
-    indexer) is no hit."""
+    indexer pages, but the prefix the model can resume from ends at page
+    3: SGLang's hit is three pages, and it loads the state stored there.
+    all_pages: with the indexer's pages gone (the KV pages kept) no
+    prefix is usable: no hit."""
     writer = engines(d.socket)
     head, tail = writer.data(2, pages=3), writer.data(3, pages=3)
     writer.store(PROMPT, head)

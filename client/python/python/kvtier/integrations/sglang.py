@@ -28,9 +28,19 @@ unless the model is MLA (MLA's KV is the same on every TP rank and at
 every TP size: one copy, which only the storage writer stores, read by
 every rank and by deployments at another TP size).
 
+Hybrid models (Mamba state, sliding-window attention, DSA indexers,
+draft pools): SGLang's HybridCacheController registers each extra host
+pool (``register_mem_host_pool_v2``) and moves it with the v2 interface
+(``batch_exists_v2`` with each pool's ``all_pages`` / ``trailing_pages``
+hit policy, ``batch_set_v2``, ``batch_get_v2``). Each extra pool has a
+namespace of its own (the KV namespace's fields plus ``pool=<name>`` and
+the pool's class, layout, dtype), one pool page a block, moved in place
+like the KV pages.
+
 Fail open: ``batch_exists`` answers 0 and the get/set calls answer False
-for a page they could not move (a miss, a timeout, a dead daemon); SGLang
-then recomputes. Nothing raises into the scheduler; ``counters`` counts.
+for a page they could not move (a miss, a timeout, a dead daemon), and
+the v2 calls likewise per pool; SGLang then recomputes. Nothing raises
+into the scheduler; ``counters`` counts.
 
 Hints (docs/OPERATIONS.md, "Engines"): SGLang 0.5.23's HiCache controller
 gives the storage backend page hashes and the chain before them
