@@ -462,3 +462,20 @@ def test_kvtierd_stopped_mid_run_is_a_miss_not_an_exception(engines, d, caplog):
     assert op.completed_tokens == len(other) and pool_hits[PoolName.MAMBA.value] == 1
     assert nxt.loaded(op) == data
     assert not sglang_errors(caplog)
+
+
+def test_clear_evicts_the_extra_pools_pages_too(engines, d):
+    """SGLang's /clear_hicache_storage_backend (the backend's ``clear``):
+    the pages this server stored go from every pool's namespace, not
+    only the KV pages'."""
+    e = engines(d.socket)
+    e.store(PROMPT, e.data(6))
+    b = e.backend
+    from kvtier.integrations.sglang import page_key
+
+    keys = [page_key(h) for h in get_storage_hash_str(PROMPT, None, page_size=PAGE)]
+    held = lambda ns: sum(s is not None for s in b.client.stat(ns, keys))  # noqa: E731
+    pools = [b.ns] + [b._pools[p.value].ns for p in EXTRA]
+    assert [held(ns) for ns in pools] == [PROMPT_PAGES, SWA_WINDOW, 1, PROMPT_PAGES]
+    b.clear()
+    assert [held(ns) for ns in pools] == [0, 0, 0, 0]

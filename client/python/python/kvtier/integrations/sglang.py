@@ -76,6 +76,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransfer,
     PoolTransferResult,
 )
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
 import kvtier
 
@@ -149,7 +150,8 @@ class KvtierHiCacheStorage(HiCacheStorage):
         self.ns: Optional[kvtier.Namespace] = None
         self.segments_per_page = 0
         self.page_size = 0
-        self._stored: dict[bytes, None] = {}
+        # (pool name, key): None for a KV page, else the extra pool's name.
+        self._stored: dict[tuple[Optional[str], bytes], None] = {}
         self._stored_lock = threading.Lock()
         # Per-batch figures for get_stats (StorageMetrics' field names).
         self._ops: dict[str, list] = {
@@ -265,7 +267,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
         sharded = (
             not self.is_mla
             or name == PoolName.MAMBA.value
-            or type(host_pool).__name__ == "MHATokenToKVPoolHost"
+            or isinstance(host_pool, MHATokenToKVPoolHost)
         )
         layout = getattr(host_pool, "layout", "unknown")
         dtype = str(getattr(host_pool, "dtype", "unknown")).replace("torch.", "")
@@ -430,23 +432,29 @@ class KvtierHiCacheStorage(HiCacheStorage):
                 self.fail.warn("hints ignored", e)
         return [base.with_reuse(self.reuse.others(k)) for k in ks]
 
-    def _remember(self, key: bytes) -> None:
+    def _remember(self, key: bytes, pool: Optional[str] = None) -> None:
         with self._stored_lock:
-            self._stored[key] = None
+            self._stored[(pool, key)] = None
             if len(self._stored) > CLEAR_TRACKED_KEYS_MAX:
                 self._stored.pop(next(iter(self._stored)))
 
     def clear(self) -> None:
         """Evicts the pages this backend stored (SGLang's
-        /clear_hicache_storage_backend); other engines' pages stay."""
+        /clear_hicache_storage_backend), the extra pools' too; other
+        engines' pages stay."""
         with self._stored_lock:
-            keys = list(self._stored)
+            stored = list(self._stored)
             self._stored.clear()
-        if not keys or self.ns is None:
+        if not stored or self.ns is None:
             return
+        by_ns: dict = {}
+        for pool, key in stored:
+            ns = self.ns if pool is None else self._pools[pool].ns
+            by_ns.setdefault(ns.id, (ns, []))[1].append(key)
         try:
-            for i in range(0, len(keys), 1024):
-                self.client.evict(self.ns, keys[i : i + 1024])
+            for ns, keys in by_ns.values():
+                for i in range(0, len(keys), 1024):
+                    self.client.evict(ns, keys[i : i + 1024])
         except Exception as e:
             self.fail.error("clear", e)
 
@@ -604,7 +612,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
                 self.counters.add("pool_stores")
                 bufs = pool.buffers(len(keys), transfer.host_indices, load=False)
                 ks = [page_key(k) for k in keys]
-                hints = [self.hints] * len(ks)
+                hints = self._hints(ks, extra_info)
                 parent = page_key(prefix[-1]) if prefix else None
                 res = offload_grouped(self.client, pool.ns, ks, bufs, hints, parent)
                 if parent is not None and res and res[0].reason == "absent":
@@ -616,10 +624,11 @@ class KvtierHiCacheStorage(HiCacheStorage):
                 out[transfer.name] = [False] * len(keys)
                 continue
             ok = []
-            for r in res:
+            for k, r in zip(ks, res):
                 good = r.status in ("stored", "stored_unpinned", "already_present")
                 ok.append(good)
                 if r.status in ("stored", "stored_unpinned"):
+                    self._remember(k, pool.name)
                     self.counters.add("pool_store_blocks")
                     self.counters.add("pool_store_bytes", pool.ns.block_bytes)
                 elif not good:
