@@ -622,32 +622,3 @@ def test_get_stats_feeds_sglangs_storage_metrics(daemon):
     assert daemon.metric("kvtier_client_offload_blocks_total", **labels) == 3
     assert daemon.metric("kvtier_client_onboard_blocks_total", result="hit", **labels) == 3
     assert daemon.metric("kvtier_client_onboard_bytes_total", **labels) == 3 * b.ns.block_bytes
-
-
-@pytest.mark.parametrize("extra", ["swa", "mamba"])
-def test_hybrid_pools_are_refused_at_start_up(daemon, extra):
-    """SGLang's hybrid models hand the storage backend their extra host
-    pools (a HostPoolGroup's PoolEntries) through
-    register_mem_host_pool_v2, as HybridCacheController.attach_storage_backend
-    does, and then call on_host_pools_registered: kvtier refuses there,
-    with a kvtier.Error naming the pool, rather than failing (or raising
-    NotImplementedError) at the first v2 transfer. The KV pool alone is
-    accepted."""
-    import kvtier
-    from sglang.srt.mem_cache.hicache_storage import PoolName
-    from sglang.srt.mem_cache.pool_host.group import HostPoolGroup, PoolEntry
-
-    kv, side = mha_host("page_first"), mha_host("page_first")
-    name = PoolName.SWA if extra == "swa" else PoolName.MAMBA
-    group = HostPoolGroup([
-        PoolEntry(PoolName.KV, kv, None, lambda i: i, is_primary_index_anchor=True),
-        PoolEntry(name, side, None, lambda i: i),
-    ])
-    b = backend(storage_config(daemon.socket), kv)
-    with pytest.raises(kvtier.Error, match=f"hybrid host pool '{name.value}'"):
-        for entry in group.entries:
-            b.register_mem_host_pool_v2(entry.host_pool, entry.name)
-        b.on_host_pools_registered()
-    only_kv = backend(storage_config(daemon.socket), kv)
-    only_kv.register_mem_host_pool_v2(kv, PoolName.KV)
-    only_kv.on_host_pools_registered()

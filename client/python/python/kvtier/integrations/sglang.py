@@ -28,9 +28,19 @@ unless the model is MLA (MLA's KV is the same on every TP rank and at
 every TP size: one copy, which only the storage writer stores, read by
 every rank and by deployments at another TP size).
 
+Hybrid models (Mamba state, sliding-window attention, DSA indexers,
+draft pools): SGLang's HybridCacheController registers each extra host
+pool (``register_mem_host_pool_v2``) and moves it with the v2 interface
+(``batch_exists_v2`` with each pool's ``all_pages`` / ``trailing_pages``
+hit policy, ``batch_set_v2``, ``batch_get_v2``). Each extra pool has a
+namespace of its own (the KV namespace's fields plus ``pool=<name>`` and
+the pool's class, layout, dtype), one pool page a block, moved in place
+like the KV pages.
+
 Fail open: ``batch_exists`` answers 0 and the get/set calls answer False
-for a page they could not move (a miss, a timeout, a dead daemon); SGLang
-then recomputes. Nothing raises into the scheduler; ``counters`` counts.
+for a page they could not move (a miss, a timeout, a dead daemon), and
+the v2 calls likewise per pool; SGLang then recomputes. Nothing raises
+into the scheduler; ``counters`` counts.
 
 Hints (docs/OPERATIONS.md, "Engines"): SGLang 0.5.23's HiCache controller
 gives the storage backend page hashes and the chain before them
@@ -61,8 +71,12 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
+    PoolHitPolicy,
     PoolName,
+    PoolTransfer,
+    PoolTransferResult,
 )
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
 import kvtier
 
@@ -92,6 +106,11 @@ CLEAR_TRACKED_KEYS_MAX = 1 << 20
 
 # Batches get_stats keeps per figure until SGLang collects them.
 STATS_OPS_MAX = 4096
+
+# kvtier's block sizes are multiples of this many bytes; a hybrid pool's
+# page that is not (a Mamba state: any size) is stored with zero bytes
+# after it up to the next multiple, dropped again on load.
+BLOCK_BYTES_ALIGN = 32
 
 
 def page_key(key: str) -> bytes:
@@ -131,7 +150,8 @@ class KvtierHiCacheStorage(HiCacheStorage):
         self.ns: Optional[kvtier.Namespace] = None
         self.segments_per_page = 0
         self.page_size = 0
-        self._stored: dict[bytes, None] = {}
+        # (pool name, key): None for a KV page, else the extra pool's name.
+        self._stored: dict[tuple[Optional[str], bytes], None] = {}
         self._stored_lock = threading.Lock()
         # Per-batch figures for get_stats (StorageMetrics' field names).
         self._ops: dict[str, list] = {
@@ -139,6 +159,10 @@ class KvtierHiCacheStorage(HiCacheStorage):
         }
         self._ops_lock = threading.Lock()
         self._warned_prefix = False
+        # The hybrid models' extra host pools (register_mem_host_pool_v2),
+        # by SGLang's pool name.
+        self._pools: dict[str, _ExtraPool] = {}
+        self._pools_lock = threading.Lock()
 
     # -- setup ------------------------------------------------------------
 
@@ -160,68 +184,108 @@ class KvtierHiCacheStorage(HiCacheStorage):
                 f"one HiCache page is {block_bytes} bytes, over kvtier's "
                 f"{kvtier.BLOCK_BYTES_MAX}: lower --page-size"
             )
-        c = self.storage_config
-        model = setting(self.extra, "model", c.model_name or "unknown-model")
         layout = getattr(mem_pool_host, "layout", "unknown")
         dtype = str(getattr(mem_pool_host, "dtype", "unknown")).replace("torch.", "")
         kind = "mla" if self.is_mla else "mha"
         # MLA's latent KV is the same on every TP rank whatever the TP
         # size: its namespace leaves the TP size out, so a deployment at
         # another TP size finds the same pages (one copy, the writer's).
-        tp = "" if self.is_mla else f"/tp={c.tp_size}"
+        self.ns = self._namespace(f"{kind}/{layout}/{dtype}", block_bytes, sharded=not self.is_mla)
+        describe(self.client, [self.ns], "sglang", self.fail)
+
+    def _namespace(self, what: str, block_bytes: int, sharded: bool) -> kvtier.Namespace:
+        """The namespace of one host pool's pages: the model, ``what`` (the
+        pool's kind, layout, dtype), SGLang's page size (the tokens a page
+        hash covers), the PP / CP / DCP position, and the TP size and rank
+        when the pool's bytes differ by TP rank (``sharded``)."""
+        c = self.storage_config
+        model = setting(self.extra, "model", c.model_name or "unknown-model")
+        tp = f"/tp={c.tp_size}" if sharded else ""
         desc = (
-            f"{model}#sglang/{kind}/{layout}/{dtype}/page={self.page_size}"
+            f"{model}#sglang/{what}/page={self.page_size}"
             f"{tp}/pp={c.pp_rank}of{c.pp_size}"
             f"/cp={c.attn_cp_rank}of{c.attn_cp_size}/dcp={c.dcp_rank}of{c.dcp_size}"
         )
-        if c.should_split_heads and not self.is_mla:
+        if c.should_split_heads and sharded:
             desc += f"/tplcm={c.tp_lcm_size}"
-        self.ns = kvtier.Namespace(
+        return kvtier.Namespace(
             desc,
             kvtier.Layout.with_block_bytes(block_bytes),
             "",
             tenant_salt(self.extra),
             hash_mode="opaque",
-            rank=None if self.is_mla else int(c.tp_rank),
+            rank=int(c.tp_rank) if sharded else None,
         )
-        describe(self.client, [self.ns], "sglang", self.fail)
 
     def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
         """SGLang's hybrid models (Mamba state, sliding-window attention,
-        DSA indexers, draft pools) register their extra host pools here and
-        then move them through the v2 interface (``batch_*_v2``), which
-        this backend does not implement: kvtier refuses at start-up, naming
-        the pool, instead of failing at the first transfer. The KV pool
-        itself is accepted (it is the one ``register_mem_pool_host`` had)."""
-        name = str(getattr(host_pool_name, "value", host_pool_name))
+        DSA indexers, draft pools) register each extra host pool here
+        (HybridCacheController.attach_storage_backend, and later sidecars
+        through register_host_pool_entry). Each pool gets a kvtier
+        namespace of its own (the KV namespace's fields plus
+        ``pool=<name>``, the pool's class, layout, dtype), so its blocks
+        never mix with the KV pages or another pool's under the same page
+        hash; one page of the pool (``get_page_buffer_meta``'s segments
+        for the pool's own page) is one block. Mamba state and MHA-shaped
+        pools are per TP rank; the other pools of an MLA model are one
+        copy, like its KV. A pool that gives no page pointers, or whose
+        page is over kvtier's block limit, is refused here (start-up),
+        naming it. The KV pool itself is the one
+        ``register_mem_pool_host`` had."""
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        name = _pool_name(host_pool_name)
         if name == PoolName.KV.value:
-            super().register_mem_host_pool_v2(host_pool, host_pool_name)
             return
-        raise KvtierConfigError(
-            f"kvtier's SGLang backend stores KV pages only: this model's hybrid host pool "
-            f"{name!r} ({type(host_pool).__name__}, SGLang's v2 storage interface for "
-            "Mamba / SWA / indexer state) is not supported; run this model without "
-            "--hicache-storage-backend kvtier"
+        if self.ns is None:
+            raise KvtierConfigError(
+                f"SGLang registered the hybrid host pool {name!r} before the KV pool "
+                "(register_mem_pool_host)"
+            )
+        page = int(getattr(host_pool, "page_size", 1) or 1)
+        try:
+            ptrs, sizes = host_pool.get_page_buffer_meta(torch.arange(page, dtype=torch.int64))
+        except Exception as e:
+            raise KvtierConfigError(
+                f"SGLang's hybrid host pool {name!r} ({type(host_pool).__name__}) gives no "
+                f"page pointers (get_page_buffer_meta: {type(e).__name__}: {e})"
+            ) from e
+        if not ptrs:
+            raise KvtierConfigError(
+                f"SGLang's hybrid host pool {name!r} ({type(host_pool).__name__}) gives no "
+                "page pointers (get_page_buffer_meta)"
+            )
+        page_bytes = int(sum(int(n) for n in sizes))
+        block_bytes = -(-page_bytes // BLOCK_BYTES_ALIGN) * BLOCK_BYTES_ALIGN
+        if block_bytes > kvtier.BLOCK_BYTES_MAX:
+            raise KvtierConfigError(
+                f"one page of SGLang's hybrid host pool {name!r} is {page_bytes} bytes, "
+                f"over kvtier's {kvtier.BLOCK_BYTES_MAX}: lower --page-size"
+            )
+        # Mamba state is TP-sharded even when the KV is MLA (SGLang backs it
+        # up on every rank); an MHA-shaped pool (SWA, an MHA draft) is
+        # split by heads.
+        sharded = (
+            not self.is_mla
+            or name == PoolName.MAMBA.value
+            or isinstance(host_pool, MHATokenToKVPoolHost)
         )
+        layout = getattr(host_pool, "layout", "unknown")
+        dtype = str(getattr(host_pool, "dtype", "unknown")).replace("torch.", "")
+        ns = self._namespace(
+            f"pool={name}/{type(host_pool).__name__}/{layout}/{dtype}/slots={page}",
+            block_bytes,
+            sharded,
+        )
+        with self._pools_lock:
+            self._pools[name] = _ExtraPool(
+                name, host_pool, ns, page, len(ptrs), sharded, block_bytes - page_bytes
+            )
+        describe(self.client, [ns], "sglang", self.fail)
 
     def _page_buffers(self, n: int, host_indices: torch.Tensor) -> list:
-        """The raw (ptr, nbytes) segments of ``n`` pages at ``host_indices``."""
+        """The raw (ptr, nbytes) segments of ``n`` KV pages at ``host_indices``."""
         assert self.mem_pool_host is not None
-        if len(host_indices) != n * self.page_size:
-            raise KvtierConfigError(
-                f"{len(host_indices)} host indices for {n} pages of {self.page_size} tokens"
-            )
-        ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
-        per = self.segments_per_page
-        if len(ptrs) != n * per:
-            raise KvtierConfigError(
-                f"the host pool gave {len(ptrs)} buffers for {n} pages, expected {n * per}"
-            )
-        bufs = []
-        for i in range(n):
-            segs = coalesce([(int(ptrs[j]), int(sizes[j])) for j in range(i * per, (i + 1) * per)])
-            bufs.append(segs[0] if len(segs) == 1 else segs)
-        return bufs
+        return _page_buffers(self.mem_pool_host, n, host_indices, self.page_size, self.segments_per_page)
 
     # -- the v1 (zero-copy) interface SGLang's controller calls -----------
 
@@ -368,23 +432,29 @@ class KvtierHiCacheStorage(HiCacheStorage):
                 self.fail.warn("hints ignored", e)
         return [base.with_reuse(self.reuse.others(k)) for k in ks]
 
-    def _remember(self, key: bytes) -> None:
+    def _remember(self, key: bytes, pool: Optional[str] = None) -> None:
         with self._stored_lock:
-            self._stored[key] = None
+            self._stored[(pool, key)] = None
             if len(self._stored) > CLEAR_TRACKED_KEYS_MAX:
                 self._stored.pop(next(iter(self._stored)))
 
     def clear(self) -> None:
         """Evicts the pages this backend stored (SGLang's
-        /clear_hicache_storage_backend); other engines' pages stay."""
+        /clear_hicache_storage_backend), the extra pools' too; other
+        engines' pages stay."""
         with self._stored_lock:
-            keys = list(self._stored)
+            stored = list(self._stored)
             self._stored.clear()
-        if not keys or self.ns is None:
+        if not stored or self.ns is None:
             return
+        by_ns: dict = {}
+        for pool, key in stored:
+            ns = self.ns if pool is None else self._pools[pool].ns
+            by_ns.setdefault(ns.id, (ns, []))[1].append(key)
         try:
-            for i in range(0, len(keys), 1024):
-                self.client.evict(self.ns, keys[i : i + 1024])
+            for ns, keys in by_ns.values():
+                for i in range(0, len(keys), 1024):
+                    self.client.evict(ns, keys[i : i + 1024])
         except Exception as e:
             self.fail.error("clear", e)
 
@@ -414,6 +484,158 @@ class KvtierHiCacheStorage(HiCacheStorage):
                 ops.append(v)
                 if len(ops) > STATS_OPS_MAX:
                     del ops[: len(ops) - STATS_OPS_MAX]
+
+    # -- the v2 interface: a hybrid model's extra pools beside the KV -------
+
+    def _pool(self, name) -> "_ExtraPool":
+        pool = self._pools.get(_pool_name(name))
+        if pool is None:
+            raise KvtierConfigError(f"SGLang's host pool {_pool_name(name)!r} was not registered")
+        return pool
+
+    def batch_exists_v2(
+        self,
+        keys: List[str],
+        pool_transfers: Optional[List[PoolTransfer]] = None,
+        extra_info: Optional[HiCacheStorageExtraInfo] = None,
+    ) -> PoolTransferResult:
+        """The KV prefix (``batch_exists``), cut to where every extra pool
+        can serve it: an ``all_pages`` pool must hold every page of the
+        prefix, a ``trailing_pages`` pool (Mamba state: 1 page, SWA: its
+        window) the last ``len(transfer.keys)`` pages before a stop point,
+        so a trailing pool leaves the set of prefix lengths it can restore
+        (``restorable_prefix_pages``), not only the longest. A pool kvtier
+        cannot ask (daemon gone, timeout) or a policy it does not know
+        serves nothing: a miss, never an exception."""
+        kv_pages = self.batch_exists(keys, extra_info)
+        hits: dict = {PoolName.KV: kv_pages} if kv_pages else {}
+        restorable = list(range(1, kv_pages + 1))
+        for transfer in pool_transfers or []:
+            if not restorable:
+                break
+            try:
+                boundary, pool_restorable = self._pool_hits(keys[:kv_pages], transfer)
+            except Exception as e:
+                self.fail.error(f"batch_exists_v2 {_pool_name(transfer.name)}", e)
+                boundary, pool_restorable = 0, set()
+            self.counters.add("pool_lookups")
+            if boundary:
+                hits[transfer.name] = boundary
+            restorable = [p for p in restorable if p in pool_restorable]
+        return PoolTransferResult(restorable[-1] if restorable else 0, hits, restorable)
+
+    def _pool_hits(self, keys: List[str], transfer: PoolTransfer) -> tuple[int, set]:
+        """One pool's verdict on the KV prefix ``keys``: its longest
+        restorable prefix and every restorable prefix length (in pages)."""
+        pool = self._pool(transfer.name)
+        ks = [page_key(k) for k in keys]
+        policy = _policy(transfer.hit_policy)
+        if policy == PoolHitPolicy.ALL_PAGES.value:
+            found = self.client.lookup(pool.ns, ks) if ks else None
+            if found is not None and found.reason not in (None, "absent"):
+                self.fail.warn(f"lookup {found.reason}", found.detail)
+            boundary = int(found.prefix_len) if found is not None else 0
+            return boundary, set(range(1, boundary + 1))
+        if policy == PoolHitPolicy.TRAILING_PAGES.value:
+            # Which pages the pool holds, each on its own (a trailing pool
+            # holds windows, not a prefix): one stat request.
+            held = [s is not None for s in self.client.stat(pool.ns, ks)] if ks else []
+            window = max(1, len(transfer.keys) if transfer.keys else 1)
+            ok = {n for n in range(1, len(ks) + 1) if all(held[max(0, n - window) : n])}
+            return max(ok, default=0), ok
+        # block_groups (DeepSeek V4's compressed pools) is not stored by
+        # kvtier: the pool serves nothing, and SGLang recomputes.
+        self.fail.warn(f"hit policy {policy!r} of pool {pool.name!r} unsupported", "a miss")
+        return 0, set()
+
+    def batch_get_v2(
+        self,
+        transfers: List[PoolTransfer],
+        extra_info: Optional[HiCacheStorageExtraInfo] = None,
+    ) -> dict:
+        """Each transfer's pages from its pool's namespace into the pool's
+        host pages (zero copy, as ``batch_get_v1``): per pool name, one
+        bool per key, False for a page that did not load (absent,
+        corrupt, daemon gone), never an exception."""
+        out: dict = {}
+        for transfer in transfers:
+            keys = list(transfer.keys or [])
+            if not keys:
+                out[transfer.name] = []
+                continue
+            self.counters.add("pool_loads")
+            try:
+                pool = self._pool(transfer.name)
+                bufs = pool.buffers(len(keys), transfer.host_indices, load=True)
+                res = self.client.onboard_into(pool.ns, [page_key(k) for k in keys], bufs)
+            except Exception as e:
+                self.counters.add("pool_load_failures", len(keys))
+                self.fail.error(f"batch_get_v2 {_pool_name(transfer.name)}", e)
+                out[transfer.name] = [False] * len(keys)
+                continue
+            ok = []
+            for r in res:
+                ok.append(bool(r.ok))
+                if r.ok:
+                    self.counters.add("pool_load_blocks")
+                    self.counters.add("pool_load_bytes", r.nbytes)
+                else:
+                    self.counters.add("pool_load_failures")
+                    if r.reason != "absent":
+                        self.fail.warn(f"load {r.reason}", r.detail)
+            out[transfer.name] = ok
+        return out
+
+    def batch_set_v2(
+        self,
+        transfers: List[PoolTransfer],
+        extra_info: Optional[HiCacheStorageExtraInfo] = None,
+    ) -> dict:
+        """Each transfer's host pages into its pool's namespace. A page's
+        parent is the page before it (``extra_info.prefix_keys``' last, as
+        SGLang groups them so that prefix_keys + keys is one chain); a
+        page whose parent this pool does not hold (a trailing window's
+        first page) is stored as the start of a chain of its own. An MLA
+        model's replicated pools are stored by the storage writer only."""
+        out: dict = {}
+        prefix = extra_info.prefix_keys if extra_info is not None else None
+        for transfer in transfers:
+            keys = list(transfer.keys or [])
+            if not keys:
+                out[transfer.name] = []
+                continue
+            try:
+                pool = self._pool(transfer.name)
+                if not pool.sharded and not self.writer:
+                    out[transfer.name] = [True] * len(keys)  # another rank stores it
+                    continue
+                self.counters.add("pool_stores")
+                bufs = pool.buffers(len(keys), transfer.host_indices, load=False)
+                ks = [page_key(k) for k in keys]
+                hints = self._hints(ks, extra_info)
+                parent = page_key(prefix[-1]) if prefix else None
+                res = offload_grouped(self.client, pool.ns, ks, bufs, hints, parent)
+                if parent is not None and res and res[0].reason == "absent":
+                    self.counters.add("pool_store_parent_absent")
+                    res = offload_grouped(self.client, pool.ns, ks, bufs, hints)
+            except Exception as e:
+                self.counters.add("pool_store_failures", len(keys))
+                self.fail.error(f"batch_set_v2 {_pool_name(transfer.name)}", e)
+                out[transfer.name] = [False] * len(keys)
+                continue
+            ok = []
+            for k, r in zip(ks, res):
+                good = r.status in ("stored", "stored_unpinned", "already_present")
+                ok.append(good)
+                if r.status in ("stored", "stored_unpinned"):
+                    self._remember(k, pool.name)
+                    self.counters.add("pool_store_blocks")
+                    self.counters.add("pool_store_bytes", pool.ns.block_bytes)
+                elif not good:
+                    self.counters.add("pool_store_failures")
+                    self.fail.warn(f"store {r.reason}", r.detail)
+            out[transfer.name] = ok
+        return out
 
     # -- the generic (copying) interface, for callers without interface_v1 --
 
@@ -490,3 +712,58 @@ class KvtierHiCacheStorage(HiCacheStorage):
     ) -> bool:
         vals = values or [None] * len(keys)
         return all([self.set(k, v) for k, v in zip(keys, vals)])
+
+
+def _pool_name(name) -> str:
+    """SGLang's pool name (a ``PoolName``, a str enum, or its value)."""
+    return str(getattr(name, "value", name))
+
+
+def _policy(policy) -> str:
+    return str(getattr(policy, "value", policy))
+
+
+def _page_buffers(host_pool, n: int, host_indices, page_size: int, per: int) -> list:
+    """The raw (ptr, nbytes) segments of ``n`` pages of ``host_pool`` at
+    ``host_indices`` (``page_size`` slots a page, ``per`` segments a page),
+    each page's adjacent segments merged."""
+    if host_indices is None or len(host_indices) != n * page_size:
+        got = "no" if host_indices is None else len(host_indices)
+        raise KvtierConfigError(f"{got} host indices for {n} pages of {page_size} slots")
+    ptrs, sizes = host_pool.get_page_buffer_meta(host_indices)
+    if len(ptrs) != n * per:
+        raise KvtierConfigError(
+            f"the host pool gave {len(ptrs)} buffers for {n} pages, expected {n * per}"
+        )
+    bufs = []
+    for i in range(n):
+        segs = coalesce([(int(ptrs[j]), int(sizes[j])) for j in range(i * per, (i + 1) * per)])
+        bufs.append(segs[0] if len(segs) == 1 else segs)
+    return bufs
+
+
+class _ExtraPool:
+    """One of a hybrid model's extra host pools and its kvtier namespace."""
+
+    def __init__(
+        self, name: str, host: Any, ns: kvtier.Namespace, page_size: int,
+        segments_per_page: int, sharded: bool, pad_bytes: int,
+    ):
+        self.name = name
+        self.host = host
+        self.ns = ns
+        self.page_size = page_size  # the pool's slots a page (Mamba: 1)
+        self.segments_per_page = segments_per_page
+        self.sharded = sharded  # stored per TP rank (else one copy, the storage writer's)
+        # A page's tail up to kvtier's block alignment: zeros stored after
+        # each page; on load read into scratch that nothing reads.
+        self.pad_bytes = pad_bytes
+        self._pad_zeros = np.zeros(max(pad_bytes, 1), dtype=np.uint8)
+        self._pad_scratch = np.zeros(max(pad_bytes, 1), dtype=np.uint8)
+
+    def buffers(self, n: int, host_indices, load: bool) -> list:
+        bufs = _page_buffers(self.host, n, host_indices, self.page_size, self.segments_per_page)
+        if not self.pad_bytes:
+            return bufs
+        pad = (int((self._pad_scratch if load else self._pad_zeros).ctypes.data), self.pad_bytes)
+        return [(list(b) if isinstance(b, list) else [b]) + [pad] for b in bufs]
