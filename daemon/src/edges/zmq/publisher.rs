@@ -38,6 +38,28 @@ fn socket_options() -> zeromq::SocketOptions {
 }
 
 static SEND_LOG: crate::base::log_limit::LogLimit = crate::base::log_limit::LogLimit::new(10_000);
+static RECV_LOG: crate::base::log_limit::LogLimit = crate::base::log_limit::LogLimit::new(10_000);
+
+/// The pause after `failures` receives in a row failed: 10 ms, doubling,
+/// at most 1 s.
+fn recv_pause(failures: u32) -> Duration {
+    Duration::from_millis(10u64 << failures.saturating_sub(1).min(7)).min(Duration::from_secs(1))
+}
+
+/// After a failed receive on the replay socket: logs it (a line per 10 s,
+/// the rest counted) and pauses ([`recv_pause`]), so a socket that fails
+/// at once every time cannot spin a worker. `false`: stop was asked.
+async fn after_recv_failure(
+    failures: u32,
+    error: &(dyn std::fmt::Display + Sync),
+    stop: &mut tokio::sync::watch::Receiver<bool>,
+) -> bool {
+    warn_limited!(RECV_LOG, failures, error = %error, "events.zmq: replay receive failed");
+    tokio::select! {
+        _ = tokio::time::sleep(recv_pause(failures)) => true,
+        _ = stop.changed() => false,
+    }
+}
 
 /// The batches kept for replay.
 struct Ring {
@@ -454,12 +476,25 @@ async fn replay(
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
     let topic = Bytes::from(opts.topic.clone().into_bytes());
+    let mut failures = 0u32;
     loop {
         let m = tokio::select! {
             m = sock.recv() => m,
             _ = stop.changed() => return,
         };
-        let Ok(m) = m else { continue };
+        let m = match m {
+            Ok(m) => {
+                failures = 0;
+                m
+            }
+            Err(e) => {
+                failures = failures.saturating_add(1);
+                if !after_recv_failure(failures, &e, &mut stop).await {
+                    return;
+                }
+                continue;
+            }
+        };
         let Some((id, start)) = replay_start(&m) else {
             continue;
         };
@@ -532,6 +567,32 @@ async fn replay(
 mod tests {
     use super::*;
     use crate::edges::zmq::PublishedNs;
+
+    /// A replay socket whose every receive fails at once (the loop's
+    /// shape: receive, and on failure `after_recv_failure`) is asked a
+    /// handful of times a second, not spun on; stop still ends it.
+    #[tokio::test]
+    async fn a_receive_failing_every_time_does_not_spin_the_replay_loop() {
+        let (tx, mut stop) = tokio::sync::watch::channel(false);
+        let mut failures = 0u32;
+        let mut tries = 0u32;
+        let t = std::time::Instant::now();
+        while t.elapsed() < Duration::from_millis(300) {
+            let m: std::result::Result<(), &str> = Err("socket broken");
+            tries += 1;
+            if let Err(e) = m {
+                failures += 1;
+                assert!(after_recv_failure(failures, &e, &mut stop).await);
+            }
+        }
+        assert!(tries <= 8, "{tries} receives in 300 ms");
+        assert_eq!(recv_pause(100), Duration::from_secs(1));
+        tx.send(true).unwrap();
+        assert!(
+            !after_recv_failure(100, &"x", &mut stop).await,
+            "stop ends the pause"
+        );
+    }
     use kvtier_client::events::KvEventData;
     use kvtier_client::{BlockKey, NamespaceId};
 

@@ -73,7 +73,7 @@ pub(super) fn spawn(store: &Arc<G3Store>) -> Option<std::thread::JoinHandle<()>>
             // The index's reserve is made again once there is room.
             s.disk.reserve.replenish();
             if let Err(e) = s.disk.flush_if_dirty() {
-                tracing::warn!(error = %e, "g3: index flush failed");
+                flush_failed(&e);
             }
         });
     match r {
@@ -83,6 +83,19 @@ pub(super) fn spawn(store: &Arc<G3Store>) -> Option<std::thread::JoinHandle<()>>
             None
         }
     }
+}
+
+static FLUSH_WARN: crate::base::log_limit::LogLimit = crate::base::log_limit::LogLimit::new(10_000);
+
+/// Logs a failed index flush: the reclaimer retries every second while
+/// the index is broken (a full disk), so one line per 10 s with the
+/// failures in between counted (`suppressed`). Whether it logged.
+fn flush_failed(e: &Error) -> bool {
+    let Some(suppressed) = FLUSH_WARN.allow() else {
+        return false;
+    };
+    tracing::warn!(error = %e, suppressed, "g3: index flush failed");
+    true
 }
 
 /// How many evictable candidates not yet in G4 a pass looks past, in the
@@ -322,5 +335,22 @@ impl G3Store {
         if used as f64 > self.cfg.high_watermark * self.block_capacity() as f64 {
             self.reclaim.wake();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The reclaimer flushes once a second: while the index is broken, a
+    /// minute of failures writes one line, not sixty.
+    #[test]
+    fn a_broken_index_flush_logs_one_line_per_interval() {
+        let e = Error::InvalidInput {
+            what: "index",
+            reason: "Previous I/O error occurred".into(),
+        };
+        let logged = (0..60).filter(|_| flush_failed(&e)).count();
+        assert_eq!(logged, 1);
     }
 }
