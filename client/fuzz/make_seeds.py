@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
 """Writes valid block files into seeds/ for the block_decode fuzzer, built
 from docs/FORMAT.md with Python's blake3 (an independent encoder): the
-fuzzer's corpus starts past the magic and checksum checks.
+fuzzer's corpus starts past the magic and checksum checks. The seeds are
+block format 1 (blake3 checksums), which the decoder still reads; format 2
+(XXH3-128) is reached by the fuzzer's own mutations of the version field
+and by the proptest suite (client/tests/block_decode_props.rs).
 Run: python3 -m pip install blake3 && python3 make_seeds.py"""
 import os
 import struct

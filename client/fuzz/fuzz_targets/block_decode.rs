@@ -8,11 +8,11 @@ use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
     if let Ok((h, p)) = decode_block(data) {
-        assert_eq!(blake3::hash(p).as_bytes(), &h.payload_sum);
+        assert!(h.payload_sum.matches(p));
     }
     let mut sealed = data.to_vec();
     reseal_header(&mut sealed);
     if let Ok((h, p)) = decode_block(&sealed) {
-        assert_eq!(blake3::hash(p).as_bytes(), &h.payload_sum);
+        assert!(h.payload_sum.matches(p));
     }
 });
