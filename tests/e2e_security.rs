@@ -692,14 +692,14 @@ fn connect_all_as(uid: u32, socket: &Path, n: usize) -> Vec<Client> {
 #[test]
 fn other_uids_filling_subscriptions_and_connections_leave_roots_share() {
     let (d, _c) = open_daemon("max_connections = 160\n");
-    // nobody takes every subscription it can get; another user gets none
-    // of the kept ones; root's `kvtier events` subscribes.
+    // One uid holds half of the 64 at most (without tenants too), so a
+    // second user still subscribes; together they never take the 4 kept
+    // for admins, and a third user gets none of those; root's `kvtier
+    // events` subscribes.
     let subs = subscribe_all_as(NOBODY, &d.socket, 80);
-    assert!(
-        !subs.is_empty() && subs.len() < 64,
-        "nobody held {}",
-        subs.len()
-    );
+    assert_eq!(subs.len(), 32, "nobody held {}", subs.len());
+    let more = subscribe_all_as(UID_B, &d.socket, 80);
+    assert_eq!(more.len(), 64 - 32 - 4, "a second user held {}", more.len());
     assert!(
         subscribe_all_as(UID_A, &d.socket, 1).is_empty(),
         "another user took a subscription kept for admins"
@@ -708,7 +708,7 @@ fn other_uids_filling_subscriptions_and_connections_leave_roots_share() {
     let roots_events = root
         .subscribe_events()
         .unwrap_or_else(|e| panic!("root's subscription refused: {e}"));
-    drop((subs, roots_events));
+    drop((subs, more, roots_events));
     // The daemon lets the closed subscriptions' connections go (root's
     // stats connection stays).
     let t = Instant::now();

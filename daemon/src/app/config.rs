@@ -226,7 +226,7 @@ verify_on_open = true
 # admin_uids = [0]
 admin_gids = []
 # Per-uid shares (unset: a quarter of the global bound; onboards 8;
-# without tenants, connections: half of server.max_connections).
+# without tenants, connections and event subscriptions: half of each).
 # connections_per_uid_max = 256
 # subscribers_per_uid_max = 16
 # onboards_per_uid_max = 8
@@ -854,7 +854,11 @@ pub fn uid_limits(cfg: &Config, subscribers_max: usize) -> crate::edges::server:
         connections_per_uid_max: a.connections_per_uid_max.or(Some(
             quarter(cfg.server.max_connections).unwrap_or((cfg.server.max_connections / 2).max(1)),
         )),
-        subscribers_per_uid_max: a.subscribers_per_uid_max.or(quarter(subscribers_max)),
+        // Without tenants too: one local user cannot take every
+        // subscription a router's relay or another user needs.
+        subscribers_per_uid_max: a.subscribers_per_uid_max.or(Some(
+            quarter(subscribers_max).unwrap_or((subscribers_max / 2).max(1)),
+        )),
         onboards_per_uid_max: a.onboards_per_uid_max.or(multi.then_some(8)),
         leases_per_uid_max: a
             .leases_per_uid_max
