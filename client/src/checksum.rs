@@ -4,9 +4,10 @@
 //! Why not blake3 any more: a block's name is a hash of its tokens, not of
 //! its bytes, and whoever writes the bytes writes the checksum beside them,
 //! so a cryptographic checksum protects nothing a fast one does not. What
-//! it costs is speed: blake3 runs at 3-6 GB/s on one core here, XXH3-128 at
-//! 8-10 (memory speed); a GPU node reading 50 GB/s from NVMe would spend
-//! about 17 cores on blake3. `kvtier bench checksum` measures both.
+//! it costs is speed: `kvtier bench checksum` (docs/BENCHMARKS.md) measured
+//! blake3 at 6.8-7.2 GB/s on one core here and XXH3-128 at 24-36 on the
+//! same bytes; a GPU node reading 50 GB/s from NVMe would spend about 7
+//! cores on blake3, about 2 on XXH3-128.
 //!
 //! A checksum travels as 32 bytes everywhere it is stored or sent (the
 //! block header, the G3 index, the wire, the GPU jobs), so the formats
@@ -117,13 +118,17 @@ impl fmt::Debug for PayloadSum {
     }
 }
 
-/// An incremental checksum of either function.
+/// An incremental checksum of either function. The XXH3 state is kept
+/// inline: one is made per block verified (G3 reads, G4 and peer fetches,
+/// the mount), and a box would be an allocation per block on those paths;
+/// blake3's larger state, for old blocks only, is boxed.
 #[derive(Clone)]
+#[allow(clippy::large_enum_variant)] // the common variant is the large one, on purpose
 pub enum SumHasher {
     /// blake3 (format 1 blocks).
     Blake3(Box<blake3::Hasher>),
     /// XXH3-128 (format 2 blocks).
-    Xxh3(Box<twox_hash::XxHash3_128>),
+    Xxh3(twox_hash::XxHash3_128),
 }
 
 impl SumHasher {
@@ -131,7 +136,7 @@ impl SumHasher {
     pub fn new(algo: SumAlgo) -> Self {
         match algo {
             SumAlgo::Blake3 => SumHasher::Blake3(Box::default()),
-            SumAlgo::Xxh3_128 => SumHasher::Xxh3(Box::default()),
+            SumAlgo::Xxh3_128 => SumHasher::Xxh3(twox_hash::XxHash3_128::new()),
         }
     }
 
