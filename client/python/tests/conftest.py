@@ -145,13 +145,15 @@ def flip_on_disk(daemon: "Daemon", key: bytes, at: int) -> None:
         f.write(bytes([b[0] ^ 0xFF]))
 
 
-def corrupt_every_block_file(daemon: "Daemon") -> int:
+def corrupt_every_block_file(daemon: "Daemon", ns_id: str | None = None) -> int:
     """Flips one payload byte of every block file under the daemon's G3
-    (``g3/blocks``: not its index, which is another fault); returns how
-    many."""
+    (``g3/blocks``, or only namespace ``ns_id``'s directory: not its
+    index, which is another fault); returns how many."""
     n = 0
     blocks = daemon.dir / "g3" / "blocks"
     assert blocks.is_dir()
+    if ns_id is not None:
+        blocks = blocks / ns_id
     for p in blocks.rglob("*"):
         if p.is_file() and p.stat().st_size > 4096:
             with open(p, "r+b") as f:

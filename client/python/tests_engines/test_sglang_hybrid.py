@@ -21,7 +21,7 @@ import threading
 
 import pytest
 import torch
-from conftest import Daemon
+from conftest import Daemon, support
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
 from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
@@ -40,6 +40,8 @@ from sglang.srt.runtime_context import get_parallel
 from test_sglang import sglang_errors, sglang_page_hash, storage_config  # noqa: F401 (fixture)
 
 from kvtier.integrations.sglang import KvtierHiCacheStorage
+
+corrupt_every_block_file = support.corrupt_every_block_file
 
 PAGE = 4
 LAYERS = 4
@@ -284,18 +286,9 @@ def d():
 
 
 def corrupt_namespace(daemon: Daemon, ns) -> int:
-    """Flips one payload byte of every G3 block file of namespace ``ns``
-    (``g3/blocks/<namespace id>/...``); returns how many."""
-    n = 0
-    for p in (daemon.dir / "g3" / "blocks" / ns.id).rglob("*"):
-        if p.is_file() and p.stat().st_size > 4096:
-            with open(p, "r+b") as f:
-                f.seek(4096 + 17)
-                b = f.read(1)
-                f.seek(4096 + 17)
-                f.write(bytes([b[0] ^ 0xFF]))
-            n += 1
-    return n
+    """Flips one payload byte of every G3 block file of namespace ``ns``;
+    returns how many."""
+    return corrupt_every_block_file(daemon, ns.id)
 
 
 def test_extra_pools_round_trip_beside_the_kv_pages(engines, d, caplog):
