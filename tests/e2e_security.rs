@@ -1100,17 +1100,25 @@ fn one_tenant_re_leasing_its_blocks_cannot_make_anothers_offloads_fail() {
     drop(held);
 }
 
-/// Issue #42: shares were per uid, so a tenant with two uids held two
-/// (and starved another tenant's offloads: 24 of 30 `LimitReached`).
-#[test]
-fn a_tenant_with_two_uids_holds_one_share() {
-    const UID_A2: u32 = 61103;
-    let d = Small::start(&format!(
+/// Tenant A's second uid.
+const UID_A2: u32 = 61103;
+
+/// A small daemon with tenant "a" (uids `UID_A`, `UID_A2`) and tenant "b"
+/// (`UID_B`), each with its own namespace.
+fn two_tenants() -> Small {
+    Small::start(&format!(
         "[[tenants]]\nname = \"a\"\nuids = [{UID_A}, {UID_A2}]\nnamespaces = [\"{}\"]\n\n\
          [[tenants]]\nname = \"b\"\nuids = [{UID_B}]\nnamespaces = [\"{}\"]\n",
         tenant_ns("a").id().to_hex(),
         tenant_ns("b").id().to_hex(),
-    ));
+    ))
+}
+
+/// Issue #42: shares were per uid, so a tenant with two uids held two
+/// (and starved another tenant's offloads: 24 of 30 `LimitReached`).
+#[test]
+fn a_tenant_with_two_uids_holds_one_share() {
+    let d = two_tenants();
     let a = offload_as(UID_A, &d.socket, "a", 29);
     assert!(a.iter().all(|o| o == "Stored"), "{a:?}");
     // Each of A's uids leases all of A's blocks.
@@ -1163,13 +1171,7 @@ fn pin_as(uid: u32, socket: &Path, t: &'static str, from: usize, n: usize) -> Ve
 /// pin nothing. Pinned bytes are now the tenant's share.
 #[test]
 fn a_tenant_with_two_uids_pins_within_its_share_of_bytes() {
-    const UID_A2: u32 = 61103;
-    let d = Small::start(&format!(
-        "[[tenants]]\nname = \"a\"\nuids = [{UID_A}, {UID_A2}]\nnamespaces = [\"{}\"]\n\n\
-         [[tenants]]\nname = \"b\"\nuids = [{UID_B}]\nnamespaces = [\"{}\"]\n",
-        tenant_ns("a").id().to_hex(),
-        tenant_ns("b").id().to_hex(),
-    ));
+    let d = two_tenants();
     let a = offload_as(UID_A, &d.socket, "a", 20);
     assert!(a.iter().all(|o| o == "Stored"), "{a:?}");
     let b = offload_as(UID_B, &d.socket, "b", 8);
