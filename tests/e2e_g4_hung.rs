@@ -7,10 +7,13 @@
 
 mod support;
 
+use kvtier_client::proto::{ItemStatus, OnboardItem, OnboardMode, Request, Response};
 use kvtier_client::{
-    block_path, encode_block, BlockHeader, BlockKey, Client, ClientConfig, KvLayout, Namespace,
+    block_path, encode_block, BlockHeader, BlockKey, Client, ClientConfig, KvLayout, Miss,
+    MissCause, Namespace, Onboarded,
 };
 use kvtier_daemon::testkit::fault_proxy::SilentEndpoint;
+use std::io::{Read, Write};
 use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -30,6 +33,98 @@ fn block_file(i: u64) -> (BlockKey, Vec<u8>) {
     let payload: Vec<u8> = (0..8192u64).map(|j| (j * 7 + i) as u8).collect();
     let h = BlockHeader::for_payload(&ns(), BlockKey::from_u64(0x5ee0 + i), &payload, 0);
     (h.key, encode_block(&h, &payload))
+}
+
+/// A kvtierd whose G4 is `silent` (accepts, never answers), its GETs
+/// late after `response_timeout_ms` and its breaker never opening, so
+/// that every fetch asks the store.
+fn hung_g4_daemon(silent: &SilentEndpoint, dir: &Path) -> Daemon {
+    let cfg = dir.join("kvtierd.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[g4]\nurl = \"s3://b/p\"\nendpoint = \"{}\"\nallow_http = true\npath_style = true\n\
+             region = \"us-east-1\"\ncredentials = \"anonymous\"\nresponse_timeout_ms = 500\n\
+             startup_check_timeout_ms = 1000\nbreaker_failures_max = 1000\n",
+            silent.endpoint()
+        ),
+    )
+    .unwrap();
+    Daemon::start_with(&["--config".to_string(), cfg.display().to_string()], &[])
+}
+
+/// Issue 43: an onboard of blocks no tier holds, behind a G4 that never
+/// answers, ends when G4's deadline passes, each block a miss that says
+/// `Timeout` (it said `Unavailable`, as for a store that is down); one
+/// block alone and a batch (fetched together) alike. A client that did not
+/// announce the status in its hello (one built before it) gets
+/// `Unavailable` and can still decode its reply.
+#[test]
+fn an_onboard_behind_a_hung_g4_misses_timeout() {
+    let silent = SilentEndpoint::start().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let d = hung_g4_daemon(&silent, dir.path());
+    let mut cc = ClientConfig::new(d.socket.display().to_string());
+    cc.timeout_ms = 5_000;
+    let client = Client::with_config(cc);
+    let h = client.namespace(&ns());
+    for n in [1u64, 4] {
+        let keys: Vec<BlockKey> = (0..n)
+            .map(|i| BlockKey::from_u64(0x7e0 + 16 * n + i))
+            .collect();
+        let mut bufs: Vec<Vec<u8>> = keys.iter().map(|_| vec![0u8; 8192]).collect();
+        let mut rb: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
+        let t = Instant::now();
+        let out = h.onboard_into(&keys, &mut rb);
+        let took = t.elapsed();
+        assert!(
+            out.iter().all(|o| matches!(
+                o,
+                Onboarded::Miss(Miss {
+                    cause: MissCause::Timeout,
+                    ..
+                })
+            )),
+            "{n} blocks: {out:?}"
+        );
+        // G4's deadline (response_timeout_ms), not the client's (5 s).
+        assert!(took < Duration::from_secs(3), "{n} blocks took {took:?}");
+    }
+
+    // An older client: features 0 in its hello.
+    let mut s = std::os::unix::net::UnixStream::connect(&d.socket).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut call = |req: &Request, id: u32| {
+        s.write_all(&req.encode(id)).unwrap();
+        let mut len = [0u8; 4];
+        s.read_exact(&mut len).unwrap();
+        let mut b = vec![0u8; u32::from_le_bytes(len) as usize];
+        s.read_exact(&mut b).unwrap();
+        Response::decode(&b, req.op()).unwrap().1
+    };
+    let hello = Request::Hello {
+        shm_bytes: 0,
+        pid: std::process::id(),
+        features: 0,
+    };
+    assert!(matches!(call(&hello, 1), Response::Hello { .. }));
+    let onboard = Request::Onboard {
+        ns: ns().id(),
+        mode: OnboardMode::DirectFd,
+        lease_ttl_ms: 0,
+        items: (0..2)
+            .map(|i| OnboardItem {
+                key: BlockKey::from_u64(0x7f0 + i),
+                shm_offset: 0,
+                shm_len: 0,
+            })
+            .collect(),
+    };
+    let Response::Onboard { items } = call(&onboard, 2) else {
+        panic!("onboard reply");
+    };
+    let status: Vec<ItemStatus> = items.iter().map(|it| it.status).collect();
+    assert_eq!(status, vec![ItemStatus::Unavailable; 2]);
 }
 
 fn is_fuse_mount(p: &Path) -> bool {

@@ -29,6 +29,7 @@ fn raw_conn(sock: &std::path::Path) -> UnixStream {
     let hello = Request::Hello {
         shm_bytes: 0,
         pid: std::process::id(),
+        features: 0,
     };
     s.write_all(&hello.encode(1)).unwrap();
     let b = read_frame(&mut s);
@@ -735,6 +736,7 @@ fn the_daemon_does_not_fault_in_region_pages_the_client_did_not_populate() {
     let hello = Request::Hello {
         shm_bytes: region.len() as u64,
         pid: std::process::id(),
+        features: 0,
     };
     proto::send_frame(s.as_raw_fd(), &hello.encode(1), &[region.fd().as_raw_fd()]).unwrap();
     assert!(matches!(

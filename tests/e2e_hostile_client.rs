@@ -75,6 +75,7 @@ impl Raw {
         let hello = Request::Hello {
             shm_bytes: r.region.len() as u64,
             pid: std::process::id(),
+            features: 0,
         };
         let fd = r.region.fd().as_raw_fd();
         match r.call(&hello, &[fd]) {

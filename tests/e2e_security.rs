@@ -110,6 +110,7 @@ fn hello(id: u32) -> Vec<u8> {
     Request::Hello {
         shm_bytes: 0,
         pid: std::process::id(),
+        features: 0,
     }
     .encode(id)
 }

@@ -327,6 +327,7 @@ fn malformed_and_oversized_frames_never_crash_the_daemon() {
     let hello = Request::Hello {
         shm_bytes: 1 << 20,
         pid: 1,
+        features: 0,
     }
     .encode(1);
     assert_eq!(poke(&sock, &hello), Some(proto::code::NO_REGION));
@@ -353,6 +354,7 @@ fn malformed_and_oversized_frames_never_crash_the_daemon() {
     let hello0 = Request::Hello {
         shm_bytes: 0,
         pid: 1,
+        features: 0,
     }
     .encode(1);
     let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig {

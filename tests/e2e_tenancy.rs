@@ -313,6 +313,7 @@ fn hello(sock: &Path) -> (UnixStream, Response) {
     let h = Request::Hello {
         shm_bytes: 0,
         pid: std::process::id(),
+        features: 0,
     };
     // A refused connection may be closed before the hello is read (EPIPE);
     // the refusal frame is readable all the same.

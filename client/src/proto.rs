@@ -99,6 +99,17 @@ pub const OP_EVENT: u8 = 0xFE;
 /// An error reply.
 pub const OP_ERROR: u8 = 0xFF;
 
+/// The hello's `pid` word carries the client's pid in its low 24 bits
+/// (Linux's `pid_max` is at most 2^22) and, in its top byte, the
+/// `FEATURE_*` bits: what the client decodes beyond the first protocol.
+/// A daemon before them reads the whole word as the pid, which it only
+/// logs; a daemon ignores bits it does not know (a newer client's).
+pub const HELLO_PID_MASK: u32 = 0x00FF_FFFF;
+/// Feature: the client decodes [`ItemStatus::Timeout`].
+pub const FEATURE_TIMEOUT_STATUS: u8 = 1;
+/// The features this build decodes (what its clients announce).
+pub const FEATURES: u8 = FEATURE_TIMEOUT_STATUS;
+
 /// Per-item outcome codes used in replies.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
@@ -128,6 +139,11 @@ pub enum ItemStatus {
     /// (the daemon's pin budget is spent): it is evicted like any other
     /// block. Daemons before this code answered `Ok` and dropped the pin.
     StoredUnpinned = 10,
+    /// A tier that may hold the block did not answer within its deadline
+    /// (a hung or slow object store). Sent only to a client whose hello
+    /// announced [`FEATURE_TIMEOUT_STATUS`]; others get `Unavailable`
+    /// ([`Response::for_features`]).
+    Timeout = 11,
 }
 
 /// Which tiers an [`Request::Evict`] removes a block from.
@@ -205,8 +221,22 @@ impl ItemStatus {
             8 => Failed,
             9 => Repaired,
             10 => StoredUnpinned,
+            11 => Timeout,
             _ => return None,
         })
+    }
+
+    /// This status as a client with hello `features` can decode it: a
+    /// status newer than what the client announced becomes the older one
+    /// it refines (an unknown code fails the client's whole reply, not
+    /// just the item).
+    pub fn for_features(self, features: u8) -> Self {
+        match self {
+            ItemStatus::Timeout if features & FEATURE_TIMEOUT_STATUS == 0 => {
+                ItemStatus::Unavailable
+            }
+            s => s,
+        }
     }
 }
 
@@ -273,8 +303,11 @@ pub enum Request {
     Hello {
         /// Bytes of the shared region (0: none, control-only client).
         shm_bytes: u64,
-        /// The client's pid, for logs.
+        /// The client's pid, for logs (at most [`HELLO_PID_MASK`]).
         pid: u32,
+        /// `FEATURE_*` bits: what the client decodes beyond the first
+        /// protocol (the top byte of the pid word on the wire).
+        features: u8,
     },
     /// Longest cached prefix of `keys` (a chain, in order).
     Lookup {
@@ -875,9 +908,13 @@ impl Request {
     pub fn encode(&self, req_id: u32) -> Vec<u8> {
         let mut w = Writer::frame(self.op(), req_id);
         match self {
-            Request::Hello { shm_bytes, pid } => {
+            Request::Hello {
+                shm_bytes,
+                pid,
+                features,
+            } => {
                 w.u64(*shm_bytes);
-                w.u32(*pid);
+                w.u32((pid & HELLO_PID_MASK) | u32::from(*features) << 24);
             }
             Request::Lookup { ns, keys }
             | Request::Unpin { ns, keys }
@@ -988,10 +1025,15 @@ impl Request {
         let (h, payload) = split_frame(body)?;
         let mut r = Reader::new(payload);
         let req = match h.op {
-            OP_HELLO => Request::Hello {
-                shm_bytes: check_aligned("region size", r.u64()?)?,
-                pid: r.u32()?,
-            },
+            OP_HELLO => {
+                let shm_bytes = check_aligned("region size", r.u64()?)?;
+                let word = r.u32()?;
+                Request::Hello {
+                    shm_bytes,
+                    pid: word & HELLO_PID_MASK,
+                    features: (word >> 24) as u8,
+                }
+            }
             OP_LOOKUP => Request::Lookup {
                 ns: r.ns()?,
                 keys: read_keys(&mut r)?,
@@ -1165,6 +1207,26 @@ fn read_status(r: &mut Reader<'_>) -> Result<ItemStatus> {
 }
 
 impl Response {
+    /// This reply as a client with hello `features` can decode it
+    /// ([`ItemStatus::for_features`] on every item): the daemon sends only
+    /// statuses the client announced it knows.
+    pub fn for_features(mut self, features: u8) -> Self {
+        match &mut self {
+            Response::Items { status } => {
+                for s in status.iter_mut() {
+                    *s = s.for_features(features);
+                }
+            }
+            Response::Onboard { items } => {
+                for it in items.iter_mut() {
+                    it.status = it.status.for_features(features);
+                }
+            }
+            _ => {}
+        }
+        self
+    }
+
     /// Encodes a reply to request `op` (ignored for events and errors).
     pub fn encode(&self, op: u8, req_id: u32) -> Vec<u8> {
         let frame_op = match self {
@@ -1599,6 +1661,7 @@ mod tests {
             Request::Hello {
                 shm_bytes: 1 << 20,
                 pid: 42,
+                features: FEATURES,
             },
             Request::Lookup {
                 ns,
@@ -1740,7 +1803,61 @@ mod tests {
         assert!("g5".parse::<EvictTier>().is_err());
         assert_eq!(ItemStatus::from_code(9), Some(ItemStatus::Repaired));
         assert_eq!(ItemStatus::from_code(10), Some(ItemStatus::StoredUnpinned));
-        assert_eq!(ItemStatus::from_code(11), None);
+        assert_eq!(ItemStatus::from_code(11), Some(ItemStatus::Timeout));
+        assert_eq!(ItemStatus::from_code(12), None);
+    }
+
+    /// The features ride in the pid word's top byte: a hello without them
+    /// (an older client's) decodes as features 0, its pid unchanged; and a
+    /// reply to such a client carries no status it cannot decode.
+    #[test]
+    fn hello_features_and_the_statuses_a_client_gets() {
+        let mut w = Writer::frame(OP_HELLO, 1);
+        w.u64(0);
+        w.u32(4_194_303);
+        let f = w.finish();
+        let (_, old) = Request::decode(&f[4..]).unwrap();
+        assert_eq!(
+            old,
+            Request::Hello {
+                shm_bytes: 0,
+                pid: 4_194_303,
+                features: 0
+            }
+        );
+        let new = Request::Hello {
+            shm_bytes: 0,
+            pid: 4_194_303,
+            features: FEATURES,
+        }
+        .encode(1);
+        assert_eq!(&new[20..24], &(4_194_303u32 | 1 << 24).to_le_bytes());
+        let items = |st: ItemStatus| Response::Items {
+            status: vec![ItemStatus::Ok, st],
+        };
+        assert_eq!(
+            items(ItemStatus::Timeout).for_features(0),
+            items(ItemStatus::Unavailable)
+        );
+        assert_eq!(
+            items(ItemStatus::Timeout).for_features(FEATURES),
+            items(ItemStatus::Timeout)
+        );
+        let onboard = Response::Onboard {
+            items: vec![OnboardResult {
+                status: ItemStatus::Timeout,
+                tier: Tier::G3,
+                lease_id: 0,
+                payload_len: 0,
+                payload_sum: PayloadSum::from_bytes([0; 32]),
+                fd_index: u32::MAX,
+                file_offset: 0,
+            }],
+        };
+        let Response::Onboard { items } = onboard.for_features(0) else {
+            unreachable!()
+        };
+        assert_eq!(items[0].status, ItemStatus::Unavailable);
     }
 
     #[test]

@@ -133,8 +133,9 @@ fn no_answer(b: &Bench, ns: &kvtier_client::Namespace, seed: u64) -> Result<(), 
     b.proxy.set(FaultRule::new(Fault::NoAnswer));
     let bound = Duration::from_millis(RESPONSE_MS * 4);
     for _ in 0..3 {
+        // A store that never answers is late (Timeout), not unreachable.
         let m = miss_within(&g4, ns, &k, bound)?;
-        check(m == MissReason::Unavailable, format!("miss reason {m:?}"))?;
+        check(m == MissReason::Timeout, format!("miss reason {m:?}"))?;
     }
     check(
         g4.breaker_state() == BreakerState::Open,
@@ -210,8 +211,9 @@ fn slow_body(b: &Bench, ns: &kvtier_client::Namespace, seed: u64) -> Result<(), 
         chunk_bytes: 1024,
         delay_ms: RESPONSE_MS * 2,
     }));
+    // A body that stalls past body_idle_timeout_ms is late.
     let m = miss_within(&g4, ns, &k, Duration::from_millis(RESPONSE_MS * 5))?;
-    check(m == MissReason::Unavailable, format!("{m:?}"))?;
+    check(m == MissReason::Timeout, format!("{m:?}"))?;
     b.proxy.clear();
     check(b.exists(ns, &k), "object kept after a slow body")?;
     check(
@@ -556,13 +558,14 @@ fn silent_endpoint_is_degraded_at_start_and_misses_fast() {
     assert_eq!(g4.stats().startup_check_ok, 0);
     assert!(!g4.health().is_empty());
     let ns = namespace(4096, "silent").unwrap();
+    let mut misses = Vec::new();
     for s in 0..6 {
         let t = Instant::now();
         let k = block(&ns, s).0;
-        assert!(matches!(
-            g4.fetch(&ns.id(), &k, Duration::from_secs(10)),
-            Lookup::Miss(MissReason::Unavailable)
-        ));
+        let Lookup::Miss(m) = g4.fetch(&ns.id(), &k, Duration::from_secs(10)) else {
+            panic!("a hit from a silent endpoint");
+        };
+        misses.push(m);
         assert!(g4.contains(&ns.id(), &k).is_err());
         assert!(
             t.elapsed() < Duration::from_millis(RESPONSE_MS * 4),
@@ -570,6 +573,16 @@ fn silent_endpoint_is_degraded_at_start_and_misses_fast() {
             t.elapsed()
         );
     }
+    // Late while the breaker let the GETs through (the start-up check
+    // counted as one failure or none), then refused at once.
+    assert_eq!(misses[0], MissReason::Timeout, "{misses:?}");
+    assert_eq!(misses[5], MissReason::Unavailable, "{misses:?}");
+    assert!(
+        misses
+            .iter()
+            .all(|m| matches!(m, MissReason::Timeout | MissReason::Unavailable)),
+        "{misses:?}"
+    );
     assert_eq!(g4.breaker_state(), BreakerState::Open);
     assert!(
         g4.health().iter().any(|l| l.contains("breaker")),

@@ -444,6 +444,7 @@ fn a_failed_reads_lease_is_given_back_before_a_later_item_is_refused_for_the_lim
     let hello = Request::Hello {
         shm_bytes: 0,
         pid: std::process::id(),
+        features: 0,
     };
     assert!(matches!(call(&hello, 1), Response::Hello { .. }));
     let onboard = Request::Onboard {

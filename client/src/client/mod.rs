@@ -345,6 +345,7 @@ impl Client {
         let hello = Request::Hello {
             shm_bytes: region.as_ref().map(|r| r.len() as u64).unwrap_or(0),
             pid: std::process::id(),
+            features: proto::FEATURES,
         };
         let fds: Vec<i32> = region.iter().map(|r| r.fd().as_raw_fd()).collect();
         let mut conn = Conn::new(stream, region);
@@ -954,6 +955,7 @@ impl Client {
         let hello = Request::Hello {
             shm_bytes: 0,
             pid: std::process::id(),
+            features: proto::FEATURES,
         };
         c.exchange(&mut conn, &hello, &[])?;
         match c.exchange(&mut conn, &Request::Subscribe, &[])?.0 {

@@ -74,6 +74,7 @@ impl Miss {
             ItemStatus::Absent => MissCause::Absent,
             ItemStatus::Corrupt => MissCause::Corrupt,
             ItemStatus::Unavailable => MissCause::Unavailable,
+            ItemStatus::Timeout => MissCause::Timeout,
             ItemStatus::NoSpace => MissCause::NoSpace,
             ItemStatus::Invalid | ItemStatus::LimitReached => MissCause::Refused,
             _ => MissCause::Storage,

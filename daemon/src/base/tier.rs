@@ -39,8 +39,12 @@ pub enum MissReason {
     Absent,
     /// The block was there but failed verification (it is quarantined).
     Corrupt,
-    /// The tier could not be asked in time (down, slow, throttled).
+    /// The tier could not be asked (down, its breaker open, throttled,
+    /// an error answer).
     Unavailable,
+    /// The tier was asked and did not answer within a deadline (a hung
+    /// or slow store): the client is told `timeout`, not `unavailable`.
+    Timeout,
 }
 
 /// Outcome of a put.

@@ -480,10 +480,12 @@ impl Backend for Node {
             Some(Lookup::Miss(MissReason::Absent | MissReason::Corrupt)) => Ok(None),
             // Not answered in time: not a "not stored", which would be a
             // guess.
-            Some(Lookup::Miss(MissReason::Unavailable)) | None => Err(Error::Timeout {
-                op: "stat on G4",
-                timeout_ms: deadline.as_millis() as u64,
-            }),
+            Some(Lookup::Miss(MissReason::Unavailable | MissReason::Timeout)) | None => {
+                Err(Error::Timeout {
+                    op: "stat on G4",
+                    timeout_ms: deadline.as_millis() as u64,
+                })
+            }
         }
     }
 

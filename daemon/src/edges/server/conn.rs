@@ -96,16 +96,19 @@ fn err_kind(e: &Error) -> (&'static str, ItemStatus) {
         Error::InvalidInput { .. } | Error::Client(_) => ("invalid", ItemStatus::Invalid),
         Error::Corrupt { .. } => ("corrupt", ItemStatus::Corrupt),
         Error::ParentAbsent { .. } => ("parent_absent", ItemStatus::Absent),
-        Error::Timeout { .. } => ("timeout", ItemStatus::Unavailable),
+        Error::Timeout { .. } => ("timeout", ItemStatus::Timeout),
         Error::Io { .. } => ("io", ItemStatus::Failed),
         _ => ("storage", ItemStatus::Failed),
     }
 }
 
+/// The wire status of a miss. `Timeout` reaches only clients that
+/// announced it: every reply passes [`Response::for_features`].
 fn miss_status(m: MissReason) -> ItemStatus {
     match m {
         MissReason::Absent => ItemStatus::Absent,
         MissReason::Corrupt => ItemStatus::Corrupt,
+        MissReason::Timeout => ItemStatus::Timeout,
         _ => ItemStatus::Unavailable,
     }
 }
@@ -120,6 +123,8 @@ struct Conn<'a> {
     /// when the backend lets it lapse.
     leased_bytes: std::collections::HashMap<u64, (u64, std::time::Instant)>,
     hello: HelloSlot,
+    /// The hello's `FEATURE_*` bits: which statuses this client decodes.
+    features: u8,
 }
 
 /// The uid's slot for a connection that has not completed its hello
@@ -167,6 +172,7 @@ pub(super) fn serve(sh: &Shared, s: UnixStream, who: Caller, hello: HelloSlot) {
         leases: Vec::new(),
         leased_bytes: std::collections::HashMap::new(),
         hello,
+        features: 0,
     };
     c.run();
     sh.quotas.give(c.who.account, Res::Lease, c.leases.len());
@@ -249,7 +255,12 @@ impl Conn<'_> {
         let Some((id, hello)) = self.next(&mut fds) else {
             return;
         };
-        let Request::Hello { shm_bytes, pid } = hello else {
+        let Request::Hello {
+            shm_bytes,
+            pid,
+            features,
+        } = hello
+        else {
             self.error("malformed");
             send_err(
                 self.fd,
@@ -264,8 +275,9 @@ impl Conn<'_> {
         }
         fds.clear();
         self.hello.release();
+        self.features = features;
         let session_id = self.sh.next_session.fetch_add(1, Ordering::Relaxed);
-        tracing::debug!(session_id, pid, shm_bytes, "client connected");
+        tracing::debug!(session_id, pid, features, shm_bytes, "client connected");
         let hello = Response::Hello {
             version: proto::PROTOCOL_VERSION,
             session_id,
@@ -322,6 +334,9 @@ impl Conn<'_> {
                 .dec();
             let raw: Vec<RawFd> = files.iter().map(|f| f.as_raw_fd()).collect();
             let is_err = matches!(resp, Response::Error { .. });
+            // An older client fails its whole reply on a status code it
+            // does not know: it gets the older code instead.
+            let resp = resp.for_features(self.features);
             if !send(self.fd, &resp, op, id, &raw) {
                 self.error("io");
                 return;
@@ -1306,6 +1321,9 @@ fn empty_result() -> OnboardResult {
     }
 }
 
+/// The `reason` label of `kvtier_misses_total`. A late tier stays
+/// `unavailable` there, as the metric has always counted it ("could not
+/// answer in time"); only the wire status tells it apart.
 fn reason_name(r: MissReason) -> &'static str {
     match r {
         MissReason::Absent => "absent",

@@ -85,9 +85,11 @@ pub(crate) async fn fetch(
             stats::inc(c);
             Lookup::Miss(r)
         }
+        // The caller's deadline passed with the GET still out: late, not
+        // unreachable.
         Err(_) => {
             stats::inc(&inner.stats.fetch_unavailable);
-            Lookup::Miss(MissReason::Unavailable)
+            Lookup::Miss(MissReason::Timeout)
         }
     }
 }
@@ -167,8 +169,13 @@ enum Capped<'a> {
     /// nothing about the store).
     Busy,
     Absent,
-    /// Refused by the breaker, late, failed, or a body that ended early,
-    /// stalled or broke: a miss that says nothing about the object.
+    /// No response, or no next body chunk, within its deadline
+    /// (`response_timeout_ms`, `body_idle_timeout_ms`,
+    /// `request_timeout_ms`): a hung or slow store. Says nothing about the
+    /// object.
+    Late,
+    /// Refused by the breaker, failed, or a body that ended early or
+    /// broke: a miss that says nothing about the object.
     Failed,
 }
 
@@ -183,7 +190,7 @@ async fn get_response<'a>(
     match tokio::time::timeout(inner.response_timeout(), inner.store.get_opts(loc, opts)).await {
         Err(_) => {
             tracing::debug!(location = %loc, "G4 GET: no response in time");
-            Err((Capped::Failed, false))
+            Err((Capped::Late, false))
         }
         Ok(Err(object_store::Error::NotFound { .. })) => Err((Capped::Absent, true)),
         Ok(Err(e)) => {
@@ -244,7 +251,7 @@ async fn get_capped<'a>(
             let chunk = match tokio::time::timeout(idle, stream.next()).await {
                 Err(_) => {
                     tracing::debug!(location = %loc, "G4 GET: body stalled");
-                    return (Capped::Failed, false);
+                    return (Capped::Late, false);
                 }
                 Ok(None) => break,
                 Ok(Some(Err(e))) => {
@@ -300,11 +307,11 @@ async fn get_capped<'a>(
         )
     };
     let (out, answered) = match tokio::time::timeout(inner.timeout(), work).await {
-        Err(_) => (Capped::Failed, false),
+        Err(_) => (Capped::Late, false),
         Ok(x) => x,
     };
     inner.breaker.record(&inner.stats, answered);
-    if matches!(out, Capped::Failed) {
+    if matches!(out, Capped::Failed | Capped::Late) {
         stats::inc(&inner.stats.fetch_body_failures);
     }
     out
@@ -325,6 +332,8 @@ enum Read<'a> {
     /// a reason to delete a shared object.
     Refused(String),
     Absent,
+    /// The store did not answer in time (`Capped::Late`).
+    Late,
     Failed,
 }
 
@@ -346,6 +355,7 @@ async fn read_block<'a>(
     let (held, etag, size, head, mut rest, payload_hash) =
         match get_capped(inner, loc, opts, cap, HEADER_BYTES, &head_ok, true).await {
             Capped::Absent => return Read::Absent,
+            Capped::Late => return Read::Late,
             Capped::Failed | Capped::Busy => return Read::Failed,
             Capped::TooBig { size, .. } => {
                 stats::inc(&inner.stats.fetch_refused_size);
@@ -427,6 +437,7 @@ async fn get_verified(inner: &Inner, ns: &NamespaceId, key: &BlockKey, loc: &Pat
     let first = match read_block(inner, ns, key, loc).await {
         Read::Good(b, _held) => return found(inner, loc, *b),
         Read::Absent => return absent(inner, loc),
+        Read::Late => return Err(MissReason::Timeout),
         Read::Failed => return Err(MissReason::Unavailable),
         Read::Refused(why) => return refused(loc, &why),
         Read::Corrupt { etag, size, why } => (etag, size, why),
@@ -437,6 +448,7 @@ async fn get_verified(inner: &Inner, ns: &NamespaceId, key: &BlockKey, loc: &Pat
     match read_block(inner, ns, key, loc).await {
         Read::Good(b, _held) => found(inner, loc, *b),
         Read::Absent => absent(inner, loc),
+        Read::Late => Err(MissReason::Timeout),
         Read::Failed => Err(MissReason::Unavailable),
         Read::Refused(why) => refused(loc, &why),
         Read::Corrupt { etag, size, why } => {
@@ -510,7 +522,8 @@ pub(crate) async fn fetch_header(
     )
     .await;
     let bytes = match got {
-        Err(_) | Ok(Capped::Failed | Capped::Busy) => return Lookup::Miss(MissReason::Unavailable),
+        Err(_) | Ok(Capped::Late) => return Lookup::Miss(MissReason::Timeout),
+        Ok(Capped::Failed | Capped::Busy) => return Lookup::Miss(MissReason::Unavailable),
         Ok(Capped::Absent) => return Lookup::Miss(MissReason::Absent),
         Ok(Capped::TooBig { .. } | Capped::BadHead) => return Lookup::Miss(MissReason::Corrupt),
         Ok(Capped::Body { rest, .. }) => rest,
@@ -546,10 +559,11 @@ pub(crate) async fn fetch_range(
                 Lookup::Miss(MissReason::Corrupt)
             }
             Capped::Absent => Lookup::Miss(MissReason::Absent),
+            Capped::Late => Lookup::Miss(MissReason::Timeout),
             Capped::Failed | Capped::Busy => Lookup::Miss(MissReason::Unavailable),
         }
     };
     tokio::time::timeout(deadline, work)
         .await
-        .unwrap_or(Lookup::Miss(MissReason::Unavailable))
+        .unwrap_or(Lookup::Miss(MissReason::Timeout))
 }
