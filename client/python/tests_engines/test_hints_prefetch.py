@@ -24,12 +24,14 @@ from test_lmcache import setup as lm_setup
 from test_sglang import backend as sg_backend
 from test_sglang import fill_random, indices, mha_host, page_bytes, storage_config
 from test_vllm import kv_caches, keys, make_config, run_job
+from vllm_engine import BLOCK_SIZE, Engine
 from vllm.v1.kv_hints import KvHintAction, KvHintsEnvelope
 from vllm.v1.kv_offload.base import GPULoadStoreSpec, LookupResult, ReqContext
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
 import kvtier
 from kvtier.integrations.lmcache import chunk_key
+from kvtier.integrations.vllm import connector_key
 
 # The module's daemon is conftest's ``hdaemon`` (one for all these tests).
 WAIT_S = 20
@@ -137,6 +139,50 @@ def test_vllm_request_hints_decide_what_reaches_g4(hdaemon):
         None, None, "g4", "g4", None, None, "g4", "g4", None]
     assert g4_blocks(hdaemon) == before + len(expected)
     worker.shutdown()
+
+
+def test_vllm_a_system_prompt_shared_by_requests_arriving_together_is_hinted_reuse(tmp_path, hdaemon):
+    """The docs' example through vLLM's own scheduler: four requests with
+    one system prompt (4 chunks) and a tail each, added together. The
+    first computes the prompt; the other three take its blocks from vLLM's
+    GPU prefix cache in the same step and look up only their tails, so
+    they never missed on the prompt in kvtier, and it was stored with
+    ``expected_reuse`` 0 (issue 43): under after-first-reuse it stayed off
+    G4. Its chunks now carry 3 (three more requests needed them) and reach
+    G4 at store time; each tail, needed by one request, carries 0 and does
+    not."""
+    e = Engine(tmp_path, hdaemon.socket)
+    manager = e.scheduler.connector.connector_scheduler.manager
+    ns = manager.namespaces[0]
+    stores: list[tuple[str, list[bytes], list[int]]] = []
+    prepare = manager.prepare_store
+
+    def recorded(ks, ctx):
+        out = prepare(ks, ctx)
+        if out is not None and out.keys_to_store:
+            stores.append((ctx.req_id, [connector_key(k) for k in out.keys_to_store],
+                           [h.expected_reuse for h in out.store_spec.hints]))
+        return out
+
+    manager.prepare_store = recorded
+    before = g4_blocks(hdaemon)
+    system = [500 + i for i in range(4 * BLOCK_SIZE)]
+    ids = [f"sys{r}" for r in range(4)]
+    for r, req_id in enumerate(ids):
+        e.add(req_id, system + [700 + 20 * r + j for j in range(BLOCK_SIZE + 3)])
+    for req_id in ids:
+        e.run(req_id)
+    e.shutdown()
+    assert [(r, reuse) for r, _, reuse in stores] == [
+        ("sys0", [3, 3, 3, 3, 0]), ("sys1", [0]), ("sys2", [0]), ("sys3", [0])]
+    prompt = stores[0][1][:4]
+    tails = [stores[0][1][4]] + [ks[0] for _, ks, _ in stores[1:]]
+    wait_until(lambda: g4_blocks(hdaemon) >= before + len(prompt), "the shared prompt never reached G4")
+    # Off G3, the prompt is still served (from G4); the tails are gone.
+    client = kvtier.Client(socket=hdaemon.socket, timeout_ms=5000)
+    assert client.evict(ns, prompt + tails) == ["ok"] * 8
+    assert tiers(client, ns, prompt + tails) == ["g4"] * 4 + [None] * 4
+    assert g4_blocks(hdaemon) == before + len(prompt)
 
 
 def test_vllm_lookup_prefetches_a_g4_chain_before_the_load(hdaemon):

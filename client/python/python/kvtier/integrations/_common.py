@@ -346,13 +346,20 @@ class ReuseTracker:
     def seen(self, key: bytes, request: Any = None) -> None:
         """``request`` looked ``key`` up (a repeat by the same request,
         e.g. a scheduler retry, does not count again; None always counts)."""
+        self.seen_many((key,), request)
+
+    def seen_many(self, keys: Iterable[bytes], request: Any = None) -> None:
+        """:meth:`seen` for each of ``keys`` (one lock for all: a prompt's
+        whole chain is noted at once)."""
         with self._lock:
-            n, last = self._seen.pop(key, (0, object()))
-            if request is None or request != last:
-                n += 1
-            self._seen[key] = (n, request)
-            if len(self._seen) > self.max_keys:
-                self._seen.popitem(last=False)
+            seen = self._seen
+            for key in keys:
+                n, last = seen.pop(key, (0, object()))
+                if request is None or request != last:
+                    n += 1
+                seen[key] = (n, request)
+            while len(seen) > self.max_keys:
+                seen.popitem(last=False)
 
     def others(self, key: bytes) -> int:
         """Requests beyond the first that looked ``key`` up."""

@@ -57,8 +57,11 @@ entries ``kvtier_priority`` / ``kvtier_pinned`` / ``kvtier_ephemeral`` /
 past that token, e.g. the prompt length: decode and reasoning tokens, are
 ephemeral), or a ``kv_hints`` action of type ``kvtier.hints`` with the
 same names without the prefix, override the deployment's ``kvtier_*``
-defaults. A chunk that several requests missed on before one stored it
-(a shared system prompt) gets ``expected_reuse`` of that count.
+defaults. A chunk that *k* > 1 requests needed before one stored it (a
+shared system prompt) gets ``expected_reuse`` *k* - 1: a request needs
+its prompt's every chunk, those it looks up and those before them that
+vLLM's GPU prefix cache gave it (requests arriving together take the
+first one's blocks there and never miss on them in kvtier).
 
 Prefetch: when the scheduler's lookup finds a chunk on a peer or G4 (not
 G3), the manager asks kvtierd to prefetch it and answers ``HIT_PENDING``;
@@ -368,7 +371,7 @@ class _RequestKeys:
     looked up and extended with the keys vLLM adds, so a scheduling pass,
     the load's pins and its unpins convert no key twice."""
 
-    __slots__ = ("npos", "chains", "kvkeys", "ends")
+    __slots__ = ("npos", "chains", "kvkeys", "ends", "noted")
 
     def __init__(self) -> None:
         # How many of the context's key positions are folded in (vLLM only
@@ -379,6 +382,9 @@ class _RequestKeys:
         self.chains: dict[int, list[OffloadKey]] = {}
         self.kvkeys: dict[int, list[bytes]] = {}
         self.ends: dict[int, list[int]] = {}
+        # KV group -> how many of its chain's keys the reuse tracker has
+        # been told this request needs.
+        self.noted: dict[int, int] = {}
 
 
 class _PinnedLoad:
@@ -625,6 +631,7 @@ class KvtierOffloadingManager(OffloadingManager):
         rk, g, i = self._chain_at(key, req_context)
         if rk is None or i < 0:
             return ans
+        self._note_reuse(rk, g, req_context)
         chain = rk.chains[g][i:]
         if ans is None:
             ans = _PromptAnswers()
@@ -662,6 +669,20 @@ class KvtierOffloadingManager(OffloadingManager):
         except Exception as e:  # fail open: asked one by one (each a miss if the daemon is gone)
             self.fail.error("lookup failed", e)
         return ans
+
+    def _note_reuse(self, rk: _RequestKeys, g: int, req_context: ReqContext) -> None:
+        """Tells the reuse tracker that the request needs every chunk of
+        its chain, once per key: the chunks vLLM asks about and also those
+        before them, which vLLM's GPU prefix cache served. Requests that
+        share a system prompt and arrive together look up only past it
+        (the first one's blocks are theirs in the same step, before it
+        stores them), so counting misses alone gave the prompt
+        ``expected_reuse`` 0 (issue 43)."""
+        kvkeys = rk.kvkeys[g]
+        done = rk.noted.get(g, 0)
+        if done < len(kvkeys):
+            self.reuse.seen_many(islice(kvkeys, done, None), req_context.req_id)
+            rk.noted[g] = len(kvkeys)
 
     def _lookup_one(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         """One key in every rank's namespace, one request."""
