@@ -47,7 +47,7 @@ class Daemon:
     def __init__(
         self,
         config: str | None = None,
-        g4: bool = True,
+        g4: bool | str = True,
         g3_capacity: str = "256MiB",
         prepare=None,
     ) -> None:
@@ -63,7 +63,8 @@ class Daemon:
             "--g3-dir", str(self.dir / "g3"),
             "--g3-capacity", g3_capacity,
             "--metrics-addr", f"127.0.0.1:{self.metrics_port}",
-            "--g4", f"file://{self.dir / 'g4'}" if g4 else "",
+            # A str is G4's URL (an S3 endpoint the config describes).
+            "--g4", g4 if isinstance(g4, str) else f"file://{self.dir / 'g4'}" if g4 else "",
         ]
         if config is not None:
             cfg = self.dir / "kvtierd.toml"

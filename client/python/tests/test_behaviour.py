@@ -69,6 +69,58 @@ def silent_socket(tmp_path):
     srv.close()
 
 
+@pytest.fixture
+def silent_endpoint():
+    """A TCP endpoint that accepts and never answers: a hung object store."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(64)
+    conns = []
+    stop = threading.Event()
+
+    def accept():
+        srv.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                conns.append(srv.accept()[0])
+            except OSError:
+                pass
+
+    th = threading.Thread(target=accept, daemon=True)
+    th.start()
+    yield f"http://127.0.0.1:{srv.getsockname()[1]}"
+    stop.set()
+    th.join()
+    for c in conns:
+        c.close()
+    srv.close()
+
+
+def test_an_onboard_behind_a_hung_g4_misses_timeout(start_daemon, silent_endpoint, ns):
+    """Issue 43: blocks no tier holds, behind a G4 that never answers, are
+    misses whose reason is ``timeout`` once G4's deadline passes (they said
+    ``unavailable``, as for a store that is down), well before the call's
+    own deadline."""
+    d = start_daemon(
+        g4="s3://b/p",
+        config=(
+            f'[g4]\nendpoint = "{silent_endpoint}"\nallow_http = true\npath_style = true\n'
+            'region = "us-east-1"\ncredentials = "anonymous"\nresponse_timeout_ms = 500\n'
+            # Every fetch asks the store: the breaker would answer at once.
+            "startup_check_timeout_ms = 1000\nbreaker_failures_max = 1000\n"
+        ),
+    )
+    c = kvtier.Client(socket=d.socket, timeout_ms=5000)
+    for tokens in (16, 64):  # one block, then four fetched together
+        keys = ns.hash_chain(list(range(1000 + tokens, 1000 + 2 * tokens)))
+        out = [np.zeros(BLOCK, np.uint8) for _ in keys]
+        t0 = time.monotonic()
+        got = c.onboard_into(ns, keys, out)
+        took = time.monotonic() - t0
+        assert [(r.ok, r.reason) for r in got] == [(False, "timeout")] * len(keys), got
+        assert took < 3, took
+
+
 def test_calls_release_the_gil_and_end_within_the_deadline(silent_socket, ns):
     c = kvtier.Client(socket=silent_socket, timeout_ms=800)
     keys = ns.hash_chain(list(range(16)))
