@@ -61,6 +61,7 @@ pub fn evict(a: EvictArgs) -> Result<()> {
                 failed += 1;
                 match other {
                     ItemStatus::Unavailable => "failed (G4 unreachable)",
+                    ItemStatus::Timeout => "failed (G4 did not answer in time)",
                     _ => "failed",
                 }
             }
