@@ -326,6 +326,12 @@ impl Cluster {
         t.push_str(&format!(
             "[node]\nfetch_deadline_ms = {FETCH_DEADLINE_MS}\nlookup_remote_deadline_ms = 1000\n"
         ));
+        if role == "c" {
+            // C keeps a file per block: a peer serves a rotted block file
+            // as it is (a slotted block is verified before any peer gets
+            // it), so the receiver's own check is what the cluster tests.
+            t.push_str("[g3]\nslot_max = \"0\"\n");
+        }
         let config = self.cfg_dir.path().join(format!("{role}.toml"));
         std::fs::write(&config, t).unwrap();
         // It holds the G4 secret: owner only, or kvtierd refuses it.

@@ -14,7 +14,7 @@ mod support;
 
 use kvtier_client::proto::ItemStatus;
 use kvtier_client::{
-    block_path, BlockKey, Client, ClientConfig, Hints, KvLayout, MissCause, Namespace, NsHandle,
+    BlockKey, Client, ClientConfig, Hints, KvLayout, MissCause, Namespace, NsHandle,
     OffloadOutcome, Onboarded,
 };
 use std::os::unix::fs::FileExt;
@@ -60,6 +60,55 @@ fn client(d: &Daemon, direct: bool) -> Client {
     Client::with_config(c)
 }
 
+/// The daemon's environment for a file per block (no slab slots).
+fn files_only() -> (String, String) {
+    ("KVTIERD_G3_SLOT_MAX".into(), "0".into())
+}
+
+/// Issue 41: a slotted block has no file of its own; the fd a direct-read
+/// client gets is a sealed copy the daemon verified first. Corrupt in its
+/// slot: never handed out; with G4 the same call is served G4's copy,
+/// without G4 it is a corrupt miss; quarantined either way.
+#[test]
+fn a_corrupt_slotted_block_is_never_handed_out_by_fd() {
+    for with_g4 in [true, false] {
+        let d = if with_g4 {
+            Daemon::start()
+        } else {
+            Daemon::start_with(&["--g4".into(), String::new()], &[])
+        };
+        let blocks = offload(&client(&d, false), 0..3);
+        let (key, p) = &blocks[1];
+        if with_g4 {
+            wait_until("the G4 upload", Duration::from_secs(60), || {
+                files_named(&d.dir.path().join("g4"), &key.to_hex()) >= 1
+            });
+        }
+        let (at, _) = g3_at(&d, key);
+        assert!(
+            at.starts_with(d.dir.path().join("g3/slots")),
+            "{}",
+            at.display()
+        );
+        corrupt(&d, key, 100);
+        let c = client(&d, true);
+        let h = c.namespace(&ns());
+        let mut buf = vec![0u8; BLOCK];
+        let out = h.onboard_into(&[*key], &mut [&mut buf[..]]);
+        if with_g4 {
+            assert!(out[0].is_hit(), "{:?}", out[0]);
+            assert!(buf == *p, "wrong bytes");
+        } else {
+            match &out[0] {
+                Onboarded::Miss(m) => assert_eq!(m.cause, MissCause::Corrupt, "{m:?}"),
+                other => panic!("corrupt bytes served: {other:?}"),
+            }
+        }
+        assert!(files_named(&d.dir.path().join("g3/quarantine"), &key.to_hex()) >= 1);
+        assert_served(&c, &[blocks[0].clone(), blocks[2].clone()]);
+    }
+}
+
 fn rounds() -> usize {
     std::env::var("KVTIER_G3_SAFETY_ROUNDS")
         .ok()
@@ -102,33 +151,30 @@ fn assert_corrupt_miss(h: &NsHandle<'_>, key: &BlockKey) {
     }
 }
 
-fn g3_file(d: &Daemon, key: &BlockKey) -> PathBuf {
-    d.dir
-        .path()
-        .join("g3/blocks")
-        .join(block_path(&ns().id(), key))
+/// Where a G3 block's bytes are (its file, or its slab slot).
+fn g3_at(d: &Daemon, key: &BlockKey) -> (PathBuf, u64) {
+    support::g3_block_at(&d.dir.path().join("g3"), &ns().id(), key).expect("on G3")
 }
 
-/// Flips two payload bytes of a G3 block file behind the daemon's back.
+/// Flips two payload bytes of a G3 block behind the daemon's back.
 fn corrupt(d: &Daemon, key: &BlockKey, at: u64) {
+    let (p, base) = g3_at(d, key);
     let f = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
-        .open(g3_file(d, key))
+        .open(p)
         .unwrap();
     let mut b = [0u8; 2];
-    f.read_exact_at(&mut b, 4096 + at).unwrap();
-    f.write_all_at(&[!b[0], !b[1]], 4096 + at).unwrap();
+    f.read_exact_at(&mut b, base + 4096 + at).unwrap();
+    f.write_all_at(&[!b[0], !b[1]], base + 4096 + at).unwrap();
     f.sync_all().unwrap();
 }
 
-/// Overwrites 8 bytes of a G3 block file's header.
+/// Overwrites 8 bytes of a G3 block's header.
 fn damage_header(d: &Daemon, key: &BlockKey) {
-    let f = std::fs::OpenOptions::new()
-        .write(true)
-        .open(g3_file(d, key))
-        .unwrap();
-    f.write_all_at(&[0xA5; 8], 64).unwrap();
+    let (p, base) = g3_at(d, key);
+    let f = std::fs::OpenOptions::new().write(true).open(p).unwrap();
+    f.write_all_at(&[0xA5; 8], base + 64).unwrap();
     f.sync_all().unwrap();
 }
 
@@ -279,8 +325,10 @@ fn long_refusals_and_kill9_under_load_lose_no_acked_block() {
 
 #[test]
 fn a_corrupt_fd_read_is_reported_and_the_block_is_dropped_when_no_good_copy_exists() {
-    // G3 only: no copy to repair from.
-    let d = Daemon::start_with(&["--g4".into(), String::new()], &[]);
+    // G3 only: no copy to repair from. A file per block: the fd passed is
+    // the file itself, which the client verifies and reports (a slotted
+    // block: `a_corrupt_slotted_block_is_never_handed_out_by_fd`).
+    let d = Daemon::start_with(&["--g4".into(), String::new()], &[files_only()]);
     let blocks = offload(&client(&d, false), 0..3);
     let (key, p) = &blocks[1];
     corrupt(&d, key, 100);
@@ -305,8 +353,10 @@ fn fd_reads_of_a_large_batch_verify_every_block_in_its_own_buffer() {
     // blocks each (client.rs, onboard_direct); one corrupt block in each
     // half, no G4 to repair from. Each outcome and each buffer belongs to
     // its own key: the corrupt two are misses (reported, then dropped),
-    // every other block's bytes are its own.
-    let d = Daemon::start_with(&["--g4".into(), String::new()], &[]);
+    // every other block's bytes are its own. A file per block: the fd
+    // passed is the block file itself, which only the client verifies (a
+    // slotted block's fd is a copy the daemon verified first).
+    let d = Daemon::start_with(&["--g4".into(), String::new()], &[files_only()]);
     let blocks = offload(&client(&d, false), 0..80);
     let bad = [5usize, 61];
     for &i in &bad {
@@ -346,8 +396,9 @@ fn fd_reads_of_a_large_batch_verify_every_block_in_its_own_buffer() {
 
 #[test]
 fn a_corrupt_fd_read_is_repaired_from_g4_at_once_and_a_false_report_removes_nothing() {
-    // The default G4: file://<dir>/g4.
-    let d = Daemon::start();
+    // The default G4: file://<dir>/g4. A file per block (the client's
+    // report is what this follows; see the slotted case below).
+    let d = Daemon::start_with(&[], &[files_only()]);
     let blocks = offload(&client(&d, false), 0..3);
     let (key, p) = &blocks[0];
     wait_until("the G4 upload", Duration::from_secs(60), || {

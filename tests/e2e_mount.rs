@@ -214,8 +214,11 @@ fn shell_tools_on_a_kvtierd_mount() {
     }
     // The imports are G3 block files now.
     for (key, bytes) in &files {
-        let backing = d.g3().join("blocks").join(block_path(&ns().id(), key));
-        assert_eq!(&std::fs::read(&backing).unwrap(), bytes);
+        let (p, at) = support::g3_block_at(&d.g3(), &ns().id(), key).expect("on G3");
+        let mut got = vec![0u8; bytes.len()];
+        std::os::unix::fs::FileExt::read_exact_at(&std::fs::File::open(p).unwrap(), &mut got, at)
+            .unwrap();
+        assert_eq!(&got, bytes);
     }
     // ls / find / stat.
     let (k0, f0) = &files[0];
@@ -279,11 +282,7 @@ fn shell_tools_on_a_kvtierd_mount() {
     ));
     ok(&format!("rm {}", p0.display()));
     assert!(!p0.exists());
-    assert!(!d
-        .g3()
-        .join("blocks")
-        .join(block_path(&ns().id(), k0))
-        .exists());
+    assert!(support::g3_block_at(&d.g3(), &ns().id(), k0).is_none());
     let ev = std::fs::read_to_string(d.mnt.join(".kvtier/events")).unwrap();
     assert!(
         ev.contains(&format!(
@@ -298,13 +297,13 @@ fn shell_tools_on_a_kvtierd_mount() {
     );
     // A flipped byte in the G3 file: EIO at open, quarantined.
     let (k1, _) = &files[1];
-    let backing = d.g3().join("blocks").join(block_path(&ns().id(), k1));
-    let mut b = std::fs::read(&backing).unwrap();
-    b[4096 + 7] ^= 0x80;
-    std::fs::write(&backing, &b).unwrap();
+    support::flip_g3_byte(&d.g3(), &ns().id(), k1, 4096 + 7);
     let e = std::fs::File::open(d.path(k1)).unwrap_err();
     assert_eq!(e.raw_os_error(), Some(libc::EIO), "{e}");
-    assert!(!backing.exists(), "moved out of blocks/");
+    assert!(
+        support::g3_block_at(&d.g3(), &ns().id(), k1).is_none(),
+        "out of G3 (its file moved, its slot punched)"
+    );
     let q: Vec<_> = std::fs::read_dir(d.g3().join("quarantine"))
         .unwrap()
         .collect();

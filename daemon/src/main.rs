@@ -455,6 +455,7 @@ fn node_config(cfg: &Config) -> Result<NodeConfig> {
     }
     g3.recycle_pool_files_max = cfg.g3.recycle_max_files;
     g3.recycle_unsettled_bytes_max = cfg.g3.recycle_unsettled_max;
+    g3.slot_file_bytes_max = cfg.g3.slot_max;
     g3.open_tail_grace = std::time::Duration::from_millis(cfg.g3.open_tail_grace_ms);
     g3.lease_ttl_max_ms = u64::from(cfg.server.lease_ttl_max_ms);
     g3.leases_max = cfg.server.leases_per_conn_max.saturating_mul(64);

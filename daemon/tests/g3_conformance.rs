@@ -67,6 +67,25 @@ fn conformance_through_fault_wrapper() {
     }
 }
 
+/// The conformance suite on slotted blocks (g3/slots.rs): every size it
+/// writes fits a slot.
+#[test]
+fn conformance_slots() {
+    for engine in [EngineKind::Uring, EngineKind::Pread] {
+        let dir = tempfile::tempdir().unwrap();
+        let c = common::cfg_slots(dir.path(), engine);
+        let s = G3Store::open(c, Box::new(Lru::new())).unwrap();
+        suite(&s, 65536 + 32);
+        let slotted = s
+            .recovery_figures()
+            .iter()
+            .find(|(k, _)| *k == "slot_writes")
+            .map(|(_, v)| *v);
+        assert!(slotted > Some(0), "the suite's blocks went to slots");
+        assert_eq!(common::block_files(&dir.path().join("blocks")).len(), 0);
+    }
+}
+
 #[test]
 fn conformance_odsync() {
     let dir = tempfile::tempdir().unwrap();

@@ -431,13 +431,20 @@ impl IoEngine for ScribbleReadEngine {
     fn write_file(
         &self,
         fd: RawFd,
+        at: u64,
         len: u64,
         bufs: &mut [AlignedBuf],
         fill: FillFn<'_>,
     ) -> io::Result<()> {
-        self.inner.write_file(fd, len, bufs, fill)
+        self.inner.write_file(fd, at, len, bufs, fill)
     }
-    fn read_file(&self, fd: RawFd, dst: &mut [u8], on_ready: ReadyFn<'_>) -> io::Result<usize> {
+    fn read_file(
+        &self,
+        fd: RawFd,
+        at: u64,
+        dst: &mut [u8],
+        on_ready: ReadyFn<'_>,
+    ) -> io::Result<usize> {
         let target = *self.armed.lock().unwrap();
         let fired = &self.fired;
         let mut scribbling = |piece: &[u8]| {
@@ -454,7 +461,7 @@ impl IoEngine for ScribbleReadEngine {
             }
             on_ready(piece)
         };
-        self.inner.read_file(fd, dst, &mut scribbling)
+        self.inner.read_file(fd, at, dst, &mut scribbling)
     }
     fn sync_data(&self, fd: RawFd) -> io::Result<()> {
         self.inner.sync_data(fd)

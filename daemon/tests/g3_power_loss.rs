@@ -89,6 +89,9 @@ struct Scenario {
     /// `Auto`: each block's data flushed alone (O_DSYNC for small files,
     /// fdatasync for large); `Group`: the shared syncfs window.
     sync: SyncMode,
+    /// Blocks in slab slots (g3/slots.rs: one shared flush per slab, no
+    /// file per block); `false`: a file per block.
+    slots: bool,
 }
 
 impl Scenario {
@@ -121,6 +124,30 @@ fn acked_keys(attempts: &Mutex<HashMap<BlockKey, Vec<Attempt>>>) -> u64 {
 }
 
 const SCENARIOS: &[Scenario] = &[
+    // Slab slots (g3/slots.rs): concurrent writers share each slab's
+    // flush; evictions keep slots for reuse, deletes punch them.
+    Scenario {
+        name: "slots-small-batch-concurrent-evict",
+        payload_bytes: 8192,
+        blocks_per_writer: 16,
+        batch: 4,
+        writers: 3,
+        capacity_blocks: 20,
+        deletes: true,
+        sync: SyncMode::Auto,
+        slots: true,
+    },
+    Scenario {
+        name: "slots-large-batch-evict",
+        payload_bytes: 3 << 19,
+        blocks_per_writer: 4,
+        batch: 2,
+        writers: 2,
+        capacity_blocks: 3,
+        deletes: true,
+        sync: SyncMode::Auto,
+        slots: true,
+    },
     Scenario {
         name: "small-single",
         payload_bytes: 8192,
@@ -130,6 +157,7 @@ const SCENARIOS: &[Scenario] = &[
         capacity_blocks: 1000,
         deletes: false,
         sync: SyncMode::Auto,
+        slots: false,
     },
     Scenario {
         name: "small-batch-concurrent-evict",
@@ -140,6 +168,7 @@ const SCENARIOS: &[Scenario] = &[
         capacity_blocks: 20,
         deletes: true,
         sync: SyncMode::Auto,
+        slots: false,
     },
     Scenario {
         name: "large-single-deletes",
@@ -150,6 +179,7 @@ const SCENARIOS: &[Scenario] = &[
         capacity_blocks: 1000,
         deletes: true,
         sync: SyncMode::Auto,
+        slots: false,
     },
     Scenario {
         name: "large-batch-evict",
@@ -160,6 +190,7 @@ const SCENARIOS: &[Scenario] = &[
         capacity_blocks: 3,
         deletes: false,
         sync: SyncMode::Auto,
+        slots: false,
     },
     // The opt-in group data flush: one syncfs per window across writers.
     Scenario {
@@ -171,6 +202,7 @@ const SCENARIOS: &[Scenario] = &[
         capacity_blocks: 20,
         deletes: true,
         sync: SyncMode::Group,
+        slots: false,
     },
     Scenario {
         name: "group-large-concurrent-evict",
@@ -181,6 +213,7 @@ const SCENARIOS: &[Scenario] = &[
         capacity_blocks: 4,
         deletes: false,
         sync: SyncMode::Group,
+        slots: false,
     },
 ];
 
@@ -232,6 +265,13 @@ impl Run {
         let file_len = 4096 + self.sc.payload_bytes.div_ceil(4096) * 4096;
         cfg.capacity_bytes = capacity_blocks * file_len;
         cfg.sync_mode = self.sc.sync;
+        if self.sc.slots {
+            cfg.slot_file_bytes_max = common::cfg_slots(
+                &self.root(),
+                kvtier_daemon::tiers::g3::engine::EngineKind::Auto,
+            )
+            .slot_file_bytes_max;
+        }
         let store = G3Store::open_with_fs(
             cfg,
             Box::new(Lru::new()),

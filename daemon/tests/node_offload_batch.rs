@@ -361,8 +361,9 @@ fn an_onboard_request_reads_its_blocks_together_and_misses_stay_in_place() {
     );
 }
 
-/// Damages one byte of the block file whose payload is `payload`, at
-/// `at` from the file's start (the header is the first 4096 bytes).
+/// Damages one byte of the block whose payload is `payload`, at `at` from
+/// the block's start (the header is its first 4096 bytes): a block file,
+/// or a slot of a slab (g3/slots.rs), found at any 4096-byte boundary.
 fn damage_file_of(root: &std::path::Path, payload: &[u8], at: usize) {
     let mut damaged = 0;
     let mut stack = vec![root.to_path_buf()];
@@ -372,12 +373,15 @@ fn damage_file_of(root: &std::path::Path, payload: &[u8], at: usize) {
             if p.is_dir() {
                 stack.push(p);
             } else if let Ok(mut b) = std::fs::read(&p) {
-                if b.len() >= HEADER_BYTES + payload.len()
-                    && b[HEADER_BYTES..HEADER_BYTES + payload.len()] == payload[..]
-                {
-                    b[at] ^= 0x40;
-                    std::fs::write(&p, &b).unwrap();
-                    damaged += 1;
+                let mut o = 0;
+                while o + HEADER_BYTES + payload.len() <= b.len() {
+                    if b[o + HEADER_BYTES..o + HEADER_BYTES + payload.len()] == payload[..] {
+                        b[o + at] ^= 0x40;
+                        std::fs::write(&p, &b).unwrap();
+                        damaged += 1;
+                        break;
+                    }
+                    o += 4096;
                 }
             }
         }

@@ -122,7 +122,9 @@ fn mount_imports_rm_mv_evict_verify_and_df_on_one_daemon() {
     wait_mounted(&mnt);
     let id = ns().id();
     let at = |k: &BlockKey| mnt.join(block_path(&id, k));
-    let g3 = |k: &BlockKey| d.dir.path().join("g3/blocks").join(block_path(&id, k));
+    let g3_dir = d.dir.path().join("g3");
+    // Whether G3's disk holds the block (its file or its slab slot).
+    let on_g3 = |k: &BlockKey| support::g3_block_at(&g3_dir, &id, k).is_some();
     let g4 = |k: &BlockKey| d.dir.path().join("g4/blocks").join(block_path(&id, k));
     let sub_client = client(&d);
     let mut sub = sub_client.subscribe_events().unwrap();
@@ -178,9 +180,7 @@ fn mount_imports_rm_mv_evict_verify_and_df_on_one_daemon() {
 
     // 3. verify repairs a bad G3 copy from G4 (exit 1: something was bad).
     let (k0, _, p0) = &blocks[0];
-    let mut b = std::fs::read(g3(k0)).unwrap();
-    b[4096 + 11] ^= 0x20;
-    std::fs::write(g3(k0), &b).unwrap();
+    support::flip_g3_byte(&g3_dir, &id, k0, 4096 + 11);
     let v = Command::new(kvtier())
         .args(["verify", "--all"])
         .env("KVTIER_SOCKET", &d.socket)
@@ -217,7 +217,7 @@ fn mount_imports_rm_mv_evict_verify_and_df_on_one_daemon() {
     // 4. rm: G3 only; the name does not come back from G4.
     let (k1, _, _) = &blocks[1];
     ok(&format!("rm {}", at(k1).display()));
-    assert!(!g3(k1).exists() && g4(k1).exists());
+    assert!(!on_g3(k1) && g4(k1).exists());
     let (found, _, _) = bash(&format!("stat {}", at(k1).display()));
     assert!(!found, "rm'd name fetched back from G4");
     assert_eq!(h.lookup(&[*k1]).tiers, vec![Tier::G4]);
@@ -231,7 +231,7 @@ fn mount_imports_rm_mv_evict_verify_and_df_on_one_daemon() {
         "setfattr -n user.kvtier.evict -v all {}",
         at(k2).display()
     ));
-    assert!(!g3(k2).exists() && !g4(k2).exists());
+    assert!(!on_g3(k2) && !g4(k2).exists());
     assert!(h.lookup(&[*k2]).tiers.is_empty());
     wait_event("evict all announced in both tiers", &mut evs, &|e| {
         has(e, StorageTier::Disk, false, k2) && has(e, StorageTier::External, false, k2)
@@ -251,7 +251,7 @@ fn mount_imports_rm_mv_evict_verify_and_df_on_one_daemon() {
     let out_file = top.path().join("moved");
     ok(&format!("mv {} {}", at(k3).display(), out_file.display()));
     assert_eq!(&std::fs::read(&out_file).unwrap(), f3);
-    assert!(!at(k3).exists() && !g3(k3).exists());
+    assert!(!at(k3).exists() && !on_g3(k3));
 
     // kvtier evict --tier all: G3 and G4, then absent.
     let path0 = block_path(&id, k0);
@@ -261,7 +261,7 @@ fn mount_imports_rm_mv_evict_verify_and_df_on_one_daemon() {
         kvtier().display()
     ));
     assert!(e1.starts_with("evicted\t"), "{e1}");
-    assert!(!g3(k0).exists() && !g4(k0).exists());
+    assert!(!on_g3(k0) && !g4(k0).exists());
     let e2 = ok(&format!(
         "KVTIER_SOCKET={} {} evict --tier all {path0}",
         d.socket.display(),

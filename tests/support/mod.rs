@@ -380,3 +380,72 @@ pub fn json_stdout(out: &std::process::Output) -> serde_json::Value {
     );
     serde_json::from_slice(&out.stdout).unwrap()
 }
+
+/// Where a block's bytes are in a G3 directory: its file under `blocks/`
+/// (offset 0), or the slot of a slab under `slots/<pages>.slab` whose
+/// header names it (the daemon's g3/slots.rs), at the slot's offset.
+/// `None`: neither holds it.
+pub fn g3_block_at(
+    g3_dir: &Path,
+    ns: &kvtier_client::NamespaceId,
+    key: &kvtier_client::BlockKey,
+) -> Option<(PathBuf, u64)> {
+    use std::os::unix::fs::FileExt;
+    let file = g3_dir
+        .join("blocks")
+        .join(kvtier_client::block_path(ns, key));
+    if file.exists() {
+        return Some((file, 0));
+    }
+    for e in std::fs::read_dir(g3_dir.join("slots")).ok()?.flatten() {
+        let p = e.path();
+        let Some(pages) = p
+            .file_name()
+            .and_then(|n| n.to_str())
+            .and_then(|n| n.strip_suffix(".slab"))
+            .and_then(|n| n.parse::<u64>().ok())
+        else {
+            continue;
+        };
+        let slot_bytes = pages * 4096;
+        let Ok(f) = std::fs::File::open(&p) else {
+            continue;
+        };
+        let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+        let mut head = vec![0u8; 4096];
+        let mut at = 0;
+        while at + slot_bytes <= len {
+            if f.read_exact_at(&mut head, at).is_ok() {
+                if let Ok(h) = kvtier_client::BlockHeader::decode(&head) {
+                    if h.key == *key && h.namespace_id() == *ns {
+                        return Some((p, at));
+                    }
+                }
+            }
+            at += slot_bytes;
+        }
+    }
+    None
+}
+
+/// Flips the byte at `off` from the start of a G3 block (4096: the first
+/// payload byte), behind the daemon's back, wherever the block lives
+/// ([`g3_block_at`]).
+pub fn flip_g3_byte(
+    g3_dir: &Path,
+    ns: &kvtier_client::NamespaceId,
+    key: &kvtier_client::BlockKey,
+    off: u64,
+) {
+    use std::os::unix::fs::FileExt;
+    let (p, at) = g3_block_at(g3_dir, ns, key).expect("the block is on G3");
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&p)
+        .unwrap();
+    let mut b = [0u8; 1];
+    f.read_exact_at(&mut b, at + off).unwrap();
+    f.write_all_at(&[!b[0]], at + off).unwrap();
+    f.sync_all().unwrap();
+}

@@ -135,33 +135,57 @@ class Daemon:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def flip_on_disk(daemon: "Daemon", key: bytes, at: int) -> None:
-    """Flips the payload byte ``at`` of ``key``'s G3 file (corruption at
-    rest, under the daemon's feet)."""
-    (path,) = list(daemon.dir.glob(f"g3/**/{key.hex()}"))
+def g3_blocks(g3_dir: pathlib.Path):
+    """Yields ``(path, offset, ns_id_hex, key_hex)`` for every block on a
+    G3 directory's disk: each file under ``blocks/<ns>/<shard>/<key>``
+    (offset 0), and each slot of ``slots/<pages>.slab`` whose header names
+    a block (the daemon's g3/slots.rs: a block of ``pages * 4096`` bytes
+    at each multiple of that length; docs/FORMAT.md gives the header)."""
+    blocks = g3_dir / "blocks"
+    if blocks.is_dir():
+        for p in blocks.rglob("*"):
+            if p.is_file() and len(p.relative_to(blocks).parts) == 3:
+                yield p, 0, p.relative_to(blocks).parts[0], p.name
+    slots = g3_dir / "slots"
+    if slots.is_dir():
+        for p in sorted(slots.glob("*.slab")):
+            slot_bytes = int(p.name[: -len(".slab")]) * 4096
+            with open(p, "rb") as f:
+                size = p.stat().st_size
+                for at in range(0, size - slot_bytes + 1, slot_bytes):
+                    f.seek(at)
+                    head = f.read(4096)
+                    if head[:8] != b"KVTIERB\x01":
+                        continue
+                    k = head[48]
+                    yield p, at, head[16:32].hex(), head[56 : 56 + k].hex()
+
+
+def flip_at(path: pathlib.Path, at: int) -> None:
+    """Flips the byte at ``at`` of ``path``."""
     with open(path, "r+b") as f:
-        f.seek(4096 + at)  # the payload starts after the header page
+        f.seek(at)
         b = f.read(1)
-        f.seek(4096 + at)
+        f.seek(at)
         f.write(bytes([b[0] ^ 0xFF]))
 
 
+def flip_on_disk(daemon: "Daemon", key: bytes, at: int) -> None:
+    """Flips the payload byte ``at`` of ``key``'s G3 block (its file or
+    its slab slot: corruption at rest, under the daemon's feet)."""
+    (found,) = [(p, o) for p, o, _, k in g3_blocks(daemon.dir / "g3") if k == key.hex()]
+    flip_at(found[0], found[1] + 4096 + at)  # the payload follows the header page
+
+
 def corrupt_every_block_file(daemon: "Daemon", ns_id: str | None = None) -> int:
-    """Flips one payload byte of every block file under the daemon's G3
-    (``g3/blocks``, or only namespace ``ns_id``'s directory: not its
-    index, which is another fault); returns how many."""
+    """Flips one payload byte of every block on the daemon's G3 (block
+    files and slab slots, or only namespace ``ns_id``'s: not its index,
+    which is another fault); returns how many."""
     n = 0
-    blocks = daemon.dir / "g3" / "blocks"
-    assert blocks.is_dir()
-    if ns_id is not None:
-        blocks = blocks / ns_id
-    for p in blocks.rglob("*"):
-        if p.is_file() and p.stat().st_size > 4096:
-            with open(p, "r+b") as f:
-                f.seek(4096 + 17)
-                b = f.read(1)
-                f.seek(4096 + 17)
-                f.write(bytes([b[0] ^ 0xFF]))
+    assert (daemon.dir / "g3").is_dir()
+    for p, at, ns, _ in list(g3_blocks(daemon.dir / "g3")):
+        if ns_id is None or ns == ns_id:
+            flip_at(p, at + 4096 + 17)
             n += 1
     return n
 

@@ -41,7 +41,12 @@ def test_device_path_round_trips_segmented_blocks_and_says_its_route(daemon, cli
     assert r[0] and r[0].route is None and (back[0] == data[0]).all()
 
 
-def test_device_path_verifies_every_byte_and_reports_a_corrupt_block(daemon, client, ns, monkeypatch):
+def test_device_path_verifies_every_byte_and_reports_a_corrupt_block(start_daemon, ns, monkeypatch):
+    # A file per block: the device path reads the block file kvtierd hands
+    # over as it is and must find the bad byte itself (a slotted block is
+    # verified by kvtierd before its copy is handed over).
+    daemon = start_daemon(config='[g3]\nslot_max = "0"\n')
+    client = kvtier.Client(socket=daemon.socket, timeout_ms=5000)
     keys = ns.hash_chain(list(range(16 * 4)))
     data = [np.full(BLOCK, i + 1, np.uint8) for i in range(4)]
     assert all(client.offload(ns, keys, data))

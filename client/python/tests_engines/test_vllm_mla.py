@@ -23,11 +23,8 @@ def g3_daemon():
 
 
 def block_files(d) -> int:
-    """Block files on G3 (not the index's)."""
-    return sum(
-        1 for p in (d.dir / "g3").rglob("*")
-        if p.is_file() and p.stat().st_size > 4096 and not p.name.startswith("index.")
-    )
+    """Blocks on G3's disk (files and slab slots, not the index)."""
+    return sum(1 for _ in support.g3_blocks(d.dir / "g3"))
 
 
 def test_mla_is_stored_once_and_every_rank_at_any_tp_size_loads_it(tmp_path, g3_daemon):

@@ -273,12 +273,12 @@ def test_one_corrupt_chunk_fails_only_itself(tmp_path, g3_daemon):
 
     e = engine(tmp_path, g3_daemon.socket)
     key = make_offload_key(Engine.request("probe", PROMPT).block_hashes[2], 0)
-    [path] = list((g3_daemon.dir / "g3" / "blocks" / tier(e).ns.id).rglob(key.hex() + "*"))
-    with open(path, "r+b") as f:
-        f.seek(4096 + 17)
-        b = f.read(1)
-        f.seek(4096 + 17)
-        f.write(bytes([b[0] ^ 0xFF]))
+    [(path, at)] = [
+        (p, o)
+        for p, o, n, k in support.g3_blocks(g3_daemon.dir / "g3")
+        if n == tier(e).ns.id and k.startswith(key.hex())
+    ]
+    support.flip_at(path, at + 4096 + 17)
     checked = expect_loaded_kv(e, "reader")
     e.add("reader", PROMPT)
     e.run("reader")

@@ -92,6 +92,13 @@ recycle_max_files = 4096
 # block: a start after a crash verifies each in full and puts it back.
 # Past this many bytes of them the pool is made durable at once.
 recycle_unsettled_max = "256MiB"
+# Blocks whose file (4 KiB header + payload, padded to 4 KiB) is at most
+# this long live in slots of shared slab files under slots/: one data
+# flush per group of writers, no file create, rename or directory fsync
+# per block, a read is one positioned read. Larger blocks keep a file of
+# their own (the mount hands those to the kernel for passthrough reads).
+# "0": every block has its own file. At most "64MiB".
+slot_max = "4MiB"
 # The last block of each offload batch stays an open tail this long: the
 # rest of its request may still come, so the background pass never evicts
 # it and a pass that must make room takes it only when nothing else may
@@ -319,6 +326,9 @@ pub struct G3Section {
     /// start after a crash verifies in full).
     #[serde(deserialize_with = "de_size")]
     pub recycle_unsettled_max: u64,
+    /// Largest block file kept in a slab slot (g3/slots.rs; 0: none).
+    #[serde(deserialize_with = "de_size")]
+    pub slot_max: u64,
     /// How long the last block of a batch stays an open tail, in ms
     /// (g3/spare.rs; 0: none).
     pub open_tail_grace_ms: u64,
@@ -749,6 +759,7 @@ impl Default for G3Section {
             recycle_max: None,
             recycle_max_files: 4096,
             recycle_unsettled_max: 256 << 20,
+            slot_max: 4 << 20,
             open_tail_grace_ms: 10_000,
             scrub_bytes_per_s: 16 << 20,
             scrub_pause_ms: 3_600_000,
@@ -1341,6 +1352,7 @@ mod tests {
             ("g3", "quarantine_max", "1MiB", 1 << 20),
             ("g3", "recycle_max", "1MiB", 1 << 20),
             ("g3", "recycle_unsettled_max", "1MiB", 1 << 20),
+            ("g3", "slot_max", "1MiB", 1 << 20),
             ("g3", "scrub_bytes_per_s", "1MB", 1_000_000),
             ("g4", "capacity_bytes", "10TB", 10_000_000_000_000),
             ("g4", "multipart_threshold_bytes", "32MiB", 32 << 20),
@@ -1362,6 +1374,7 @@ mod tests {
                 ("g3", "quarantine_max") => c.g3.quarantine_max?,
                 ("g3", "recycle_max") => c.g3.recycle_max?,
                 ("g3", "recycle_unsettled_max") => c.g3.recycle_unsettled_max,
+                ("g3", "slot_max") => c.g3.slot_max,
                 ("g3", _) => c.g3.scrub_bytes_per_s,
                 ("g4", "capacity_bytes") => g4?.capacity_bytes?,
                 ("g4", "multipart_threshold_bytes") => g4?.multipart_threshold_bytes,

@@ -100,6 +100,7 @@ const SCRAPED_COUNTERS: &[(&str, &str, &[&str])] = &[
     ("kvtier_g3_recycle_dropped_total", "Pooled G3 files unlinked (room needed, the bound, a refused lease)", &[]),
     ("kvtier_g3_empty_dirs_removed_total", "Empty G3 shard and namespace directories removed", &[]),
     ("kvtier_g3_index_reopens_total", "Times G3's index was opened again after an I/O error (a full disk)", &[]),
+    ("kvtier_g3_slot_writes_total", "G3 offloads written into a slab slot (g3/slots.rs)", &[]),
     // The mount.
     ("kvtier_mount_opens_total", "Opens of block files on the mount, by mode (passthrough, fallback)", &["mode"]),
     ("kvtier_mount_fallback_reads_total", "Read requests on the mount answered by the daemon (not passthrough)", &[]),
@@ -149,6 +150,10 @@ const SCRAPED_GAUGES: &[(&str, &str, &[&str])] = &[
     ("kvtier_g3_disk_full", "1 while the filesystem under G3 is full (the index's reserve in use; offloads answer no_space)", &[]),
     ("kvtier_g3_recycle_pool_bytes", "Bytes of evicted files in G3's recycle/ now (bounded by recycle_max, counted against capacity)", &[]),
     ("kvtier_g3_recycle_pool_files", "Evicted files in G3's recycle/ now", &[]),
+    ("kvtier_g3_slots_used", "G3 slab slots holding a block or being written now", &[]),
+    ("kvtier_g3_slots_free", "G3 slab slots free with their bytes kept for reuse now", &[]),
+    ("kvtier_g3_slabs", "G3 slab files open (one per block file length)", &[]),
+    ("kvtier_g3_slot_pool_bytes", "Bytes of free G3 slab slots kept for reuse (counted against capacity)", &[]),
     ("kvtier_prefetch_waiting_blocks", "Prefetched blocks waiting for a prefetch thread", &[]),
     ("kvtier_mount_passthrough_active", "1 while new opens on the mount use FUSE passthrough", &[]),
 ];
@@ -534,8 +539,10 @@ impl Metrics {
                 }
                 "quarantine_bytes" => self.gauge("kvtier_g3_quarantine_bytes", &[], x),
                 "disk_full" => self.gauge("kvtier_g3_disk_full", &[], x),
-                "recycle_pool_bytes" | "recycle_pool_files" => {
-                    self.gauge(&format!("kvtier_g3_{k}"), &[], x)
+                "recycle_pool_bytes" | "recycle_pool_files" | "slots_used" | "slots_free"
+                | "slabs" | "slot_pool_bytes" => self.gauge(&format!("kvtier_g3_{k}"), &[], x),
+                "slots_torn_at_open" => {
+                    self.gauge("kvtier_g3_recovered_at_open", &["slots_torn"], x)
                 }
                 // Also kvtier_quarantined_total (the backend's figure).
                 "quarantined" => {}
@@ -908,6 +915,12 @@ mod tests {
                 ("disk_full", 0),
                 ("empty_dirs_removed", 0),
                 ("index_reopens", 0),
+                ("slot_writes", 0),
+                ("slots_used", 0),
+                ("slots_free", 0),
+                ("slabs", 0),
+                ("slot_pool_bytes", 0),
+                ("slots_torn_at_open", 0),
             ],
             ..Default::default()
         }));

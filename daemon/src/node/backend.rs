@@ -269,13 +269,24 @@ impl Backend for Node {
     fn open_for_read(&self, ns: &NamespaceId, key: &BlockKey) -> Result<Lookup<ReadFile>> {
         // A second pass only after a bad header was repaired (from where).
         let mut repaired_from: Option<Tier> = None;
+        let mut quarantined = false;
         for repaired in [false, true] {
             let from = match self.ensure_local(ns, key)? {
                 Lookup::Hit(t) => t,
+                // Nothing to repair a quarantined copy from: it was there,
+                // corrupt (the cause the caller reports and counts).
+                Lookup::Miss(_) if quarantined => return Ok(Lookup::Miss(MissReason::Corrupt)),
                 Lookup::Miss(r) => return Ok(Lookup::Miss(r)),
             };
             let (file, _) = match self.g3.open_for_read(ns, key)? {
                 Lookup::Hit(x) => x,
+                // A slotted block is verified before its copy is handed
+                // out: corrupt, it was quarantined; fetched again (G4, a
+                // peer) at once, as for a bad header below.
+                Lookup::Miss(MissReason::Corrupt) if !repaired => {
+                    quarantined = true;
+                    continue;
+                }
                 Lookup::Miss(r) => return Ok(Lookup::Miss(r)),
             };
             // The header is checked here; the client verifies the payload

@@ -82,6 +82,17 @@ fn peer_pair(
     g4_url: Option<&str>,
     tweak: impl Fn(&mut NodeConfig),
 ) -> (Arc<Node>, Arc<Node>) {
+    peer_pair_tweaked(da, db, g4_url, &|_| {}, tweak)
+}
+
+/// [`peer_pair`] with A's config tweaked too.
+fn peer_pair_tweaked(
+    da: &std::path::Path,
+    db: &std::path::Path,
+    g4_url: Option<&str>,
+    tweak_a: &dyn Fn(&mut NodeConfig),
+    tweak: impl Fn(&mut NodeConfig),
+) -> (Arc<Node>, Arc<Node>) {
     let open = |dir: &std::path::Path, peer: PeerSetup, tweak: &dyn Fn(&mut NodeConfig)| {
         let mut c = NodeConfig::new(G3Config::new(dir.join("g3"), 64 << 20));
         c.g4 = g4_url.map(G4Config::new);
@@ -90,7 +101,7 @@ fn peer_pair(
         tweak(&mut c);
         Node::open(c).unwrap()
     };
-    let a = open(da, peer_setup("a", vec![]), &|_| {});
+    let a = open(da, peer_setup("a", vec![]), tweak_a);
     let a_addr = a.peer_addr().unwrap().to_string();
     let b = open(
         db,
@@ -365,7 +376,10 @@ fn a_batched_onboard_fetches_concurrently_and_falls_back_per_block() {
     let shared = tempfile::tempdir().unwrap();
     let url = format!("file://{}", shared.path().display());
     let (da, db) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let (a, b) = peer_pair(da.path(), db.path(), Some(&url), |c| {
+    // Files on A: A serves a rotted file as it is (a slotted block is
+    // verified before any peer gets it), so B's own check is tested.
+    let files = |c: &mut NodeConfig| c.g3.slot_file_bytes_max = 0;
+    let (a, b) = peer_pair_tweaked(da.path(), db.path(), Some(&url), &files, |c| {
         // A lying peer is normally skipped for a while; here every block
         // asks it, so that exactly one block sees corrupt bytes.
         if let Some(p) = c.peer.as_mut() {

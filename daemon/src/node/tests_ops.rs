@@ -71,10 +71,17 @@ fn removed(evs: &[Arc<KvEvent>], tier: StorageTier, key: &BlockKey) -> bool {
 }
 
 fn corrupt(n: &Node, key: &BlockKey) {
-    let p = n.g3().block_file_path(&ns().id(), key);
-    let mut b = std::fs::read(&p).unwrap();
-    b[4096 + 3] ^= 0x40;
-    std::fs::write(&p, &b).unwrap();
+    use std::os::unix::fs::FileExt;
+    let (p, at) = n.g3().block_location(&ns().id(), key).unwrap();
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&p)
+        .unwrap();
+    let mut b = [0u8; 1];
+    f.read_exact_at(&mut b, at + 4096 + 3).unwrap();
+    b[0] ^= 0x40;
+    f.write_all_at(&b, at + 4096 + 3).unwrap();
 }
 
 #[test]

@@ -93,11 +93,7 @@ pub(super) fn start(
 /// A G3 block's header, checksum-verified (a buffered 4 KiB read; the
 /// block may have been evicted meanwhile: then `None`).
 pub(super) fn read_header(g3: &G3Store, ns: &NamespaceId, key: &BlockKey) -> Option<BlockHeader> {
-    use std::io::Read;
-    let mut f = std::fs::File::open(g3.block_file_path(ns, key)).ok()?;
-    let mut hb = vec![0u8; kvtier_client::block::HEADER_BYTES];
-    f.read_exact(&mut hb).ok()?;
-    BlockHeader::decode(&hb).ok().filter(|h| h.key == *key)
+    g3.read_header(ns, key)
 }
 
 impl Node {

@@ -51,6 +51,17 @@ use std::time::{Duration, Instant};
 
 const SCENARIOS: &[Scenario] = &[
     Scenario {
+        name: "socket-slots-small-batch-concurrent-evict",
+        payload_bytes: 8192,
+        blocks_per_writer: 16,
+        batch: 4,
+        writers: 3,
+        capacity_blocks: 20,
+        deletes: true,
+        sync: SyncMode::Auto,
+        slots: true,
+    },
+    Scenario {
         name: "socket-small-batch-concurrent-evict",
         payload_bytes: 8192,
         blocks_per_writer: 16,
@@ -59,6 +70,7 @@ const SCENARIOS: &[Scenario] = &[
         capacity_blocks: 20,
         deletes: true,
         sync: SyncMode::Auto,
+        slots: false,
     },
     Scenario {
         name: "socket-large-single-evicts",
@@ -69,6 +81,7 @@ const SCENARIOS: &[Scenario] = &[
         capacity_blocks: 1000,
         deletes: true,
         sync: SyncMode::Auto,
+        slots: false,
     },
     Scenario {
         name: "socket-small-single",
@@ -79,6 +92,7 @@ const SCENARIOS: &[Scenario] = &[
         capacity_blocks: 1000,
         deletes: false,
         sync: SyncMode::Auto,
+        slots: false,
     },
     Scenario {
         name: "socket-large-batch-evict",
@@ -89,6 +103,7 @@ const SCENARIOS: &[Scenario] = &[
         capacity_blocks: 3,
         deletes: false,
         sync: SyncMode::Auto,
+        slots: false,
     },
     // The opt-in group data flush (`g3.data_flush = "group"`): one syncfs
     // per window across the clients' offloads (group.rs `FlushWindow`).
@@ -101,6 +116,7 @@ const SCENARIOS: &[Scenario] = &[
         capacity_blocks: 20,
         deletes: true,
         sync: SyncMode::Group,
+        slots: false,
     },
     Scenario {
         name: "socket-group-large-concurrent-evict",
@@ -111,6 +127,7 @@ const SCENARIOS: &[Scenario] = &[
         capacity_blocks: 4,
         deletes: true,
         sync: SyncMode::Group,
+        slots: false,
     },
 ];
 
@@ -161,6 +178,13 @@ impl Run {
         let file_len = 4096 + self.sc.payload_bytes.div_ceil(4096) * 4096;
         cfg.capacity_bytes = capacity_blocks * file_len;
         cfg.sync_mode = self.sc.sync;
+        if self.sc.slots {
+            cfg.slot_file_bytes_max = common::cfg_slots(
+                &self.root(),
+                kvtier_daemon::tiers::g3::engine::EngineKind::Auto,
+            )
+            .slot_file_bytes_max;
+        }
         let store = G3Store::open_with_fs(
             cfg.clone(),
             Box::new(Lru::new()),

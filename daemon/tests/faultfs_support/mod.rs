@@ -127,14 +127,21 @@ impl IoEngine for SkipEngine {
     fn write_file(
         &self,
         fd: RawFd,
+        at: u64,
         len: u64,
         bufs: &mut [AlignedBuf],
         fill: FillFn<'_>,
     ) -> io::Result<()> {
-        self.inner.write_file(fd, len, bufs, fill)
+        self.inner.write_file(fd, at, len, bufs, fill)
     }
-    fn read_file(&self, fd: RawFd, dst: &mut [u8], on_ready: ReadyFn<'_>) -> io::Result<usize> {
-        self.inner.read_file(fd, dst, on_ready)
+    fn read_file(
+        &self,
+        fd: RawFd,
+        at: u64,
+        dst: &mut [u8],
+        on_ready: ReadyFn<'_>,
+    ) -> io::Result<usize> {
+        self.inner.read_file(fd, at, dst, on_ready)
     }
     fn sync_data(&self, fd: RawFd) -> io::Result<()> {
         if self.skip == Some(SyncSite::BlockFdatasync) {

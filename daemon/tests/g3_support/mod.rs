@@ -10,7 +10,17 @@ use kvtier_daemon::tiers::policy::Lru;
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::sync::Arc;
 
+/// A store with a file per block (these suites test the file store; the
+/// slot store has its own cases: `cfg_slots`).
 pub fn cfg(root: &std::path::Path, engine: EngineKind) -> G3Config {
+    let mut c = cfg_slots(root, engine);
+    c.slot_file_bytes_max = 0;
+    c
+}
+
+/// A store with blocks of up to the default `slot_file_bytes_max` in
+/// slab slots (g3/slots.rs).
+pub fn cfg_slots(root: &std::path::Path, engine: EngineKind) -> G3Config {
     let mut c = G3Config::new(root, 1 << 30);
     c.engine = engine;
     c.io_depth = 4;
@@ -22,17 +32,25 @@ pub fn open(root: &std::path::Path, engine: EngineKind) -> Arc<G3Store> {
     G3Store::open(cfg(root, engine), Box::new(Lru::new())).expect("open g3")
 }
 
-/// Damages the block file behind the store's back.
+/// Damages the block's bytes behind the store's back (its file, or its
+/// slot in a slab: a truncation is then its last page zeroed).
 pub fn damage(store: &G3Store, ns: &NamespaceId, key: &BlockKey, d: Damage) {
-    let p = store.block_file_path(ns, key);
+    let (p, at) = store.block_location(ns, key).expect("a held block");
+    let len = store.stat(ns, key).expect("a held block").file_len;
+    let slotted = p.extension().is_some_and(|e| e == "slab");
     let mut f = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
         .open(&p)
         .expect("open block file");
     match d {
-        Damage::Header => flip(&mut f, 100),
-        Damage::Payload => flip(&mut f, 4096 + 17),
+        Damage::Header => flip(&mut f, at + 100),
+        Damage::Payload => flip(&mut f, at + 4096 + 17),
+        Damage::Truncate if slotted => {
+            f.seek(SeekFrom::Start(at + len - 4096)).unwrap();
+            f.write_all(&[0u8; 4096]).unwrap();
+            f.sync_all().unwrap();
+        }
         Damage::Truncate => {
             let len = f.metadata().unwrap().len();
             f.set_len(len - 4096).unwrap();
@@ -74,6 +92,12 @@ pub fn tree_matches_index(
         ));
     }
     let files = block_files(&root.join("blocks"));
+    // Slotted blocks have no file (g3/slots.rs): each takes a slot.
+    let slots_used = store
+        .recovery_figures()
+        .iter()
+        .find(|(k, _)| *k == "slots_used")
+        .map_or(0, |(_, v)| *v) as usize;
     for f in &files {
         let key = f
             .file_name()
@@ -83,9 +107,9 @@ pub fn tree_matches_index(
             return Err(format!("file {} is not in the index", f.display()));
         }
     }
-    if files.len() != visible.len() {
+    if files.len() + slots_used != visible.len() {
         return Err(format!(
-            "{} files under blocks/, {} blocks visible",
+            "{} files under blocks/ and {slots_used} slots used, {} blocks visible",
             files.len(),
             visible.len()
         ));

@@ -115,6 +115,9 @@ pub(super) fn start_node(config: &str, name: &str) -> Result<Node> {
         .arg(dir.path().join("g3"))
         .args(["--g3-capacity", "16GiB", "--metrics-addr", &metrics])
         .env("RUST_LOG", "warn")
+        // A file per block: the raw baseline sends A's block files (a
+        // slotted block has none; peers serve it from a verified copy).
+        .env("KVTIERD_G3_SLOT_MAX", "0")
         .stdout(Stdio::null())
         .spawn()
         .with_context(|| format!("starting {}", bin.display()))?;

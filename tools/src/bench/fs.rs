@@ -143,6 +143,9 @@ pub fn run(a: FsArgs) -> Result<()> {
     let root = tmp.path().join("g3");
     let file_bytes = a.block_size.div_ceil(4096) * 4096 + 4096;
     let mut cfg = G3Config::new(&root, (file_bytes * a.blocks as u64 * 2).max(64 << 20));
+    // A file per block: the baseline reads the block files the mount's
+    // passthrough hands the kernel (a slotted block has no file).
+    cfg.slot_file_bytes_max = 0;
     cfg.pinned_budget_bytes = 0;
     let g3 = G3Store::open(cfg, Box::new(Lru::new()))?;
     let ns = Namespace::new(

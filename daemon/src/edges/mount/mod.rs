@@ -462,14 +462,16 @@ impl KvNamespace for G3Namespace {
         if !self.g3_or_fetch(ns, key)? {
             return Err(FsError::block_not_found(ns, key));
         }
-        if !self.passthrough.load(Ordering::Relaxed) {
+        let info = self
+            .g3
+            .stat(ns, key)
+            .ok_or_else(|| FsError::block_not_found(ns, key))?;
+        // A slotted block has no file of its own to pass through (its slab
+        // holds other blocks): it is read as in fallback mode.
+        if info.slotted || !self.passthrough.load(Ordering::Relaxed) {
             // Fallback: every byte the kernel gets comes from this verified
             // copy, never from a second, unchecked read of the disk.
-            let len = self
-                .g3
-                .stat(ns, key)
-                .ok_or_else(|| FsError::block_not_found(ns, key))?
-                .file_len;
+            let len = info.file_len;
             let held = self.held_bytes.fetch_add(len, Ordering::Relaxed) + len;
             if held > FALLBACK_HELD_BYTES_MAX {
                 self.held_bytes.fetch_sub(len, Ordering::Relaxed);

@@ -46,6 +46,7 @@ impl G3Store {
         }
         self.disk.flush()?;
         self.sync_removals()?;
+        self.sync_slabs()?;
         {
             // The in-memory image the next clean open loads instead of
             // iterating redb (snapshot.rs); made visible by the marker's

@@ -9,6 +9,13 @@ use std::path::PathBuf;
 /// Most block operations in flight at once (rings in the io_uring pool).
 pub const IO_DEPTH_MAX: usize = 256;
 
+/// The default of [`G3Config::slot_file_bytes_max`]: blocks up to 4 MiB
+/// (a 2 MiB vLLM block of an 8B model with its header fits) go to slots.
+pub const SLOT_FILE_BYTES_DEFAULT: u64 = 4 << 20;
+/// The largest [`G3Config::slot_file_bytes_max`] (a slot is read and
+/// verified whole into a bounce buffer before it is served by fd).
+pub const SLOT_FILE_BYTES_MAX: u64 = 64 << 20;
+
 /// Configuration of a G3 store.
 #[derive(Debug, Clone)]
 pub struct G3Config {
@@ -66,6 +73,14 @@ pub struct G3Config {
     /// eviction could leave the whole pool, up to half of capacity, to
     /// verify).
     pub recycle_unsettled_bytes_max: u64,
+    /// Blocks whose file is at most this long live in a slot of a shared
+    /// slab file (slots.rs) rather than a file of their own: one flush of
+    /// the slab per group of writers, no create, rename or directory
+    /// fsync per block, a read is one positioned read. 0: every block has
+    /// its own file. Larger blocks keep their file (the mount hands those
+    /// to the kernel for passthrough reads). At most
+    /// [`SLOT_FILE_BYTES_MAX`].
+    pub slot_file_bytes_max: u64,
     /// How long the last block of a batch stays an open tail (spare.rs;
     /// zero: none).
     pub open_tail_grace: std::time::Duration,
@@ -120,6 +135,7 @@ impl G3Config {
             recycle_pool_bytes: capacity_bytes / 2,
             recycle_pool_files_max: 4096,
             recycle_unsettled_bytes_max: 256 << 20,
+            slot_file_bytes_max: SLOT_FILE_BYTES_DEFAULT,
             open_tail_grace: super::spare::TAIL_GRACE,
             owner_note: String::new(),
         }
@@ -176,6 +192,15 @@ impl G3Config {
         }
         if self.leases_max == 0 {
             return bad("leases_max", "at least 1".into());
+        }
+        if self.slot_file_bytes_max > SLOT_FILE_BYTES_MAX {
+            return bad(
+                "slot_file_bytes_max",
+                format!(
+                    "{} is more than {SLOT_FILE_BYTES_MAX}",
+                    self.slot_file_bytes_max
+                ),
+            );
         }
         Ok(())
     }

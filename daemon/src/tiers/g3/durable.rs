@@ -28,7 +28,7 @@ pub(super) struct Placed {
 
 /// How long a put of a key another put is committing waits for that
 /// put's outcome before it tries to place its own file.
-const WRITER_WAIT_MS: u64 = 10_000;
+pub(super) const WRITER_WAIT_MS: u64 = 10_000;
 
 /// Directory fsyncs one group commit keeps in flight at most (threads).
 const COMMIT_FSYNCS_IN_FLIGHT_MAX: usize = 32;
@@ -109,6 +109,44 @@ impl G3Store {
         payload: &[u8],
         dsync: bool,
     ) -> Result<()> {
+        self.write_block_bytes(file.as_raw_fd(), 0, tmp, header, payload, dsync)?;
+        // The data is durable before the rename: a name that survives a
+        // power cut always has its bytes (else a restart finds a torn file
+        // under a block's name).
+        let synced = if dsync {
+            Ok(())
+        } else if self.sync_mode == SyncMode::Group {
+            // One syncfs for every writer waiting, across requests and
+            // clients (group.rs): any fd on the filesystem names it.
+            let fd = file.as_raw_fd();
+            self.flush_window.join(|| self.engine.sync_fs(fd))
+        } else {
+            self.engine.sync_data(file.as_raw_fd())
+        };
+        if let Err(e) = synced {
+            let err = Error::io("flushing", tmp, e);
+            if !matches!(err, Error::NoSpace { .. }) {
+                self.poison(format!("data flush of {}: {err}", tmp.display()));
+            }
+            return Err(err);
+        }
+        Ok(())
+    }
+
+    /// Writes a block's bytes (header, payload, zero padding) at offset
+    /// `at` of `fd` (a block file, or a slot of a slab) through the pool's
+    /// aligned buffers, and checks the checksum of the bytes written (our
+    /// copy) against the header. Not flushed. `dsync`: the fd is O_DSYNC,
+    /// so a failed write may be a failed flush (poisons the store).
+    pub(super) fn write_block_bytes(
+        &self,
+        fd: std::os::fd::RawFd,
+        at: u64,
+        tmp: &std::path::Path,
+        header: &BlockHeader,
+        payload: &[u8],
+        dsync: bool,
+    ) -> Result<()> {
         let head = header.encode();
         let plen = payload.len() as u64;
         let file_len = header.file_len();
@@ -142,7 +180,7 @@ impl G3Store {
         }
         let wrote = self
             .engine
-            .write_file(file.as_raw_fd(), file_len, &mut bufs, &mut fill);
+            .write_file(fd, at, file_len, &mut bufs, &mut fill);
         self.pool.give(bufs);
         if let Err(e) = wrote {
             let err = Error::io("writing", tmp, e);
@@ -157,26 +195,6 @@ impl G3Store {
                 what: "payload",
                 reason: format!("checksum does not match the header of block {}", header.key),
             });
-        }
-        // The data is durable before the rename: a name that survives a
-        // power cut always has its bytes (else a restart finds a torn file
-        // under a block's name).
-        let synced = if dsync {
-            Ok(())
-        } else if self.sync_mode == SyncMode::Group {
-            // One syncfs for every writer waiting, across requests and
-            // clients (group.rs): any fd on the filesystem names it.
-            let fd = file.as_raw_fd();
-            self.flush_window.join(|| self.engine.sync_fs(fd))
-        } else {
-            self.engine.sync_data(file.as_raw_fd())
-        };
-        if let Err(e) = synced {
-            let err = Error::io("flushing", tmp, e);
-            if !matches!(err, Error::NoSpace { .. }) {
-                self.poison(format!("data flush of {}: {err}", tmp.display()));
-            }
-            return Err(err);
         }
         Ok(())
     }
@@ -261,13 +279,13 @@ impl G3Store {
         Ok(Some(Placed { dir, recycled }))
     }
 
-    fn is_indexed(&self, id: u64) -> bool {
+    pub(super) fn is_indexed(&self, id: u64) -> bool {
         self.mem.read().is_ok_and(|m| m.map.contains_key(&id))
     }
 
     /// Waits until no put claims `id` (bounded: `WRITER_WAIT_MS`); whether
     /// it was released in time.
-    fn wait_for_writer(&self, id: u64) -> bool {
+    pub(super) fn wait_for_writer(&self, id: u64) -> bool {
         let t = std::time::Instant::now();
         while t.elapsed() < std::time::Duration::from_millis(WRITER_WAIT_MS) {
             match self.writing.lock() {

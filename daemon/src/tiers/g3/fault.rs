@@ -84,6 +84,7 @@ impl IoEngine for FaultEngine {
     fn write_file(
         &self,
         fd: RawFd,
+        at: u64,
         len: u64,
         bufs: &mut [AlignedBuf],
         fill: FillFn<'_>,
@@ -91,18 +92,24 @@ impl IoEngine for FaultEngine {
         if self.plan.writes && self.strike() {
             if self.plan.torn_writes {
                 let half = (len / 2).div_ceil(4096) * 4096;
-                self.inner.write_file(fd, half.min(len), bufs, fill)?;
+                self.inner.write_file(fd, at, half.min(len), bufs, fill)?;
             }
             return Err(eio());
         }
-        self.inner.write_file(fd, len, bufs, fill)
+        self.inner.write_file(fd, at, len, bufs, fill)
     }
 
-    fn read_file(&self, fd: RawFd, dst: &mut [u8], on_ready: ReadyFn<'_>) -> io::Result<usize> {
+    fn read_file(
+        &self,
+        fd: RawFd,
+        at: u64,
+        dst: &mut [u8],
+        on_ready: ReadyFn<'_>,
+    ) -> io::Result<usize> {
         if self.plan.reads && self.strike() {
             return Err(eio());
         }
-        self.inner.read_file(fd, dst, on_ready)
+        self.inner.read_file(fd, at, dst, on_ready)
     }
 
     fn sync_data(&self, fd: RawFd) -> io::Result<()> {

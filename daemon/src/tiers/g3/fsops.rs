@@ -86,3 +86,27 @@ pub(super) fn rename_noreplace(from: &Path, to: &Path) -> std::io::Result<()> {
     }
     Err(e)
 }
+
+/// fallocate(PUNCH_HOLE | KEEP_SIZE): the range's blocks are freed and
+/// read as zeros; the file keeps its length.
+pub(super) fn punch_hole(file: &std::fs::File, off: u64, len: u64) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    loop {
+        // SAFETY: fallocate reads no memory; a bad fd or range is an errno.
+        let r = unsafe {
+            libc::fallocate(
+                file.as_raw_fd(),
+                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                off as libc::off_t,
+                len as libc::off_t,
+            )
+        };
+        if r == 0 {
+            return Ok(());
+        }
+        let e = std::io::Error::last_os_error();
+        if e.kind() != std::io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}

@@ -138,9 +138,20 @@ pub struct Entry {
     pub priority: u8,
     /// `FLAG_*` bits.
     pub flags: u8,
+    /// The block's slot in the slab of its file length (slots.rs), or
+    /// [`NO_SLOT`]: a file of its own under `blocks/`. Fills the padding
+    /// the other fields leave (the entry stays 32 bytes).
+    pub slot: u32,
 }
 
+/// [`Entry::slot`] of a block that has a file of its own.
+pub const NO_SLOT: u32 = u32::MAX;
+
 impl Entry {
+    /// The block's slot, if it lives in one.
+    pub fn slotted(&self) -> Option<u32> {
+        (self.slot != NO_SLOT).then_some(self.slot)
+    }
     /// File length in bytes.
     pub fn file_len(&self) -> u64 {
         u64::from(self.file_pages) * 4096
@@ -290,6 +301,10 @@ pub struct Record {
     /// after the key (a flag byte and 8 bytes): records without it read
     /// as `None`, and builds before it ignore it.
     pub parent: Option<u64>,
+    /// The block's slot in the slab of its file length (slots.rs); `None`:
+    /// a file of its own. Encoded after the parent (tag 2 and 4 bytes):
+    /// builds before slots read the parent and stop (docs/FORMAT.md).
+    pub slot: Option<u32>,
 }
 
 const REC_FIXED: usize = 16 + 8 + 32 + 8 + 4 + 4 + 4 + 1 + 1 + 1;
@@ -311,6 +326,10 @@ impl Record {
         if let Some(p) = self.parent {
             v.push(1);
             v.extend_from_slice(&p.to_le_bytes());
+        }
+        if let Some(slot) = self.slot {
+            v.push(2);
+            v.extend_from_slice(&slot.to_le_bytes());
         }
         v
     }
@@ -335,11 +354,22 @@ impl Record {
         sum.copy_from_slice(&b[24..56]);
         let klen = b[REC_FIXED - 1] as usize;
         let key = BlockKey::from_bytes(b.get(REC_FIXED..REC_FIXED + klen)?).ok()?;
-        let tail = &b[REC_FIXED + klen..];
-        let parent = match tail.first() {
-            Some(1) if tail.len() >= 9 => Some(u64_at(REC_FIXED + klen + 1)),
-            _ => None,
-        };
+        // Tagged optional fields: 1 the parent (8 bytes), 2 the slot (4).
+        let mut at = REC_FIXED + klen;
+        let (mut parent, mut slot) = (None, None);
+        loop {
+            match b.get(at) {
+                Some(1) if b.len() >= at + 9 => {
+                    parent = Some(u64_at(at + 1));
+                    at += 9;
+                }
+                Some(2) if b.len() >= at + 5 => {
+                    slot = Some(u32_at(at + 1));
+                    at += 5;
+                }
+                _ => break,
+            }
+        }
         Some(Record {
             ns: NamespaceId(ns),
             key,
@@ -352,6 +382,7 @@ impl Record {
             priority: b[76],
             flags: b[77],
             parent,
+            slot,
         })
     }
 
@@ -1167,8 +1198,15 @@ mod tests {
             priority: 9,
             flags: FLAG_IN_G4,
             parent: None,
+            slot: None,
         };
         assert_eq!(Record::decode(&r.encode()), Some(r.clone()));
+        let slotted = Record {
+            parent: Some(0xbeef),
+            slot: Some(41),
+            ..r.clone()
+        };
+        assert_eq!(Record::decode(&slotted.encode()), Some(slotted.clone()));
         let linked = Record {
             parent: Some(0xfeed),
             ..r.clone()

@@ -35,6 +35,8 @@ pub struct BlockInfo {
     pub leases: u16,
     /// A copy exists in G4.
     pub in_g4: bool,
+    /// It lives in a slab slot (slots.rs), not a file of its own.
+    pub slotted: bool,
 }
 
 impl G3Store {
@@ -67,7 +69,7 @@ impl G3Store {
 
     /// A block's state, or `None` when absent. Reads one redb record.
     pub fn stat(&self, ns: &NamespaceId, key: &BlockKey) -> Option<BlockInfo> {
-        let (id, pinned, pin_until_s, leases, priority, flags, hits, last) = {
+        let (id, pinned, pin_until_s, leases, priority, flags, hits, last, slotted) = {
             let mem = self.mem.read().ok()?;
             let (id, e) = mem.get(ns, key)?;
             (
@@ -79,6 +81,7 @@ impl G3Store {
                 e.flags,
                 e.hits.load(Ordering::Relaxed),
                 e.last_access_s.load(Ordering::Relaxed),
+                e.slotted().is_some(),
             )
         };
         let rec = self.disk.get_named(id, ns, key).ok()??;
@@ -99,6 +102,7 @@ impl G3Store {
             ephemeral: flags & FLAG_EPHEMERAL != 0,
             leases,
             in_g4: flags & FLAG_IN_G4 != 0,
+            slotted,
         })
     }
 

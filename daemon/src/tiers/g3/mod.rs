@@ -16,6 +16,8 @@
 //!   rename, shard directories) and the group commit's fsyncs and commit.
 //! - `recycle`: the pool of evicted files reused by the write path (no
 //!   extent allocation, no directory fsync before the ack).
+//! - `slots`: the slab files and their slots' states; `slot_io` the
+//!   store's I/O on them (write and flush, read, release, crash scan).
 //! - `pool`: the aligned write buffers and the read path's bounce buffers. `fsops`: directory fsync,
 //!   no-replace rename, O_DIRECT probe.
 //! - `seam`: the filesystem seam (`G3Fs`, `RealFs`, the named sync sites);
@@ -40,6 +42,9 @@
 //!   name the mount and G4 use), 4096-byte header + padded payload.
 //! - `tmp/`: writes in progress; anything here at open is removed.
 //! - `quarantine/`: blocks that failed verification, kept for inspection.
+//! - `slots/<file pages>.slab`: blocks of up to `slot_file_bytes_max`,
+//!   each in a slot of a slab shared by the blocks of its file length
+//!   (`slots`, `slot_io`).
 //! - `recycle/`: evicted block files kept for offloads of the same size to
 //!   overwrite in place (`recycle`; named `<file_len>.<pid>.<seq>`); one
 //!   with a valid header whose `blocks/` name is absent at open is an
@@ -84,6 +89,8 @@ pub mod recover;
 mod recycle;
 mod remove;
 pub mod seam;
+mod slot_io;
+mod slots;
 mod snapshot;
 mod spare;
 mod stats;
@@ -128,6 +135,10 @@ pub struct G3Store {
     /// Evicted files kept for reuse (recycle.rs).
     recycle_dir: PathBuf,
     recycle: Mutex<recycle::RecyclePool>,
+    /// Blocks of up to `slot_file_bytes_max` in slab slots (slots.rs).
+    slots: slots::Slots,
+    /// One slab created at a time (slot_io.rs `slab_for`).
+    slot_create: Mutex<()>,
     /// Written while pending retirements are made durable (one at a
     /// time); read by a recycled write from noting its new directory to
     /// its rename out of `recycle/` (recycle.rs: the order of fsyncs).
@@ -273,10 +284,17 @@ impl G3Store {
         let tmp_dir = cfg.root.join("tmp");
         let quarantine_dir = cfg.root.join("quarantine");
         let recycle_dir = cfg.root.join("recycle");
+        let slots_dir = cfg.root.join("slots");
         let lock = prepare_dirs(
             &cfg,
             fs.as_ref(),
-            [&blocks_dir, &tmp_dir, &quarantine_dir, &recycle_dir],
+            [
+                &blocks_dir,
+                &tmp_dir,
+                &quarantine_dir,
+                &recycle_dir,
+                &slots_dir,
+            ],
         )?;
         // A full filesystem gets the index's reserve back before anything
         // here writes (a node starts on a full disk, index.rs).
@@ -298,6 +316,8 @@ impl G3Store {
             quarantine_dir,
             recycle_dir,
             recycle: Mutex::new(recycle::RecyclePool::default()),
+            slots: slots::Slots::new(slots_dir, cfg.slot_file_bytes_max),
+            slot_create: Mutex::new(()),
             recycle_settle: RwLock::new(()),
             engine,
             fs,
@@ -405,6 +425,20 @@ impl G3Store {
     pub fn block_file_path(&self, ns: &NamespaceId, key: &BlockKey) -> PathBuf {
         self.blocks_dir.join(block_path(ns, key))
     }
+
+    /// Where a held block's bytes are on disk: its own file at offset 0,
+    /// or its slab at its slot's offset (slots.rs). `None`: not held.
+    pub fn block_location(&self, ns: &NamespaceId, key: &BlockKey) -> Option<(PathBuf, u64)> {
+        let mem = self.mem.read().ok()?;
+        let (_, e) = mem.get(ns, key)?;
+        match e.slotted() {
+            None => Some((self.block_file_path(ns, key), 0)),
+            Some(slot) => Some((
+                self.slots.path_of(e.file_pages),
+                u64::from(slot) * e.file_len(),
+            )),
+        }
+    }
 }
 
 /// Creates the root and its `dirs` (each missing directory made durable by
@@ -413,7 +447,7 @@ impl G3Store {
 fn prepare_dirs(
     cfg: &G3Config,
     fs: &dyn seam::G3Fs,
-    dirs: [&PathBuf; 4],
+    dirs: [&PathBuf; 5],
 ) -> Result<Option<dir_lock::DirLock>> {
     // Directories this open creates are made durable (an fsync of
     // each one's parent) before any block goes in: a block's own

@@ -477,6 +477,33 @@ impl G3Fs for PowerLossFs {
         false
     }
 
+    fn open_slab(&self, path: &Path, direct: bool) -> io::Result<File> {
+        let _st = self.op()?;
+        self.bury(path)?;
+        super::slots::open_slab(path, direct)
+    }
+
+    fn sync_slab(&self, file: &File, site: SyncSite) -> io::Result<()> {
+        let mut st = self.op()?;
+        let ino = ino_of_fd(file.as_raw_fd())?;
+        Shared::synced(&mut st, ino, site);
+        Ok(())
+    }
+
+    /// A punch is a write of zeros (lost at a power cut unless synced).
+    fn punch(&self, file: &File, off: u64, len: u64) -> io::Result<()> {
+        let mut st = self.op()?;
+        let ino = ino_of_fd(file.as_raw_fd())?;
+        self.before_write(&mut st, ino)?;
+        super::fsops::punch_hole(file, off, len)
+    }
+
+    fn slot_released(&self, path: &Path) {
+        let mut st = self.lock();
+        let n = st.ops;
+        st.removed_blocks.push((n, path.to_path_buf()));
+    }
+
     /// The model's syncfs is exact (`PowerLossEngine::sync_fs`), whatever
     /// the real filesystem under the test is.
     fn syncfs_durable(&self, _dir: &Path, _direct: bool) -> bool {
@@ -564,6 +591,7 @@ impl IoEngine for PowerLossEngine {
     fn write_file(
         &self,
         fd: RawFd,
+        at: u64,
         len: u64,
         bufs: &mut [AlignedBuf],
         fill: FillFn<'_>,
@@ -574,15 +602,21 @@ impl IoEngine for PowerLossEngine {
         // SAFETY: F_GETFL reads the fd's flags.
         let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
         st.block_data.insert(ino);
-        self.inner.write_file(fd, len, bufs, fill)?;
+        self.inner.write_file(fd, at, len, bufs, fill)?;
         if flags >= 0 && flags & libc::O_DSYNC == libc::O_DSYNC {
             Shared::synced(&mut st, ino, SyncSite::BlockODsync);
         }
         Ok(())
     }
 
-    fn read_file(&self, fd: RawFd, dst: &mut [u8], on_ready: ReadyFn<'_>) -> io::Result<usize> {
-        self.inner.read_file(fd, dst, on_ready)
+    fn read_file(
+        &self,
+        fd: RawFd,
+        at: u64,
+        dst: &mut [u8],
+        on_ready: ReadyFn<'_>,
+    ) -> io::Result<usize> {
+        self.inner.read_file(fd, at, dst, on_ready)
     }
 
     fn sync_data(&self, fd: RawFd) -> io::Result<()> {

@@ -9,7 +9,7 @@ use kvtier_client::{BlockKey, NamespaceId};
 use std::path::Path;
 use std::sync::atomic::Ordering;
 
-fn now_ms() -> u64 {
+pub(super) fn now_ms() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
@@ -22,7 +22,17 @@ impl G3Store {
     pub(super) fn quarantine(&self, ns: &NamespaceId, key: &BlockKey, id: u64, why: &str) {
         let path = self.block_file_path(ns, key);
         tracing::warn!(%ns, %key, reason = why, "g3: block failed verification; quarantined");
-        self.quarantine_file(&path, &format!("{}.{}", ns.to_hex(), key.to_hex()));
+        let name = format!("{}.{}", ns.to_hex(), key.to_hex());
+        // A slot: its bytes are copied out (held, read after the index
+        // lock is dropped); the slot is punched as the entry leaves.
+        let held = match self.mem.read() {
+            Ok(mem) => mem.get(ns, key).and_then(|(_, e)| self.hold_slot(e)),
+            Err(_) => None,
+        };
+        match held {
+            Some(h) => self.quarantine_slot_copy(h, &name),
+            None => self.quarantine_file(&path, &name),
+        }
         if matches!(self.forget(ns, key, id), Ok(true)) {
             self.emit(G3Event::Removed {
                 ns: *ns,

@@ -4,6 +4,8 @@
 //! forgotten, a corrupt one quarantined, both a miss. `open_for_read` hands
 //! an unverified fd to readers that verify themselves.
 
+use super::index::Entry;
+use super::slot_io::SlotRead;
 use super::verify::{ReadOutcome, Verifier};
 use super::{lock_err, now_s, BlockInfo, G3Event, G3Store, RemoveReason};
 use crate::base::error::{Error, Result};
@@ -16,6 +18,27 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+
+/// Where a held block's bytes are, as the index lock that found it saw
+/// them (a slot is held for the read: no writer gets it meanwhile).
+pub(super) enum Where<'a> {
+    /// A file of its own.
+    File,
+    /// A slot of a slab (slots.rs).
+    Slot(SlotRead<'a>),
+    /// Slotted, but its slab is not open (gone behind the store's back).
+    Gone,
+}
+
+impl<'a> Where<'a> {
+    /// Call under the index lock that found `e`.
+    pub(super) fn of(store: &'a G3Store, e: &Entry) -> Self {
+        if e.slotted().is_none() {
+            return Where::File;
+        }
+        store.hold_slot(e).map_or(Where::Gone, Where::Slot)
+    }
+}
 
 /// Who checks a read block's payload against its checksum.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -71,9 +94,10 @@ impl G3Store {
     ) -> Result<Lookup<BlockHeader>> {
         let found = {
             let mem = self.mem.read().map_err(|_| lock_err("g3 index"))?;
-            mem.get(ns, key).map(|(id, e)| (id, e.file_len()))
+            mem.get(ns, key)
+                .map(|(id, e)| (id, e.file_len(), Where::of(self, e)))
         };
-        let Some((id, file_len)) = found else {
+        let Some((id, file_len, at)) = found else {
             self.counters.misses.fetch_add(1, Ordering::Relaxed);
             return Ok(Lookup::Miss(MissReason::Absent));
         };
@@ -85,13 +109,14 @@ impl G3Store {
         }
         let dst = &mut dst[..file_len as usize];
         let read = match check {
-            PayloadCheck::Reader => self.read_for_verifier(ns, key, file_len, dst)?,
+            PayloadCheck::Reader => self.read_for_verifier(ns, key, &at, file_len, dst)?,
             PayloadCheck::Store => None,
         };
         let read = match read {
             Some(r) => r,
-            None => self.read_verified(ns, key, file_len, Some(dst))?,
+            None => self.read_verified(ns, key, &at, file_len, Some(dst))?,
         };
+        drop(at);
         match read {
             ReadOutcome::Ok(h) => {
                 self.counters.hits.fetch_add(1, Ordering::Relaxed);
@@ -128,12 +153,15 @@ impl G3Store {
     pub fn scrub_block(&self, ns: &NamespaceId, key: &BlockKey) -> Result<Lookup<()>> {
         let found = {
             let mem = self.mem.read().map_err(|_| lock_err("g3 index"))?;
-            mem.get(ns, key).map(|(id, e)| (id, e.file_len()))
+            mem.get(ns, key)
+                .map(|(id, e)| (id, e.file_len(), Where::of(self, e)))
         };
-        let Some((id, file_len)) = found else {
+        let Some((id, file_len, at)) = found else {
             return Ok(Lookup::Miss(MissReason::Absent));
         };
-        match self.read_verified(ns, key, file_len, None)? {
+        let read = self.read_verified(ns, key, &at, file_len, None)?;
+        drop(at);
+        match read {
             ReadOutcome::Ok(_) => Ok(Lookup::Hit(())),
             other => self.settle_failed_read(ns, key, id, other),
         }
@@ -177,25 +205,40 @@ impl G3Store {
         &self,
         ns: &NamespaceId,
         key: &BlockKey,
+        at: &Where<'_>,
         want: u64,
         dst: Option<&mut [u8]>,
     ) -> Result<ReadOutcome> {
-        let path = self.block_file_path(ns, key);
-        let file = match self.open_block(&path, self.direct_ok) {
-            Ok(f) => f,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(ReadOutcome::Vanished),
-            Err(e) => return Err(Error::io("opening", &path, e)),
-        };
-        let size = file
-            .metadata()
-            .map_err(|e| Error::io("stat", &path, e))?
-            .len();
-        if size != want {
-            return Ok(ReadOutcome::Corrupt(format!(
-                "file is {size} bytes, index says {want}"
-            )));
-        }
         let len = want as usize;
+        let path;
+        let file;
+        let (fd, off) = match at {
+            Where::Slot(held) => {
+                path = held.slab.path.clone();
+                (held.slab.file.as_raw_fd(), held.slab.offset(held.slot))
+            }
+            Where::Gone => return Ok(ReadOutcome::Vanished),
+            Where::File => {
+                path = self.block_file_path(ns, key);
+                file = match self.open_block(&path, self.direct_ok) {
+                    Ok(f) => f,
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                        return Ok(ReadOutcome::Vanished)
+                    }
+                    Err(e) => return Err(Error::io("opening", &path, e)),
+                };
+                let size = file
+                    .metadata()
+                    .map_err(|e| Error::io("stat", &path, e))?
+                    .len();
+                if size != want {
+                    return Ok(ReadOutcome::Corrupt(format!(
+                        "file is {size} bytes, index says {want}"
+                    )));
+                }
+                (file.as_raw_fd(), 0)
+            }
+        };
         let mut own = self
             .bounce
             .take(len)
@@ -203,11 +246,9 @@ impl G3Store {
         let mut v = Verifier::new(ns, key, want);
         let got = self
             .engine
-            .read_file(
-                file.as_raw_fd(),
-                &mut own.as_mut_slice()[..len],
-                &mut |piece| v.feed(piece),
-            )
+            .read_file(fd, off, &mut own.as_mut_slice()[..len], &mut |piece| {
+                v.feed(piece)
+            })
             .map_err(|e| Error::io("reading", &path, e));
         let outcome = got.map(|got| v.finish(got as u64));
         if let (Ok(ReadOutcome::Ok(_)), Some(dst)) = (&outcome, dst) {
@@ -226,11 +267,31 @@ impl G3Store {
         &self,
         ns: &NamespaceId,
         key: &BlockKey,
+        at: &Where<'_>,
         want: u64,
         dst: &mut [u8],
     ) -> Result<Option<ReadOutcome>> {
         let aligned = (dst.as_ptr() as usize).is_multiple_of(ALIGN_BYTES)
             && dst.len().is_multiple_of(ALIGN_BYTES);
+        match at {
+            Where::Gone => return Ok(Some(ReadOutcome::Vanished)),
+            // The slab is O_DIRECT: an unaligned destination goes through
+            // the verifying read's bounce buffer.
+            Where::Slot(_) if self.direct_ok && !aligned => return Ok(None),
+            Where::Slot(held) => {
+                let mut v = Verifier::header_only(ns, key, want);
+                return Ok(
+                    match self.read_slot(held, dst, &mut |piece| v.feed(piece)) {
+                        Ok(got) => match v.finish(got as u64) {
+                            ok @ ReadOutcome::Ok(_) => Some(ok),
+                            _ => None,
+                        },
+                        Err(_) => None,
+                    },
+                );
+            }
+            Where::File => {}
+        }
         let path = self.block_file_path(ns, key);
         let file = match self.open_block(&path, self.direct_ok && aligned) {
             Ok(f) => f,
@@ -246,7 +307,7 @@ impl G3Store {
         let mut v = Verifier::header_only(ns, key, want);
         match self
             .engine
-            .read_file(file.as_raw_fd(), dst, &mut |piece| v.feed(piece))
+            .read_file(file.as_raw_fd(), 0, dst, &mut |piece| v.feed(piece))
         {
             Ok(got) => match v.finish(got as u64) {
                 ok @ ReadOutcome::Ok(_) => Ok(Some(ok)),
@@ -283,6 +344,9 @@ impl G3Store {
         let Some(info) = self.stat(ns, key) else {
             return Ok(Lookup::Miss(MissReason::Absent));
         };
+        if info.slotted {
+            return self.open_slotted(ns, key, info);
+        }
         let path = self.block_file_path(ns, key);
         match OpenOptions::new()
             .read(true)
@@ -296,4 +360,52 @@ impl G3Store {
             Err(e) => Err(Error::io("opening", &path, e)),
         }
     }
+
+    /// [`G3Store::open_for_read`] of a slotted block: no fd into the slab
+    /// (it holds other blocks, other tenants' too), but a sealed memfd
+    /// holding this block's bytes, read and verified here first (the
+    /// reader verifies again, as for any passed fd).
+    fn open_slotted(
+        &self,
+        ns: &NamespaceId,
+        key: &BlockKey,
+        info: BlockInfo,
+    ) -> Result<Lookup<(File, BlockInfo)>> {
+        let len = info.file_len as usize;
+        let mut buf = super::engine::AlignedBuf::rounded(len)
+            .map_err(|e| Error::io("allocating", "g3 read buffer", e))?;
+        match self.read_into(ns, key, &mut buf.as_mut_slice()[..len])? {
+            Lookup::Hit(_) => {}
+            Lookup::Miss(r) => return Ok(Lookup::Miss(r)),
+        }
+        let file = sealed_copy(&buf.as_slice()[..len])
+            .map_err(|e| Error::io("copying a slotted block", "memfd", e))?;
+        Ok(Lookup::Hit((file, info)))
+    }
+}
+
+/// A sealed memfd (no write, grow or shrink) holding `bytes`.
+fn sealed_copy(bytes: &[u8]) -> std::io::Result<File> {
+    use std::os::fd::FromRawFd;
+    use std::os::unix::fs::FileExt;
+    // SAFETY: a NUL-terminated name; memfd_create reads nothing else.
+    let fd = unsafe {
+        libc::memfd_create(
+            c"kvtier-block".as_ptr(),
+            libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+        )
+    };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: memfd_create returned a fresh fd that we own.
+    let f = unsafe { File::from_raw_fd(fd) };
+    // Positioned: the file offset stays 0 for whoever reads the fd.
+    f.write_all_at(bytes, 0)?;
+    let seals = libc::F_SEAL_WRITE | libc::F_SEAL_GROW | libc::F_SEAL_SHRINK | libc::F_SEAL_SEAL;
+    // SAFETY: F_ADD_SEALS on our own memfd; no memory is passed.
+    if unsafe { libc::fcntl(f.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(f)
 }

@@ -299,29 +299,35 @@ impl G3Store {
                 .map_err(|_| lock_err("g3 index"))?
                 .used_bytes)
         };
-        // Pooled files (recycle.rs) are on the disk too: room is made by
-        // dropping them first, then by evicting (unlinking: a victim
-        // retired into the pool would free nothing). A few rounds: the
-        // background reclaimer may retire victims into the pool meanwhile
-        // (its evictions move bytes from blocks to the pool), which is
-        // room that dropping spares gives back.
+        // Pooled files (recycle.rs) and free slots (slots.rs) are on the
+        // disk too: room is made by dropping them first (unlink, punch),
+        // then by evicting (unlinking, punching: a victim retired into a
+        // pool would free nothing). A few rounds: the background reclaimer
+        // may retire victims into a pool meanwhile (its evictions move
+        // bytes from blocks to the pool), which is room that dropping
+        // gives back.
+        let pooled = || self.recycle_bytes() + self.slot_pooled_bytes();
         for _ in 0..3 {
             let used = used_bytes()?;
-            let pooled = self.recycle_bytes();
-            if used + pooled + need <= cap {
+            let pool = pooled();
+            if used + pool + need <= cap {
                 return Ok(());
             }
-            if pooled > 0 {
-                self.drop_spares(used + pooled + need - cap);
-                if used_bytes()? + self.recycle_bytes() + need <= cap {
+            if pool > 0 {
+                let excess = used + pool + need - cap;
+                let freed = self.drop_pooled_slots(excess);
+                if freed < excess {
+                    self.drop_spares(excess - freed);
+                }
+                if used_bytes()? + pooled() + need <= cap {
                     return Ok(());
                 }
             }
             if need <= cap {
-                self.evict_to(cap.saturating_sub(need + self.recycle_bytes()), false);
+                self.evict_to(cap.saturating_sub(need + pooled()), false);
             }
         }
-        if used_bytes()? + self.recycle_bytes() + need > cap {
+        if used_bytes()? + pooled() + need > cap {
             return Err(Error::LimitReached {
                 what: "g3 capacity_bytes (the rest is pinned, leased or taken by this batch)",
                 limit: cap,

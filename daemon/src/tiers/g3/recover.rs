@@ -62,6 +62,9 @@ pub struct RecoveryReport {
     /// The clean start loaded the in-memory index from its snapshot
     /// (`index.snap`) rather than from redb.
     pub from_snapshot: bool,
+    /// Slab slots whose header named a block the rest did not verify (a
+    /// write a crash cut short, never acknowledged): left free.
+    pub slots_torn: u64,
 }
 
 /// Name of the clean-shutdown marker under the store's root.
@@ -171,6 +174,9 @@ impl G3Store {
             })?;
         }
         let mut known = std::collections::HashSet::new();
+        // Slabs first: after a crash their scan marks the slotted entries
+        // it finds, before the walk drops every entry left unseen.
+        self.open_slabs(&mut mem, &mut order, !trusted, &mut rep)?;
         if !trusted {
             self.walk(&mut mem, &mut order, &mut known, &mut rep)?;
         }
@@ -390,7 +396,7 @@ impl G3Store {
     /// `quarantine/` (as `stray.<name>.<ms>.<n>`), logs and counts it. A
     /// link is moved as a link (rename does not follow it); a mount point
     /// cannot be moved and stays, never entered.
-    fn set_aside(&self, p: &Path, why: &str, rep: &mut RecoveryReport) {
+    pub(super) fn set_aside(&self, p: &Path, why: &str, rep: &mut RecoveryReport) {
         tracing::warn!(path = %p.display(), reason = why, "g3: stray entry under blocks/; set aside in quarantine/");
         let name = p
             .file_name()
@@ -467,6 +473,7 @@ impl G3Store {
             .engine
             .read_file(
                 file.as_raw_fd(),
+                0,
                 &mut buf.as_mut_slice()[..size as usize],
                 &mut |p| v.feed(p),
             )
@@ -520,7 +527,7 @@ fn hints_of(r: &Record) -> Hints {
     }
 }
 
-fn entry_of(r: &Record, check: u64) -> Entry {
+pub(super) fn entry_of(r: &Record, check: u64) -> Entry {
     Entry {
         check,
         file_pages: (r.file_len() / 4096) as u32,
@@ -530,13 +537,14 @@ fn entry_of(r: &Record, check: u64) -> Entry {
         leases: 0,
         priority: r.priority,
         flags: r.flags,
+        slot: r.slot.unwrap_or(super::index::NO_SLOT),
     }
 }
 
 /// The index record of a verified block file the index did not know
 /// (found by the walk, or put back from `recycle/`): no hits, no hints,
 /// last accessed now.
-fn adopted_record(ns: NamespaceId, key: BlockKey, h: &BlockHeader) -> Record {
+pub(super) fn adopted_record(ns: NamespaceId, key: BlockKey, h: &BlockHeader) -> Record {
     Record {
         ns,
         key,
@@ -549,5 +557,6 @@ fn adopted_record(ns: NamespaceId, key: BlockKey, h: &BlockHeader) -> Record {
         priority: 0,
         flags: 0,
         parent: None,
+        slot: None,
     }
 }

@@ -4,6 +4,7 @@
 //! the descendants that the removal left unreachable along (chains.rs).
 
 use super::index::digest;
+use super::slots::Release;
 use super::{lock_err, G3Event, G3Store, RemoveReason};
 use crate::base::error::{Error, Result};
 use kvtier_client::{BlockKey, NamespaceId};
@@ -50,15 +51,33 @@ impl G3Store {
         retire: bool,
     ) -> Result<bool> {
         let (id, check) = digest(ns, key);
-        let present = self
+        let found = self
             .mem
             .read()
             .map_err(|_| lock_err("g3 index"))?
             .map
             .get(&id)
-            .is_some_and(|e| e.check == check);
-        if !present {
+            .filter(|e| e.check == check)
+            .map(|e| e.slotted().is_some());
+        let Some(slotted) = found else {
             return Ok(false);
+        };
+        let how = if retire {
+            Release::Keep
+        } else {
+            Release::Punch
+        };
+        if slotted {
+            // No file: the slot is released as the entry leaves (forget).
+            let gone = self.forget_as(ns, key, id, how)?;
+            if let (true, Some(reason)) = (gone, reason) {
+                self.emit(G3Event::Removed {
+                    ns: *ns,
+                    key: *key,
+                    reason,
+                });
+            }
+            return Ok(gone);
         }
         let path = self.block_file_path(ns, key);
         let removed = if retire {
@@ -319,14 +338,20 @@ impl G3Store {
     /// Drops a block from memory, policy and redb (not the file), and its
     /// descendants with it (`remove_descendants`).
     pub(super) fn forget(&self, ns: &NamespaceId, key: &BlockKey, id: u64) -> Result<bool> {
-        let forgotten = self.forget_one(ns, key, id)?;
+        self.forget_as(ns, key, id, Release::Punch)
+    }
+
+    /// [`G3Store::forget`]; `how`: what becomes of a slotted block's slot
+    /// (kept for reuse after an eviction, else punched).
+    fn forget_as(&self, ns: &NamespaceId, key: &BlockKey, id: u64, how: Release) -> Result<bool> {
+        let forgotten = self.forget_one(ns, key, id, how)?;
         if forgotten {
             self.remove_descendants(id);
         }
         Ok(forgotten)
     }
 
-    fn forget_one(&self, ns: &NamespaceId, key: &BlockKey, id: u64) -> Result<bool> {
+    fn forget_one(&self, ns: &NamespaceId, key: &BlockKey, id: u64, how: Release) -> Result<bool> {
         let (_, check) = digest(ns, key);
         // Another name whose digest collides keeps its entry (read before
         // the lock: no I/O under it).
@@ -342,9 +367,14 @@ impl G3Store {
             if let Ok(mut p) = self.policy.lock() {
                 p.on_remove(id);
             }
-            e.is_some()
+            e
         };
         self.disk.remove(&[id])?;
-        Ok(removed)
+        // After the entry left memory: a read that found the slot holds it
+        // (slots.rs), so the release waits for that read's end.
+        if let Some(e) = &removed {
+            self.release_slot(ns, key, e, how);
+        }
+        Ok(removed.is_some())
     }
 }

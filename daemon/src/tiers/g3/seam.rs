@@ -66,6 +66,17 @@ pub enum SyncSite {
     /// (recycle.rs): else a power cut could give an inode that now holds
     /// one block its old name, or no name at all.
     RecycleDirFsync,
+    /// fsync of `slots/` after creating a slab file (slots.rs), before
+    /// any block written into it is acknowledged.
+    SlabDirFsync,
+    /// fdatasync of a slab after its slots' writes, shared by the writers
+    /// of one window (slots.rs), before their blocks are acknowledged.
+    SlabFdatasync,
+    /// fdatasync of every slab at close (punched slots of deleted blocks
+    /// durable before the clean marker).
+    SlabCloseSync,
+    /// fsync of a slot's bytes copied into `quarantine/`.
+    QuarantineCopySync,
 }
 
 impl SyncSite {
@@ -87,6 +98,10 @@ impl SyncSite {
         SyncSite::IndexRebuildDirFsync,
         SyncSite::UndoDirFsync,
         SyncSite::RecycleDirFsync,
+        SyncSite::SlabDirFsync,
+        SyncSite::SlabFdatasync,
+        SyncSite::SlabCloseSync,
+        SyncSite::QuarantineCopySync,
     ];
 
     /// A stable name (docs/RELIABILITY.md lists them).
@@ -108,6 +123,10 @@ impl SyncSite {
             SyncSite::IndexRebuildDirFsync => "index.rebuild_dir_fsync",
             SyncSite::UndoDirFsync => "undo.dir_fsync",
             SyncSite::RecycleDirFsync => "recycle.dir_fsync",
+            SyncSite::SlabDirFsync => "slab.dir_fsync",
+            SyncSite::SlabFdatasync => "slab.fdatasync",
+            SyncSite::SlabCloseSync => "slab.close_sync",
+            SyncSite::QuarantineCopySync => "quarantine.copy_sync",
         }
     }
 
@@ -127,6 +146,8 @@ impl SyncSite {
                 | SyncSite::MarkerRemoveDirFsync
                 | SyncSite::CloseRemovalsFsync
                 | SyncSite::RecycleDirFsync
+                | SyncSite::SlabDirFsync
+                | SyncSite::SlabFdatasync
         )
     }
 }
@@ -211,6 +232,22 @@ pub trait G3Fs: Send + Sync + std::fmt::Debug {
     fn syncfs_durable(&self, dir: &Path, direct: bool) -> bool {
         direct && super::fsops::syncfs_flushes(dir)
     }
+    /// Opens an existing slab file read-write (slots.rs).
+    fn open_slab(&self, path: &Path, direct: bool) -> io::Result<File> {
+        super::slots::open_slab(path, direct)
+    }
+    /// fdatasync of a slab file (slots.rs) after its slots' writes.
+    fn sync_slab(&self, file: &File, _site: SyncSite) -> io::Result<()> {
+        super::engine::fdatasync(std::os::fd::AsRawFd::as_raw_fd(file))
+    }
+    /// Frees `len` bytes at `off` of a slab file (a deleted block's slot,
+    /// or room for another length): the range reads as zeros after.
+    fn punch(&self, file: &File, off: u64, len: u64) -> io::Result<()> {
+        super::fsops::punch_hole(file, off, len)
+    }
+    /// The block that `path` names left its slot (slots.rs): for the crash
+    /// simulator a removal, like the unlink of its file. No-op here.
+    fn slot_released(&self, _path: &Path) {}
 }
 
 /// Production: std::fs and libc directly.

@@ -4,7 +4,8 @@
 //! 52 MB read in one pass).
 //!
 //! Format: `MAGIC` (8 bytes), generation (u64 LE), count (u64 LE), then
-//! `count` entries of `ENTRY_BYTES`, then the chain links (chains.rs): a
+//! `count` entries of `ENTRY_BYTES` (namespace, id, check, file pages,
+//! hits, last access, pin, priority, flags, slot), then the chain links (chains.rs): a
 //! count (u64 LE) and that many (child id, parent id) pairs of u64 LE,
 //! then the blake3 of everything before.
 //! A snapshot is used only when its generation matches the index's and its
@@ -19,9 +20,10 @@ use std::sync::atomic::{AtomicU32, Ordering};
 /// File name under the store's root.
 pub const SNAPSHOT_FILE: &str = "index.snap";
 // 2: ids are xxh3 digests (index format 2); 3: chain links follow the
-// entries. An older image is ignored (redb is read instead).
-const MAGIC: &[u8; 8] = b"KVG3SNP3";
-const ENTRY_BYTES: usize = 16 + 8 + 8 + 4 * 4 + 2;
+// entries; 4: each entry ends with its slot (slots.rs). An older image is
+// ignored (redb is read instead).
+const MAGIC: &[u8; 8] = b"KVG3SNP4";
+const ENTRY_BYTES: usize = 16 + 8 + 8 + 4 * 4 + 2 + 4;
 
 /// Writes the image of `mem` for `generation` durably (the caller fsyncs
 /// the directory after renaming the marker).
@@ -51,6 +53,7 @@ pub fn write(
         buf.extend_from_slice(&e.pin_until_s.to_le_bytes());
         buf.push(e.priority);
         buf.push(e.flags);
+        buf.extend_from_slice(&e.slot.to_le_bytes());
         count += 1;
     }
     buf[count_at..count_at + 8].copy_from_slice(&count.to_le_bytes());
@@ -128,6 +131,7 @@ pub fn load(root: &Path, generation: u64) -> Option<Image> {
                 leases: 0,
                 priority: c[48],
                 flags: c[49],
+                slot: u32_at(c, 50),
             },
         ));
     }

@@ -64,6 +64,8 @@ pub(super) struct Counters {
     pub(super) recycle_dropped: AtomicU64,
     /// Empty shard and namespace directories removed (remove.rs).
     pub(super) dirs_removed: AtomicU64,
+    /// Offloads written into a slab slot (slots.rs).
+    pub(super) slot_writes: AtomicU64,
     pub(super) seq: AtomicU64,
 }
 
@@ -75,6 +77,7 @@ impl G3Store {
         let r = self.recovery.lock().map(|r| r.clone()).unwrap_or_default();
         let rc = self.recycle_counts();
         let c = &self.counters;
+        let (slots_used, slots_free, slabs) = self.slots.counts();
         vec![
             ("index_rebuilt", u64::from(r.index_rebuilt)),
             ("clean_start", u64::from(r.clean_start)),
@@ -104,6 +107,12 @@ impl G3Store {
             ("disk_full", u64::from(self.disk_full())),
             ("empty_dirs_removed", c.dirs_removed.load(Ordering::Relaxed)),
             ("index_reopens", self.disk.reopens.load(Ordering::Relaxed)),
+            ("slot_writes", c.slot_writes.load(Ordering::Relaxed)),
+            ("slots_used", slots_used),
+            ("slots_free", slots_free),
+            ("slabs", slabs),
+            ("slot_pool_bytes", self.slot_pooled_bytes()),
+            ("slots_torn_at_open", r.slots_torn),
         ]
     }
 

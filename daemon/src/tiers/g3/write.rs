@@ -6,7 +6,8 @@
 
 use super::durable::Placed;
 use super::group;
-use super::index::{digest, Entry, Record, FLAG_EPHEMERAL, PIN_FOREVER};
+use super::index::{digest, Entry, Record, FLAG_EPHEMERAL, NO_SLOT, PIN_FOREVER};
+use super::slots::Slab;
 use super::{lock_err, now_s, G3Event, G3Store};
 use crate::base::error::{Error, Result};
 use crate::base::tier::PutOutcome;
@@ -60,10 +61,19 @@ enum Published {
 /// Each item's outcome while a batch runs (`None`: not decided yet).
 type Outcomes = Vec<Option<Result<PutOutcome>>>;
 
+/// Where a job's block goes.
+enum Place {
+    /// A file of its own: a recycled one, or a fresh one (`None`).
+    File(Option<PathBuf>),
+    /// A slot of the slab of its file length (slots.rs): the slab, its
+    /// file pages and the slot.
+    Slot(std::sync::Arc<Slab>, u32, u32),
+}
+
 /// What step 1 of a batch decided for one item.
 enum Planned {
-    /// Write it: its index id, check digest and a recycled file, if any.
-    Write(u64, u64, Option<PathBuf>),
+    /// Write it: its index id, check digest and where.
+    Write(u64, u64, Place),
     /// Already stored.
     Present,
     /// The same key as the item at this position.
@@ -78,6 +88,15 @@ struct BatchJob {
     check: u64,
     /// A recycled file taken for it (recycle.rs); `None`: a fresh file.
     spare: std::sync::Mutex<Option<PathBuf>>,
+    /// Its slot, when it goes to one (slots.rs): slab, file pages, slot.
+    slot: Option<(std::sync::Arc<Slab>, u32, u32)>,
+}
+
+impl BatchJob {
+    /// The slot the job's record names.
+    fn slot_no(&self) -> Option<u32> {
+        self.slot.as_ref().map(|s| s.2)
+    }
 }
 
 /// The index record of a freshly written block. A pin hint is recorded
@@ -100,6 +119,7 @@ fn record_of(ns: &NamespaceId, it: &PutItem<'_>, now: u32) -> Record {
             0
         },
         parent: it.meta.parent.map(|p| digest(ns, &p).0),
+        slot: None,
     }
 }
 
@@ -171,7 +191,8 @@ impl G3Store {
             Ok(mut w) => jobs.iter().map(|j| w.insert(j.id)).collect(),
             Err(_) => vec![false; jobs.len()],
         };
-        let written = self.write_batch(ns, items, &jobs, &sole);
+        let mut written = self.write_batch(ns, items, &jobs, &sole);
+        self.flush_slabs(&jobs, &mut written);
         let now = now_s();
         let renamed = self.commit_batch(ns, items, &jobs, written, now, &mut out);
         if !renamed.is_empty() {
@@ -241,6 +262,19 @@ impl G3Store {
                     return Ok(Planned::Repeat(first));
                 }
                 let file_len = it.header.file_len();
+                if let Some(pages) = self.slab_for(file_len)? {
+                    if let Some((slab, slot, _pooled)) = self.slots.take(pages) {
+                        // A free slot's bytes leave the pool as it is taken
+                        // (like a recycled file), so room is made for it
+                        // exactly as for a fresh file.
+                        if let Err(e) = self.make_room(reserved_bytes, file_len) {
+                            self.slots.untake(pages, slot);
+                            return Err(e);
+                        }
+                        reserved_bytes += file_len;
+                        return Ok(Planned::Write(id, check, Place::Slot(slab, pages, slot)));
+                    }
+                }
                 // A pooled file of this size first: its bytes leave the
                 // pool's share of capacity, so the room is already there.
                 let spare = self.take_spare(file_len);
@@ -251,16 +285,21 @@ impl G3Store {
                     return Err(e);
                 }
                 reserved_bytes += file_len;
-                Ok(Planned::Write(id, check, spare))
+                Ok(Planned::Write(id, check, Place::File(spare)))
             });
             match planned {
-                Ok(Planned::Write(id, check, spare)) => {
+                Ok(Planned::Write(id, check, place)) => {
                     first_of.insert(id, at);
+                    let (spare, slot) = match place {
+                        Place::File(spare) => (spare, None),
+                        Place::Slot(slab, pages, slot) => (None, Some((slab, pages, slot))),
+                    };
                     jobs.push(BatchJob {
                         at,
                         id,
                         check,
                         spare: std::sync::Mutex::new(spare),
+                        slot,
                     });
                 }
                 Ok(Planned::Present) => out[at] = Some(Ok(PutOutcome::AlreadyPresent)),
@@ -298,6 +337,9 @@ impl G3Store {
                     if let Some(s) = &spare {
                         self.drop_taken_spare(s);
                     }
+                    if let Some((_, pages, slot)) = &job.slot {
+                        self.slots.untake(*pages, *slot);
+                    }
                     // Starting more writes on a full filesystem only churns
                     // it; the caller retries after eviction or cleanup.
                     Err(Error::NoSpace {
@@ -308,11 +350,20 @@ impl G3Store {
                     match self.check_writable() {
                         Ok(()) => {
                             let sole = sole.get(k).copied().unwrap_or(false);
-                            self.write_durable(ns, it.header, it.payload, job.id, sole, spare)
+                            match &job.slot {
+                                Some((slab, pages, slot)) => {
+                                    self.write_slotted(it, job.id, sole, slab, *pages, *slot)
+                                }
+                                None => self
+                                    .write_durable(ns, it.header, it.payload, job.id, sole, spare),
+                            }
                         }
                         Err(e) => {
                             if let Some(s) = &spare {
                                 self.drop_taken_spare(s);
+                            }
+                            if let Some((_, pages, slot)) = &job.slot {
+                                self.slots.untake(*pages, *slot);
                             }
                             Err(e)
                         }
@@ -360,7 +411,7 @@ impl G3Store {
             let it = &items[job.at];
             match r {
                 Ok(Some(placed)) => {
-                    let dir = if placed.recycled {
+                    let dir = if placed.recycled || job.slot.is_some() {
                         // Made durable by the next settle or at close (or
                         // put back from recycle/ after a power cut): not
                         // before the ack (noted by write_durable).
@@ -371,10 +422,14 @@ impl G3Store {
                     pending.push(group::Pending {
                         dir,
                         id: job.id,
-                        rec: record_of(ns, it, now),
+                        rec: Record {
+                            slot: job.slot_no(),
+                            ..record_of(ns, it, now)
+                        },
                     });
                     renamed.push(job);
                 }
+                // A slotted job gave its slot back already (write_slotted).
                 Ok(None) => out[job.at] = Some(Ok(PutOutcome::AlreadyPresent)),
                 Err(e) => out[job.at] = Some(Err(e)),
             }
@@ -546,6 +601,7 @@ impl G3Store {
                     leases: 0,
                     priority: rec.priority,
                     flags: rec.flags,
+                    slot: job.slot_no().unwrap_or(NO_SLOT),
                 },
             );
             let parent = match it.meta.parent {
@@ -589,6 +645,19 @@ impl G3Store {
     fn undo_renames(&self, ns: &NamespaceId, items: &[PutItem<'_>], jobs: &[&BatchJob]) {
         let mut dirs: Vec<PathBuf> = Vec::new();
         for job in jobs {
+            if let Some((slab, pages, slot)) = &job.slot {
+                // Punched: a block the index does not know must not come
+                // back at a crash start's scan either.
+                let s = super::slots::Settle {
+                    slab: std::sync::Arc::clone(slab),
+                    pages: *pages,
+                    slot: *slot,
+                    how: super::slots::Release::Punch,
+                };
+                self.settle_slot(&s);
+                self.counters.renames_undone.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
             let path = self.block_file_path(ns, &items[job.at].header.key);
             match self.fs.remove_file(&path, super::seam::Unlink::Undo) {
                 Ok(()) => {}
@@ -616,6 +685,83 @@ impl G3Store {
                 ));
             }
         }
+    }
+
+    /// Step 2b: one flush per slab the batch wrote into (shared with the
+    /// slab's other writers of the moment, slot_io.rs `flush_slab`), not
+    /// one per block: a slotted job counts as written only once it is
+    /// durable. A failed flush fails the slab's jobs (their slots given
+    /// back) and poisons the store.
+    fn flush_slabs(&self, jobs: &[BatchJob], written: &mut [(usize, Result<Option<Placed>>)]) {
+        let mut slabs: Vec<&std::sync::Arc<Slab>> = Vec::new();
+        for (k, r) in written.iter() {
+            if let (Some((slab, _, _)), Ok(Some(_))) =
+                (jobs.get(*k).and_then(|j| j.slot.as_ref()), r)
+            {
+                if !slabs.iter().any(|s| std::sync::Arc::ptr_eq(s, slab)) {
+                    slabs.push(slab);
+                }
+            }
+        }
+        for slab in slabs {
+            let Err(e) = self.flush_slab(slab) else {
+                continue;
+            };
+            for (k, r) in written.iter_mut() {
+                let Some(job) = jobs.get(*k) else { continue };
+                let Some((s, pages, slot)) = job.slot.as_ref() else {
+                    continue;
+                };
+                if std::sync::Arc::ptr_eq(s, slab) && matches!(r, Ok(Some(_))) {
+                    self.slots.untake(*pages, *slot);
+                    *r = Err(match &e {
+                        Error::NoSpace { path, op } => Error::NoSpace {
+                            path: path.clone(),
+                            op,
+                        },
+                        other => Error::PreviousIo {
+                            tier: Tier::G3,
+                            cause: other.to_string(),
+                        },
+                    });
+                }
+            }
+        }
+    }
+
+    /// Step 2 for a slotted job: the block written into its slot (made
+    /// durable by `flush_slabs`). `sole`: no other put writes this id now; otherwise its
+    /// outcome decides ours (present: `Ok(None)`; a slot is never
+    /// written for a name another put is placing).
+    fn write_slotted(
+        &self,
+        it: &PutItem<'_>,
+        id: u64,
+        sole: bool,
+        slab: &Slab,
+        pages: u32,
+        slot: u32,
+    ) -> Result<Option<super::durable::Placed>> {
+        if !sole {
+            let settled = self.wait_for_writer(id);
+            self.slots.untake(pages, slot);
+            if settled && self.is_indexed(id) {
+                return Ok(None);
+            }
+            return Err(Error::Timeout {
+                op: "an offload of the same block by another request (retry)",
+                timeout_ms: super::durable::WRITER_WAIT_MS,
+            });
+        }
+        if let Err(e) = self.write_slot(it.header, it.payload, slab, slot) {
+            self.slots.untake(pages, slot);
+            return Err(e);
+        }
+        self.counters.slot_writes.fetch_add(1, Ordering::Relaxed);
+        Ok(Some(super::durable::Placed {
+            dir: self.slots.dir.clone(),
+            recycled: false,
+        }))
     }
 
     fn check_writable(&self) -> Result<()> {

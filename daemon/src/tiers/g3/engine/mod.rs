@@ -48,21 +48,30 @@ pub type ReadyFn<'a> = &'a mut dyn FnMut(&[u8]);
 pub trait IoEngine: Send + Sync {
     /// `io_uring` or `pread`.
     fn name(&self) -> &'static str;
-    /// Writes `len` bytes (a multiple of 4096) at offset 0 of `fd`. Chunk
-    /// `i` covers `[i * bufs[0].len(), ..)`; `fill` writes its bytes into a
-    /// pool buffer just before it is submitted. Not durable until
+    /// Writes `len` bytes (a multiple of 4096) at offset `at` of `fd` (0
+    /// for a block file, the slot's offset in a slab file, slots.rs).
+    /// Chunk `i` covers `[i * bufs[0].len(), ..)` of those bytes; `fill`
+    /// gets that offset (relative to `at`) and writes the chunk's bytes
+    /// into a pool buffer just before it is submitted. Not durable until
     /// [`IoEngine::sync_data`].
     fn write_file(
         &self,
         fd: RawFd,
+        at: u64,
         len: u64,
         bufs: &mut [AlignedBuf],
         fill: FillFn<'_>,
     ) -> io::Result<()>;
-    /// Reads `dst.len()` bytes from offset 0; `on_ready` sees every
+    /// Reads `dst.len()` bytes from offset `at`; `on_ready` sees every
     /// completed piece in file order. Returns the bytes read: fewer than
     /// `dst.len()` means the file ended early.
-    fn read_file(&self, fd: RawFd, dst: &mut [u8], on_ready: ReadyFn<'_>) -> io::Result<usize>;
+    fn read_file(
+        &self,
+        fd: RawFd,
+        at: u64,
+        dst: &mut [u8],
+        on_ready: ReadyFn<'_>,
+    ) -> io::Result<usize>;
     /// fdatasync.
     fn sync_data(&self, fd: RawFd) -> io::Result<()>;
     /// syncfs(2) of the filesystem holding `fd`: every write completed

@@ -19,6 +19,7 @@ impl IoEngine for PreadEngine {
     fn write_file(
         &self,
         fd: RawFd,
+        at: u64,
         len: u64,
         bufs: &mut [AlignedBuf],
         fill: FillFn<'_>,
@@ -32,17 +33,23 @@ impl IoEngine for PreadEngine {
             let n = chunk.min(len - off) as usize;
             let b = &mut buf.as_mut_slice()[..n];
             fill(off, b);
-            pwrite_full(fd, b, off)?;
+            pwrite_full(fd, b, at + off)?;
             off += n as u64;
         }
         Ok(())
     }
 
-    fn read_file(&self, fd: RawFd, dst: &mut [u8], on_ready: ReadyFn<'_>) -> io::Result<usize> {
+    fn read_file(
+        &self,
+        fd: RawFd,
+        at: u64,
+        dst: &mut [u8],
+        on_ready: ReadyFn<'_>,
+    ) -> io::Result<usize> {
         let mut off = 0usize;
         while off < dst.len() {
             let n = CHUNK_BYTES.min(dst.len() - off);
-            let got = pread_full(fd, &mut dst[off..off + n], off as u64)?;
+            let got = pread_full(fd, &mut dst[off..off + n], at + off as u64)?;
             on_ready(&dst[off..off + got]);
             off += got;
             if got < n {

@@ -150,6 +150,7 @@ impl IoEngine for UringEngine {
     fn write_file(
         &self,
         fd: RawFd,
+        at: u64,
         len: u64,
         bufs: &mut [AlignedBuf],
         fill: FillFn<'_>,
@@ -177,7 +178,7 @@ impl IoEngine for UringEngine {
                     lens[bi] = n;
                     offs[bi] = off;
                     let e = opcode::Write::new(types::Fd(fd), b.as_ptr(), n as u32)
-                        .offset(off)
+                        .offset(at + off)
                         .build()
                         .user_data(bi as u64);
                     // SAFETY: the buffer outlives the request: we drain every
@@ -202,9 +203,11 @@ impl IoEngine for UringEngine {
                         err.get_or_insert(io::Error::from_raw_os_error(-res));
                     } else if (res as usize) < lens[bi] {
                         let r = res as usize;
-                        if let Err(e) =
-                            pwrite_full(fd, &bufs[bi].as_slice()[r..lens[bi]], offs[bi] + r as u64)
-                        {
+                        if let Err(e) = pwrite_full(
+                            fd,
+                            &bufs[bi].as_slice()[r..lens[bi]],
+                            at + offs[bi] + r as u64,
+                        ) {
                             err.get_or_insert(e);
                         }
                     }
@@ -214,7 +217,13 @@ impl IoEngine for UringEngine {
         })
     }
 
-    fn read_file(&self, fd: RawFd, dst: &mut [u8], on_ready: ReadyFn<'_>) -> io::Result<usize> {
+    fn read_file(
+        &self,
+        fd: RawFd,
+        at: u64,
+        dst: &mut [u8],
+        on_ready: ReadyFn<'_>,
+    ) -> io::Result<usize> {
         let len = dst.len();
         let nchunks = len.div_ceil(CHUNK_BYTES);
         let base = dst.as_mut_ptr();
@@ -238,7 +247,7 @@ impl IoEngine for UringEngine {
                     // SAFETY: off + n <= len, inside dst.
                     let p = unsafe { base.add(off) };
                     let e = opcode::Read::new(types::Fd(fd), p, n as u32)
-                        .offset(off as u64)
+                        .offset(at + off as u64)
                         .build()
                         .user_data(next_submit as u64);
                     // SAFETY: dst outlives the request: every completion is
@@ -270,7 +279,7 @@ impl IoEngine for UringEngine {
                         // SAFETY: the rest of this chunk is ours alone now.
                         let rest =
                             unsafe { std::slice::from_raw_parts_mut(base.add(off + g), n - g) };
-                        match pread_full(fd, rest, (off + g) as u64) {
+                        match pread_full(fd, rest, at + (off + g) as u64) {
                             Ok(m) => g += m,
                             Err(e) => {
                                 err.get_or_insert(e);
