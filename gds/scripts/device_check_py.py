@@ -25,6 +25,24 @@ import time
 import kvtier
 
 
+def block_at(g3: pathlib.Path, key_hex: str):
+    """(path, offset) of a block's bytes on G3's disk: its file under
+    blocks/, or its slot in slots/<pages>.slab (the slot's header names
+    it; docs/FORMAT.md, "G3 slabs"); None when neither holds it."""
+    files = list(g3.glob(f"blocks/*/*/{key_hex}"))
+    if files:
+        return files[0], 0
+    for slab in g3.glob("slots/*.slab"):
+        slot_bytes = int(slab.name[: -len(".slab")]) * 4096
+        with open(slab, "rb") as f:
+            for off in range(0, slab.stat().st_size - slot_bytes + 1, slot_bytes):
+                f.seek(off)
+                head = f.read(4096)
+                if head[:8] == b"KVTIERB\x01" and head[56 : 56 + head[48]].hex() == key_hex:
+                    return slab, off
+    return None
+
+
 def start(kvtierd, d):
     sock = os.path.join(d, "kvtierd.sock")
     p = subprocess.Popen([kvtierd, "--socket", sock, "--g3-dir", os.path.join(d, "g3"), "--g3-capacity", "8GiB",
@@ -99,12 +117,12 @@ def main():
             rounds_base.append(blocks * bb / (time.perf_counter() - t) / 1e9)
         # A block corrupted on disk is a corrupt miss on the device path
         # too (every byte verified), and the others still land.
-        g3 = [p for p in pathlib.Path(work, "g3").rglob(keys[1].hex())]
-        assert len(g3) == 1, g3
-        with open(g3[0], "r+b") as f:
-            f.seek(4096 + bb // 2)
+        at = block_at(pathlib.Path(work, "g3"), keys[1].hex())
+        assert at is not None, "block 1 not found on G3's disk"
+        with open(at[0], "r+b") as f:
+            f.seek(at[1] + 4096 + bb // 2)
             b = f.read(1)
-            f.seek(4096 + bb // 2)
+            f.seek(at[1] + 4096 + bb // 2)
             f.write(bytes([b[0] ^ 0xFF]))
         res = c.onboard_into(ns, keys[:3], dev[:3])
         sync()

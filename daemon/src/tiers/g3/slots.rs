@@ -97,6 +97,18 @@ struct Inner {
     deferred: HashMap<(u32, u32), Release>,
 }
 
+impl Inner {
+    /// What the caller must do to a released slot of class `pages`.
+    fn settle(&self, pages: u32, slot: u32, how: Release) -> Option<Settle> {
+        Some(Settle {
+            slab: Arc::clone(&self.classes.get(&pages)?.slab),
+            pages,
+            slot,
+            how,
+        })
+    }
+}
+
 /// The slab files and their slots (see the module doc).
 pub(super) struct Slots {
     pub(super) dir: PathBuf,
@@ -216,13 +228,7 @@ impl Slots {
             st.deferred.insert((pages, slot), how);
             return None;
         }
-        let slab = Arc::clone(&st.classes.get(&pages)?.slab);
-        Some(Settle {
-            slab,
-            pages,
-            slot,
-            how,
-        })
+        st.settle(pages, slot, how)
     }
 
     /// A released slot is free again (kept: pooled) or holed (punched).
@@ -256,13 +262,7 @@ impl Slots {
         }
         st.reading.remove(&(pages, slot));
         let how = st.deferred.remove(&(pages, slot))?;
-        let slab = Arc::clone(&st.classes.get(&pages)?.slab);
-        Some(Settle {
-            slab,
-            pages,
-            slot,
-            how,
-        })
+        st.settle(pages, slot, how)
     }
 
     /// Bytes of free slots (allocated, counted against capacity).

@@ -412,9 +412,11 @@ impl G3Store {
             match r {
                 Ok(Some(placed)) => {
                     let dir = if placed.recycled || job.slot.is_some() {
-                        // Made durable by the next settle or at close (or
-                        // put back from recycle/ after a power cut): not
-                        // before the ack (noted by write_durable).
+                        // A recycled file's rename is made durable by the
+                        // next settle or at close (or put back from
+                        // recycle/ after a power cut): not before the ack
+                        // (noted by write_durable). A slot has no directory
+                        // entry: its slab's flush made it durable.
                         None
                     } else {
                         Some(placed.dir)
