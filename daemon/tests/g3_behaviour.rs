@@ -196,7 +196,8 @@ fn eviction_respects_watermarks_leases_and_pins() {
     let ns = namespace(61440, "evict").unwrap(); // 64 KiB files
     let file = 65536u64;
     let mut c = common::cfg(dir.path(), EngineKind::Auto);
-    c.capacity_bytes = 20 * file;
+    // 20 files, and the directories they are in (g3/dir_set.rs).
+    c.capacity_bytes = 20 * file + common::dir_bytes((0..19).chain([100]).map(|i| block(&ns, i).0));
     c.pinned_budget_bytes = 2 * file;
     let s = G3Store::open(c, Box::new(Lru::new())).unwrap();
     let keys: Vec<_> = (0..19)
@@ -236,8 +237,9 @@ fn eviction_respects_watermarks_leases_and_pins() {
     assert!(!s.release(short));
     assert!(s.release(lease));
     assert!(s.stat(&ns.id(), &keys[0]).unwrap().pinned);
-    // A block larger than the unpinned room is refused, typed.
-    let big = namespace(18 * file, "big").unwrap();
+    // A block larger than the unpinned room (18 files and the directories
+    // evictions emptied) is refused, typed.
+    let big = namespace(20 * file - 8192, "big").unwrap();
     let (_, h, p) = block(&big, 1);
     assert!(matches!(
         s.put(&big.id(), &h, &p),
@@ -590,8 +592,11 @@ fn pooled_files_are_dropped_before_blocks_are_evicted() {
     let (_, h0, _) = block(&ns, 0);
     let file = h0.file_len();
     let mut c = common::cfg(dir.path(), EngineKind::Auto);
-    // 4 blocks fill 0.8 of it: below the high mark (no background eviction).
-    c.capacity_bytes = 5 * file;
+    // 4 blocks fill 0.8 of it: below the high mark (no background
+    // eviction). The directories they are in count too (g3/dir_set.rs).
+    c.capacity_bytes = 5 * file
+        + common::dir_bytes((0..4).map(|i| block(&ns, i).0))
+        + common::dir_bytes([block(&namespace(2 * 65536, "recycle-room-2").unwrap(), 9).0]);
     c.high_watermark = 0.99;
     c.low_watermark = 0.9;
     let s = G3Store::open(c, Box::new(Lru::new())).unwrap();
@@ -745,6 +750,97 @@ fn directories_emptied_by_removals_go_and_an_open_removes_leftovers() {
     assert!(!ns_dir.exists());
     assert!(kept.exists());
     assert_eq!(s.stats().blocks, 1);
+}
+
+/// Issue #42: the directories a block's namespace and shard need are on
+/// the disk too (20,000 namespaces left 226 MiB of them on a 64 MiB G3).
+/// With every block in a namespace of its own, what G3 puts on the disk
+/// (block files plus 4 KiB per directory under `blocks/`) stays within
+/// `g3.capacity`, and a clean reopen (which walks no block file) still
+/// charges the directories there.
+#[test]
+fn directories_count_against_capacity_across_a_reopen() {
+    // What G3 holds under blocks/: (bytes of files, directories). The
+    // reclaimer may remove entries while this walks: those are skipped.
+    fn footprint(d: &std::path::Path) -> (u64, u64) {
+        let (mut bytes, mut dirs) = (0, 0);
+        let Ok(rd) = std::fs::read_dir(d) else {
+            return (0, 0);
+        };
+        for e in rd.flatten() {
+            let Ok(m) = e.metadata() else { continue };
+            if m.is_dir() {
+                let (b, n) = footprint(&e.path());
+                bytes += b;
+                dirs += n + 1;
+            } else {
+                bytes += m.len();
+            }
+        }
+        (bytes, dirs)
+    }
+    let dir_bytes = |s: &G3Store| {
+        s.recovery_figures()
+            .into_iter()
+            .find(|(k, _)| *k == "dir_bytes")
+            .map(|(_, v)| v)
+            .unwrap()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let blocks = dir.path().join("blocks");
+    let probe = common::open(&dir.path().join("probe"), EngineKind::Auto);
+    let ns = namespace(4096, "probe").unwrap();
+    let (_, h, p) = block(&ns, 0);
+    probe.put(&ns.id(), &h, &p).unwrap();
+    let file_len = probe.stats().used_bytes;
+    drop(probe);
+
+    let capacity = 32 * file_len;
+    let open = || {
+        let mut c = common::cfg(dir.path(), EngineKind::Auto);
+        c.capacity_bytes = capacity;
+        G3Store::open(c, Box::new(Lru::new())).unwrap()
+    };
+    let within = |s: &G3Store, when: &str| {
+        let (bytes, dirs) = footprint(&blocks);
+        assert!(
+            bytes + dirs * 4096 <= capacity,
+            "{when}: {bytes} bytes of block files and {dirs} directories under blocks/ \
+             for a capacity of {capacity}"
+        );
+        assert_eq!(dir_bytes(s), dirs * 4096, "{when}: directories charged");
+    };
+    let s = open();
+    for i in 0..32u64 {
+        let ns = namespace(4096, &format!("adapter-{i}")).unwrap();
+        let (_, h, p) = block(&ns, i);
+        s.put(&ns.id(), &h, &p).unwrap();
+    }
+    // Evicted blocks' directories go with the reclaimer's next passes.
+    let t = Instant::now();
+    while footprint(&blocks).1 > 2 * s.stats().blocks && t.elapsed() < Duration::from_secs(20) {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    within(&s, "after the offloads");
+    assert!(
+        s.stats().blocks < 32,
+        "nothing made room for the directories"
+    );
+    s.close().unwrap();
+    drop(s);
+
+    let s = open();
+    within(&s, "after a clean reopen");
+    for i in 32..40u64 {
+        let ns = namespace(4096, &format!("adapter-{i}")).unwrap();
+        let (_, h, p) = block(&ns, i);
+        s.put(&ns.id(), &h, &p).unwrap();
+    }
+    let t = Instant::now();
+    while footprint(&blocks).1 > 2 * s.stats().blocks && t.elapsed() < Duration::from_secs(20) {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    within(&s, "after more offloads");
 }
 
 /// A crash restart that quarantines a shard's only file removes the

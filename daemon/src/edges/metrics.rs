@@ -153,6 +153,7 @@ const SCRAPED_GAUGES: &[(&str, &str, &[&str])] = &[
     ("kvtier_g3_slots_used", "G3 slab slots holding a block or being written now", &[]),
     ("kvtier_g3_slots_free", "G3 slab slots free with their bytes kept for reuse now", &[]),
     ("kvtier_g3_slabs", "G3 slab files open (one per block file length)", &[]),
+    ("kvtier_g3_dir_bytes", "Bytes the directories under G3's blocks/ are charged against capacity (4 KiB each)", &[]),
     ("kvtier_g3_slot_pool_bytes", "Bytes of free G3 slab slots kept for reuse (counted against capacity)", &[]),
     ("kvtier_prefetch_waiting_blocks", "Prefetched blocks waiting for a prefetch thread", &[]),
     ("kvtier_mount_passthrough_active", "1 while new opens on the mount use FUSE passthrough", &[]),
@@ -540,7 +541,9 @@ impl Metrics {
                 "quarantine_bytes" => self.gauge("kvtier_g3_quarantine_bytes", &[], x),
                 "disk_full" => self.gauge("kvtier_g3_disk_full", &[], x),
                 "recycle_pool_bytes" | "recycle_pool_files" | "slots_used" | "slots_free"
-                | "slabs" | "slot_pool_bytes" => self.gauge(&format!("kvtier_g3_{k}"), &[], x),
+                | "slabs" | "slot_pool_bytes" | "dir_bytes" => {
+                    self.gauge(&format!("kvtier_g3_{k}"), &[], x)
+                }
                 "slots_torn_at_open" => {
                     self.gauge("kvtier_g3_recovered_at_open", &["slots_torn"], x)
                 }
@@ -920,6 +923,7 @@ mod tests {
                 ("slots_free", 0),
                 ("slabs", 0),
                 ("slot_pool_bytes", 0),
+                ("dir_bytes", 0),
                 ("slots_torn_at_open", 0),
             ],
             ..Default::default()

@@ -173,3 +173,11 @@ impl Drop for SmallTmpfs {
         let _ = nix::mount::umount2(self.dir.path(), nix::mount::MntFlags::MNT_DETACH);
     }
 }
+
+/// What the directories under `blocks/` for these keys of one namespace
+/// are charged against capacity (g3/dir_set.rs: 4 KiB for the namespace
+/// and per shard directory): tests that size capacity in blocks add it.
+pub fn dir_bytes(keys: impl IntoIterator<Item = BlockKey>) -> u64 {
+    let shards: std::collections::HashSet<String> = keys.into_iter().map(|k| k.shard()).collect();
+    (shards.len() as u64 + u64::from(!shards.is_empty())) * 4096
+}

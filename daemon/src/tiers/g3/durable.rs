@@ -396,6 +396,10 @@ impl G3Store {
             }
         }
         known.insert(dir.to_path_buf());
+        // Both directories count against capacity from now on (dir_set.rs).
+        self.counters
+            .dir_bytes
+            .store(known.bytes(), std::sync::atomic::Ordering::Relaxed);
         Ok(())
     }
 }

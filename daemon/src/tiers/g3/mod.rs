@@ -67,6 +67,7 @@ mod chains;
 mod close;
 mod config;
 pub mod dir_lock;
+mod dir_set;
 mod durable;
 pub mod engine;
 mod events;
@@ -159,7 +160,7 @@ pub struct G3Store {
     closed: AtomicBool,
     sink: RwLock<Option<EventSink>>,
     counters: Counters,
-    known_dirs: Mutex<HashSet<PathBuf>>,
+    known_dirs: Mutex<dir_set::DirSet>,
     /// Shard directories with an unlink (delete, eviction, quarantine)
     /// not yet made durable: `close` fsyncs them before the clean marker,
     /// else a file could come back after a power cut that the trusted
@@ -334,7 +335,7 @@ impl G3Store {
             closed: AtomicBool::new(false),
             sink: RwLock::new(None),
             counters: Counters::default(),
-            known_dirs: Mutex::new(HashSet::new()),
+            known_dirs: Mutex::new(dir_set::DirSet::default()),
             unsynced_removals: Mutex::new(HashSet::new()),
             maybe_empty: Mutex::new(HashSet::new()),
             writing: Mutex::new(HashSet::new()),

@@ -52,11 +52,25 @@ impl G3Store {
         self.trim_quarantine();
     }
 
-    /// Bytes block files may use: capacity less what `quarantine/` holds.
+    /// Bytes block files may use: capacity less what `quarantine/` holds
+    /// and what the directories under `blocks/` are charged (dir_set.rs).
+    ///
+    /// A shard directory a removal may have emptied goes with the
+    /// reclaimer's next pass (remove.rs `remove_empty_dirs`, within a
+    /// second), which a write cannot wait for (it holds the write gate):
+    /// it is not charged meanwhile, or an eviction would free its block's
+    /// bytes but not its directory's, and room would be made twice.
     pub(super) fn block_capacity(&self) -> u64 {
+        let going = self
+            .maybe_empty
+            .lock()
+            .map(|e| e.len() as u64 * super::dir_set::DIR_BYTES)
+            .unwrap_or(0);
+        let dirs = self.counters.dir_bytes.load(Ordering::Relaxed);
         self.cfg
             .capacity_bytes
             .saturating_sub(self.counters.quarantine_bytes.load(Ordering::Relaxed))
+            .saturating_sub(dirs.saturating_sub(going))
     }
 
     /// Deletes the oldest entries of `quarantine/` until both bounds hold,

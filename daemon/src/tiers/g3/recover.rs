@@ -202,9 +202,7 @@ impl G3Store {
             }
         }
         *self.mem.write().map_err(|_| super::lock_err("g3 index"))? = mem;
-        if let Ok(mut k) = self.known_dirs.lock() {
-            k.extend(known);
-        }
+        self.with_dirs(|k| known.into_iter().for_each(|d| k.insert(d)));
         self.remove_unreachable(&unreachable);
         if !trusted {
             self.disk.flush()?;

@@ -140,11 +140,16 @@ impl G3Store {
     /// runs' unlinks are durable by now (close, or recovery's walk), so
     /// one fsync of `blocks/` at the end; an empty directory a power cut
     /// brings back is removed at the next open.
+    ///
+    /// The shard directories that stay are recorded as known, so that
+    /// they count against capacity after a clean open too (which walks no
+    /// block file).
     pub(super) fn remove_empty_dirs_at_open(&self) -> u64 {
         let mut n = 0u64;
         let Ok(namespaces) = std::fs::read_dir(&self.blocks_dir) else {
             return 0;
         };
+        let mut kept = Vec::new();
         for ns in namespaces.flatten() {
             if !ns.file_type().is_ok_and(|t| t.is_dir()) {
                 continue;
@@ -152,16 +157,17 @@ impl G3Store {
             let ns_dir = ns.path();
             if let Ok(shards) = std::fs::read_dir(&ns_dir) {
                 for sh in shards.flatten() {
-                    if sh.file_type().is_ok_and(|t| t.is_dir())
-                        && self.fs.remove_dir(&sh.path()).is_ok()
-                    {
+                    if !sh.file_type().is_ok_and(|t| t.is_dir()) {
+                        continue;
+                    }
+                    if self.fs.remove_dir(&sh.path()).is_err() {
+                        kept.push(sh.path());
+                    } else {
                         // Recovery's walk recorded it as made: forget it,
                         // or the next put would skip creating it and its
                         // rename would find no directory (a crash restart
                         // that quarantined a shard's only files).
-                        if let Ok(mut k) = self.known_dirs.lock() {
-                            k.remove(&sh.path());
-                        }
+                        self.with_dirs(|k| k.remove(&sh.path()));
                         n += 1;
                     }
                 }
@@ -170,6 +176,7 @@ impl G3Store {
                 n += 1;
             }
         }
+        self.with_dirs(|k| kept.into_iter().for_each(|d| k.insert(d)));
         if n > 0 {
             let _ = self
                 .fs
@@ -226,9 +233,7 @@ impl G3Store {
                 // left as it is.
                 continue;
             }
-            if let Ok(mut k) = self.known_dirs.lock() {
-                k.remove(&shard);
-            }
+            self.with_dirs(|k| k.remove(&shard));
             if let Ok(mut u) = self.unsynced_removals.lock() {
                 u.remove(&shard);
             }

@@ -64,6 +64,9 @@ pub(super) struct Counters {
     pub(super) recycle_dropped: AtomicU64,
     /// Empty shard and namespace directories removed (remove.rs).
     pub(super) dirs_removed: AtomicU64,
+    /// What the directories under `blocks/` are charged against
+    /// capacity (dir_set.rs).
+    pub(super) dir_bytes: AtomicU64,
     /// Offloads written into a slab slot (slots.rs).
     pub(super) slot_writes: AtomicU64,
     pub(super) seq: AtomicU64,
@@ -113,6 +116,7 @@ impl G3Store {
             ("slabs", slabs),
             ("slot_pool_bytes", self.slot_pooled_bytes()),
             ("slots_torn_at_open", r.slots_torn),
+            ("dir_bytes", c.dir_bytes.load(Ordering::Relaxed)),
         ]
     }
 
