@@ -107,8 +107,12 @@ pub const OP_ERROR: u8 = 0xFF;
 pub const HELLO_PID_MASK: u32 = 0x00FF_FFFF;
 /// Feature: the client decodes [`ItemStatus::Timeout`].
 pub const FEATURE_TIMEOUT_STATUS: u8 = 1;
+/// Feature: the client decodes [`ItemStatus::StoredUnpinned`] (clients
+/// from before it fail a whole reply on an unknown code; they announce no
+/// feature bit and get `Ok`, what daemons before the code answered).
+pub const FEATURE_STORED_UNPINNED_STATUS: u8 = 2;
 /// The features this build decodes (what its clients announce).
-pub const FEATURES: u8 = FEATURE_TIMEOUT_STATUS;
+pub const FEATURES: u8 = FEATURE_TIMEOUT_STATUS | FEATURE_STORED_UNPINNED_STATUS;
 
 /// Per-item outcome codes used in replies.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -137,7 +141,9 @@ pub enum ItemStatus {
     Repaired = 9,
     /// Offload: stored and durable, but the pin it asked for was refused
     /// (the daemon's pin budget is spent): it is evicted like any other
-    /// block. Daemons before this code answered `Ok` and dropped the pin.
+    /// block. Daemons before this code answered `Ok` and dropped the pin;
+    /// sent only to a client whose hello announced
+    /// [`FEATURE_STORED_UNPINNED_STATUS`], others get that `Ok`.
     StoredUnpinned = 10,
     /// A tier that may hold the block did not answer within its deadline
     /// (a hung or slow object store). Sent only to a client whose hello
@@ -234,6 +240,9 @@ impl ItemStatus {
         match self {
             ItemStatus::Timeout if features & FEATURE_TIMEOUT_STATUS == 0 => {
                 ItemStatus::Unavailable
+            }
+            ItemStatus::StoredUnpinned if features & FEATURE_STORED_UNPINNED_STATUS == 0 => {
+                ItemStatus::Ok
             }
             s => s,
         }
@@ -1831,7 +1840,7 @@ mod tests {
             features: FEATURES,
         }
         .encode(1);
-        assert_eq!(&new[20..24], &(4_194_303u32 | 1 << 24).to_le_bytes());
+        assert_eq!(&new[20..24], &(4_194_303u32 | 3 << 24).to_le_bytes());
         let items = |st: ItemStatus| Response::Items {
             status: vec![ItemStatus::Ok, st],
         };
@@ -1842,6 +1851,21 @@ mod tests {
         assert_eq!(
             items(ItemStatus::Timeout).for_features(FEATURES),
             items(ItemStatus::Timeout)
+        );
+        // A client from before StoredUnpinned (code 10) fails the whole
+        // reply on it: such clients announce no feature and get the `Ok`
+        // that daemons before the code answered.
+        assert_eq!(
+            items(ItemStatus::StoredUnpinned).for_features(0),
+            items(ItemStatus::Ok)
+        );
+        assert_eq!(
+            items(ItemStatus::StoredUnpinned).for_features(FEATURE_TIMEOUT_STATUS),
+            items(ItemStatus::Ok)
+        );
+        assert_eq!(
+            items(ItemStatus::StoredUnpinned).for_features(FEATURES),
+            items(ItemStatus::StoredUnpinned)
         );
         let onboard = Response::Onboard {
             items: vec![OnboardResult {
