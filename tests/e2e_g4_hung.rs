@@ -1,5 +1,5 @@
-//! End-to-end: a real `kvtierd` whose G4 endpoint accepts connections and
-//! never answers. Start-up says degraded (log, metrics, `/healthz`), and
+//! End-to-end: a real `kvtierd` whose G4 endpoint (or peer) accepts
+//! connections and never answers. Start-up says degraded (log, metrics, `/healthz`), and
 //! the mount answers within its deadlines: `stat` of an absent name and a
 //! `cp` import used to take 10.0 s and 25.8 s. Mount parts need root and
 //! /dev/fuse (skip visibly otherwise).
@@ -51,6 +51,55 @@ fn hung_g4_daemon(silent: &SilentEndpoint, dir: &Path) -> Daemon {
     )
     .unwrap();
     Daemon::start_with(&["--config".to_string(), cfg.display().to_string()], &[])
+}
+
+/// Issue 43's follow-up: a peer that never answers, no G4: an onboard of a
+/// block no tier holds ends when the fetch deadline passes with a miss
+/// that says `Timeout` (it said `Unavailable`, as for a peer that is
+/// down).
+#[test]
+fn an_onboard_behind_a_hung_peer_misses_timeout() {
+    let silent = SilentEndpoint::start().unwrap();
+    let sdir = tempfile::tempdir().unwrap();
+    let secret = sdir.path().join("secret");
+    std::fs::write(&secret, [7u8; 32]).unwrap();
+    std::fs::set_permissions(&secret, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+    let d = Daemon::start_with(
+        &[
+            "--peer-listen".into(),
+            format!("127.0.0.1:{}", support::free_port()),
+            "--peer-secret-file".into(),
+            secret.display().to_string(),
+            "--node-id".into(),
+            "asker".into(),
+            "--peers".into(),
+            format!("hung={}", silent.endpoint().trim_start_matches("http://")),
+            "--g4".into(),
+            String::new(),
+        ],
+        &[("KVTIERD_NODE_FETCH_DEADLINE_MS".into(), "1000".into())],
+    );
+    let mut cc = ClientConfig::new(d.socket.display().to_string());
+    cc.timeout_ms = 10_000;
+    let client = Client::with_config(cc);
+    let h = client.namespace(&ns());
+    let keys = [BlockKey::from_u64(0x9e1)];
+    let mut buf = vec![0u8; 8192];
+    let t = Instant::now();
+    let out = h.onboard_into(&keys, &mut [&mut buf[..]]);
+    let took = t.elapsed();
+    assert!(
+        matches!(
+            out[..],
+            [Onboarded::Miss(Miss {
+                cause: MissCause::Timeout,
+                ..
+            })]
+        ),
+        "{out:?}"
+    );
+    // The fetch deadline (1 s), not the client's (10 s).
+    assert!(took < Duration::from_secs(5), "took {took:?}");
 }
 
 /// Issue 43: an onboard of blocks no tier holds, behind a G4 that never

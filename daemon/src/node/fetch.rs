@@ -84,10 +84,14 @@ pub(super) async fn fetch_remote(
                 };
             }
             PeerLookup::Miss { attempts } => {
-                if attempts.iter().any(|a| {
-                    a.miss
-                        .is_some_and(|m| m != crate::tiers::peer::PeerMiss::Absent)
-                }) {
+                // A peer that did not answer in time says Timeout (a hung
+                // or slow peer, as for G4); one that could not be asked or
+                // broke off, Unavailable; G4's answer below overrides both.
+                use crate::tiers::peer::PeerMiss;
+                let misses = || attempts.iter().filter_map(|a| a.miss);
+                if misses().any(|m| m == PeerMiss::Timeout) {
+                    reason = MissReason::Timeout;
+                } else if misses().any(|m| m != PeerMiss::Absent) {
                     reason = MissReason::Unavailable;
                 }
             }

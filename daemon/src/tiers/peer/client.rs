@@ -78,7 +78,8 @@ impl PeerMiss {
         match self {
             PeerMiss::Absent => MissReason::Absent,
             PeerMiss::Corrupt => MissReason::Corrupt,
-            PeerMiss::Unavailable | PeerMiss::Timeout => MissReason::Unavailable,
+            PeerMiss::Unavailable => MissReason::Unavailable,
+            PeerMiss::Timeout => MissReason::Timeout,
         }
     }
 }
