@@ -22,8 +22,9 @@ the same prompts, interleaved (A B A B ...) in one invocation:
     target/engines-venv/bin/python client/python/tests_engines/bench_vllm_tier.py \\
         --prompts 8 --tokens 2048 --rounds 3 --json
 
-Starts its own kvtierd (target/debug/kvtierd, G3 only) in a temp dir; the
-fs tier's root is a temp dir on the same filesystem. One JSON document
+Starts its own kvtierd (target/debug/kvtierd, or $KVTIER_TEST_KVTIERD; G3
+only) in a temp dir; the fs tier's root is a temp dir on the same
+filesystem. One JSON document
 on stdout with ``--json`` (docs/BENCHMARKS.md, vllm_tier), progress on
 stderr. Not a test: the suite runs it at a tiny size for its JSON. The
 page cache is not dropped (reads may be warm for both tiers alike)."""
@@ -33,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import pathlib
 import shutil
 import statistics
@@ -54,10 +54,17 @@ from vllm_engine import BLOCK_SIZE, LAYERS, Engine  # noqa: E402
 CHUNK_TOKENS = 256  # TieringOffloadingSpec's block_size: tokens per chunk
 
 
+# kvtier's load route (--direct-read): None, the tier's default.
+DIRECT_READ = None
+
+
 def tier(kind: str, socket: str, where: str) -> dict:
     if kind == "kvtier":
-        return {"type": "KvtierTierManager", "module_path": "kvtier.integrations.vllm_tier", "socket": socket,
-                "timeout_ms": 30000, "tenant_salt": where}
+        t = {"type": "KvtierTierManager", "module_path": "kvtier.integrations.vllm_tier", "socket": socket,
+             "timeout_ms": 30000, "tenant_salt": where}
+        if DIRECT_READ is not None:
+            t["direct_read"] = DIRECT_READ
+        return t
     return {"type": "fs", "root_dir": where}
 
 
@@ -131,12 +138,16 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3, help="rounds of each (interleaved)")
     ap.add_argument("--g3-capacity", default="384MiB", help="kvtierd's G3 capacity (below what the rounds store "
                     "together: kvtier keeps to it, fs has no bound)")
+    ap.add_argument("--direct-read", choices=["auto", "fd", "region"], default="auto",
+                    help="kvtier's load route: the tier's default (auto), passed fds, or the shared region")
     ap.add_argument("--json", action="store_true", help="one JSON document on stdout")
     args = ap.parse_args()
     logging.disable(logging.WARNING)
     gpu_worker.SingleDirectionOffloadingHandler = CpuCopy
     cpu_spec.current_platform = _CudaAlike(cpu_spec.current_platform)
     vllm_engine.KV_HEADS = args.kv_heads
+    global DIRECT_READ
+    DIRECT_READ = {"auto": None, "fd": True, "region": False}[args.direct_read]
     chunks = args.tokens // CHUNK_TOKENS
     tokens = chunks * CHUNK_TOKENS + 5
     max_len = tokens + 64
@@ -238,7 +249,7 @@ def main() -> int:
     doc = {
         "bench": "vllm_tier",
         "prompts": args.prompts, "tokens": tokens, "chunk_bytes": chunk_bytes, "chunks": args.prompts * chunks,
-        "rounds": args.rounds, "g3_capacity": args.g3_capacity, "page_cache": "warm (not dropped)",
+        "rounds": args.rounds, "direct_read": args.direct_read, "g3_capacity": args.g3_capacity, "page_cache": "warm (not dropped)",
         "store_gbps": gbps("kvtier", "store"), "baseline_store_gbps": gbps("fs", "store"),
         "store_gbps_vs_baseline": gbps("kvtier", "store") / gbps("fs", "store"),
         "load_gbps": gbps("kvtier", "load"), "baseline_load_gbps": gbps("fs", "load"),

@@ -125,21 +125,33 @@ def documented_config() -> dict:
     return json.loads(block.split("--kv-transfer-config '", 1)[1].split("'", 1)[0])
 
 
-def tier_config(socket: str) -> dict:
+def tier_config(socket: str, direct_read=None) -> dict:
     """The documented kv_connector_extra_config at a test's size, on the
-    test's kvtierd."""
+    test's kvtierd; ``direct_read`` set when not None."""
     extra = documented_config()["kv_connector_extra_config"]
     [t] = extra["secondary_tiers"]
     t.update(socket=socket, timeout_ms=10000)
+    if direct_read is not None:
+        t["direct_read"] = direct_read
     return {**extra, "cpu_bytes_to_use": 64 << 20}
 
 
-def engine(tmp_path, socket: str) -> Engine:
+def engine(tmp_path, socket: str, direct_read=None) -> Engine:
     cfg = documented_config()
     assert (cfg["kv_connector"], cfg["kv_role"]) == ("OffloadingConnector", "kv_both")
     # vLLM's default load-failure policy: the tier's failed chunks are
     # recomputed before vLLM's GPU load, never a failed GPU load.
-    return Engine(tmp_path, socket, connector="OffloadingConnector", policy="fail", **tier_config(socket))
+    e = Engine(tmp_path, socket, connector="OffloadingConnector", policy="fail",
+               **tier_config(socket, direct_read))
+    # Unset: chunks up to 4 MiB (these) load through the shared region.
+    want = bool(direct_read)
+    assert all(c.direct_read == want for c in tier(e).load_clients), want
+    return e
+
+
+# Both load routes: the shared region (the default for chunks up to
+# kvtierd's default slot_max) and passed fds (chunks above it).
+ROUTES = pytest.mark.parametrize("direct_read", [None, True], ids=["region", "fd"])
 
 
 def manager(e: Engine):
@@ -221,11 +233,12 @@ def store_prompt(tmp_path, socket: str, prompt=PROMPT) -> None:
     e.shutdown()
 
 
-def test_a_prompt_stored_through_vllms_tiering_hits_from_kvtier_after_restarts(tmp_path, g3_daemon):
+@ROUTES
+def test_a_prompt_stored_through_vllms_tiering_hits_from_kvtier_after_restarts(tmp_path, g3_daemon, direct_read):
     store_prompt(tmp_path, g3_daemon.socket)
     # vLLM and kvtierd restarted: vLLM's CPU tier is empty, kvtier kept it.
     g3_daemon.restart(clean=True)
-    e = engine(tmp_path, g3_daemon.socket)
+    e = engine(tmp_path, g3_daemon.socket, direct_read)
     checked = expect_loaded_kv(e, "reader")
     e.add("reader", PROMPT)
     e.run("reader")
@@ -243,10 +256,11 @@ def test_a_prompt_stored_through_vllms_tiering_hits_from_kvtier_after_restarts(t
     e.shutdown()
 
 
-def test_corrupt_block_files_are_recomputed_and_the_engine_goes_on(tmp_path, g3_daemon):
+@ROUTES
+def test_corrupt_block_files_are_recomputed_and_the_engine_goes_on(tmp_path, g3_daemon, direct_read):
     store_prompt(tmp_path, g3_daemon.socket)
     assert support.corrupt_every_block_file(g3_daemon) >= CACHED // BLOCK_SIZE
-    e = engine(tmp_path, g3_daemon.socket)
+    e = engine(tmp_path, g3_daemon.socket, direct_read)
     e.add("reader", PROMPT)
     e.run("reader")
     # The tier's lookup said HIT, every chunk's load came back corrupt and
@@ -264,14 +278,15 @@ def test_corrupt_block_files_are_recomputed_and_the_engine_goes_on(tmp_path, g3_
     e.shutdown()
 
 
-def test_one_corrupt_chunk_fails_only_itself(tmp_path, g3_daemon):
+@ROUTES
+def test_one_corrupt_chunk_fails_only_itself(tmp_path, g3_daemon, direct_read):
     """A load job's chunks report one by one (``successful_keys``): the
     third chunk corrupt, vLLM keeps the two before it and recomputes from
     the third on."""
     store_prompt(tmp_path, g3_daemon.socket)
     from vllm.v1.kv_offload.base import make_offload_key
 
-    e = engine(tmp_path, g3_daemon.socket)
+    e = engine(tmp_path, g3_daemon.socket, direct_read)
     key = make_offload_key(Engine.request("probe", PROMPT).block_hashes[2], 0)
     [(path, at)] = [
         (p, o)

@@ -18,6 +18,12 @@ logger = logging.getLogger("kvtier.integrations")
 # (blake2b-256) so it still names one block.
 KEY_BYTES_MAX = 64
 
+# kvtierd's default `g3.slot_max`: blocks up to it share slab files, so a
+# read by passed fd gets a copy kvtierd made (no fd into a shared file) and
+# the shared region is the cheaper route; larger blocks have files of their
+# own, which a passed fd reads in place (docs/OPERATIONS.md, `slots/`).
+G3_SLOT_MAX_DEFAULT_BYTES = 4 << 20
+
 # At most one warning per this many seconds per (connector, what): a dead
 # daemon must not flood the engine's log at one line per block.
 WARN_INTERVAL_S = 10.0
