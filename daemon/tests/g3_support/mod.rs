@@ -174,6 +174,68 @@ impl Drop for SmallTmpfs {
     }
 }
 
+/// A small ext4 filesystem on a loop device (an image file, `mkfs.ext4 -m
+/// 0`: no blocks reserved for root, so filling it fills it), unmounted on
+/// drop: the filesystem the full-disk findings were made on, with
+/// O_DIRECT, delayed allocation and a journal, which tmpfs has not.
+pub struct SmallExt4 {
+    pub dir: tempfile::TempDir,
+    _image: tempfile::TempDir,
+}
+
+impl SmallExt4 {
+    /// `None` (after a visible SKIP line) when not root or no loop device
+    /// can be set up here.
+    pub fn mount(size_mib: u64, test: &str) -> Option<Self> {
+        if !nix::unistd::geteuid().is_root() {
+            eprintln!("SKIP: {test}: a loop-mounted ext4 needs root");
+            return None;
+        }
+        let image = tempfile::tempdir().unwrap();
+        let img = image.path().join("fs.img");
+        std::fs::File::create(&img)
+            .unwrap()
+            .set_len(size_mib << 20)
+            .unwrap();
+        let mkfs = std::process::Command::new("mkfs.ext4")
+            .args(["-q", "-F", "-m", "0"])
+            .arg(&img)
+            .status();
+        if !mkfs.is_ok_and(|s| s.success()) {
+            eprintln!("SKIP: {test}: mkfs.ext4 failed or is missing (e2fsprogs)");
+            return None;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let mounted = std::process::Command::new("mount")
+            .args(["-o", "loop"])
+            .arg(&img)
+            .arg(dir.path())
+            .status();
+        if !mounted.is_ok_and(|s| s.success()) {
+            eprintln!("SKIP: {test}: no loop device here (mount -o loop failed)");
+            return None;
+        }
+        let fs = SmallExt4 { dir, _image: image };
+        let kind = nix::sys::statfs::statfs(fs.path())
+            .unwrap()
+            .filesystem_type();
+        assert_eq!(kind, nix::sys::statfs::EXT4_SUPER_MAGIC, "{test}: not ext4");
+        Some(fs)
+    }
+
+    pub fn path(&self) -> &std::path::Path {
+        self.dir.path()
+    }
+}
+
+impl Drop for SmallExt4 {
+    fn drop(&mut self) {
+        // The loop device goes with the last unmount (mount -o loop sets
+        // it to clear itself).
+        let _ = nix::mount::umount2(self.dir.path(), nix::mount::MntFlags::MNT_DETACH);
+    }
+}
+
 /// What the directories under `blocks/` for these keys of one namespace
 /// are charged against capacity (g3/dir_set.rs: 4 KiB for the namespace
 /// and per shard directory): tests that size capacity in blocks add it.
