@@ -290,8 +290,11 @@ impl Sim {
     /// that the background reclaimer, which would evict at a wall-clock
     /// moment, never runs: the path stays a function of the seed.
     fn reopen_g3(&self) -> kvtier_daemon::base::error::Result<Arc<G3Store>> {
-        let files = walk_files(&self.dir.path().join("root/blocks"));
-        open_g3(&self.dir, &self.fs, CAPACITY_BLOCKS.max(files))
+        let root = self.dir.path().join("root");
+        // Blocks in slab slots too (g3/slots.rs): every slot a slab has
+        // room for may hold one the cut brought back.
+        let held = walk_files(&root.join("blocks")) + slab_slots(&root.join("slots"));
+        open_g3(&self.dir, &self.fs, CAPACITY_BLOCKS.max(held))
     }
 
     fn attach(&mut self) {
@@ -543,6 +546,26 @@ fn walk_files(dir: &std::path::Path) -> u64 {
                     } else {
                         1
                     }
+                })
+                .sum()
+        })
+        .unwrap_or(0)
+}
+
+/// The slots the slab files under `dir` have room for (`<pages>.slab`,
+/// slots of `pages` 4 KiB pages).
+fn slab_slots(dir: &std::path::Path) -> u64 {
+    std::fs::read_dir(dir)
+        .map(|d| {
+            d.flatten()
+                .filter_map(|e| {
+                    let pages: u64 = e
+                        .file_name()
+                        .to_str()?
+                        .strip_suffix(".slab")?
+                        .parse()
+                        .ok()?;
+                    Some(e.metadata().ok()?.len() / (pages * 4096).max(1))
                 })
                 .sum()
         })
