@@ -35,13 +35,16 @@ def store_prompt(tmp_path, socket) -> None:
     e.shutdown()
 
 
-def test_a_stored_prefix_is_loaded_not_recomputed(tmp_path, g3_daemon):
+@pytest.mark.parametrize("direct_read", [None, True], ids=["default-region", "fd"])
+def test_a_stored_prefix_is_loaded_not_recomputed(tmp_path, g3_daemon, direct_read):
     store_prompt(tmp_path, g3_daemon.socket)
-    e = Engine(tmp_path, g3_daemon.socket)
-    # Host KV caches are read over passed fds unless the deployment says
-    # otherwise (BENCHMARKS.md, vllm_scheduler: the read in about half the
-    # time of the shared region's).
-    assert e.worker.connector_worker.worker.client.direct_read is True
+    extra = {} if direct_read is None else {"kvtier_direct_read": direct_read}
+    e = Engine(tmp_path, g3_daemon.socket, **extra)
+    # Host KV caches of chunks up to kvtierd's default slot_max (these)
+    # come through the shared region unless the deployment says otherwise
+    # (BENCHMARKS.md, vllm_scheduler: slotted chunks by fd are sealed
+    # copies); larger chunks over passed fds.
+    assert e.worker.connector_worker.worker.client.direct_read is bool(direct_read)
     e.add("reader", PROMPT)
     e.run("reader")
     assert e.finished["reader"]

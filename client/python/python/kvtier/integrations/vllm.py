@@ -112,6 +112,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 import kvtier
 
 from ._common import (
+    G3_SLOT_MAX_DEFAULT_BYTES,
     BlockHints,
     Counters,
     FailOpen,
@@ -306,12 +307,18 @@ class KvtierOffloadingSpec(OffloadingSpec):
         if self._worker is None:
             self._worker = KvtierOffloadingWorker(
                 kv_caches,
-                # Host buffers are read over passed fds by default (each
-                # block from its file straight into vLLM's buffer, no
-                # shared-region copy: the 32K-token / TP 8 read in 0.41-0.59
-                # s against 0.68-0.99 s, BENCHMARKS.md vllm_scheduler);
-                # CUDA buffers take the GPU path either way.
-                client=make_client({"kvtier_direct_read": True, **(self.extra_config or {})}),
+                # Host buffers are read over passed fds by default for
+                # chunks above kvtierd's default slot_max (each block from
+                # its own file straight into vLLM's buffer); smaller chunks
+                # live in shared slabs, which kvtierd passes as a sealed
+                # copy, so they come through the shared region (the
+                # 32K-token / TP 8 read: 0.78-0.96 s through the region,
+                # 1.27 s by fd; BENCHMARKS.md vllm_scheduler). CUDA buffers
+                # take the GPU path either way.
+                client=make_client({
+                    "kvtier_direct_read": self.chunk_bytes > G3_SLOT_MAX_DEFAULT_BYTES,
+                    **(self.extra_config or {}),
+                }),
                 ns=self.namespaces[0 if self.replicated_layout else self.config.parallel.rank],
                 worker_block_bytes=self.config.worker_kv_bytes_per_block,
                 blocks_per_chunk=self.blocks_per_chunk,
