@@ -304,11 +304,13 @@ def main() -> int:
     ap.add_argument("--tp", type=int, default=8, help="tensor-parallel ranks")
     ap.add_argument("--rounds", type=int, default=5, help="rounds of each (interleaved)")
     ap.add_argument("--json", action="store_true", help="one JSON document on stdout")
-    ap.add_argument("--direct-read", action=argparse.BooleanOptionalAction, default=True,
-                    help="kvtier_direct_read (the connector's default): the workers read G3 blocks "
-                         "over passed fds; --no-direct-read: through the shared region")
+    ap.add_argument("--direct-read", action=argparse.BooleanOptionalAction, default=None,
+                    help="kvtier_direct_read: the workers read G3 blocks over passed fds; "
+                         "--no-direct-read: through the shared region; unset: the connector's default "
+                         "(passed fds for chunks above 4 MiB)")
     args = ap.parse_args()
-    EXTRA["kvtier_direct_read"] = args.direct_read
+    if args.direct_read is not None:
+        EXTRA["kvtier_direct_read"] = args.direct_read
     if args.tokens < 2 * BLOCK_SIZE or args.tp < 1 or args.rounds < 1:
         ap.error("--tokens >= 32, --tp >= 1, --rounds >= 1")
     logging.disable(logging.WARNING)
@@ -352,7 +354,7 @@ def main() -> int:
         "vllm": "0.33.0",
         "tokens": args.tokens,
         "tp": args.tp,
-        "direct_read": args.direct_read,
+        "direct_read": "auto" if args.direct_read is None else args.direct_read,
         "chunks": chunks,
         "rounds": args.rounds,
         "connector_ms": round(ms, 3),
