@@ -810,17 +810,21 @@ fn directories_count_against_capacity_across_a_reopen() {
         );
         assert_eq!(dir_bytes(s), dirs * 4096, "{when}: directories charged");
     };
+    // Each block in a namespace of its own; evicted blocks' directories
+    // go with the reclaimer's next passes.
+    let offload = |s: &G3Store, seeds: std::ops::Range<u64>| {
+        for i in seeds {
+            let ns = namespace(4096, &format!("adapter-{i}")).unwrap();
+            let (_, h, p) = block(&ns, i);
+            s.put(&ns.id(), &h, &p).unwrap();
+        }
+        let t = Instant::now();
+        while footprint(&blocks).1 > 2 * s.stats().blocks && t.elapsed() < Duration::from_secs(20) {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    };
     let s = open();
-    for i in 0..32u64 {
-        let ns = namespace(4096, &format!("adapter-{i}")).unwrap();
-        let (_, h, p) = block(&ns, i);
-        s.put(&ns.id(), &h, &p).unwrap();
-    }
-    // Evicted blocks' directories go with the reclaimer's next passes.
-    let t = Instant::now();
-    while footprint(&blocks).1 > 2 * s.stats().blocks && t.elapsed() < Duration::from_secs(20) {
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    offload(&s, 0..32);
     within(&s, "after the offloads");
     assert!(
         s.stats().blocks < 32,
@@ -831,15 +835,7 @@ fn directories_count_against_capacity_across_a_reopen() {
 
     let s = open();
     within(&s, "after a clean reopen");
-    for i in 32..40u64 {
-        let ns = namespace(4096, &format!("adapter-{i}")).unwrap();
-        let (_, h, p) = block(&ns, i);
-        s.put(&ns.id(), &h, &p).unwrap();
-    }
-    let t = Instant::now();
-    while footprint(&blocks).1 > 2 * s.stats().blocks && t.elapsed() < Duration::from_secs(20) {
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    offload(&s, 32..40);
     within(&s, "after more offloads");
 }
 
