@@ -61,22 +61,18 @@ fn hung_g4_daemon(silent: &SilentEndpoint, dir: &Path) -> Daemon {
 fn an_onboard_behind_a_hung_peer_misses_timeout() {
     let silent = SilentEndpoint::start().unwrap();
     let sdir = tempfile::tempdir().unwrap();
-    let secret = sdir.path().join("secret");
-    std::fs::write(&secret, [7u8; 32]).unwrap();
-    std::fs::set_permissions(&secret, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
     let d = Daemon::start_with(
-        &[
-            "--peer-listen".into(),
-            format!("127.0.0.1:{}", support::free_port()),
-            "--peer-secret-file".into(),
-            secret.display().to_string(),
-            "--node-id".into(),
-            "asker".into(),
-            "--peers".into(),
-            format!("hung={}", silent.endpoint().trim_start_matches("http://")),
-            "--g4".into(),
-            String::new(),
-        ],
+        &support::peer_node_args(
+            sdir.path(),
+            &[7u8; 32],
+            &format!("127.0.0.1:{}", support::free_port()),
+            &[
+                "--node-id".into(),
+                "asker".into(),
+                "--peers".into(),
+                format!("hung={}", silent.endpoint().trim_start_matches("http://")),
+            ],
+        ),
         &[("KVTIERD_NODE_FETCH_DEADLINE_MS".into(), "1000".into())],
     );
     let mut cc = ClientConfig::new(d.socket.display().to_string());

@@ -767,21 +767,14 @@ fn peer_daemon() -> (Daemon, tempfile::TempDir, String, String, Vec<u8>) {
 /// [`peer_daemon`] with node id `node_id`.
 fn peer_daemon_named(node_id: &str) -> (Daemon, tempfile::TempDir, String, String, Vec<u8>) {
     let sdir = tempfile::tempdir().unwrap();
-    let secret = sdir.path().join("secret");
-    std::fs::write(&secret, PEER_SECRET).unwrap();
-    chmod(&secret, 0o600);
     let peer_addr = format!("127.0.0.1:{}", support::free_port());
     let d = Daemon::start_with(
-        &[
-            "--peer-listen".into(),
-            peer_addr.clone(),
-            "--peer-secret-file".into(),
-            secret.display().to_string(),
-            "--node-id".into(),
-            node_id.into(),
-            "--g4".into(),
-            String::new(),
-        ],
+        &support::peer_node_args(
+            sdir.path(),
+            PEER_SECRET,
+            &peer_addr,
+            &["--node-id".into(), node_id.into()],
+        ),
         &[],
     );
     let ns = peer_test_ns();
@@ -1456,20 +1449,13 @@ fn one_uid_holds_blocks_in_a_bounded_number_of_namespaces() {
 fn healthz_is_degraded_while_a_peer_refuses_our_secret() {
     let (b, _s, b_addr, _path, _) = peer_daemon();
     let sdir = tempfile::tempdir().unwrap();
-    let secret = sdir.path().join("secret");
-    std::fs::write(&secret, b"not-the-secret-node-b-has-0123456").unwrap();
-    chmod(&secret, 0o600);
     let a = Daemon::start_with(
-        &[
-            "--peer-listen".into(),
-            format!("127.0.0.1:{}", support::free_port()),
-            "--peer-secret-file".into(),
-            secret.display().to_string(),
-            "--peers".into(),
-            format!("b={b_addr}"),
-            "--g4".into(),
-            String::new(),
-        ],
+        &support::peer_node_args(
+            sdir.path(),
+            b"not-the-secret-node-b-has-0123456",
+            &format!("127.0.0.1:{}", support::free_port()),
+            &["--peers".into(), format!("b={b_addr}")],
+        ),
         &[],
     );
     // A asks B for the block B holds: B refuses A's signature.

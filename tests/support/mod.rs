@@ -55,6 +55,26 @@ pub fn free_port() -> u16 {
     kvtier_daemon::testkit::port::free_port().unwrap()
 }
 
+/// kvtierd flags for a node with its peer server on `listen`, no G4, and
+/// `secret` written to a 0600 file in `dir` (kvtierd refuses a readable
+/// one); `extra` goes after them (`--node-id`, `--peers`).
+pub fn peer_node_args(dir: &Path, secret: &[u8], listen: &str, extra: &[String]) -> Vec<String> {
+    use std::os::unix::fs::PermissionsExt;
+    let file = dir.join("peer.secret");
+    std::fs::write(&file, secret).unwrap();
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let mut args = vec![
+        "--peer-listen".to_string(),
+        listen.to_string(),
+        "--peer-secret-file".to_string(),
+        file.display().to_string(),
+        "--g4".to_string(),
+        String::new(),
+    ];
+    args.extend_from_slice(extra);
+    args
+}
+
 /// A running kvtierd.
 pub struct Daemon {
     pub dir: tempfile::TempDir,
