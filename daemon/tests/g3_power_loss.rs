@@ -258,6 +258,19 @@ impl Run {
     }
 
     fn open_with(&self, capacity_blocks: u64) -> kvtier_daemon::base::error::Result<Arc<G3Store>> {
+        let s = self.open_inner(capacity_blocks)?;
+        let rep = s.recovery.lock().unwrap().clone();
+        let mut keys: Vec<String> = listed(&s, &self.ns.id())
+            .iter()
+            .map(|k| k.to_string()[..8].to_string())
+            .collect();
+        keys.sort();
+        self.fs
+            .note(&format!("opened: {rep:?}; listed {}", keys.join(" ")));
+        Ok(s)
+    }
+
+    fn open_inner(&self, capacity_blocks: u64) -> kvtier_daemon::base::error::Result<Arc<G3Store>> {
         let mut cfg = common::cfg(
             &self.root(),
             kvtier_daemon::tiers::g3::engine::EngineKind::Auto,
@@ -318,6 +331,11 @@ impl Run {
             {
                 let mut a = self.attempts.lock().unwrap();
                 for ((key, _, _), (s, r)) in blocks.iter().zip(seeds.iter().zip(out)) {
+                    self.fs.note(&format!(
+                        "put {} {key} (begun at {begun_op}): {}",
+                        self.store_path(store, key).display(),
+                        if r.is_ok() { "acked" } else { "failed" }
+                    ));
                     a.entry(*key).or_default().push(Attempt {
                         seed: *s,
                         begun_op,
@@ -329,7 +347,8 @@ impl Run {
             let (key, _, p) = &blocks[0];
             match rng.random_range(0..6) {
                 0 if self.sc.deletes => {
-                    let _ = store.delete_block(&ns_id, key);
+                    let r = store.delete_block(&ns_id, key);
+                    self.fs.note(&format!("delete {key}: {r:?}"));
                 }
                 1 => {
                     let mut buf = vec![0u8; p.len() + 8192];
@@ -342,12 +361,18 @@ impl Run {
                     }
                 }
                 2 => {
+                    self.fs.note(&format!("hints {key} begin"));
                     store.set_priority(&ns_id, key, rng.random_range(0..4));
                     store.mark_in_g4(&ns_id, key);
+                    self.fs.note(&format!("hints {key} end"));
                 }
                 _ => {}
             }
         }
+    }
+
+    fn store_path(&self, store: &G3Store, key: &BlockKey) -> PathBuf {
+        store.block_file_path(&self.ns.id(), key)
     }
 
     /// The checks after recovery (see the file doc).
@@ -377,6 +402,17 @@ impl Run {
             &self.fs.removed_blocks(),
         )?;
         common::tree_matches_index(store, &self.root(), &visible)
+    }
+}
+
+impl Run {
+    /// A failed check's message, with the simulator's operation log
+    /// written beside the test's target directory.
+    fn report(&self, msg: String) -> String {
+        let path =
+            std::env::temp_dir().join(format!("kvtier-power-loss-{}.log", std::process::id()));
+        let _ = std::fs::write(&path, self.fs.log().join("\n"));
+        format!("{msg} (operation log: {})", path.display())
     }
 }
 
@@ -539,13 +575,17 @@ fn iteration(sc: Scenario, seed: u64, skip: Option<SyncSite>) -> Result<Iter, St
         .open_roomy()
         .map_err(|e| err("reopen after power loss", &e))?;
     run.check(&s)
-        .map_err(|e| format!("{} seed {seed} {phase:?}: {e}", sc.name))?;
+        .map_err(|e| run.report(format!("{} seed {seed} {phase:?}: {e}", sc.name)))?;
     // The clean path: close, reopen from the marker, same answers.
     s.close().map_err(|e| err("close after recovery", &e))?;
     drop(s);
     let s = run.open_roomy().map_err(|e| err("clean reopen", &e))?;
-    run.check(&s)
-        .map_err(|e| format!("{} seed {seed} {phase:?} (clean reopen): {e}", sc.name))?;
+    run.check(&s).map_err(|e| {
+        run.report(format!(
+            "{} seed {seed} {phase:?} (clean reopen): {e}",
+            sc.name
+        ))
+    })?;
     it.acked = acked_keys(&run.attempts);
     Ok(it)
 }

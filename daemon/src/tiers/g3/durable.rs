@@ -9,11 +9,17 @@ use super::index::Record;
 use super::seam::{SyncSite, Unlink};
 use super::{group, lock_err, G3Store, SyncMode};
 use crate::base::error::{Error, Result};
+use crate::base::tier::PutOutcome;
 use kvtier_client::block::HEADER_BYTES;
 use kvtier_client::{BlockHeader, NamespaceId};
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
+
+/// The index id of a block.
+fn id_of(ns: &NamespaceId, header: &BlockHeader) -> u64 {
+    super::index::digest(ns, &header.key).0
+}
 
 /// Where a written block file was renamed to.
 pub(super) struct Placed {
@@ -26,8 +32,8 @@ pub(super) struct Placed {
     pub(super) recycled: bool,
 }
 
-/// How long a put of a key another put is committing waits for that
-/// put's outcome before it tries to place its own file.
+/// How long a put of a key another put is writing waits for that put's
+/// outcome.
 pub(super) const WRITER_WAIT_MS: u64 = 10_000;
 
 /// Directory fsyncs one group commit keeps in flight at most (threads).
@@ -39,18 +45,16 @@ const BUFS_PER_WRITE: usize = 4;
 impl G3Store {
     /// Writes the temp file, makes it durable and renames it into place.
     /// `Ok(Some(dir))`: renamed into `dir`, whose fsync (group commit) makes
-    /// the rename durable; `Ok(None)`: the name already existed. `sole`:
-    /// this put alone writes `id` now, so an existing name the index lacks
-    /// is an orphan (a crash between rename and index commit) and is
-    /// replaced by this verified file instead of answered AlreadyPresent
-    /// (which lookups would contradict).
+    /// the rename durable; `Ok(None)`: the name already existed. Only the
+    /// put that claimed the id first writes it (write.rs), so an existing
+    /// name the index lacks is an orphan (a crash between rename and index
+    /// commit) and is replaced by this verified file instead of answered
+    /// AlreadyPresent (which lookups would contradict).
     pub(super) fn write_durable(
         &self,
         ns: &NamespaceId,
         header: &BlockHeader,
         payload: &[u8],
-        id: u64,
-        sole: bool,
         spare: Option<PathBuf>,
     ) -> Result<Option<Placed>> {
         let recycled = spare.is_some();
@@ -58,8 +62,11 @@ impl G3Store {
             Some(p) => p,
             None => {
                 let seq = self.counters.seq.fetch_add(1, Ordering::Relaxed);
-                self.tmp_dir
-                    .join(format!("{id:016x}.{}.{seq}", std::process::id()))
+                self.tmp_dir.join(format!(
+                    "{:016x}.{}.{seq}",
+                    id_of(ns, header),
+                    std::process::id()
+                ))
             }
         };
         let mut flags = libc::O_CLOEXEC;
@@ -93,8 +100,7 @@ impl G3Store {
         self.write_and_flush(&file, &tmp, header, payload, dsync)
             .map_err(cleanup)?;
         drop(file);
-        self.place(ns, header, &tmp, id, sole, recycled)
-            .map_err(cleanup)
+        self.place(ns, header, &tmp, recycled).map_err(cleanup)
     }
 
     /// Writes header, payload and padding into the open temp file through
@@ -200,27 +206,28 @@ impl G3Store {
     }
 
     /// Renames the durable temp file to the block's name (see
-    /// [`Self::write_durable`] for `sole` and the outcomes). On `Err` the
-    /// caller removes the temp file; on `Ok` it is gone (renamed or
-    /// removed here).
+    /// [`Self::write_durable`] for the outcomes). On `Err` the caller
+    /// removes the temp file; on `Ok` it is gone (renamed or removed here).
     fn place(
         &self,
         ns: &NamespaceId,
         header: &BlockHeader,
         tmp: &std::path::Path,
-        id: u64,
-        sole: bool,
         recycled: bool,
     ) -> Result<Option<Placed>> {
+        let id = id_of(ns, header);
         let final_path = self.block_file_path(ns, &header.key);
         let dir = final_path
             .parent()
             .unwrap_or(&self.blocks_dir)
             .to_path_buf();
         self.ensure_dir(&dir)?;
-        // A recycled file's new directory is noted before its rename out
-        // of `recycle/`, under the settle lock: a settle's fsync of
+        // The name lock first (remove.rs: a removal of this key unlinks and
+        // forgets under it, and may settle the pool); then, for a recycled
+        // file, its new directory is noted before its rename out of
+        // `recycle/`, under the settle lock: a settle's fsync of
         // `recycle/` then always finds it (and fsyncs it first).
+        let _name = self.name_lock(id);
         let _settle = if recycled {
             let g = self
                 .recycle_settle
@@ -235,31 +242,9 @@ impl G3Store {
         match self.fs.rename_noreplace(tmp, &final_path) {
             Ok(()) => {}
             Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {
-                let indexed = self
-                    .mem
-                    .read()
-                    .map_err(|_| lock_err("g3 index"))?
-                    .map
-                    .contains_key(&id);
-                if indexed {
+                if self.is_indexed(id) {
                     let _ = self.fs.remove_file(tmp, Unlink::Temp);
                     return Ok(None);
-                }
-                if !sole {
-                    // Another put of this key renamed its file and is
-                    // committing it: answering AlreadyPresent now would ack
-                    // a block that its commit may still fail (or a power
-                    // cut take back) and lookups never see (found by the
-                    // power-loss harness). Its outcome decides ours.
-                    if self.wait_for_writer(id) && self.is_indexed(id) {
-                        let _ = self.fs.remove_file(tmp, Unlink::Temp);
-                        return Ok(None);
-                    }
-                    // It failed and undid its rename: place ours.
-                    self.fs
-                        .rename_noreplace(tmp, &final_path)
-                        .map_err(|e| Error::io("renaming into place", &final_path, e))?;
-                    return Ok(Some(Placed { dir, recycled }));
                 }
                 tracing::warn!(%ns, key = %header.key, "g3: replacing an unindexed (orphan) block file");
                 self.counters
@@ -283,19 +268,32 @@ impl G3Store {
         self.mem.read().is_ok_and(|m| m.map.contains_key(&id))
     }
 
-    /// Waits until no put claims `id` (bounded: `WRITER_WAIT_MS`); whether
-    /// it was released in time.
-    pub(super) fn wait_for_writer(&self, id: u64) -> bool {
+    /// The outcome of a put that joined another put's write of `id`
+    /// (write.rs): present once that put published it; an error to retry
+    /// when it released the id without storing it, or did not finish
+    /// within `WRITER_WAIT_MS`.
+    pub(super) fn await_writer(&self, id: u64) -> Result<PutOutcome> {
         let t = std::time::Instant::now();
-        while t.elapsed() < std::time::Duration::from_millis(WRITER_WAIT_MS) {
-            match self.writing.lock() {
-                Ok(w) if !w.contains(&id) => return true,
-                Ok(_) => {}
-                Err(_) => return false,
+        loop {
+            if self.is_indexed(id) {
+                return Ok(PutOutcome::AlreadyPresent);
+            }
+            let writing = self
+                .writing
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .contains_key(&id);
+            if !writing && self.is_indexed(id) {
+                return Ok(PutOutcome::AlreadyPresent);
+            }
+            if !writing || t.elapsed() >= std::time::Duration::from_millis(WRITER_WAIT_MS) {
+                return Err(Error::Timeout {
+                    op: "an offload of the same block by another request (retry)",
+                    timeout_ms: WRITER_WAIT_MS,
+                });
             }
             std::thread::sleep(std::time::Duration::from_millis(1));
         }
-        false
     }
 
     /// The leader's half of a group commit: one fsync per distinct shard

@@ -979,6 +979,36 @@ impl DiskIndex {
         )
     }
 
+    /// Changes the record of `id` in place, when there is one (one
+    /// non-durable transaction: a removal cannot come between the read
+    /// and the write and have the record written back). Whether it was
+    /// there.
+    pub fn update(&self, id: u64, f: impl Fn(&mut Record)) -> Result<bool> {
+        let changed: std::sync::Mutex<Option<Record>> = std::sync::Mutex::new(None);
+        self.logged_write(
+            Durability::None,
+            |w| {
+                let mut b = w.open_table(BLOCKS)?;
+                let cur = b.get(id)?.and_then(|g| Record::decode(g.value()));
+                let Some(mut r) = cur else {
+                    return Ok(false);
+                };
+                f(&mut r);
+                b.insert(id, r.encode().as_slice())?;
+                if let Ok(mut c) = changed.lock() {
+                    *c = Some(r);
+                }
+                Ok(true)
+            },
+            |log| {
+                if let Some(r) = changed.lock().ok().and_then(|mut c| c.take()) {
+                    log.insert(id, Some(r));
+                }
+            },
+            true,
+        )
+    }
+
     /// Removes records (non-durable commit).
     pub fn remove(&self, ids: &[u64]) -> Result<()> {
         self.logged_write(

@@ -169,9 +169,16 @@ pub struct G3Store {
     /// Shard directories a removal may have left empty (remove.rs
     /// `remove_empty_dirs`).
     maybe_empty: Mutex<HashSet<PathBuf>>,
-    /// Ids a put is writing now (between plan and publish): a name found
-    /// in `blocks/` for a claimed id that the index lacks is an orphan.
-    writing: Mutex<HashSet<u64>>,
+    /// Ids puts are writing now (between plan and publish), with how many
+    /// puts claim each: the first writes, the others join it (write.rs),
+    /// so a name found in `blocks/` for a claimed id that the index lacks
+    /// is an orphan.
+    writing: Mutex<HashMap<u64, u32>>,
+    /// Striped by id: held while a block's name in `blocks/` and its index
+    /// entry change together (a removal's unlink and forget, a put's
+    /// rename into place), so that a put of the same key never lands
+    /// between a removal's two steps (remove.rs, `name_lock`).
+    name_locks: Vec<Mutex<()>>,
     group: group::GroupCommit,
     /// The data flush shared by writers (sync mode `Group`).
     flush_window: group::FlushWindow,
@@ -338,7 +345,8 @@ impl G3Store {
             known_dirs: Mutex::new(dir_set::DirSet::default()),
             unsynced_removals: Mutex::new(HashSet::new()),
             maybe_empty: Mutex::new(HashSet::new()),
-            writing: Mutex::new(HashSet::new()),
+            writing: Mutex::new(HashMap::new()),
+            name_locks: (0..remove::NAME_LOCKS).map(|_| Mutex::new(())).collect(),
             group: group::GroupCommit::default(),
             flush_window: group::FlushWindow::default(),
             sync_mode,

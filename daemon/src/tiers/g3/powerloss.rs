@@ -70,6 +70,16 @@ struct State {
     removed_blocks: Vec<(u64, PathBuf)>,
     graves: u64,
     rng: rand::rngs::StdRng,
+    /// Every operation, for a failing check's report ([`PowerLossFs::log`]).
+    log: Vec<String>,
+}
+
+impl State {
+    /// Appends one line to the operation log.
+    fn note(&mut self, what: std::fmt::Arguments<'_>) {
+        let line = format!("{} {what}", self.ops);
+        self.log.push(line);
+    }
 }
 
 /// What one [`PowerLossFs::power_cycle`] took back.
@@ -152,6 +162,7 @@ impl PowerLossFs {
                     removed_blocks: Vec::new(),
                     graves: 0,
                     rng: rand::rngs::StdRng::seed_from_u64(seed),
+                    log: Vec::new(),
                 }),
             }),
         }))
@@ -191,6 +202,17 @@ impl PowerLossFs {
         self.lock().skip = site;
     }
 
+    /// Every operation and power cycle so far, one line each (operation
+    /// number first): what a failing check prints.
+    pub fn log(&self) -> Vec<String> {
+        self.lock().log.clone()
+    }
+
+    /// Adds the caller's line to the log (what the workload did).
+    pub fn note(&self, line: &str) {
+        self.lock().note(format_args!("{line}"));
+    }
+
     /// Block files unlinked (delete or eviction): (operation number, path).
     pub fn removed_blocks(&self) -> Vec<(u64, PathBuf)> {
         self.lock().removed_blocks.clone()
@@ -210,8 +232,9 @@ impl Shared {
     /// Counts one operation; fails once power is lost.
     fn op(&self) -> io::Result<MutexGuard<'_, State>> {
         let mut st = self.lock();
-        if st.crash_at.is_some_and(|k| st.ops >= k) {
+        if !st.crashed && st.crash_at.is_some_and(|k| st.ops >= k) {
             st.crashed = true;
+            st.note(format_args!("POWER LOST"));
         }
         st.ops += 1;
         if st.crashed {
@@ -244,6 +267,7 @@ impl Shared {
 
     fn created(&self, st: &mut State, path: &Path, ino: u64) -> io::Result<()> {
         std::fs::hard_link(path, self.grave_of(ino))?;
+        st.note(format_args!("create {} i{ino}", path.display()));
         st.dirty.insert(ino, Vec::new());
         st.changes.push(Change {
             dir: parent(path),
@@ -254,12 +278,18 @@ impl Shared {
     }
 
     fn synced(st: &mut State, ino: u64, site: SyncSite) {
+        st.note(format_args!("sync i{ino} {site:?}"));
         if st.skip != Some(site) {
             st.dirty.remove(&ino);
         }
     }
 
     fn renamed(&self, st: &mut State, from: &Path, to: &Path, replaced: Option<u64>, ino: u64) {
+        st.note(format_args!(
+            "rename i{ino} {} -> {} (replaced {replaced:?})",
+            from.display(),
+            to.display()
+        ));
         st.changes.push(Change {
             dir: parent(from),
             path: from.to_path_buf(),
@@ -280,8 +310,14 @@ impl PowerLossFs {
     pub fn power_cycle(&self) -> io::Result<PowerCycle> {
         let mut st = self.lock();
         let mut rep = PowerCycle::default();
+        st.note(format_args!("power cycle"));
         let changes = std::mem::take(&mut st.changes);
         for c in changes.iter().rev() {
+            st.note(format_args!(
+                "  undo {} back to {:?}",
+                c.path.display(),
+                c.old
+            ));
             match std::fs::symlink_metadata(&c.path) {
                 Ok(m) if m.is_dir() => {
                     st.graves += 1;
@@ -306,6 +342,7 @@ impl PowerLossFs {
             let g = self.grave_of(ino);
             let cur = std::fs::read(&g)?;
             let draw = st.rng.random_range(0..100u32);
+            st.note(format_args!("  data i{ino}: draw {draw}"));
             let next = if draw < 70 {
                 rep.files_dropped += 1;
                 synced
@@ -373,6 +410,7 @@ impl G3Fs for PowerLossFs {
 
     fn sync_dir(&self, dir: &Path, site: SyncSite) -> io::Result<()> {
         let mut st = self.op()?;
+        st.note(format_args!("sync_dir {} {site:?}", dir.display()));
         if st.skip != Some(site) {
             st.changes.retain(|c| c.dir != dir);
         }
@@ -405,6 +443,7 @@ impl G3Fs for PowerLossFs {
     fn open_existing(&self, path: &Path, custom_flags: i32) -> io::Result<File> {
         let mut st = self.op()?;
         let ino = self.bury(path)?;
+        st.note(format_args!("open {} i{ino}", path.display()));
         // Whatever is written through it is unsynced until a sync says
         // otherwise (the block engine's writes, the header zeroing).
         self.before_write(&mut st, ino)?;
@@ -429,6 +468,7 @@ impl G3Fs for PowerLossFs {
         let mut st = self.op()?;
         let ino = self.bury(path)?;
         std::fs::remove_file(path)?;
+        st.note(format_args!("unlink {} i{ino} {why:?}", path.display()));
         st.changes.push(Change {
             dir: parent(path),
             path: path.to_path_buf(),
@@ -444,6 +484,7 @@ impl G3Fs for PowerLossFs {
     fn create_dir(&self, path: &Path) -> io::Result<()> {
         let mut st = self.op()?;
         std::fs::create_dir(path)?;
+        st.note(format_args!("mkdir {}", path.display()));
         st.changes.push(Change {
             dir: parent(path),
             path: path.to_path_buf(),
@@ -461,16 +502,26 @@ impl G3Fs for PowerLossFs {
     }
 
     fn remove_dir_all(&self, path: &Path) -> io::Result<()> {
-        let _st = self.op()?;
-        std::fs::remove_dir_all(path)
+        let mut st = self.op()?;
+        st.note(format_args!("rm -r {}", path.display()));
+        std::fs::remove_dir_all(path)?;
+        st.changes.retain(|c| !c.dir.starts_with(path));
+        Ok(())
     }
 
     /// Only ever an empty directory whose creation was made durable first
     /// (remove.rs), then the parent's fsync: nothing for a cut to undo
-    /// but an empty directory coming back.
+    /// but an empty directory coming back. Durable at once in this model,
+    /// and so are the removals of the entries it held (it could only go
+    /// once empty): a delete's unlink that lands between the reclaimer's
+    /// fsync of the directory and its removal is not taken back into a
+    /// directory that no longer exists.
     fn remove_dir(&self, path: &Path) -> io::Result<()> {
-        let _st = self.op()?;
-        std::fs::remove_dir(path)
+        let mut st = self.op()?;
+        st.note(format_args!("rmdir {}", path.display()));
+        std::fs::remove_dir(path)?;
+        st.changes.retain(|c| c.dir != path);
+        Ok(())
     }
 
     fn owner_lock(&self) -> bool {
@@ -598,6 +649,7 @@ impl IoEngine for PowerLossEngine {
     ) -> io::Result<()> {
         let mut st = self.fs.op()?;
         let ino = ino_of_fd(fd)?;
+        st.note(format_args!("write i{ino} at {at} len {len}"));
         self.fs.before_write(&mut st, ino)?;
         // SAFETY: F_GETFL reads the fd's flags.
         let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
@@ -635,6 +687,7 @@ impl IoEngine for PowerLossEngine {
     /// directory fsyncs stay load-bearing.
     fn sync_fs(&self, _fd: RawFd) -> io::Result<()> {
         let mut st = self.fs.op()?;
+        st.note(format_args!("syncfs"));
         if st.skip != Some(SyncSite::BlockGroupSyncfs) {
             let inos: Vec<u64> = st.block_data.drain().collect();
             for ino in inos {

@@ -23,17 +23,22 @@ impl G3Store {
         let path = self.block_file_path(ns, key);
         tracing::warn!(%ns, %key, reason = why, "g3: block failed verification; quarantined");
         let name = format!("{}.{}", ns.to_hex(), key.to_hex());
-        // A slot: its bytes are copied out (held, read after the index
-        // lock is dropped); the slot is punched as the entry leaves.
-        let held = match self.mem.read() {
-            Ok(mem) => mem.get(ns, key).and_then(|(_, e)| self.hold_slot(e)),
-            Err(_) => None,
-        };
-        match held {
-            Some(h) => self.quarantine_slot_copy(h, &name),
-            None => self.quarantine_file(&path, &name),
-        }
-        if matches!(self.forget(ns, key, id), Ok(true)) {
+        // Moved aside and forgotten under the name lock (remove.rs): a put
+        // of the same key renames into place only before (the file there
+        // answers it present) or after both. A slot: its bytes are copied
+        // out (held, read after the index lock is dropped); the slot is
+        // punched as the entry leaves.
+        let forgotten = self.forget_after(ns, key, id, false, || {
+            let held = match self.mem.read() {
+                Ok(mem) => mem.get(ns, key).and_then(|(_, e)| self.hold_slot(e)),
+                Err(_) => None,
+            };
+            match held {
+                Some(h) => self.quarantine_slot_copy(h, &name),
+                None => self.quarantine_file(&path, &name),
+            }
+        });
+        if matches!(forgotten, Ok(true)) {
             self.emit(G3Event::Removed {
                 ns: *ns,
                 key: *key,

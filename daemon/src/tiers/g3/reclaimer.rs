@@ -234,12 +234,14 @@ impl G3Store {
                 }
                 break;
             };
-            let removed = match self.disk.get(id) {
-                Ok(Some(rec)) => {
-                    self.remove_block(&rec.ns, &rec.key, RemoveReason::Evicted, retire)
-                }
-                Ok(None) => Ok(false),
-                Err(e) => Err(e),
+            // `recorded`: false when memory holds an entry that redb lacks.
+            let (recorded, removed) = match self.disk.get(id) {
+                Ok(Some(rec)) => (
+                    true,
+                    self.remove_block(&rec.ns, &rec.key, RemoveReason::Evicted, retire),
+                ),
+                Ok(None) => (false, Ok(false)),
+                Err(e) => (true, Err(e)),
             };
             match removed {
                 Ok(true) => {
@@ -260,12 +262,25 @@ impl G3Store {
                 }
                 Ok(false) => {
                     // The policy knew a block the index does not: forget it
-                    // there so the loop makes progress.
-                    if let Ok(mut p) = self.policy.lock() {
-                        p.on_remove(id);
+                    // there so the loop makes progress. Memory's entry goes
+                    // too only when redb has no record of it (no name to
+                    // remove it by); otherwise another removal took it
+                    // first, and an entry there now is a newer put's.
+                    let stale = !recorded
+                        || self
+                            .mem
+                            .read()
+                            .map(|m| !m.map.contains_key(&id))
+                            .unwrap_or(false);
+                    if stale {
+                        if let Ok(mut p) = self.policy.lock() {
+                            p.on_remove(id);
+                        }
                     }
-                    if let Ok(mut m) = self.mem.write() {
-                        m.remove_id(id);
+                    if !recorded {
+                        if let Ok(mut m) = self.mem.write() {
+                            m.remove_id(id);
+                        }
                     }
                 }
                 Err(e) => {

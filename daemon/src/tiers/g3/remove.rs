@@ -12,6 +12,9 @@ use kvtier_client::{BlockKey, NamespaceId};
 /// Empty directories removed at most per reclaimer pass.
 const EMPTY_DIRS_PER_PASS: usize = 64;
 
+/// Stripes of [`G3Store::name_lock`].
+pub(super) const NAME_LOCKS: usize = 64;
+
 impl G3Store {
     /// Deletes a block (leases and pins do not protect against this);
     /// `false` when absent.
@@ -43,6 +46,12 @@ impl G3Store {
 
     /// [`G3Store::remove_block`]; `reason` `None`: no `Removed` event (a
     /// block never announced as stored, `take_back`).
+    ///
+    /// The name and the entry go together under the name lock: a put of
+    /// the same key renames into place under it too, and a read that found
+    /// the file gone forgets the entry under it only while no file is
+    /// back (`forget_after`), so none of them sees the name without the
+    /// entry or the entry without the name.
     fn remove_block_as(
         &self,
         ns: &NamespaceId,
@@ -51,75 +60,72 @@ impl G3Store {
         retire: bool,
     ) -> Result<bool> {
         let (id, check) = digest(ns, key);
-        let found = self
-            .mem
-            .read()
-            .map_err(|_| lock_err("g3 index"))?
-            .map
-            .get(&id)
-            .filter(|e| e.check == check)
-            .map(|e| e.slotted().is_some());
-        let Some(slotted) = found else {
-            return Ok(false);
-        };
         let how = if retire {
             Release::Keep
         } else {
             Release::Punch
         };
-        if slotted {
-            // No file: the slot is released as the entry leaves (forget).
-            let gone = self.forget_as(ns, key, id, how)?;
-            if let (true, Some(reason)) = (gone, reason) {
-                self.emit(G3Event::Removed {
-                    ns: *ns,
-                    key: *key,
-                    reason,
-                });
-            }
-            return Ok(gone);
-        }
-        let path = self.block_file_path(ns, key);
-        let removed = if retire {
-            let len = self
+        // (forgotten, unlinked)
+        let (forgotten, unlinked) = {
+            let _name = self.name_lock(id);
+            let found = self
                 .mem
                 .read()
                 .map_err(|_| lock_err("g3 index"))?
                 .map
                 .get(&id)
-                .map(super::index::Entry::file_len)
-                .unwrap_or(0);
-            self.retire_or_unlink(&path, len)
-        } else {
-            match self.fs.remove_file(&path, super::seam::Unlink::Block) {
-                Ok(()) => Ok(true),
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
-                Err(e) => Err(e),
+                .filter(|e| e.check == check)
+                .map(|e| (e.slotted().is_some(), e.file_len()));
+            let Some((slotted, len)) = found else {
+                return Ok(false);
+            };
+            if slotted {
+                // No file: the slot is released as the entry leaves.
+                (self.forget_one(ns, key, id, how)?, false)
+            } else {
+                let path = self.block_file_path(ns, key);
+                let removed = if retire {
+                    self.retire_or_unlink(&path, len)
+                } else {
+                    match self.fs.remove_file(&path, super::seam::Unlink::Block) {
+                        Ok(()) => Ok(true),
+                        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+                        Err(e) => Err(e),
+                    }
+                };
+                let unlinked = match removed {
+                    Ok(true) => {
+                        self.note_removal(&path);
+                        true
+                    }
+                    Ok(false) => false,
+                    Err(e) => return Err(Error::io("removing", &path, e)),
+                };
+                (self.forget_one(ns, key, id, how)?, unlinked)
             }
         };
-        let unlinked = match removed {
-            Ok(true) => {
-                self.note_removal(&path);
-                true
-            }
-            Ok(false) => false,
-            Err(e) => return Err(Error::io("removing", &path, e)),
-        };
-        if self.forget(ns, key, id)? {
-            if let Some(reason) = reason {
-                self.emit(G3Event::Removed {
-                    ns: *ns,
-                    key: *key,
-                    reason,
-                });
-            }
-            return Ok(true);
+        if !forgotten {
+            // A reader (the uploader, an onboard) that found the file gone
+            // dropped the entry (with its own Removed event) first: the
+            // block is still ours to report removed, not absent.
+            return Ok(unlinked);
         }
-        // A reader (the uploader, an onboard) that opened the file just
-        // after our unlink found it gone and dropped the entry (with its
-        // own Removed event) first: the block is still ours to report
-        // removed, not absent.
-        Ok(unlinked)
+        self.remove_descendants(id);
+        if let Some(reason) = reason {
+            self.emit(G3Event::Removed {
+                ns: *ns,
+                key: *key,
+                reason,
+            });
+        }
+        Ok(true)
+    }
+
+    /// The lock of the name of block `id` (one of [`NAME_LOCKS`] stripes):
+    /// see [`G3Store::remove_block_as`]. Taken before any other G3 lock.
+    pub(super) fn name_lock(&self, id: u64) -> std::sync::MutexGuard<'_, ()> {
+        let m = &self.name_locks[(id % NAME_LOCKS as u64) as usize];
+        m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Remembers the directory of an unlinked block file (see
@@ -340,46 +346,93 @@ impl G3Store {
         }
     }
 
-    /// Drops a block from memory, policy and redb (not the file), and its
-    /// descendants with it (`remove_descendants`).
+    /// Drops a block whose file vanished under a read from memory, policy
+    /// and redb, and its descendants with it (`remove_descendants`).
     pub(super) fn forget(&self, ns: &NamespaceId, key: &BlockKey, id: u64) -> Result<bool> {
-        self.forget_as(ns, key, id, Release::Punch)
+        self.forget_after(ns, key, id, true, || {})
     }
 
-    /// [`G3Store::forget`]; `how`: what becomes of a slotted block's slot
-    /// (kept for reuse after an eviction, else punched).
-    fn forget_as(&self, ns: &NamespaceId, key: &BlockKey, id: u64, how: Release) -> Result<bool> {
-        let forgotten = self.forget_one(ns, key, id, how)?;
+    /// Runs `first` (a quarantine moving the file away) and drops the
+    /// block from memory, policy and redb, both under the name lock, and
+    /// then its descendants. `vanished`: the file was found gone, so a
+    /// file entry whose name holds a file again by then (a put of the same
+    /// key renamed it into place meanwhile) is kept: that put's block is
+    /// the one indexed.
+    pub(super) fn forget_after(
+        &self,
+        ns: &NamespaceId,
+        key: &BlockKey,
+        id: u64,
+        vanished: bool,
+        first: impl FnOnce(),
+    ) -> Result<bool> {
+        let forgotten = {
+            let _name = self.name_lock(id);
+            first();
+            let (_, check) = digest(ns, key);
+            let file_entry = self
+                .mem
+                .read()
+                .map_err(|_| lock_err("g3 index"))?
+                .map
+                .get(&id)
+                .filter(|e| e.check == check)
+                .map(|e| e.slotted().is_none());
+            if vanished
+                && file_entry == Some(true)
+                && std::fs::symlink_metadata(self.block_file_path(ns, key)).is_ok()
+            {
+                return Ok(false);
+            }
+            self.forget_one(ns, key, id, Release::Punch)?
+        };
         if forgotten {
             self.remove_descendants(id);
         }
         Ok(forgotten)
     }
 
+    /// Drops one entry (memory, policy, redb; a slot released), under the
+    /// caller's name lock. The redb record goes first: a put of this key
+    /// can begin only once the entry left memory (it plans against
+    /// memory), so its record is never the one removed here.
     fn forget_one(&self, ns: &NamespaceId, key: &BlockKey, id: u64, how: Release) -> Result<bool> {
         let (_, check) = digest(ns, key);
-        // Another name whose digest collides keeps its entry (read before
-        // the lock: no I/O under it).
+        // Another name whose digest collides keeps its entry.
         if matches!(self.disk.get(id), Ok(Some(r)) if r.ns != *ns || r.key != *key) {
             return Ok(false);
         }
+        let present = self
+            .mem
+            .read()
+            .map_err(|_| lock_err("g3 index"))?
+            .map
+            .get(&id)
+            .is_some_and(|e| e.check == check);
+        if !present {
+            return Ok(false);
+        }
+        // A failed removal is still made in memory (the file is gone):
+        // the index writes it with its next mend (index.rs).
+        let on_disk = self.disk.remove(&[id]);
         let removed = {
             let mut mem = self.mem.write().map_err(|_| lock_err("g3 index"))?;
             if mem.map.get(&id).is_none_or(|e| e.check != check) {
-                return Ok(false);
+                None
+            } else {
+                let e = mem.remove(ns, id);
+                if let Ok(mut p) = self.policy.lock() {
+                    p.on_remove(id);
+                }
+                e
             }
-            let e = mem.remove(ns, id);
-            if let Ok(mut p) = self.policy.lock() {
-                p.on_remove(id);
-            }
-            e
         };
-        self.disk.remove(&[id])?;
         // After the entry left memory: a read that found the slot holds it
         // (slots.rs), so the release waits for that read's end.
         if let Some(e) = &removed {
             self.release_slot(ns, key, e, how);
         }
+        on_disk?;
         Ok(removed.is_some())
     }
 }

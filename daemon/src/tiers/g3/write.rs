@@ -185,25 +185,71 @@ impl G3Store {
                 .collect(),
         );
         let (jobs, repeats) = self.plan_batch(ns, items, &mut out);
-        // Claim the ids this batch writes: a claimed id has one writer, so
-        // its name in blocks/ without an index entry is an orphan.
-        let sole: Vec<bool> = match self.writing.lock() {
-            Ok(mut w) => jobs.iter().map(|j| w.insert(j.id)).collect(),
-            Err(_) => vec![false; jobs.len()],
+        // Claim the ids this batch writes. Only a put that claims an id no
+        // other put holds writes it (so a name in blocks/ without an index
+        // entry, found by that put, is an orphan); the others join it:
+        // they write nothing and take its outcome once it is published
+        // (`await_writer`). Before, a second writer renamed its own file
+        // too, and the first took that in-flight file for an orphan and
+        // replaced it: the second published an entry after an eviction
+        // had removed the file (found by the power-loss harness).
+        let sole: Vec<bool> = {
+            let mut w = self
+                .writing
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            jobs.iter()
+                .map(|j| {
+                    let n = w.entry(j.id).or_insert(0);
+                    *n += 1;
+                    *n == 1
+                })
+                .collect()
         };
-        let mut written = self.write_batch(ns, items, &jobs, &sole);
+        let claimed: Vec<u64> = jobs.iter().map(|j| j.id).collect();
+        let mut writes = Vec::with_capacity(jobs.len());
+        let mut joined = Vec::new();
+        for (job, mine) in jobs.into_iter().zip(&sole) {
+            if *mine {
+                writes.push(job);
+            } else {
+                joined.push(job);
+            }
+        }
+        let jobs = writes;
+        for job in &joined {
+            if let Some(s) = job.spare.lock().ok().and_then(|mut s| s.take()) {
+                self.drop_taken_spare(&s);
+            }
+            if let Some((_, pages, slot)) = &job.slot {
+                self.slots.untake(*pages, *slot);
+            }
+        }
+        let mut written = self.write_batch(ns, items, &jobs);
         self.flush_slabs(&jobs, &mut written);
         let now = now_s();
         let renamed = self.commit_batch(ns, items, &jobs, written, now, &mut out);
         if !renamed.is_empty() {
             self.publish_batch(ns, items, &renamed, now, &mut out);
         }
-        if let Ok(mut w) = self.writing.lock() {
-            for (job, mine) in jobs.iter().zip(&sole) {
-                if *mine {
-                    w.remove(&job.id);
+        {
+            let mut w = self
+                .writing
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            for id in claimed {
+                if let std::collections::hash_map::Entry::Occupied(mut e) = w.entry(id) {
+                    *e.get_mut() -= 1;
+                    if *e.get() == 0 {
+                        e.remove();
+                    }
                 }
             }
+        }
+        // After this batch's own claims are gone: two batches that joined
+        // each other's writes never wait for each other.
+        for job in &joined {
+            out[job.at] = Some(self.await_writer(job.id));
         }
         for (at, first) in repeats {
             out[at] = Some(match &out[first] {
@@ -318,7 +364,6 @@ impl G3Store {
         ns: &NamespaceId,
         items: &[PutItem<'_>],
         jobs: &[BatchJob],
-        sole: &[bool],
     ) -> Vec<(usize, Result<Option<Placed>>)> {
         let full = AtomicBool::new(false);
         let next = AtomicUsize::new(0);
@@ -348,16 +393,12 @@ impl G3Store {
                     })
                 } else {
                     match self.check_writable() {
-                        Ok(()) => {
-                            let sole = sole.get(k).copied().unwrap_or(false);
-                            match &job.slot {
-                                Some((slab, pages, slot)) => {
-                                    self.write_slotted(it, job.id, sole, slab, *pages, *slot)
-                                }
-                                None => self
-                                    .write_durable(ns, it.header, it.payload, job.id, sole, spare),
+                        Ok(()) => match &job.slot {
+                            Some((slab, pages, slot)) => {
+                                self.write_slotted(it, slab, *pages, *slot)
                             }
-                        }
+                            None => self.write_durable(ns, it.header, it.payload, spare),
+                        },
                         Err(e) => {
                             if let Some(s) = &spare {
                                 self.drop_taken_spare(s);
@@ -732,29 +773,14 @@ impl G3Store {
     }
 
     /// Step 2 for a slotted job: the block written into its slot (made
-    /// durable by `flush_slabs`). `sole`: no other put writes this id now; otherwise its
-    /// outcome decides ours (present: `Ok(None)`; a slot is never
-    /// written for a name another put is placing).
+    /// durable by `flush_slabs`).
     fn write_slotted(
         &self,
         it: &PutItem<'_>,
-        id: u64,
-        sole: bool,
         slab: &Slab,
         pages: u32,
         slot: u32,
     ) -> Result<Option<super::durable::Placed>> {
-        if !sole {
-            let settled = self.wait_for_writer(id);
-            self.slots.untake(pages, slot);
-            if settled && self.is_indexed(id) {
-                return Ok(None);
-            }
-            return Err(Error::Timeout {
-                op: "an offload of the same block by another request (retry)",
-                timeout_ms: super::durable::WRITER_WAIT_MS,
-            });
-        }
         if let Err(e) = self.write_slot(it.header, it.payload, slab, slot) {
             self.slots.untake(pages, slot);
             return Err(e);
