@@ -259,6 +259,7 @@ fn run() -> Result<()> {
             region_bytes_max: cfg.server.region_bytes_max,
             leases_per_conn_max: cfg.server.leases_per_conn_max,
             onboard_reads_in_flight_max: cfg.server.onboard_reads_in_flight_max,
+            onboard_batch_reads: cfg.server.onboard_batch_reads,
             drain_timeout_ms: 10_000,
             lease_ttl_max_ms: cfg.server.lease_ttl_max_ms,
         },

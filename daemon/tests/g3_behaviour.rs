@@ -865,3 +865,78 @@ fn a_shard_emptied_at_open_takes_new_blocks() {
     assert_eq!(s.put(&ns.id(), &h, &p).unwrap(), PutOutcome::Stored);
     assert!(matches!(s.get(&ns.id(), &key).unwrap(), Lookup::Hit(_)));
 }
+
+/// The onboard's batch read (`read_many_for_verifier`, g3/read_batch.rs):
+/// slotted hits land in their destinations exactly as the one-block read
+/// puts them there, with each engine; an absent key, a key the caller
+/// skips and a slot whose header was damaged are left to the caller, and
+/// the damaged one is quarantined only by the usual read that follows.
+#[test]
+fn batch_read_serves_slotted_hits_and_leaves_the_rest() {
+    for engine in [EngineKind::Uring, EngineKind::Pread] {
+        let dir = tempfile::tempdir().unwrap();
+        let s = G3Store::open(common::cfg_slots(dir.path(), engine), Box::new(Lru::new())).unwrap();
+        let ns = namespace(65536, "batch-read").unwrap();
+        let id = ns.id();
+        let blocks: Vec<_> = (0..5).map(|i| block(&ns, i)).collect();
+        for (_, h, p) in &blocks {
+            s.put_block(&id, h, p, PutMeta::default()).unwrap();
+        }
+        let len = blocks[0].1.file_len() as usize;
+        common::damage(&s, &id, &blocks[3].0, Damage::Header);
+        let absent = block(&ns, 99).0;
+        let keys = [
+            blocks[0].0,
+            blocks[1].0,
+            absent,
+            blocks[2].0,
+            blocks[3].0,
+            blocks[4].0,
+        ];
+        let mut bufs: Vec<kvtier_client::AlignedBuf> = keys
+            .iter()
+            .map(|_| kvtier_client::AlignedBuf::new(len).unwrap())
+            .collect();
+        let mut items: Vec<(kvtier_client::BlockKey, &mut [u8])> = keys
+            .iter()
+            .zip(bufs.iter_mut())
+            .map(|(k, b)| (*k, b.as_mut_slice()))
+            .collect();
+        let skipped = blocks[2].0;
+        let got = s.read_many_for_verifier(&id, &mut items, &|k| *k == skipped);
+        drop(items);
+        let served: Vec<bool> = got.iter().map(Option::is_some).collect();
+        assert_eq!(
+            served,
+            [true, true, false, false, false, true],
+            "{engine:?}"
+        );
+        for (i, g) in got.into_iter().enumerate() {
+            let Some((h, touch)) = g else { continue };
+            assert_eq!(h.key, keys[i]);
+            touch();
+            let mut one = vec![0u8; len];
+            assert!(matches!(
+                s.read_into(&id, &keys[i], &mut one).unwrap(),
+                Lookup::Hit(_)
+            ));
+            assert_eq!(bufs[i].as_slice(), &one[..], "{engine:?}: block {i}");
+        }
+        let figure = |name: &str| {
+            s.recovery_figures()
+                .into_iter()
+                .find(|(k, _)| *k == name)
+                .map(|(_, v)| v)
+        };
+        assert_eq!(figure("batch_reads"), Some(3));
+        // Left to the usual read, which decides: quarantined, a miss.
+        assert_eq!(s.stats().quarantined, 0);
+        let mut one = vec![0u8; len];
+        assert!(matches!(
+            s.read_into_for_verifier(&id, &blocks[3].0, &mut one)
+                .unwrap(),
+            Lookup::Miss(MissReason::Corrupt)
+        ));
+        assert_eq!(s.stats().quarantined, 1);
+    }
+}

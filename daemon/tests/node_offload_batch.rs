@@ -361,6 +361,79 @@ fn an_onboard_request_reads_its_blocks_together_and_misses_stay_in_place() {
     );
 }
 
+/// The same request with the node served directly: G3's slotted hits are
+/// read as one batch on the connection's thread (g3/read_batch.rs), and
+/// the outcomes and bytes are those of the per-block path
+/// (`server.onboard_batch_reads = false`): the damaged block 2 is left to
+/// the usual read (a miss, quarantined), block 5 is absent.
+#[test]
+fn an_onboard_request_batch_reads_slotted_hits_with_the_per_block_outcomes() {
+    for batch in [true, false] {
+        let dir = tempfile::tempdir().unwrap();
+        let node = Node::open(NodeConfig::new(G3Config::new(
+            dir.path().join("g3"),
+            64 << 20,
+        )))
+        .unwrap();
+        let ns = ns();
+        let id = ns.id();
+        let keys: Vec<BlockKey> = (0..8).map(|i| BlockKey::from_u64(9000 + i)).collect();
+        let data: Vec<Vec<u8>> = (0..8).map(onboard_payload).collect();
+        for i in (0..8).filter(|&i| i != 5) {
+            let h = BlockHeader::for_payload(&ns, keys[i], &data[i], 1);
+            let stored = node.offload(&id, &h, &data[i], None, Hints::default());
+            assert_eq!(stored.unwrap(), PutOutcome::Stored);
+        }
+        damage_file_of(&dir.path().join("g3"), &data[2], 100);
+        let sock = dir.path().join("kvtierd.sock");
+        let server = Server::bind(
+            &SocketOptions {
+                path: sock.clone(),
+                mode: 0o600,
+                group: None,
+            },
+            node.clone() as Arc<dyn Backend>,
+            Metrics::new().unwrap(),
+            EventBus::new(),
+            ServerLimits {
+                onboard_batch_reads: batch,
+                ..ServerLimits::default()
+            },
+        )
+        .unwrap();
+        let stop = server.shutdown_handle();
+        let serving = std::thread::spawn(move || server.run());
+        let client = Client::with_config(ClientConfig::new(&sock));
+        let h = client.namespace(&ns);
+        let mut bufs: Vec<Vec<u8>> = (0..8).map(|_| vec![0u8; BLOCK as usize]).collect();
+        let mut dst: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
+        let got = h.onboard_into(&keys, &mut dst);
+        stop.trigger();
+        serving.join().unwrap().unwrap();
+        let hits: Vec<bool> = got.iter().map(|o| o.is_hit()).collect();
+        let mut want = vec![true; 8];
+        want[2] = false;
+        want[5] = false;
+        assert_eq!(hits, want, "batch {batch}: {got:?}");
+        assert!(
+            matches!(&got[2], Onboarded::Miss(m) if m.cause == MissCause::Corrupt),
+            "batch {batch}: {:?}",
+            got[2]
+        );
+        for i in (0..8).filter(|&i| want[i]) {
+            assert!(bufs[i] == data[i], "batch {batch}: block {i}: wrong bytes");
+        }
+        let batched = node
+            .g3()
+            .recovery_figures()
+            .into_iter()
+            .find(|(k, _)| *k == "batch_reads")
+            .map(|(_, v)| v);
+        assert_eq!(batched, Some(if batch { 6 } else { 0 }), "batch {batch}");
+        assert_eq!(node.g3().stats().quarantined, 1, "batch {batch}");
+    }
+}
+
 /// Damages one byte of the block whose payload is `payload`, at `at` from
 /// the block's start (the header is its first 4096 bytes): a block file,
 /// or a slot of a slab (g3/slots.rs), found at any 4096-byte boundary.

@@ -50,6 +50,9 @@ lease_ttl_max_ms = 30000
 # Block reads one onboard request runs at once (the disk sees a request's
 # blocks together; the G3 ring pool, io_depth, bounds what reaches it).
 onboard_reads_in_flight_max = 16
+# G3's slotted hits of an onboard request read together on its connection's
+# thread, one io_uring batch (false: each on its own reader, as before).
+onboard_batch_reads = true
 # Pins held at once, and the longest pin.
 pins_max = 65536
 pin_ttl_max_ms = 3600000
@@ -283,6 +286,8 @@ pub struct ServerSection {
     pub leases_per_conn_max: usize,
     /// Block reads one onboard request runs at once.
     pub onboard_reads_in_flight_max: usize,
+    /// G3's slotted hits of a request read as one batch (server/onboard.rs).
+    pub onboard_batch_reads: bool,
     /// Longest lease.
     pub lease_ttl_max_ms: u32,
     /// Pins at once.
@@ -737,6 +742,7 @@ impl Default for ServerSection {
             region_bytes_max: 4 << 30,
             leases_per_conn_max: 4096,
             onboard_reads_in_flight_max: crate::edges::server::ONBOARD_READS_IN_FLIGHT_DEFAULT,
+            onboard_batch_reads: true,
             lease_ttl_max_ms: 30_000,
             pins_max: 65536,
             pin_ttl_max_ms: 3_600_000,

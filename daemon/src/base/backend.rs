@@ -25,6 +25,10 @@
 //!   including removals the store decides itself (capacity eviction).
 
 use crate::base::error::Result;
+
+/// A read's eviction-policy touch, run by the caller in request order
+/// (tiers/g3/access_order.rs).
+pub type ReadTouch = Box<dyn FnOnce() + Send>;
 use crate::base::events::EventBus;
 use crate::base::tier::{Lookup, MissReason, PutOutcome};
 use kvtier_client::proto::{BlockStat, ItemStatus, ListEntry};
@@ -195,6 +199,21 @@ pub trait Backend: Send + Sync + 'static {
         dst: &mut [u8],
     ) -> Result<Lookup<(BlockHeader, Tier)>> {
         self.read_into(ns, key, dst)
+    }
+
+    /// [`Backend::read_into_for_verifier`] for the blocks of one request
+    /// at once, where a backend can read them together on this thread
+    /// (G3's slotted blocks: one batch of ring requests). One outcome per
+    /// item, in order: `Some((header, tier, touch))` for a hit, whose
+    /// eviction-policy touch the caller runs in request order; `None` for
+    /// an item the caller reads the usual way. Default: none served.
+    fn read_many_for_verifier(
+        &self,
+        ns: &NamespaceId,
+        items: &mut [(BlockKey, &mut [u8])],
+    ) -> Vec<Option<(BlockHeader, Tier, ReadTouch)>> {
+        let _ = ns;
+        items.iter().map(|_| None).collect()
     }
 
     /// The first step of an onboard of several blocks, before they are

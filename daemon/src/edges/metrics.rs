@@ -101,6 +101,7 @@ const SCRAPED_COUNTERS: &[(&str, &str, &[&str])] = &[
     ("kvtier_g3_empty_dirs_removed_total", "Empty G3 shard and namespace directories removed", &[]),
     ("kvtier_g3_index_reopens_total", "Times G3's index was opened again after an I/O error (a full disk)", &[]),
     ("kvtier_g3_slot_writes_total", "G3 offloads written into a slab slot (g3/slots.rs)", &[]),
+    ("kvtier_g3_batch_reads_total", "G3 onboard hits read together with the rest of their request on its connection's thread (g3/read_batch.rs)", &[]),
     // The mount.
     ("kvtier_mount_opens_total", "Opens of block files on the mount, by mode (passthrough, fallback)", &["mode"]),
     ("kvtier_mount_fallback_reads_total", "Read requests on the mount answered by the daemon (not passthrough)", &[]),
@@ -919,6 +920,7 @@ mod tests {
                 ("empty_dirs_removed", 0),
                 ("index_reopens", 0),
                 ("slot_writes", 0),
+                ("batch_reads", 0),
                 ("slots_used", 0),
                 ("slots_free", 0),
                 ("slabs", 0),

@@ -262,6 +262,35 @@ impl Backend for Node {
         self.read_into_as(ns, key, dst, true)
     }
 
+    /// G3's slotted hits, read together; a block being staged or just
+    /// promoted (served from the fetcher's verified bytes) and every miss
+    /// go the usual way (`read_into_as`: a fetch from the peers or G4).
+    fn read_many_for_verifier(
+        &self,
+        ns: &NamespaceId,
+        items: &mut [(BlockKey, &mut [u8])],
+    ) -> Vec<Option<(BlockHeader, Tier, crate::base::backend::ReadTouch)>> {
+        let _busy = self.activity.fetching();
+        let pending = |key: &BlockKey| {
+            self.staging.contains(ns, key)
+                || self
+                    .promoted
+                    .lock()
+                    .map(|g| g.0.contains_key(&(*ns, *key)))
+                    .unwrap_or(true)
+        };
+        let got = self.g3.read_many_for_verifier(ns, items, &pending);
+        got.into_iter()
+            .zip(items.iter())
+            .map(|(g, (key, _))| {
+                g.map(|(h, touch)| {
+                    self.on_g3_hit(ns, key);
+                    (h, Tier::G3, touch)
+                })
+            })
+            .collect()
+    }
+
     fn prepare_onboard(&self, ns: &NamespaceId, keys: &[BlockKey]) -> Vec<Option<MissReason>> {
         self.prepare(ns, keys)
     }

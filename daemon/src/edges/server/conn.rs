@@ -1171,7 +1171,13 @@ impl Conn<'_> {
         let (at, jobs): (Vec<usize>, Vec<ReadJob<'_>>) = pending.into_iter().unzip();
         let b = self.sh.backend.clone();
         let m = self.sh.metrics.clone();
-        let got = read_all(&*b, ns, jobs, self.sh.limits.onboard_reads_in_flight_max);
+        let got = read_all(
+            &*b,
+            ns,
+            jobs,
+            self.sh.limits.onboard_reads_in_flight_max,
+            self.sh.limits.onboard_batch_reads,
+        );
         for (i, g) in at.into_iter().zip(got) {
             let Some(r) = out.get_mut(i) else { continue };
             match g {

@@ -78,6 +78,9 @@ pub struct ServerLimits {
     pub leases_per_conn_max: usize,
     /// Block reads one onboard request runs at once (server/onboard.rs).
     pub onboard_reads_in_flight_max: usize,
+    /// G3's slotted hits of a request read as one batch on the
+    /// connection's thread (server/onboard.rs).
+    pub onboard_batch_reads: bool,
     /// How long shutdown waits for requests in flight.
     pub drain_timeout_ms: u64,
     /// Longest lease (told to clients in the hello reply; the backend
@@ -95,6 +98,7 @@ impl Default for ServerLimits {
             region_bytes_max: 4 << 30,
             leases_per_conn_max: 4096,
             onboard_reads_in_flight_max: ONBOARD_READS_IN_FLIGHT_DEFAULT,
+            onboard_batch_reads: true,
             drain_timeout_ms: 10_000,
             lease_ttl_max_ms: 30_000,
         }

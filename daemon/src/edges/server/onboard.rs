@@ -1,26 +1,27 @@
-//! The read step of one onboard request: its blocks are read at once, up
-//! to `onboard_reads_in_flight_max` concurrent [`Backend`] calls (and at
-//! most [`READER_THREADS_MAX`] reader threads daemon-wide), so the
-//! disk sees every block of the request together (each G3 read keeps its
-//! own chunks in flight on a ring of the engine's bounded pool) instead of
-//! one block after another.
+//! The read step of one onboard request. G3's slotted blocks of the
+//! request are read first, together, on the connection's thread
+//! ([`Backend::read_many_for_verifier`]: one batch of ring requests, no
+//! thread and no ring per block); the rest (blocks with a file of their
+//! own, misses that go to the peers or G4, anything the batch left) at
+//! once, up to `onboard_reads_in_flight_max` concurrent [`Backend`] calls
+//! (and at most [`READER_THREADS_MAX`] reader threads daemon-wide), so the
+//! disk sees every block of the request together instead of one block
+//! after another.
 //!
 //! Only the reads overlap. Leases, limits and the reply stay in request
-//! order in the connection ([`super::conn`]); each read is still one
-//! `read_into_for_verifier` / `open_for_read`, so a missing block is a miss
-//! for that item alone and never touches the others' outcomes. Both leave
-//! the payload's checksum to the client, which verifies every byte it
+//! order in the connection ([`super::conn`]), and so do the eviction
+//! policy's touches (access_order.rs); a missing block is a miss for that
+//! item alone and never touches the others' outcomes. Both paths leave the
+//! payload's checksum to the client, which verifies every byte it
 //! receives and reports a mismatch (kvtier-client's onboard; the daemon
 //! re-verifies the report in its own memory before it quarantines).
-//! Bounded pooled helper threads (crate::base::workers, started once and kept,
-//! not per request) rather than a batched io_uring submission: the
-//! read path behind `Backend` (G3, a peer, G4, a staged fetch) stays the one
-//! it is, and the ring pool already bounds what reaches the disk.
+//! Helper threads are pooled (crate::base::workers, started once and
+//! kept, not per request).
 
-use crate::base::backend::{Backend, ReadFile};
+use crate::base::backend::{Backend, ReadFile, ReadTouch};
 use crate::base::error::{Error, Result};
 use crate::base::tier::Lookup;
-use crate::tiers::g3::access_order::AccessOrder;
+use crate::tiers::g3::access_order::{touch_in_turn, AccessOrder};
 use kvtier_client::{BlockHeader, BlockKey, NamespaceId, Tier};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -94,32 +95,80 @@ fn read_one(b: &dyn Backend, ns: &NamespaceId, job: ReadJob<'_>) -> Got {
     }
 }
 
-/// Runs `jobs` with at most `in_flight_max` at once (this thread is one of
-/// them); one outcome per job, in input order.
+/// A job of [`read_all`]: read by the batch already (its outcome and its
+/// policy touch, run in request order), or still to read.
+enum Work<'a> {
+    Done(Got, Option<ReadTouch>),
+    Read(ReadJob<'a>),
+}
+
+/// Runs `jobs`: first (when `batch`) the blocks the backend reads together
+/// on this thread ([`Backend::read_many_for_verifier`]: G3's slotted hits,
+/// one batch of ring requests), then the rest with at most `in_flight_max` at once
+/// (this thread is one of them); one outcome per job, in input order,
+/// policy touches in input order too.
 pub(super) fn read_all(
     b: &dyn Backend,
     ns: &NamespaceId,
-    jobs: Vec<ReadJob<'_>>,
+    mut jobs: Vec<ReadJob<'_>>,
     in_flight_max: usize,
+    batch: bool,
 ) -> Vec<Got> {
     let n = jobs.len();
-    let reserved = Reserved::take(in_flight_max.min(n).saturating_sub(1));
+    let batch = {
+        let mut at = Vec::new();
+        let mut items: Vec<(BlockKey, &mut [u8])> = Vec::new();
+        for (i, j) in jobs.iter_mut().enumerate() {
+            if let ReadJob::Shm { key, dst } = j {
+                at.push(i);
+                items.push((*key, &mut **dst));
+            }
+        }
+        let mut got: Vec<Option<(BlockHeader, Tier, ReadTouch)>> = (0..n).map(|_| None).collect();
+        // `in_flight_max` 1 reads one block after another (the setting's
+        // promise); a lone block has nothing to batch with.
+        if batch && items.len() > 1 && in_flight_max > 1 {
+            for (i, g) in at.into_iter().zip(b.read_many_for_verifier(ns, &mut items)) {
+                got[i] = g;
+            }
+        }
+        got
+    };
+    let work: Vec<Work<'_>> = jobs
+        .into_iter()
+        .zip(batch)
+        .map(|(j, g)| match g {
+            Some((h, t, touch)) => Work::Done(Ok(Lookup::Hit((h, t, 0, None))), Some(touch)),
+            None => Work::Read(j),
+        })
+        .collect();
+    let left = work.iter().filter(|w| matches!(w, Work::Read(_))).count();
+    let run = |w: Work<'_>| match w {
+        Work::Done(g, touch) => {
+            if let Some(t) = touch {
+                touch_in_turn(t);
+            }
+            g
+        }
+        Work::Read(j) => read_one(b, ns, j),
+    };
+    let reserved = Reserved::take(in_flight_max.min(left).saturating_sub(1));
     let extra = reserved.0;
     if extra == 0 {
-        return jobs.into_iter().map(|j| read_one(b, ns, j)).collect();
+        return work.into_iter().map(run).collect();
     }
     // Jobs are taken in order, so the earliest unfinished one is always
     // running: waiting for the earlier touches cannot deadlock.
     let order = AccessOrder::new(n);
-    let queue = Mutex::new(jobs.into_iter().enumerate());
+    let queue = Mutex::new(work.into_iter().enumerate());
     let take = || queue.lock().ok().and_then(|mut q| q.next());
     let results = Mutex::new(Vec::with_capacity(n));
     // Each copy (this thread and pooled helpers, workers.rs) takes jobs
     // until none is left.
     let work = || {
         let mut done = Vec::new();
-        while let Some((i, job)) = take() {
-            done.push((i, order.run(i, || read_one(b, ns, job))));
+        while let Some((i, w)) = take() {
+            done.push((i, order.run(i, || run(w))));
         }
         if let Ok(mut r) = results.lock() {
             r.extend(done);

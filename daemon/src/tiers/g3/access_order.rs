@@ -14,7 +14,7 @@ use std::cell::RefCell;
 use std::sync::{Arc, Mutex};
 
 /// A deferred policy touch.
-pub(super) type Touch = Box<dyn FnOnce() + Send>;
+pub type Touch = Box<dyn FnOnce() + Send>;
 
 #[derive(Default)]
 struct Turns {
@@ -124,7 +124,7 @@ impl Drop for AccessOrder {
 /// Called by G3 for a read's policy touch: run in request order when this
 /// thread runs a job of an [`AccessOrder`] (possibly later, by another
 /// thread), else at once.
-pub(super) fn touch_in_turn(touch: Touch) {
+pub fn touch_in_turn(touch: Touch) {
     let cur = CURRENT.with(|c| c.borrow().clone());
     match cur {
         Some((order, i)) => order.touch(i, touch),

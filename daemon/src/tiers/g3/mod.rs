@@ -85,6 +85,7 @@ pub mod powerloss;
 mod presence;
 mod quarantine;
 mod read;
+mod read_batch;
 pub mod reclaimer;
 pub mod recover;
 mod recycle;

@@ -69,6 +69,8 @@ pub(super) struct Counters {
     pub(super) dir_bytes: AtomicU64,
     /// Offloads written into a slab slot (slots.rs).
     pub(super) slot_writes: AtomicU64,
+    /// Onboard hits read in a request's batch (read_batch.rs).
+    pub(super) batch_reads: AtomicU64,
     pub(super) seq: AtomicU64,
 }
 
@@ -111,6 +113,7 @@ impl G3Store {
             ("empty_dirs_removed", c.dirs_removed.load(Ordering::Relaxed)),
             ("index_reopens", self.disk.reopens.load(Ordering::Relaxed)),
             ("slot_writes", c.slot_writes.load(Ordering::Relaxed)),
+            ("batch_reads", c.batch_reads.load(Ordering::Relaxed)),
             ("slots_used", slots_used),
             ("slots_free", slots_free),
             ("slabs", slabs),

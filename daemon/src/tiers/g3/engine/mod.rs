@@ -43,6 +43,18 @@ pub type FillFn<'a> = &'a mut dyn FnMut(u64, &mut [u8]);
 /// Receives the next contiguous piece of the file, in file order.
 pub type ReadyFn<'a> = &'a mut dyn FnMut(&[u8]);
 
+/// One read of a batch ([`IoEngine::read_many`]): `dst.len()` bytes at
+/// offset `at` of `fd`.
+#[derive(Debug)]
+pub struct ReadReq<'a> {
+    /// The file.
+    pub fd: RawFd,
+    /// Where in it.
+    pub at: u64,
+    /// Where to.
+    pub dst: &'a mut [u8],
+}
+
 /// An I/O engine. Implementations must not return while the kernel still
 /// holds a pointer into a caller's buffer (on error too).
 pub trait IoEngine: Send + Sync {
@@ -72,6 +84,16 @@ pub trait IoEngine: Send + Sync {
         dst: &mut [u8],
         on_ready: ReadyFn<'_>,
     ) -> io::Result<usize>;
+    /// Reads every request of a batch; one outcome per request, in order:
+    /// the bytes read (fewer than `dst.len()` means the file ended early)
+    /// or the error. The io_uring engine keeps the whole batch's requests
+    /// in flight on one ring from the calling thread (no thread and no
+    /// ring per read); the default reads them one after another.
+    fn read_many(&self, reqs: &mut [ReadReq<'_>]) -> Vec<io::Result<usize>> {
+        reqs.iter_mut()
+            .map(|r| self.read_file(r.fd, r.at, r.dst, &mut |_| {}))
+            .collect()
+    }
     /// fdatasync.
     fn sync_data(&self, fd: RawFd) -> io::Result<()>;
     /// syncfs(2) of the filesystem holding `fd`: every write completed
