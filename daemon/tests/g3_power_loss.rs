@@ -332,9 +332,10 @@ impl Run {
                 let mut a = self.attempts.lock().unwrap();
                 for ((key, _, _), (s, r)) in blocks.iter().zip(seeds.iter().zip(out)) {
                     self.fs.note(&format!(
-                        "put {} {key} (begun at {begun_op}): {}",
+                        "put {} {key} (begun at {begun_op}): {:?} at {:?}",
                         self.store_path(store, key).display(),
-                        if r.is_ok() { "acked" } else { "failed" }
+                        r,
+                        store.block_location(&ns_id, key).map(|(_, at)| at)
                     ));
                     a.entry(*key).or_default().push(Attempt {
                         seed: *s,

@@ -1009,6 +1009,33 @@ impl DiskIndex {
         )
     }
 
+    /// Removes the record of `id` when `keep` says it is the one the
+    /// caller removes (one non-durable transaction); whether it went.
+    pub fn remove_if(&self, id: u64, which: impl Fn(&Record) -> bool) -> Result<bool> {
+        let gone = std::sync::atomic::AtomicBool::new(false);
+        self.logged_write(
+            Durability::None,
+            |w| {
+                let mut b = w.open_table(BLOCKS)?;
+                let cur = b.get(id)?.and_then(|g| Record::decode(g.value()));
+                let Some(r) = cur.filter(|r| which(r)) else {
+                    return Ok(false);
+                };
+                b.remove(id)?;
+                let mut n = w.open_table(NAMES)?;
+                n.remove(name_key(&r.ns, &r.key).as_slice())?;
+                gone.store(true, std::sync::atomic::Ordering::Relaxed);
+                Ok(true)
+            },
+            |log| {
+                if gone.load(std::sync::atomic::Ordering::Relaxed) {
+                    log.insert(id, None);
+                }
+            },
+            false,
+        )
+    }
+
     /// Removes records (non-durable commit).
     pub fn remove(&self, ids: &[u64]) -> Result<()> {
         self.logged_write(

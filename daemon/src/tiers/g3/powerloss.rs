@@ -551,6 +551,7 @@ impl G3Fs for PowerLossFs {
 
     fn slot_released(&self, path: &Path) {
         let mut st = self.lock();
+        st.note(format_args!("slot released {}", path.display()));
         let n = st.ops;
         st.removed_blocks.push((n, path.to_path_buf()));
     }

@@ -38,12 +38,14 @@ impl G3Store {
         let mut out: Vec<Option<(BlockHeader, ReadTouch)>> = items.iter().map(|_| None).collect();
         // (item, id, file length, its slot held for the read)
         let mut held = Vec::new();
+        // Asked before the index lock: `skip` may take the caller's locks.
+        let skipped: Vec<bool> = items.iter().map(|(key, _)| skip(key)).collect();
         {
             let Ok(mem) = self.mem.read() else {
                 return out;
             };
             for (i, (key, dst)) in items.iter().enumerate() {
-                if skip(key) {
+                if skipped[i] {
                     continue;
                 }
                 let Some((id, e)) = mem.get(ns, key) else {

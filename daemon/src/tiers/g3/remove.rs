@@ -393,40 +393,38 @@ impl G3Store {
     }
 
     /// Drops one entry (memory, policy, redb; a slot released), under the
-    /// caller's name lock. The redb record goes first: a put of this key
-    /// can begin only once the entry left memory (it plans against
-    /// memory), so its record is never the one removed here.
+    /// caller's name lock. The record goes only if it is the removed
+    /// entry's (the same slot, or none): once the entry left memory a put
+    /// of this key may plan, write a slot and commit its own record before
+    /// this removal reaches redb, and that record must stay (a file put
+    /// renames under the name lock, so it cannot get that far). Removing
+    /// the record first instead let an eviction find an entry without a
+    /// record and drop it without freeing its slot (found by the
+    /// power-loss harness).
     fn forget_one(&self, ns: &NamespaceId, key: &BlockKey, id: u64, how: Release) -> Result<bool> {
         let (_, check) = digest(ns, key);
-        // Another name whose digest collides keeps its entry.
+        // Another name whose digest collides keeps its entry (read before
+        // the lock: no I/O under it).
         if matches!(self.disk.get(id), Ok(Some(r)) if r.ns != *ns || r.key != *key) {
             return Ok(false);
         }
-        let present = self
-            .mem
-            .read()
-            .map_err(|_| lock_err("g3 index"))?
-            .map
-            .get(&id)
-            .is_some_and(|e| e.check == check);
-        if !present {
-            return Ok(false);
-        }
-        // A failed removal is still made in memory (the file is gone):
-        // the index writes it with its next mend (index.rs).
-        let on_disk = self.disk.remove(&[id]);
         let removed = {
             let mut mem = self.mem.write().map_err(|_| lock_err("g3 index"))?;
             if mem.map.get(&id).is_none_or(|e| e.check != check) {
-                None
-            } else {
-                let e = mem.remove(ns, id);
-                if let Ok(mut p) = self.policy.lock() {
-                    p.on_remove(id);
-                }
-                e
+                return Ok(false);
             }
+            let e = mem.remove(ns, id);
+            if let Ok(mut p) = self.policy.lock() {
+                p.on_remove(id);
+            }
+            e
         };
+        let slot = removed.as_ref().and_then(super::index::Entry::slotted);
+        // A failed removal is still made in memory (the block is gone):
+        // the index writes it with its next mend (index.rs).
+        let on_disk = self
+            .disk
+            .remove_if(id, |r| r.ns == *ns && r.key == *key && r.slot == slot);
         // After the entry left memory: a read that found the slot holds it
         // (slots.rs), so the release waits for that read's end.
         if let Some(e) = &removed {
