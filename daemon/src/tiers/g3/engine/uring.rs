@@ -128,6 +128,26 @@ enum RingError {
     Ring(io::Error),
 }
 
+/// Chunks one batch read keeps in flight on its ring: the completion
+/// queue's size (twice the submission queue's), so that no completion
+/// waits for room.
+const BATCH_IN_FLIGHT_MAX: usize = 2 * CHUNKS_IN_FLIGHT_MAX;
+
+/// Hands the queued requests to the kernel without waiting.
+fn submit_only(ring: &mut IoUring) -> Result<(), RingError> {
+    loop {
+        match ring.submit() {
+            Ok(_) => return Ok(()),
+            Err(e)
+                if matches!(
+                    e.raw_os_error(),
+                    Some(libc::EINTR) | Some(libc::EAGAIN) | Some(libc::EBUSY)
+                ) => {}
+            Err(e) => return Err(RingError::Ring(e)),
+        }
+    }
+}
+
 fn submit_wait(ring: &mut IoUring) -> Result<(), RingError> {
     loop {
         match ring.submit_and_wait(1) {
@@ -306,8 +326,9 @@ impl IoEngine for UringEngine {
     }
 
     /// The batch on one ring: every request split into chunks of at most
-    /// [`CHUNK_BYTES`], up to [`CHUNKS_IN_FLIGHT_MAX`] chunks in flight
-    /// across requests, one `io_uring_enter` per wait.
+    /// [`CHUNK_BYTES`], up to [`BATCH_IN_FLIGHT_MAX`] chunks in flight
+    /// across requests (submitted whenever the submission queue fills),
+    /// one `io_uring_enter` per wait.
     fn read_many(&self, reqs: &mut [ReadReq<'_>]) -> Vec<io::Result<usize>> {
         // (request, offset in it, length) of every chunk, in order.
         let mut chunks: Vec<(usize, usize, usize)> = Vec::new();
@@ -330,7 +351,10 @@ impl IoEngine for UringEngine {
             let mut next = 0usize;
             let mut inflight = 0usize;
             loop {
-                while next < chunks.len() && inflight < CHUNKS_IN_FLIGHT_MAX {
+                while next < chunks.len() && inflight < BATCH_IN_FLIGHT_MAX {
+                    if ring.submission().is_full() {
+                        submit_only(ring)?;
+                    }
                     let (ri, off, n) = chunks[next];
                     let (fd, at, base) = bases[ri];
                     // SAFETY: off + n <= that request's dst length.
