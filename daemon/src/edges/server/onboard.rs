@@ -165,7 +165,7 @@ pub(super) fn read_all(
     let results = Mutex::new(Vec::with_capacity(n));
     // Each copy (this thread and pooled helpers, workers.rs) takes jobs
     // until none is left.
-    let work = || {
+    let worker = || {
         let mut done = Vec::new();
         while let Some((i, w)) = take() {
             done.push((i, order.run(i, || run(w))));
@@ -174,7 +174,7 @@ pub(super) fn read_all(
             r.extend(done);
         }
     };
-    if crate::base::workers::fan_out(extra, &work) > 0 {
+    if crate::base::workers::fan_out(extra, &worker) > 0 {
         tracing::error!("an onboard reader panicked");
     }
     let mut slots: Vec<Option<Got>> = (0..n).map(|_| None).collect();
