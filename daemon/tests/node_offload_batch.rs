@@ -280,20 +280,11 @@ fn onboard_payload(i: usize) -> Vec<u8> {
         .collect()
 }
 
-/// One onboard request of 8 blocks through a real server and client over
-/// its socket, on the real node (G3): the request's reads are in flight
-/// together (the gate sees 6 at once: one by one it would see 1), and the
-/// outcomes are per item and in place: block 2's file is damaged (a miss,
-/// quarantined, the others served with their exact bytes), block 5 was
-/// never stored (a miss known before any read).
-#[test]
-fn an_onboard_request_reads_its_blocks_together_and_misses_stay_in_place() {
-    let dir = tempfile::tempdir().unwrap();
-    let node = Node::open(NodeConfig::new(G3Config::new(
-        dir.path().join("g3"),
-        64 << 20,
-    )))
-    .unwrap();
+/// A node on `dir` holding the onboard tests' blocks 0..8 but 5 (never
+/// stored), block `i` with payload `onboard_payload(i)`: the node, the
+/// namespace, the 8 keys and the 8 payloads.
+fn onboard_node(dir: &std::path::Path) -> (Arc<Node>, Namespace, Vec<BlockKey>, Vec<Vec<u8>>) {
+    let node = Node::open(NodeConfig::new(G3Config::new(dir.join("g3"), 64 << 20))).unwrap();
     let ns = ns();
     let id = ns.id();
     let keys: Vec<BlockKey> = (0..8).map(|i| BlockKey::from_u64(9000 + i)).collect();
@@ -303,6 +294,44 @@ fn an_onboard_request_reads_its_blocks_together_and_misses_stay_in_place() {
         let stored = node.offload(&id, &h, &data[i], None, Hints::default());
         assert_eq!(stored.unwrap(), PutOutcome::Stored);
     }
+    (node, ns, keys, data)
+}
+
+/// A server on `sock` over `backend`: its stop trigger and its thread.
+fn serve(
+    sock: &std::path::Path,
+    backend: Arc<dyn Backend>,
+    limits: ServerLimits,
+) -> (
+    kvtier_daemon::edges::server::ShutdownHandle,
+    std::thread::JoinHandle<kvtier_daemon::Result<()>>,
+) {
+    let server = Server::bind(
+        &SocketOptions {
+            path: sock.to_path_buf(),
+            mode: 0o600,
+            group: None,
+        },
+        backend,
+        Metrics::new().unwrap(),
+        EventBus::new(),
+        limits,
+    )
+    .unwrap();
+    let stop = server.shutdown_handle();
+    (stop, std::thread::spawn(move || server.run()))
+}
+
+/// One onboard request of 8 blocks through a real server and client over
+/// its socket, on the real node (G3): the request's reads are in flight
+/// together (the gate sees 6 at once: one by one it would see 1), and the
+/// outcomes are per item and in place: block 2's file is damaged (a miss,
+/// quarantined, the others served with their exact bytes), block 5 was
+/// never stored (a miss known before any read).
+#[test]
+fn an_onboard_request_reads_its_blocks_together_and_misses_stay_in_place() {
+    let dir = tempfile::tempdir().unwrap();
+    let (node, ns, keys, data) = onboard_node(dir.path());
     // Damage block 2's payload on disk.
     damage_file_of(&dir.path().join("g3"), &data[2], HEADER_BYTES + 100);
 
@@ -313,20 +342,7 @@ fn an_onboard_request_reads_its_blocks_together_and_misses_stay_in_place() {
         cv: Condvar::new(),
     });
     let sock = dir.path().join("kvtierd.sock");
-    let server = Server::bind(
-        &SocketOptions {
-            path: sock.clone(),
-            mode: 0o600,
-            group: None,
-        },
-        gate.clone(),
-        Metrics::new().unwrap(),
-        EventBus::new(),
-        ServerLimits::default(),
-    )
-    .unwrap();
-    let stop = server.shutdown_handle();
-    let serving = std::thread::spawn(move || server.run());
+    let (stop, serving) = serve(&sock, gate.clone(), ServerLimits::default());
 
     let mut cfg = ClientConfig::new(&sock);
     // Longer than the gate's bound times the reads, so a server reading
@@ -370,39 +386,18 @@ fn an_onboard_request_reads_its_blocks_together_and_misses_stay_in_place() {
 fn an_onboard_request_batch_reads_slotted_hits_with_the_per_block_outcomes() {
     for batch in [true, false] {
         let dir = tempfile::tempdir().unwrap();
-        let node = Node::open(NodeConfig::new(G3Config::new(
-            dir.path().join("g3"),
-            64 << 20,
-        )))
-        .unwrap();
-        let ns = ns();
-        let id = ns.id();
-        let keys: Vec<BlockKey> = (0..8).map(|i| BlockKey::from_u64(9000 + i)).collect();
-        let data: Vec<Vec<u8>> = (0..8).map(onboard_payload).collect();
-        for i in (0..8).filter(|&i| i != 5) {
-            let h = BlockHeader::for_payload(&ns, keys[i], &data[i], 1);
-            let stored = node.offload(&id, &h, &data[i], None, Hints::default());
-            assert_eq!(stored.unwrap(), PutOutcome::Stored);
-        }
+        let (node, ns, keys, data) = onboard_node(dir.path());
+        // Its header: the batch's own check refuses it.
         damage_file_of(&dir.path().join("g3"), &data[2], 100);
         let sock = dir.path().join("kvtierd.sock");
-        let server = Server::bind(
-            &SocketOptions {
-                path: sock.clone(),
-                mode: 0o600,
-                group: None,
-            },
-            node.clone() as Arc<dyn Backend>,
-            Metrics::new().unwrap(),
-            EventBus::new(),
+        let (stop, serving) = serve(
+            &sock,
+            node.clone(),
             ServerLimits {
                 onboard_batch_reads: batch,
                 ..ServerLimits::default()
             },
-        )
-        .unwrap();
-        let stop = server.shutdown_handle();
-        let serving = std::thread::spawn(move || server.run());
+        );
         let client = Client::with_config(ClientConfig::new(&sock));
         let h = client.namespace(&ns);
         let mut bufs: Vec<Vec<u8>> = (0..8).map(|_| vec![0u8; BLOCK as usize]).collect();

@@ -98,7 +98,7 @@ fn read_one(b: &dyn Backend, ns: &NamespaceId, job: ReadJob<'_>) -> Got {
 /// A job of [`read_all`]: read by the batch already (its outcome and its
 /// policy touch, run in request order), or still to read.
 enum Work<'a> {
-    Done(Got, Option<ReadTouch>),
+    Done(Got, ReadTouch),
     Read(ReadJob<'a>),
 }
 
@@ -138,16 +138,14 @@ pub(super) fn read_all(
         .into_iter()
         .zip(batch)
         .map(|(j, g)| match g {
-            Some((h, t, touch)) => Work::Done(Ok(Lookup::Hit((h, t, 0, None))), Some(touch)),
+            Some((h, t, touch)) => Work::Done(Ok(Lookup::Hit((h, t, 0, None))), touch),
             None => Work::Read(j),
         })
         .collect();
     let left = work.iter().filter(|w| matches!(w, Work::Read(_))).count();
     let run = |w: Work<'_>| match w {
         Work::Done(g, touch) => {
-            if let Some(t) = touch {
-                touch_in_turn(t);
-            }
+            touch_in_turn(touch);
             g
         }
         Work::Read(j) => read_one(b, ns, j),

@@ -119,22 +119,10 @@ impl G3Store {
         drop(at);
         match read {
             ReadOutcome::Ok(h) => {
-                self.counters.hits.fetch_add(1, Ordering::Relaxed);
-                if let Ok(mem) = self.mem.read() {
-                    if let Some(e) = mem.map.get(&id) {
-                        e.hits.fetch_add(1, Ordering::Relaxed);
-                        e.last_access_s.store(now_s(), Ordering::Relaxed);
-                    }
-                }
                 // In request order when the server reads a request's
                 // blocks at once (access_order.rs): deferred until the
                 // earlier reads of the request are done, never waited for.
-                let policy = Arc::clone(&self.policy);
-                super::access_order::touch_in_turn(Box::new(move || {
-                    if let Ok(mut p) = policy.lock() {
-                        p.on_access(id);
-                    }
-                }));
+                super::access_order::touch_in_turn(self.count_hit(id));
                 Ok(Lookup::Hit(h))
             }
             other => {
@@ -142,6 +130,25 @@ impl G3Store {
                 self.settle_failed_read(ns, key, id, other)
             }
         }
+    }
+
+    /// Counts a served read of block `id` (the store's hits, the entry's
+    /// hits and last access) and returns its eviction-policy touch, for
+    /// the caller to run in request order (access_order.rs).
+    pub(super) fn count_hit(&self, id: u64) -> super::access_order::Touch {
+        self.counters.hits.fetch_add(1, Ordering::Relaxed);
+        if let Ok(mem) = self.mem.read() {
+            if let Some(e) = mem.map.get(&id) {
+                e.hits.fetch_add(1, Ordering::Relaxed);
+                e.last_access_s.store(now_s(), Ordering::Relaxed);
+            }
+        }
+        let policy = Arc::clone(&self.policy);
+        Box::new(move || {
+            if let Ok(mut p) = policy.lock() {
+                p.on_access(id);
+            }
+        })
     }
 
     /// Re-reads and verifies a block's file without serving it: the

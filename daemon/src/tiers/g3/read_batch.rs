@@ -13,13 +13,12 @@
 
 use super::engine::ReadReq;
 use super::verify::{ReadOutcome, Verifier};
-use super::{now_s, G3Store};
+use super::G3Store;
 use crate::base::backend::ReadTouch;
 use kvtier_client::block::ALIGN_BYTES;
 use kvtier_client::{BlockHeader, BlockKey, NamespaceId};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
 
 impl G3Store {
     /// Reads the slotted blocks among `items` (key, destination: header
@@ -93,21 +92,8 @@ impl G3Store {
             let ReadOutcome::Ok(header) = v.finish(n as u64) else {
                 continue;
             };
-            self.counters.hits.fetch_add(1, Ordering::Relaxed);
             self.counters.batch_reads.fetch_add(1, Ordering::Relaxed);
-            if let Ok(mem) = self.mem.read() {
-                if let Some(e) = mem.map.get(&id) {
-                    e.hits.fetch_add(1, Ordering::Relaxed);
-                    e.last_access_s.store(now_s(), Ordering::Relaxed);
-                }
-            }
-            let policy = Arc::clone(&self.policy);
-            let touch: ReadTouch = Box::new(move || {
-                if let Ok(mut p) = policy.lock() {
-                    p.on_access(id);
-                }
-            });
-            out[i] = Some((header, touch));
+            out[i] = Some((header, self.count_hit(id)));
         }
         out
     }

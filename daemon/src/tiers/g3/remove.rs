@@ -68,18 +68,10 @@ impl G3Store {
         // (forgotten, unlinked)
         let (forgotten, unlinked) = {
             let _name = self.name_lock(id);
-            let found = self
-                .mem
-                .read()
-                .map_err(|_| lock_err("g3 index"))?
-                .map
-                .get(&id)
-                .filter(|e| e.check == check)
-                .map(|e| (e.slotted().is_some(), e.file_len()));
-            let Some((slotted, len)) = found else {
+            let Some((slot, len)) = self.entry_of(id, check)? else {
                 return Ok(false);
             };
-            if slotted {
+            if slot.is_some() {
                 // No file: the slot is released as the entry leaves.
                 (self.forget_one(ns, key, id, how)?, false)
             } else {
@@ -119,6 +111,19 @@ impl G3Store {
             });
         }
         Ok(true)
+    }
+
+    /// The slot (`None`: a file of its own) and file length of the entry
+    /// `id` holds for the name whose check digest is `check`.
+    fn entry_of(&self, id: u64, check: u64) -> Result<Option<(Option<u32>, u64)>> {
+        Ok(self
+            .mem
+            .read()
+            .map_err(|_| lock_err("g3 index"))?
+            .map
+            .get(&id)
+            .filter(|e| e.check == check)
+            .map(|e| (e.slotted(), e.file_len())))
     }
 
     /// The lock of the name of block `id` (one of [`NAME_LOCKS`] stripes):
@@ -370,14 +375,7 @@ impl G3Store {
             let _name = self.name_lock(id);
             first();
             let (_, check) = digest(ns, key);
-            let file_entry = self
-                .mem
-                .read()
-                .map_err(|_| lock_err("g3 index"))?
-                .map
-                .get(&id)
-                .filter(|e| e.check == check)
-                .map(|e| e.slotted().is_none());
+            let file_entry = self.entry_of(id, check)?.map(|(slot, _)| slot.is_none());
             if vanished
                 && file_entry == Some(true)
                 && std::fs::symlink_metadata(self.block_file_path(ns, key)).is_ok()

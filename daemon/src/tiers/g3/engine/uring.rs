@@ -128,6 +128,36 @@ enum RingError {
     Ring(io::Error),
 }
 
+/// Queues a read of `n` bytes at `offset` of `fd` into `dst`, tagged
+/// `tag`.
+///
+/// # Safety
+/// `dst` must be valid for `n` bytes until the request's completion is
+/// reaped.
+unsafe fn push_read(
+    ring: &mut IoUring,
+    fd: RawFd,
+    dst: *mut u8,
+    n: usize,
+    offset: u64,
+    tag: usize,
+) -> Result<(), RingError> {
+    let e = opcode::Read::new(types::Fd(fd), dst, n as u32)
+        .offset(offset)
+        .build()
+        .user_data(tag as u64);
+    // SAFETY: the caller keeps `dst` valid until the completion is reaped.
+    unsafe { ring.submission().push(&e) }
+        .map_err(|_| RingError::Ring(io::Error::other("submission queue full")))
+}
+
+/// The completions ready now: (tag, result).
+fn reap(ring: &mut IoUring) -> Vec<(usize, i32)> {
+    ring.completion()
+        .map(|c| (c.user_data() as usize, c.result()))
+        .collect()
+}
+
 /// Chunks one batch read keeps in flight on its ring: the completion
 /// queue's size (twice the submission queue's), so that no completion
 /// waits for room.
@@ -212,10 +242,7 @@ impl IoEngine for UringEngine {
                     break;
                 }
                 submit_wait(ring)?;
-                let done: Vec<(usize, i32)> = ring
-                    .completion()
-                    .map(|c| (c.user_data() as usize, c.result()))
-                    .collect();
+                let done = reap(ring);
                 for (bi, res) in done {
                     inflight -= 1;
                     free.push(bi);
@@ -264,16 +291,10 @@ impl IoEngine for UringEngine {
                 {
                     let off = next_submit * CHUNK_BYTES;
                     let n = CHUNK_BYTES.min(len - off);
-                    // SAFETY: off + n <= len, inside dst.
-                    let p = unsafe { base.add(off) };
-                    let e = opcode::Read::new(types::Fd(fd), p, n as u32)
-                        .offset(at + off as u64)
-                        .build()
-                        .user_data(next_submit as u64);
-                    // SAFETY: dst outlives the request: every completion is
-                    // drained before returning.
-                    unsafe { ring.submission().push(&e) }
-                        .map_err(|_| RingError::Ring(io::Error::other("submission queue full")))?;
+                    // SAFETY: off + n <= len, inside dst, which outlives
+                    // the request: every completion is drained before
+                    // returning.
+                    unsafe { push_read(ring, fd, base.add(off), n, at + off as u64, next_submit) }?;
                     inflight += 1;
                     next_submit += 1;
                 }
@@ -281,10 +302,7 @@ impl IoEngine for UringEngine {
                     break;
                 }
                 submit_wait(ring)?;
-                let done: Vec<(usize, i32)> = ring
-                    .completion()
-                    .map(|c| (c.user_data() as usize, c.result()))
-                    .collect();
+                let done = reap(ring);
                 for (ci, res) in done {
                     inflight -= 1;
                     let off = ci * CHUNK_BYTES;
@@ -357,16 +375,10 @@ impl IoEngine for UringEngine {
                     }
                     let (ri, off, n) = chunks[next];
                     let (fd, at, base) = bases[ri];
-                    // SAFETY: off + n <= that request's dst length.
-                    let p = unsafe { base.add(off) };
-                    let e = opcode::Read::new(types::Fd(fd), p, n as u32)
-                        .offset(at + off as u64)
-                        .build()
-                        .user_data(next as u64);
-                    // SAFETY: every dst outlives its request: every
-                    // completion is drained before returning.
-                    unsafe { ring.submission().push(&e) }
-                        .map_err(|_| RingError::Ring(io::Error::other("submission queue full")))?;
+                    // SAFETY: off + n <= that request's dst length, and
+                    // every dst outlives its request: every completion is
+                    // drained before returning.
+                    unsafe { push_read(ring, fd, base.add(off), n, at + off as u64, next) }?;
                     inflight += 1;
                     next += 1;
                 }
@@ -374,10 +386,7 @@ impl IoEngine for UringEngine {
                     return Ok(());
                 }
                 submit_wait(ring)?;
-                let done: Vec<(usize, i32)> = ring
-                    .completion()
-                    .map(|c| (c.user_data() as usize, c.result()))
-                    .collect();
+                let done = reap(ring);
                 for (ci, res) in done {
                     inflight -= 1;
                     let Some(&(ri, off, n)) = chunks.get(ci) else {
