@@ -200,16 +200,34 @@ fn full_disk_recovers(dir: &std::path::Path) {
     drop(node);
 
     // A restart finds them all.
-    let node = Node::open(cfg()).unwrap();
+    let node = reopen(cfg);
     let keys: Vec<BlockKey> = (1000..1016).map(|i| small(i).0.key).collect();
     assert_eq!(node.lookup(&id, &keys).unwrap().len(), 16);
 
     // It starts on a full disk and makes room for an offload.
     let filler = fill(&dir.join("filler"));
     drop(node);
-    let node = Node::open(cfg()).unwrap();
+    let node = reopen(cfg);
     let (h, p) = small(5000);
     let r = node.offload(&id, &h, &p, None, Hints::default());
     assert!(matches!(r, Ok(PutOutcome::Stored)), "{r:?}");
     drop(filler);
+}
+
+/// Opens the node again once the dropped one's background threads have
+/// let go of the data directory (its owner lock): a restart in one
+/// process, where the old node's last reference may outlive `drop` by a
+/// moment. Any other error fails.
+fn reopen(cfg: impl Fn() -> NodeConfig) -> std::sync::Arc<Node> {
+    let t = std::time::Instant::now();
+    loop {
+        match Node::open(cfg()) {
+            Err(kvtier_daemon::Error::InUse { .. })
+                if t.elapsed() < std::time::Duration::from_secs(10) =>
+            {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            r => return r.unwrap(),
+        }
+    }
 }
